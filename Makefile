@@ -1,0 +1,30 @@
+# Set-up and the two everyday commands. Both create .venv on first use.
+# torch is installed pinned *first*: an open range would pull the multi-GB CUDA build.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+TORCH   := torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test lint clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[dev,plot]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/mixmoe demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check mixmoe tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+from mixmoe.cli import main
+
+raise SystemExit(main())

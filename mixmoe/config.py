@@ -1,0 +1,115 @@
+"""Frozen, validated configuration of a MoE layer.
+
+Every field is checked at construction, so a bad value fails where it was written, with a message
+naming the value and the fix, never deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GATE_TYPES = ("topk", "switch", "gshard")
+ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
+TOPK_NORMALIZE = ("topk_softmax", "softmax_renorm")
+STRATEGIES = ("local", "a2a", "shadow", "mix")
+
+
+def _check_int(name: str, value: object, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
+def _check_float(name: str, value: object, lo: float = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if not value >= lo:  # also rejects NaN
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Router settings.
+
+    type:
+        ``topk``   FastMoE NaiveGate: top-k of the logits, softmax over the k selected logits
+                   (``normalize="topk_softmax"``) or softmax over all experts then the k selected
+                   probabilities renormalised to sum to one (``normalize="softmax_renorm"``).
+        ``switch`` Switch Transformer: top-1, weight = softmax probability of the chosen expert;
+                   ``jitter_eps > 0`` multiplies the input by U(1-eps, 1+eps) noise in training.
+        ``gshard`` GShard: top-2 of the softmax, weights renormalised over the two; with
+                   ``random_routing`` the 2nd choice is kept in training only with probability
+                   ``min(1, 2 * w2)`` (w2 its renormalised weight), otherwise dropped (id -1).
+    """
+
+    type: str = "topk"
+    normalize: str = "topk_softmax"
+    jitter_eps: float = 0.0
+    random_routing: bool = False
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type not in GATE_TYPES:
+            raise ValueError(f"gate type {self.type!r} is unknown; use one of {GATE_TYPES}")
+        if self.normalize not in TOPK_NORMALIZE:
+            raise ValueError(
+                f"gate normalize {self.normalize!r} is unknown; use one of {TOPK_NORMALIZE}"
+            )
+        _check_float("jitter_eps", self.jitter_eps)
+        if self.jitter_eps >= 1.0:
+            raise ValueError(f"jitter_eps must be in [0, 1), got {self.jitter_eps}")
+        if self.jitter_eps and self.type != "switch":
+            raise ValueError("jitter_eps is a switch-gate option; set type='switch' or jitter_eps=0")
+        if self.random_routing and self.type != "gshard":
+            raise ValueError(
+                "random_routing is a gshard-gate option; set type='gshard' or random_routing=False"
+            )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and behaviour of one MoE layer.
+
+    num_experts is the GLOBAL number of experts N; under expert parallelism over W ranks each rank
+    owns N // W of them (expert g lives on rank g // (N // W)).
+    """
+
+    model_dim: int
+    hidden_dim: int
+    num_experts: int
+    top_k: int = 2
+    activation: str = "gelu"
+    bias: bool = True
+    gate: GateConfig = field(default_factory=GateConfig)
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    block_size: int = 64
+    strategy: str = "local"
+    max_replicas: int = 4
+
+    def __post_init__(self) -> None:
+        _check_int("model_dim", self.model_dim, 1)
+        _check_int("hidden_dim", self.hidden_dim, 1)
+        _check_int("num_experts", self.num_experts, 1)
+        _check_int("top_k", self.top_k, 1)
+        _check_int("max_replicas", self.max_replicas, 0)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds num_experts={self.num_experts}; "
+                f"use top_k <= num_experts"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is unknown; use one of {ACTIVATIONS}")
+        if not isinstance(self.gate, GateConfig):
+            raise TypeError(f"gate must be a GateConfig, got {type(self.gate).__name__}")
+        if self.gate.type == "switch" and self.top_k != 1:
+            raise ValueError(f"the switch gate routes top-1; got top_k={self.top_k}, use top_k=1")
+        if self.gate.type == "gshard" and self.top_k != 2:
+            raise ValueError(f"the gshard gate routes top-2; got top_k={self.top_k}, use top_k=2")
+        _check_float("aux_loss_coef", self.aux_loss_coef)
+        _check_float("z_loss_coef", self.z_loss_coef)
+        if self.block_size not in (16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 16, 32, 64, 128; got {self.block_size}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r} is unknown; use one of {STRATEGIES}")

@@ -1,0 +1,57 @@
+"""From routing ids to the block layout: which padded row holds which (token, choice).
+
+Legend: T tokens, K top-k, N experts (= weight slots locally), R = T*K routed rows,
+P padded rows.
+
+Rows are sorted by expert with a stable sort, so within one expert rows keep token order
+(token-major, then choice): the layout is a pure function of ``ids_TK``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixmoe.schedule.blocks import BlockSchedule, build_block_schedule
+
+
+def counts_to_host(counts: torch.Tensor) -> list[int]:
+    """THE host synchronisation of a MoE layer's forward: the row counts come to the CPU once,
+    and every buffer size and split of the step is derived from them."""
+    return counts.tolist()
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """schedule: the block layout (slot = expert).
+    token_P:  source token of each padded row, T for padding (selects a zero row).
+    pos_TK:   padded row of each (token, choice), P for a dropped choice (selects a zero row).
+    counts_N: rows per expert (device tensor); counts_host: the same as a Python list.
+    """
+
+    schedule: BlockSchedule
+    token_P: torch.Tensor
+    pos_TK: torch.Tensor
+    counts_N: torch.Tensor
+    counts_host: list[int]
+
+
+def expert_row_layout(ids_TK: torch.Tensor, num_experts: int, block_size: int) -> RowLayout:
+    """Sort the T*K routed rows by expert and cut them into blocks. Ids of -1 (dropped) get no
+    row. One host sync (``counts_to_host``)."""
+    T, K = ids_TK.shape
+    device = ids_TK.device
+    key_R = torch.where(ids_TK >= 0, ids_TK, num_experts).reshape(-1)
+    order_R = torch.argsort(key_R, stable=True)
+    counts_N = torch.bincount(key_R, minlength=num_experts + 1)[:num_experts]
+    counts_host = counts_to_host(counts_N)
+    num_blocks = sum(-(-c // block_size) for c in counts_host)
+    schedule = build_block_schedule(
+        counts_N, torch.arange(num_experts, device=device), num_blocks, block_size
+    )
+    src_P = schedule.src_P
+    token_P = torch.where(src_P >= 0, order_R[src_P.clamp(min=0)] // K, T)
+    pos_R = torch.full((T * K,), schedule.num_padded_rows, dtype=torch.int64, device=device)
+    pos_R[order_R[: schedule.num_rows]] = schedule.padded_position_R()
+    return RowLayout(schedule, token_P, pos_R.view(T, K), counts_N, counts_host)

@@ -1,0 +1,71 @@
+"""``Experts``: the parameters of E experts, stacked.
+
+Legend: E experts held by this module, D model dim, F hidden dim.
+
+w1 [E, D, F], b1 [E, F], w2 [E, F, D], b2 [E, D]; SwiGLU adds w3 [E, D, F] (and b3 [E, F]).
+Initialisation matches ``nn.Linear`` per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
+from mixmoe.schedule.blocks import BlockSchedule
+
+EXPERT_PARAM_NAMES = ("w1", "b1", "w2", "b2", "w3", "b3")
+
+
+class Experts(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        model_dim: int,
+        hidden_dim: int,
+        activation: str = "gelu",
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.model_dim, self.hidden_dim = num_experts, model_dim, hidden_dim
+        self.activation = activation
+        E, D, F = num_experts, model_dim, hidden_dim
+        kw = {"device": device, "dtype": dtype}
+        self.w1 = nn.Parameter(torch.empty(E, D, F, **kw))
+        self.w2 = nn.Parameter(torch.empty(E, F, D, **kw))
+        self.b1 = nn.Parameter(torch.empty(E, F, **kw)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(E, D, **kw)) if bias else None
+        swiglu = activation == "swiglu"
+        self.w3 = nn.Parameter(torch.empty(E, D, F, **kw)) if swiglu else None
+        self.b3 = nn.Parameter(torch.empty(E, F, **kw)) if swiglu and bias else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for name in EXPERT_PARAM_NAMES:
+            p = getattr(self, name)
+            if p is None:
+                continue
+            fan_in = self.hidden_dim if name in ("w2", "b2") else self.model_dim
+            bound = 1.0 / math.sqrt(fan_in)
+            p.uniform_(-bound, bound)
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w1, self.w2, self.b1, self.b2, self.w3, self.b3)
+
+    def named_expert_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, getattr(self, n)) for n in EXPERT_PARAM_NAMES if getattr(self, n) is not None]
+
+    def forward(self, x_PD: torch.Tensor, schedule: BlockSchedule) -> torch.Tensor:
+        return expert_mlp(x_PD, self.weights(), schedule, self.activation)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, model_dim={self.model_dim}, "
+            f"hidden_dim={self.hidden_dim}, activation={self.activation}, bias={self.b1 is not None}"
+        )

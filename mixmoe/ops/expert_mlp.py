@@ -1,0 +1,53 @@
+"""The expert MLP over the block layout: grouped GEMM, activation, grouped GEMM.
+
+Legend: S weight slots, D model dim, F hidden dim, P padded rows.
+
+Weights are passed explicitly (``ExpertWeights``) so a strategy can run the same computation over
+its own slots (owned experts plus replicas) without touching the module that owns them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mixmoe.ops.grouped_linear import grouped_linear
+from mixmoe.schedule.blocks import BlockSchedule
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """w1_SDF, w2_SFD, optional biases b1_SF / b2_SD, and for SwiGLU w3_SDF (+ b3_SF)."""
+
+    w1_SDF: torch.Tensor
+    w2_SFD: torch.Tensor
+    b1_SF: torch.Tensor | None = None
+    b2_SD: torch.Tensor | None = None
+    w3_SDF: torch.Tensor | None = None
+    b3_SF: torch.Tensor | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.w1_SDF.shape[0]
+
+
+def _activate(h_PF: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "gelu":
+        return F.gelu(h_PF)
+    if activation == "relu":
+        return F.relu(h_PF)
+    return F.silu(h_PF)  # silu, and the gate half of swiglu
+
+
+def expert_mlp(
+    x_PD: torch.Tensor, weights: ExpertWeights, schedule: BlockSchedule, activation: str
+) -> torch.Tensor:
+    """out_PD = act(x @ w1 + b1) [* (x @ w3 + b3)] @ w2 + b2, per block with its slot's weights;
+    masked rows are zero."""
+    meta = (schedule.block_slot_Nb, schedule.block_rows_Nb, schedule.block_size)
+    h_PF = _activate(grouped_linear(x_PD, weights.w1_SDF, weights.b1_SF, *meta), activation)
+    if activation == "swiglu":
+        h_PF = h_PF * grouped_linear(x_PD, weights.w3_SDF, weights.b3_SF, *meta)
+    return grouped_linear(h_PF, weights.w2_SFD, weights.b2_SD, *meta)

@@ -1,0 +1,119 @@
+"""Grouped linear over the padded block layout, as ``torch.library`` custom ops.
+
+Legend: Nb blocks, B block size, P = Nb * B padded rows, S weight slots, I input features,
+O output features.
+
+    y[b*B + i] = x[b*B + i] @ w[slot[b]] + bias[slot[b]]   for i <  rows[b]
+    y[b*B + i] = 0                                           for i >= rows[b]  (masked)
+
+Backward: dx = grouped_linear(dy, w^T) (no bias), dw[s] = sum over blocks of slot s of
+x_block^T @ dy_block, db[s] = column sums of dy over the same rows. Masked rows contribute nothing
+and receive zero gradient.
+
+The CPU implementation below is the torch reference path; it loops over *runs* of consecutive
+blocks that share a slot (at most a few per slot), never over rows or blocks. ``mixmoe.kernels``
+registers CUDA implementations of the same ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _row_mask_P1(block_rows_Nb: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    lane_B = torch.arange(block_size, device=block_rows_Nb.device)
+    return (lane_B[None, :] < block_rows_Nb[:, None]).reshape(-1, 1).to(dtype)
+
+
+def _slot_runs(block_slot_Nb: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(slot, first block, end block) of every run of equal consecutive slots."""
+    slots, lengths = torch.unique_consecutive(block_slot_Nb, return_counts=True)
+    runs, start = [], 0
+    for slot, length in zip(slots.tolist(), lengths.tolist()):
+        runs.append((slot, start, start + length))
+        start += length
+    return runs
+
+
+@torch.library.custom_op("mixmoe::grouped_linear", mutates_args=())
+def grouped_linear(
+    x_PI: torch.Tensor,
+    w_SIO: torch.Tensor,
+    b_SO: torch.Tensor | None,
+    block_slot_Nb: torch.Tensor,
+    block_rows_Nb: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """``y_PO``: each block of ``x_PI`` times its slot's weight (+ bias), masked rows zero."""
+    out_dtype = torch.promote_types(x_PI.dtype, w_SIO.dtype)
+    y_PO = x_PI.new_zeros(x_PI.shape[0], w_SIO.shape[2], dtype=out_dtype)
+    for slot, b0, b1 in _slot_runs(block_slot_Nb):
+        rows = slice(b0 * block_size, b1 * block_size)
+        if b_SO is None:
+            torch.matmul(x_PI[rows], w_SIO[slot], out=y_PO[rows])
+        else:
+            torch.addmm(b_SO[slot], x_PI[rows], w_SIO[slot], out=y_PO[rows])
+    return y_PO * _row_mask_P1(block_rows_Nb, block_size, y_PO.dtype)
+
+
+@grouped_linear.register_fake
+def _(x_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size):
+    return x_PI.new_empty(x_PI.shape[0], w_SIO.shape[2])
+
+
+@torch.library.custom_op("mixmoe::grouped_weight_grad", mutates_args=())
+def grouped_weight_grad(
+    x_PI: torch.Tensor,
+    dy_PO: torch.Tensor,
+    block_slot_Nb: torch.Tensor,
+    block_rows_Nb: torch.Tensor,
+    num_slots: int,
+    block_size: int,
+    with_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dw_SIO, db_SO): per-slot reductions over that slot's blocks (masked rows excluded).
+    ``db_SO`` is an empty [S, 0] tensor when ``with_bias`` is False."""
+    dy_PO = dy_PO * _row_mask_P1(block_rows_Nb, block_size, dy_PO.dtype)
+    dw_SIO = x_PI.new_zeros(num_slots, x_PI.shape[1], dy_PO.shape[1])
+    db_SO = dy_PO.new_zeros(num_slots, dy_PO.shape[1] if with_bias else 0)
+    for slot, b0, b1 in _slot_runs(block_slot_Nb):
+        rows = slice(b0 * block_size, b1 * block_size)
+        dw_SIO[slot].addmm_(x_PI[rows].t(), dy_PO[rows])
+        if with_bias:
+            db_SO[slot] += dy_PO[rows].sum(dim=0)
+    return dw_SIO, db_SO
+
+
+@grouped_weight_grad.register_fake
+def _(x_PI, dy_PO, block_slot_Nb, block_rows_Nb, num_slots, block_size, with_bias):
+    return (
+        x_PI.new_empty(num_slots, x_PI.shape[1], dy_PO.shape[1]),
+        dy_PO.new_empty(num_slots, dy_PO.shape[1] if with_bias else 0),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size = inputs
+    ctx.save_for_backward(x_PI, w_SIO, block_slot_Nb, block_rows_Nb)
+    ctx.block_size = block_size
+    ctx.with_bias = b_SO is not None
+
+
+def _backward(ctx, dy_PO):
+    x_PI, w_SIO, block_slot_Nb, block_rows_Nb = ctx.saved_tensors
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = grouped_linear(
+            dy_PO, w_SIO.transpose(1, 2), None, block_slot_Nb, block_rows_Nb, ctx.block_size
+        ).to(x_PI.dtype)
+    if ctx.needs_input_grad[1] or (ctx.with_bias and ctx.needs_input_grad[2]):
+        dw, db = grouped_weight_grad(
+            x_PI, dy_PO, block_slot_Nb, block_rows_Nb, w_SIO.shape[0], ctx.block_size,
+            ctx.with_bias,
+        )
+        dw = dw.to(w_SIO.dtype)
+        db = db.to(w_SIO.dtype) if ctx.with_bias else None
+    return dx, dw, db, None, None, None
+
+
+grouped_linear.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,113 @@
+"""The block layout: segments of rows cut into fixed-size blocks.
+
+Legend: G segments, S weight slots, Nb blocks, B block size (64 by default), R valid rows,
+P = Nb * B padded rows.
+
+A *segment* is a run of rows that all use one weight slot (locally: all rows routed to one expert;
+under the mixed strategy: the rows one source rank sends to one expert). Segments are laid out one
+after another in a row buffer of R rows ("sorted order"). Each segment is cut into ceil(c / B)
+blocks; the last block of a segment may be partial: its tail rows are *masked*, never dropped.
+
+The padded layout gives every block B rows: padded row ``b * B + i`` holds sorted row
+``block_row_start[b] + i`` when ``i < block_rows[b]`` and is padding otherwise (``src_P = -1``).
+Kernels index weights by ``block_slot`` and rows by ``src_P`` (fused gather) or read the padded
+buffer directly.
+
+Everything here is built with vectorised torch ops: no Python loop over rows or blocks.
+``mixmoe.reference.schedule`` is the loop twin that defines the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockSchedule:
+    """Frozen description of a block layout (all int64 tensors on one device).
+
+    block_size:       B.
+    block_slot_Nb:    weight slot of each block.
+    block_seg_Nb:     segment of each block.
+    block_row_start_Nb: first sorted row of each block.
+    block_rows_Nb:    valid rows of each block, in [1, B].
+    seg_row_start_G:  first sorted row of each segment (exclusive cumsum of the counts).
+    src_P:            sorted row held by each padded row, -1 for masked padding.
+    num_rows:         R = total valid rows (a Python int).
+    """
+
+    block_size: int
+    block_slot_Nb: torch.Tensor
+    block_seg_Nb: torch.Tensor
+    block_row_start_Nb: torch.Tensor
+    block_rows_Nb: torch.Tensor
+    seg_row_start_G: torch.Tensor
+    src_P: torch.Tensor
+    num_rows: int
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_slot_Nb.numel())
+
+    @property
+    def num_padded_rows(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def padded_position_R(self) -> torch.Tensor:
+        """Padded row of every sorted row (the inverse of ``src_P`` on its valid entries)."""
+        valid_P = self.src_P >= 0
+        pos_R = torch.empty(self.num_rows, dtype=torch.int64, device=self.src_P.device)
+        pos_R[self.src_P[valid_P]] = torch.nonzero(valid_P).flatten()
+        return pos_R
+
+
+def build_block_schedule(
+    seg_counts_G: torch.Tensor,
+    seg_slot_G: torch.Tensor,
+    num_blocks: int | None = None,
+    block_size: int = 64,
+) -> BlockSchedule:
+    """Cut segments of ``seg_counts_G`` rows (segment g uses slot ``seg_slot_G[g]``) into blocks.
+
+    ``num_blocks`` may be passed when the caller already knows it on the host (it is
+    ``sum(ceil(c / B))``); otherwise it is read from the device here (one small host sync).
+    Zero-row segments get no block.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if seg_counts_G.shape != seg_slot_G.shape or seg_counts_G.dim() != 1:
+        raise ValueError(
+            f"seg_counts_G {tuple(seg_counts_G.shape)} and seg_slot_G {tuple(seg_slot_G.shape)} "
+            "must be 1-D and of equal length"
+        )
+    device = seg_counts_G.device
+    counts_G = seg_counts_G.to(torch.int64)
+    blocks_G = (counts_G + block_size - 1) // block_size
+    if num_blocks is None:
+        num_blocks = int(blocks_G.sum())
+    seg_row_start_G = torch.cumsum(counts_G, 0) - counts_G
+    seg_block_start_G = torch.cumsum(blocks_G, 0) - blocks_G
+
+    block_seg_Nb = torch.repeat_interleave(
+        torch.arange(counts_G.numel(), device=device), blocks_G, output_size=num_blocks
+    )
+    index_in_seg_Nb = torch.arange(num_blocks, device=device) - seg_block_start_G[block_seg_Nb]
+    block_row_start_Nb = seg_row_start_G[block_seg_Nb] + index_in_seg_Nb * block_size
+    block_rows_Nb = torch.clamp(
+        counts_G[block_seg_Nb] - index_in_seg_Nb * block_size, max=block_size
+    )
+    lane_B = torch.arange(block_size, device=device)
+    src_NbB = block_row_start_Nb[:, None] + lane_B[None, :]
+    src_NbB = torch.where(lane_B[None, :] < block_rows_Nb[:, None], src_NbB, -1)
+    return BlockSchedule(
+        block_size=block_size,
+        block_slot_Nb=seg_slot_G.to(torch.int64)[block_seg_Nb],
+        block_seg_Nb=block_seg_Nb,
+        block_row_start_Nb=block_row_start_Nb,
+        block_rows_Nb=block_rows_Nb,
+        seg_row_start_G=seg_row_start_G,
+        src_P=src_NbB.reshape(-1),
+        num_rows=int(counts_G.sum()) if num_blocks else 0,
+    )

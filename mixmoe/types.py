@@ -1,0 +1,40 @@
+"""Plain result types shared by the gates, the layer and the strategies.
+
+Legend: T tokens, N experts (global), K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each token goes.
+
+    ids_TK:     int64 expert ids, -1 marks a dropped choice (only GShard random routing drops).
+    weights_TK: combine weights (differentiable w.r.t. the gate); 0 where the id is -1.
+    logits_TN:  raw router logits (the z-loss and the balance loss read them).
+    """
+
+    ids_TK: torch.Tensor
+    weights_TK: torch.Tensor
+    logits_TN: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MoEAux:
+    """Auxiliary outputs of one MoE forward.
+
+    balance_loss: load-balancing loss (unscaled), see ``mixmoe.gating.losses``.
+    z_loss:       router z-loss (unscaled).
+    loss:         aux_loss_coef * balance_loss + z_loss_coef * z_loss: add it to the task loss.
+    counts_N:     int64 rows routed to each global expert by this rank (dropped choices excluded).
+    """
+
+    balance_loss: torch.Tensor
+    z_loss: torch.Tensor
+    loss: torch.Tensor
+    counts_N: torch.Tensor

@@ -32,9 +32,11 @@ class MoEAux:
     z_loss:       router z-loss (unscaled).
     loss:         aux_loss_coef * balance_loss + z_loss_coef * z_loss: add it to the task loss.
     counts_N:     int64 rows routed to each global expert by this rank (dropped choices excluded).
+    stats:        what the strategy did this step (rows moved, replicas, ...), for benchmarks.
     """
 
     balance_loss: torch.Tensor
     z_loss: torch.Tensor
     loss: torch.Tensor
     counts_N: torch.Tensor
+    stats: dict | None = None

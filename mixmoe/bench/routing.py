@@ -1,0 +1,95 @@
+"""Controllable routing skew for benchmarks.
+
+Legend: T tokens, K top-k, N experts.
+
+Specs: ``gate`` (the learned gate decides), ``uniform``, ``zipf:S`` (expert i drawn with weight
+1/(i+1)^S), ``hot:P`` (expert 0 receives a fraction P of all T*K rows, the rest spread uniformly).
+Every token's K choices are distinct. ``SyntheticGate`` imposes such ids while keeping the weights
+differentiable (softmax of the gate logits over the imposed ids), so the gate still trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixmoe.config import MoEConfig
+from mixmoe.gating import load_balancing_loss, router_z_loss
+from mixmoe.types import Routing
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    kind: str  # gate | uniform | zipf | hot
+    value: float = 0.0
+
+    @staticmethod
+    def parse(text: str) -> RoutingSpec:
+        kind, _, arg = text.partition(":")
+        if kind in ("gate", "uniform") and not arg:
+            return RoutingSpec(kind)
+        if kind in ("zipf", "hot") and arg:
+            try:
+                value = float(arg)
+            except ValueError:
+                value = float("nan")
+            if kind == "zipf" and value > 0:
+                return RoutingSpec(kind, value)
+            if kind == "hot" and 0.0 <= value <= 1.0:
+                return RoutingSpec(kind, value)
+        raise ValueError(
+            f"routing {text!r} is not understood; use gate, uniform, zipf:S (S > 0) or hot:P "
+            "(0 <= P <= 1)"
+        )
+
+    def __str__(self) -> str:
+        return self.kind if self.kind in ("gate", "uniform") else f"{self.kind}:{self.value:g}"
+
+
+def synthetic_ids(
+    spec: RoutingSpec, num_tokens: int, top_k: int, num_experts: int, generator: torch.Generator
+) -> torch.Tensor:
+    """ids_TK (int64, distinct per row) drawn according to ``spec`` (not ``gate``)."""
+    T, K, N = num_tokens, top_k, num_experts
+    if spec.kind == "uniform" or spec.kind == "zipf":
+        rank_N = torch.arange(N, dtype=torch.float64)
+        probs_N = torch.ones(N, dtype=torch.float64) if spec.kind == "uniform" else (rank_N + 1) ** -spec.value
+        if T == 0:
+            return torch.empty(0, K, dtype=torch.int64)
+        return torch.multinomial(probs_N.expand(T, N), K, replacement=False, generator=generator)
+    if spec.kind != "hot":
+        raise ValueError(f"synthetic_ids needs uniform, zipf or hot routing, got {spec}")
+    if K >= N:  # every token uses every expert: nothing to skew
+        return torch.arange(N).expand(T, N).clone()
+    # expert 0 gets round(P * T * K) rows (at most one per token); other choices uniform on 1..N-1
+    hot_rows = min(T, round(spec.value * T * K))
+    ids_TK = 1 + torch.multinomial(
+        torch.ones(max(T, 1), N - 1, dtype=torch.float64), K, replacement=False, generator=generator
+    )[:T]
+    hot_T = torch.randperm(T, generator=generator)[:hot_rows]
+    slot_T = torch.randint(0, K, (hot_rows,), generator=generator)
+    ids_TK[hot_T, slot_T] = 0
+    return ids_TK
+
+
+class SyntheticGate(nn.Module):
+    """A gate whose ids are imposed (``ids_TK``, fixed per benchmark) and whose weights are the
+    softmax of its own logits over those ids."""
+
+    def __init__(self, config: MoEConfig, ids_TK: torch.Tensor, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.wg = nn.Linear(config.model_dim, config.num_experts, device=device, dtype=dtype)
+        self.register_buffer("ids_TK", ids_TK.to(device), persistent=False)
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
+        if x_TD.shape[0] != self.ids_TK.shape[0]:
+            raise ValueError(
+                f"SyntheticGate holds ids for {self.ids_TK.shape[0]} tokens, got {x_TD.shape[0]}"
+            )
+        logits_TN = self.wg(x_TD)
+        weights_TK = torch.softmax(logits_TN.float().gather(1, self.ids_TK), dim=-1)
+        routing = Routing(self.ids_TK, weights_TK.to(logits_TN.dtype), logits_TN)
+        return routing, load_balancing_loss(logits_TN, self.ids_TK), router_z_loss(logits_TN)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from mixmoe.dispatch.layout import expert_row_layout
+from mixmoe.dispatch.result import DispatchResult
 from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
 from mixmoe.ops.rows import combine_rows, gather_rows
 from mixmoe.tracing import trace_span
@@ -15,7 +16,7 @@ from mixmoe.types import Routing
 
 
 class LocalDispatcher:
-    """Callable strategy: ``(x_TD, routing, weights, activation) -> (y_TD, counts_N)``.
+    """Callable strategy: ``(x_TD, routing, weights, activation) -> DispatchResult``.
 
     ``weights`` holds all N experts (slot g = expert g)."""
 
@@ -26,7 +27,7 @@ class LocalDispatcher:
 
     def __call__(
         self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights, activation: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> DispatchResult:
         with trace_span("moe.count", kind="host"):
             layout = expert_row_layout(routing.ids_TK, weights.num_slots, self.block_size)
         with trace_span("moe.dispatch", kind="compute"):
@@ -35,4 +36,4 @@ class LocalDispatcher:
             out_PD = expert_mlp(x_PD, weights, layout.schedule, activation)
         with trace_span("moe.combine", kind="compute"):
             y_TD = combine_rows(out_PD, layout.pos_TK, routing.weights_TK)
-        return y_TD, layout.counts_N
+        return DispatchResult(y_TD, layout.counts_N)

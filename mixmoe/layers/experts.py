@@ -34,6 +34,9 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts, self.model_dim, self.hidden_dim = num_experts, model_dim, hidden_dim
         self.activation = activation
+        # which global experts these are (set by mixmoe.parallel when sharding): first_expert ..
+        # first_expert + num_experts - 1 of num_global_experts
+        self.first_expert, self.num_global_experts = 0, num_experts
         E, D, F = num_experts, model_dim, hidden_dim
         kw = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(E, D, F, **kw))
@@ -66,6 +69,7 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"num_experts={self.num_experts}, model_dim={self.model_dim}, "
+            f"experts {self.first_expert}..{self.first_expert + self.num_experts - 1} of "
+            f"{self.num_global_experts}, model_dim={self.model_dim}, "
             f"hidden_dim={self.hidden_dim}, activation={self.activation}, bias={self.b1 is not None}"
         )

@@ -79,9 +79,8 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, cfg.model_dim)
         with trace_span("moe.gate", kind="compute"):
             routing, balance, z = self.gate(x_TD)
-        y_TD, counts_N = self.dispatcher(
-            x_TD, routing, self.experts.weights(), self.experts.activation
-        )
+        out = self.dispatcher(x_TD, routing, self.experts.weights(), self.experts.activation)
         loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
-        aux = MoEAux(balance_loss=balance, z_loss=z, loss=loss, counts_N=counts_N)
-        return y_TD.to(x.dtype).reshape(x.shape), aux
+        aux = MoEAux(balance_loss=balance, z_loss=z, loss=loss, counts_N=out.counts_N,
+                     stats=out.stats or None)
+        return out.y_TD.to(x.dtype).reshape(x.shape), aux

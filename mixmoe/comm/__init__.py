@@ -1,0 +1,10 @@
+"""Communication: the ONLY package that imports ``torch.distributed``.
+
+``Communicator`` wraps a process group (gloo on CPU, NCCL on CUDA); ``LocalCommunicator`` is the
+world-size-1 stand-in; ``autograd`` holds the differentiable all-to-alls.
+"""
+
+from mixmoe.comm.communicator import Communicator, LocalCommunicator, Work
+from mixmoe.comm.process_group import init_distributed, new_expert_groups
+
+__all__ = ["Communicator", "LocalCommunicator", "Work", "init_distributed", "new_expert_groups"]

@@ -1,0 +1,77 @@
+"""Differentiable all-to-alls (rows of dim 0). Backward swaps the splits.
+
+``all_to_all``        synchronous.
+``all_to_all_start``/``all_to_all_wait``  asynchronous forward: the output buffer is returned at
+                      once and must pass through ``all_to_all_wait`` before it is read; backward
+                      of the pair is one synchronous reverse all-to-all.
+``cached_all_to_all`` forward either moves ``x`` or, when every rank agrees the receiver already
+                      holds the result (``cached`` given), moves nothing; backward always returns
+                      the gradient to the senders (replica gradients go home to their owners).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _Pending:
+    """Holds the in-flight work of an async all-to-all between start and wait."""
+
+    def __init__(self) -> None:
+        self.work = None
+
+
+def _move(comm, x_RC: torch.Tensor, out_splits: list[int], in_splits: list[int], async_op=False):
+    out = x_RC.new_empty((sum(out_splits),) + tuple(x_RC.shape[1:]))
+    work = comm.all_to_all(out, x_RC, out_splits, in_splits, async_op=async_op)
+    return out, work
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RC, comm, out_splits, in_splits, pending, cached):
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        if cached is not None:
+            return cached.detach().clone()
+        out, work = _move(comm, x_RC, out_splits, in_splits, async_op=pending is not None)
+        if pending is not None:
+            pending.work = work
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in, _ = _move(ctx.comm, grad_out.contiguous(), ctx.in_splits, ctx.out_splits)
+        return grad_in, None, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out_RC, pending):
+        pending.work.wait()
+        pending.work = None
+        return out_RC.view_as(out_RC)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def all_to_all(comm, x_RC: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    return _AllToAll.apply(x_RC, comm, out_splits, in_splits, None, None)
+
+
+def all_to_all_start(
+    comm, x_RC: torch.Tensor, out_splits: list[int], in_splits: list[int]
+) -> tuple[torch.Tensor, _Pending]:
+    pending = _Pending()
+    return _AllToAll.apply(x_RC, comm, out_splits, in_splits, pending, None), pending
+
+
+def all_to_all_wait(out_RC: torch.Tensor, pending: _Pending) -> torch.Tensor:
+    return _Wait.apply(out_RC, pending)
+
+
+def cached_all_to_all(
+    comm, x_RC: torch.Tensor, out_splits: list[int], in_splits: list[int], cached: torch.Tensor | None
+) -> torch.Tensor:
+    return _AllToAll.apply(x_RC, comm, out_splits, in_splits, None, cached)

@@ -1,0 +1,105 @@
+"""``Communicator``: the collectives a MoE layer needs, over one process group.
+
+Every split list is in rows of dim 0 and must be identical in meaning on all ranks (rank s's
+``in_splits[q]`` == rank q's ``out_splits[s]``). Async variants return a ``Work`` whose ``wait()``
+must be called before the output is read.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """A completed handle (world size 1, or nothing to move)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class Communicator:
+    """Collectives over ``group`` (None = the default/world group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; call mixmoe.comm.init_distributed() first "
+                "(or use LocalCommunicator for one process)"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+
+    def all_gather_rows(self, x_C: torch.Tensor) -> torch.Tensor:
+        """[C] on every rank -> [W, C] (rank order)."""
+        out = [torch.empty_like(x_C) for _ in range(self.world_size)]
+        dist.all_gather(out, x_C.contiguous(), group=self.group)
+        return torch.stack(out)
+
+    def all_to_all(
+        self,
+        out_RC: torch.Tensor,
+        in_RC: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        async_op: bool = False,
+    ) -> Work:
+        work = dist.all_to_all_single(
+            out_RC, in_RC.contiguous(), out_splits, in_splits, group=self.group, async_op=async_op
+        )
+        return work if async_op else _Done()
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        work = dist.all_reduce(x, op=ops[op], group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        self.all_reduce(out, "max")
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int) -> None:
+        """In place; ``src`` is a rank of this group."""
+        dist.broadcast(x, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+class LocalCommunicator:
+    """World size 1: every collective is a copy (or nothing)."""
+
+    rank = 0
+    world_size = 1
+    backend = "local"
+    group = None
+
+    def all_gather_rows(self, x_C: torch.Tensor) -> torch.Tensor:
+        return x_C.unsqueeze(0).clone()
+
+    def all_to_all(self, out_RC, in_RC, out_splits, in_splits, async_op=False) -> Work:
+        if out_splits != in_splits:
+            raise ValueError(f"world size 1 all_to_all needs equal splits, got {out_splits} vs {in_splits}")
+        out_RC.copy_(in_RC)
+        return _Done()
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
+        return _Done()
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def broadcast(self, x: torch.Tensor, src: int) -> None:
+        return None
+
+    def barrier(self) -> None:
+        return None

@@ -1,0 +1,73 @@
+"""Process-group set-up: ``init_distributed`` (torchrun environment or an explicit store) and
+expert-parallel subgroups."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from mixmoe.comm.communicator import Communicator
+
+
+def init_distributed(
+    backend: str = "auto",
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: dist.Store | None = None,
+    timeout_s: float | None = None,
+) -> Communicator:
+    """Initialise the default process group and return a ``Communicator`` over the world.
+
+    backend "auto": NCCL when CUDA is available, gloo otherwise. Without ``store`` the usual
+    ``torchrun`` variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are read. ``timeout_s``
+    bounds every collective: a rank that never joins makes the others fail instead of hanging.
+    """
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r} is not supported; use 'auto', 'gloo' or 'nccl'")
+    if not dist.is_initialized():
+        kwargs = {}
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        if store is not None:
+            if rank is None or world_size is None:
+                raise ValueError("init_distributed(store=...) needs rank and world_size")
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+        else:
+            missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            if missing and rank is None:
+                raise RuntimeError(
+                    f"init_distributed: environment variables {missing} are not set; launch with "
+                    "torchrun or pass store=, rank= and world_size="
+                )
+            dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return Communicator()
+
+
+def new_expert_groups(ep_size: int) -> tuple[Communicator, Communicator]:
+    """Split the world into expert-parallel groups of ``ep_size`` consecutive ranks.
+
+    Returns ``(ep, edp)``: the EP group of this rank, and its expert-data-parallel group (the ranks
+    holding the same experts in the other EP groups, across which expert gradients are averaged).
+    Every rank must call this (group creation is collective).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide the world size {world}")
+    ep_group = edp_group = None
+    for start in range(0, world, ep_size):
+        g = dist.new_group(list(range(start, start + ep_size)))
+        if start <= rank < start + ep_size:
+            ep_group = g
+    for offset in range(ep_size):
+        g = dist.new_group(list(range(offset, world, ep_size)))
+        if rank % ep_size == offset:
+            edp_group = g
+    return Communicator(ep_group), Communicator(edp_group)

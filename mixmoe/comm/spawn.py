@@ -1,0 +1,89 @@
+"""Run a function on W local gloo processes (CPU tests, benchmarks, the demo).
+
+Each child initialises gloo over a ``FileStore`` in a fresh temporary directory, sets one torch
+thread (unless told otherwise), calls ``fn(comm, *args)`` and sends back its return value or its
+traceback. The parent waits at most ``timeout_s``: a hang becomes an error naming the ranks that
+did not finish, never a stuck test.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _child(rank, world_size, store_path, threads, pg_timeout_s, fn, args, results) -> None:
+    try:
+        torch.set_num_threads(threads)
+        from mixmoe.comm.process_group import init_distributed
+
+        store = dist.FileStore(store_path, world_size)
+        comm = init_distributed("gloo", rank=rank, world_size=world_size, store=store,
+                                timeout_s=pg_timeout_s)
+        out = fn(comm, *args)
+        buf = io.BytesIO()  # plain bytes: tensors must not outlive this process as shared memory
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def spawn_gloo(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    threads: int = 1,
+    pg_timeout_s: float | None = 120.0,
+) -> list[Any]:
+    """``[fn(comm_rank0, *args), ..., fn(comm_rankW-1, *args)]``; ``fn`` must be picklable
+    (a module-level function). Raises RuntimeError with the children's tracebacks on failure."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="mixmoe-gloo-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_child, args=(r, world_size, store_path, threads, pg_timeout_s, fn, args, results))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        got: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(got) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=timeout_s)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(got))
+                    raise RuntimeError(f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
+                got[rank] = (ok, value)
+                if not ok:  # one rank failed: give the others a moment to report, then stop
+                    timeout_s = min(timeout_s, 30.0)
+        except RuntimeError:
+            if not any(not ok for ok, _ in got.values()):
+                raise
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
+    if failures:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
+    return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]

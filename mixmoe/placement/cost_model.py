@@ -1,0 +1,309 @@
+"""Cost model of one MoE layer's training step (forward + backward) under a replica placement.
+
+Legend: W ranks in the EP group, E experts per rank, N = W*E experts, D model dim, F expert hidden
+dim, C = counts_WN with C[s][g] = rows (token x choice) rank s routes to expert g.
+
+Placement. Expert g is owned by rank o(g) = g // E. ``hot`` maps a replicated expert g to the
+ranks H(g) that hold a read-only replica of it (o(g) never in H(g)). Segment (s, g) -- the C[s][g]
+rows source s sends to g -- is computed at s if s == o(g) or s in H(g) ("local" rows), otherwise at
+o(g) ("remote" rows: they travel to the owner and back).
+
+Per rank r, with rb = D * bytes_per_element (one row) and P = params_bytes_per_expert:
+
+- rows[r]    = rows computed at r; local[r] = those of them whose source is r.
+- compute[r] = rows[r] * flops_per_row / gemm_flops, flops_per_row = 6 * gemms * D * F
+  (2 FLOP per multiply-add, backward = 2 x forward).
+- remote[r]  = remote rows r sends away (source r) + remote rows r computes for others. Each remote
+  row crosses the link 4 times (forward dispatch and return, backward dispatch and return), so r
+  sends 2 * rb and receives 2 * rb per remote row: token_sent = token_recv = 2 * rb * remote[r];
+  ``token_bytes`` reports sent + received = 4 * rb * remote[r].
+- replica[r] = replicas r serves as owner (sum of |H(g)| over its hot g) + replicas r holds. The
+  owner sends P per holder in forward and receives P of gradient per holder in backward; a holder
+  receives P and sends P: weight_sent = weight_recv = P * replica[r]; ``weight_bytes`` reports
+  sent + received = 2 * P * replica[r].
+- Each communication phase costs link_latency per collective + max(sent, recv) / link_bandwidth.
+  The token phase uses 4 all-to-alls (dispatch and return, forward and backward), counted on every
+  rank when any row anywhere is remote and skipped otherwise (every rank knows C, so all skip
+  together). The weight phase uses 2 collectives (fetch, gradient return), counted on every rank
+  when any replica exists. The count all-gather is common to every strategy and is not modelled.
+- token_time[r]  = 4 * latency + 2 * rb * remote[r] / bandwidth   (0 without remote rows).
+  exposed[r]     = max(0, token_time[r] - local[r] * flops_per_row / gemm_flops) with ``overlap``
+                   (the token all-to-all runs while the source-local rows are computed), else
+                   token_time[r].
+  weight_time[r] = 2 * latency + P * replica[r] / bandwidth   (0 without replicas); never
+                   overlapped (the replica must arrive before its rows are computed).
+  comm[r]        = exposed[r] + weight_time[r].
+- step = max over r of compute[r] + comm[r].
+
+The planner (``mixmoe.placement.planner``) and the what-if simulator both use this model.
+All aggregates are exact Python ints and every float is computed by the same expression in the same
+order, so the same inputs give bit-identical predictions on every rank (the planner relies on it).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from mixmoe.placement.profile import HardwareProfile
+
+TOKEN_COLLECTIVES = 4  # dispatch + return, forward + backward
+WEIGHT_COLLECTIVES = 2  # replica fetch (forward) + replica gradient return (backward)
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{owner}.{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Sizes of one MoE layer under expert parallelism (all ints >= 1).
+
+    model_dim D, hidden_dim F, experts_per_rank E, world_size W; bytes_per_element of the rows and
+    weights on the wire (4 fp32, 2 bf16/fp16); gemms_per_expert: 2 for a plain MLP, 3 for SwiGLU.
+    """
+
+    model_dim: int
+    hidden_dim: int
+    experts_per_rank: int
+    world_size: int
+    bytes_per_element: int
+    gemms_per_expert: int = 2
+
+    def __post_init__(self) -> None:
+        for name in (
+            "model_dim",
+            "hidden_dim",
+            "experts_per_rank",
+            "world_size",
+            "bytes_per_element",
+            "gemms_per_expert",
+        ):
+            _positive_int("LayerShape", name, getattr(self, name))
+
+    @property
+    def num_experts(self) -> int:
+        """N = W * E."""
+        return self.world_size * self.experts_per_rank
+
+    @property
+    def flops_per_row(self) -> int:
+        """Forward + backward FLOPs of one row through one expert: 3 * 2 * gemms * D * F."""
+        return 6 * self.gemms_per_expert * self.model_dim * self.hidden_dim
+
+    @property
+    def params_bytes_per_expert(self) -> int:
+        """Bytes of one expert's parameters: gemms * D * F weights plus biases (F for every GEMM
+        but the last, D for the last), times bytes_per_element."""
+        gemms, D, F = self.gemms_per_expert, self.model_dim, self.hidden_dim
+        return (gemms * D * F + (gemms - 1) * F + D) * self.bytes_per_element
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row: D * bytes_per_element."""
+        return self.model_dim * self.bytes_per_element
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted cost of one layer step; every tuple has one entry per rank (see module doc).
+
+    compute_s, comm_s: seconds (comm_s is the exposed communication after overlap);
+    token_bytes, weight_bytes: bytes sent + received; rows: rows computed at the rank;
+    step_s: max over ranks of compute_s + comm_s.
+    """
+
+    compute_s: tuple[float, ...]
+    comm_s: tuple[float, ...]
+    token_bytes: tuple[int, ...]
+    weight_bytes: tuple[int, ...]
+    rows: tuple[int, ...]
+    step_s: float
+
+
+def counts_as_lists(counts_WN: object, shape: LayerShape) -> list[list[int]]:
+    """Validate ``counts_WN`` ([W][N] nested sequences of ints, or an integer CPU tensor [W, N])
+    against ``shape`` and return it as a list of W lists of N non-negative Python ints."""
+    W, N = shape.world_size, shape.num_experts
+    if isinstance(counts_WN, torch.Tensor):
+        if (
+            counts_WN.dtype.is_floating_point
+            or counts_WN.dtype.is_complex
+            or (counts_WN.dtype == torch.bool)
+        ):
+            raise TypeError(f"counts_WN must hold integers, got dtype {counts_WN.dtype}")
+        if counts_WN.device.type != "cpu":
+            raise ValueError(
+                f"counts_WN must be a CPU tensor (the plan runs on the host), got device "
+                f"{counts_WN.device}; bring the counts to the host once and pass them here"
+            )
+        if tuple(counts_WN.shape) != (W, N):
+            raise ValueError(
+                f"counts_WN has shape {tuple(counts_WN.shape)}, expected (world_size, num_experts)"
+                f" = ({W}, {N})"
+            )
+        C = counts_WN.tolist()
+    else:
+        try:
+            C = [[operator.index(c) for c in row] for row in counts_WN]  # type: ignore[union-attr]
+        except TypeError as exc:
+            raise TypeError(
+                f"counts_WN must be a [W][N] nested sequence of ints or an integer tensor: {exc}"
+            ) from None
+        if len(C) != W or any(len(row) != N for row in C):
+            got = f"{len(C)} rows of lengths {sorted({len(row) for row in C})}"
+            raise ValueError(
+                f"counts_WN has {got}, expected (world_size, num_experts) = ({W}, {N})"
+            )
+    for s, row in enumerate(C):
+        if min(row, default=0) < 0:
+            g = min(range(N), key=row.__getitem__)
+            raise ValueError(f"counts_WN[{s}][{g}] = {row[g]} is negative; counts are row counts")
+    return C
+
+
+def replica_map(
+    hot: Mapping[int, Iterable[int]] | Iterable, C: list[list[int]], shape: LayerShape
+) -> dict[int, tuple[int, ...]]:
+    """Normalise ``hot`` to ``{g: holders ascending}``.
+
+    Accepted forms: a mapping ``g -> holder ranks``; or an iterable whose items are either
+    ``(g, holder ranks)`` pairs (e.g. ``Plan.replicas``) or bare expert ids ``g``, which mean "a
+    replica on every rank s != owner with C[s][g] > 0" (the mixed strategy's rule).
+    """
+    W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
+    items = hot.items() if isinstance(hot, Mapping) else hot
+    out: dict[int, tuple[int, ...]] = {}
+    for item in items:
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            g, holders = operator.index(item[0]), tuple(operator.index(h) for h in item[1])
+        else:
+            g, holders = operator.index(item), None
+        if not 0 <= g < N:
+            raise ValueError(f"hot expert {g} is out of range [0, {N})")
+        if holders is None:
+            holders = tuple(s for s in range(W) if s != g // E and C[s][g] > 0)
+        if g in out:
+            raise ValueError(f"hot expert {g} is listed twice")
+        if any(not 0 <= h < W for h in holders) or len(set(holders)) != len(holders):
+            raise ValueError(
+                f"holders {holders} of hot expert {g} must be distinct ranks in [0, {W})"
+            )
+        if g // E in holders:
+            raise ValueError(f"holders {holders} of hot expert {g} contain its owner rank {g // E}")
+        out[g] = tuple(sorted(holders))
+    return out
+
+
+def rank_loads(
+    C: list[list[int]], hot: Mapping[int, tuple[int, ...]], experts_per_rank: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Integer aggregates per rank: (rows, local, remote, replica), as defined in the module doc."""
+    W, E = len(C), experts_per_rank
+    rows, local, remote, replica = [0] * W, [0] * W, [0] * W, [0] * W
+    held = {g: frozenset(h) for g, h in hot.items()}
+    for s, row in enumerate(C):
+        for g, c in enumerate(row):
+            if c == 0:
+                continue
+            o = g // E
+            if s == o or s in held.get(g, ()):
+                rows[s] += c
+                local[s] += c
+            else:
+                rows[o] += c
+                remote[s] += c
+                remote[o] += c
+    for g, holders in hot.items():
+        replica[g // E] += len(holders)
+        for h in holders:
+            replica[h] += 1
+    return rows, local, remote, replica
+
+
+class StepModel:
+    """The per-rank arithmetic of the module doc, with shape, profile and ``overlap`` bound once.
+
+    ``rank_seconds`` is the single place where seconds are computed; ``predict`` and the planner
+    both go through it, so their numbers agree bit for bit.
+    """
+
+    __slots__ = (
+        "flops_per_row",
+        "gemm_flops",
+        "token_bytes_per_row",
+        "params_bytes",
+        "bw",
+        "lat",
+        "overlap",
+    )
+
+    def __init__(self, shape: LayerShape, profile: HardwareProfile, overlap: bool) -> None:
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        self.flops_per_row = shape.flops_per_row
+        self.gemm_flops = profile.gemm_flops
+        self.token_bytes_per_row = 2 * shape.row_bytes  # sent (= received) per remote row
+        self.params_bytes = shape.params_bytes_per_expert
+        self.bw = profile.link_bandwidth
+        self.lat = profile.link_latency
+        self.overlap = overlap
+
+    def rank_seconds(
+        self, rows: int, local: int, remote: int, replica: int, any_remote: bool, any_hot: bool
+    ) -> tuple[float, float]:
+        """(compute_s, comm_s) of one rank; any_remote / any_hot: whether the token / weight
+        collectives run at all (anywhere in the group)."""
+        compute = rows * self.flops_per_row / self.gemm_flops
+        token = 0.0
+        if any_remote:
+            token = TOKEN_COLLECTIVES * self.lat + self.token_bytes_per_row * remote / self.bw
+            if self.overlap:
+                token = max(0.0, token - local * self.flops_per_row / self.gemm_flops)
+        weight = 0.0
+        if any_hot:
+            weight = WEIGHT_COLLECTIVES * self.lat + self.params_bytes * replica / self.bw
+        return compute, token + weight
+
+    def prediction(
+        self, rows: list[int], local: list[int], remote: list[int], replica: list[int]
+    ) -> Prediction:
+        """The ``Prediction`` of per-rank aggregates (``rank_loads`` output)."""
+        any_remote, any_hot = any(remote), any(replica)
+        compute_s, comm_s = [], []
+        for r in range(len(rows)):
+            compute, comm = self.rank_seconds(
+                rows[r], local[r], remote[r], replica[r], any_remote, any_hot
+            )
+            compute_s.append(compute)
+            comm_s.append(comm)
+        return Prediction(
+            compute_s=tuple(compute_s),
+            comm_s=tuple(comm_s),
+            token_bytes=tuple(2 * self.token_bytes_per_row * x for x in remote),
+            weight_bytes=tuple(2 * self.params_bytes * x for x in replica),
+            rows=tuple(rows),
+            step_s=max(c + m for c, m in zip(compute_s, comm_s, strict=True)),
+        )
+
+
+def predict(
+    counts_WN: object,
+    hot: Mapping[int, Iterable[int]] | Iterable,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    overlap: bool = True,
+) -> Prediction:
+    """Predict one layer step (forward + backward) for the counts ``counts_WN`` ([W, N] ints or
+    an integer CPU tensor) and the replica placement ``hot`` (see ``replica_map`` for its forms).
+    The model is described in the module docstring."""
+    model = StepModel(shape, profile, overlap)
+    C = counts_as_lists(counts_WN, shape)
+    hot_map = replica_map(hot, C, shape)
+    return model.prediction(*rank_loads(C, hot_map, shape.experts_per_rank))

@@ -1,0 +1,125 @@
+"""The cost model: hand-computed predictions on a 2-rank toy, invariants, input validation.
+
+Legend: W ranks, E experts per rank, N = W*E experts, counts_WN[s][g] = rows s routes to g.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixmoe.placement import HardwareProfile, LayerShape, predict
+
+# Toy: W=2, E=1, D=2, F=4, fp32.
+#   flops_per_row = 6 * 2 * D * F = 96; row_bytes rb = 8; P = (2*D*F + F + D) * 4 = 88 bytes.
+# Profile: 96 FLOP/s -> 1 s per row; 8 B/s; 0.5 s per collective.
+TOY_SHAPE = LayerShape(
+    model_dim=2, hidden_dim=4, experts_per_rank=1, world_size=2, bytes_per_element=4
+)
+TOY_PROFILE = HardwareProfile("toy", gemm_flops=96.0, link_bandwidth=8.0, link_latency=0.5)
+TOY_COUNTS = [[3, 2], [1, 4]]  # rank 0: 3 rows -> e0 (own), 2 -> e1; rank 1: 1 -> e0, 4 -> e1 (own)
+
+
+def test_toy_no_replication_no_overlap() -> None:
+    p = predict(TOY_COUNTS, {}, TOY_SHAPE, TOY_PROFILE, overlap=False)
+    # rows computed: rank 0 = 3 + 1 (from rank 1) = 4; rank 1 = 2 (from rank 0) + 4 = 6
+    assert p.rows == (4, 6)
+    assert p.compute_s == (4.0, 6.0)
+    # remote rows touching each rank: 2 (0 -> 1) + 1 (1 -> 0) = 3; sent = 2 * rb * 3 = 48 B
+    # token time = 4 collectives * 0.5 s + 48 B / 8 B/s = 2 + 6 = 8 s; no replicas -> no weight time
+    assert p.comm_s == (8.0, 8.0)
+    assert p.token_bytes == (96, 96)  # sent + received = 4 * rb * 3
+    assert p.weight_bytes == (0, 0)
+    assert p.step_s == 14.0  # max(4 + 8, 6 + 8)
+
+
+def test_toy_no_replication_overlap() -> None:
+    p = predict(TOY_COUNTS, {}, TOY_SHAPE, TOY_PROFILE, overlap=True)
+    # local compute (rows whose source is the computing rank): rank 0 = 3 s, rank 1 = 4 s
+    # exposed token time = max(0, 8 - local): rank 0 = 5, rank 1 = 4
+    assert p.comm_s == (5.0, 4.0)
+    assert p.step_s == 10.0  # max(4 + 5, 6 + 4)
+
+
+def test_toy_with_replica() -> None:
+    p = predict(TOY_COUNTS, {1: (0,)}, TOY_SHAPE, TOY_PROFILE, overlap=True)
+    # e1 replicated on rank 0: rank 0 computes 3 + 1 + 2 = 6 rows, rank 1 computes 4
+    assert p.rows == (6, 4)
+    assert p.compute_s == (6.0, 4.0)
+    # only (1 -> e0) is remote: remote = 1 on both; token time = 2 + 2 * 8 * 1 / 8 = 4 s, hidden
+    # behind local compute (rank 0: 3 + 2 = 5 s, rank 1: 4 s) -> exposed 0.
+    # weights: rank 1 sends P = 88 B to rank 0 (fwd) and receives the grad (bwd): replica io = 1
+    # on both; weight time = 2 collectives * 0.5 + 88 / 8 = 12 s, never overlapped.
+    assert p.comm_s == (12.0, 12.0)
+    assert p.token_bytes == (32, 32)
+    assert p.weight_bytes == (176, 176)
+    assert p.step_s == 18.0  # max(6 + 12, 4 + 12)
+
+
+def test_hot_forms_agree() -> None:
+    counts_WN = [[5, 1, 0, 7], [2, 9, 4, 0]]
+    shape = LayerShape(4, 8, experts_per_rank=2, world_size=2, bytes_per_element=2)
+    profile = HardwareProfile("p", 1e6, 1e5, 1e-4)
+    # experts 0, 1 on rank 0; 2, 3 on rank 1. Remote sources: e0 <- 1, e1 <- 1, e3 <- 0.
+    ref = predict(counts_WN, {1: (1,), 3: (0,)}, shape, profile)
+    assert predict(counts_WN, [(1, [1]), (3, (0,))], shape, profile) == ref
+    assert predict(counts_WN, [3, 1], shape, profile) == ref  # bare ids: the mixed rule
+    assert predict(torch.tensor(counts_WN), {3: [0], 1: [1]}, shape, profile) == ref
+    assert ref.rows == (5 + 1 + 7 + 2, 9 + 4)  # only (1 -> e0) still travels
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    W=st.integers(1, 6),
+    E=st.integers(1, 4),
+    data=st.data(),
+)
+def test_invariants(W: int, E: int, data: st.DataObject) -> None:
+    N = W * E
+    counts_WN = data.draw(
+        st.lists(st.lists(st.integers(0, 300), min_size=N, max_size=N), min_size=W, max_size=W)
+    )
+    hot = data.draw(st.lists(st.integers(0, N - 1), unique=True))
+    shape = LayerShape(16, 32, E, W, 2)
+    profile = HardwareProfile("p", 1e9, 1e8, 1e-5)
+    p = predict(counts_WN, hot, shape, profile)
+    assert sum(p.rows) == sum(map(sum, counts_WN))  # every row computed exactly once
+    assert sum(p.token_bytes) % (4 * shape.row_bytes * 2) == 0  # each remote row: 2 ranks, 4 hops
+    assert p.step_s == max(c + m for c, m in zip(p.compute_s, p.comm_s, strict=True))
+    assert all(m >= 0 for m in p.comm_s)
+    no_overlap = predict(counts_WN, hot, shape, profile, overlap=False)
+    assert all(a <= b for a, b in zip(p.comm_s, no_overlap.comm_s, strict=True))
+
+
+def test_bad_counts() -> None:
+    with pytest.raises(ValueError, match=r"\(3, 2\).*\(2, 2\)"):
+        predict(torch.ones(3, 2, dtype=torch.int64), {}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match="expected"):
+        predict([[1, 2, 3], [1, 2, 3]], {}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match="expected"):
+        predict([[1, 2]], {}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match=r"counts_WN\[1\]\[0\] = -4"):
+        predict([[1, 2], [-4, 3]], {}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match=r"counts_WN\[0\]\[1\] = -1"):
+        predict(torch.tensor([[1, -1], [0, 3]]), {}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(TypeError, match="float"):
+        predict(torch.ones(2, 2), {}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(TypeError, match="counts_WN"):
+        predict([[1.5, 2], [0, 3]], {}, TOY_SHAPE, TOY_PROFILE)
+
+
+def test_bad_hot() -> None:
+    with pytest.raises(ValueError, match="owner rank 1"):
+        predict(TOY_COUNTS, {1: (1,)}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match="hot expert 5"):
+        predict(TOY_COUNTS, {5: (0,)}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match="hot expert -1"):
+        predict(TOY_COUNTS, [-1], TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match="listed twice"):
+        predict(TOY_COUNTS, [1, (1, (0,))], TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match="distinct ranks"):
+        predict(TOY_COUNTS, {1: (0, 0)}, TOY_SHAPE, TOY_PROFILE)
+    with pytest.raises(ValueError, match="distinct ranks"):
+        predict(TOY_COUNTS, {1: (2,)}, TOY_SHAPE, TOY_PROFILE)

@@ -1,0 +1,280 @@
+"""Replica plans: determinism, the placement rule, the replica cap, never-worse-than-a2a, the
+skew / uniform extremes, FasterMoE's shadow rule on hand-checked toys, and input validation.
+
+Legend: W ranks, E experts per rank, N = W*E experts, counts_WN[s][g] = rows s routes to g.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixmoe.placement import (
+    CPU_PROFILE,
+    GPU_PROFILE,
+    HardwareProfile,
+    LayerShape,
+    Plan,
+    plan_mix,
+    plan_none,
+    plan_shadow,
+    predict,
+)
+
+COMPUTE_BOUND = HardwareProfile(
+    "compute-bound", gemm_flops=1e9, link_bandwidth=1e11, link_latency=1e-6
+)
+LINK_BOUND = HardwareProfile("link-bound", gemm_flops=1e9, link_bandwidth=1e6, link_latency=1e-6)
+PROFILES = [CPU_PROFILE, GPU_PROFILE, COMPUTE_BOUND, LINK_BOUND]
+
+
+def _random_counts(W: int, N: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    probs_N = torch.rand(N, generator=g) ** 4  # skewed
+    return torch.stack(
+        [
+            torch.bincount(torch.multinomial(probs_N, 512, True, generator=g), minlength=N)
+            for _ in range(W)
+        ]
+    )
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
+def test_deterministic_and_input_form_independent(profile: HardwareProfile) -> None:
+    W, E = 4, 3
+    counts_WN = _random_counts(W, W * E, seed=7)
+    shape = LayerShape(64, 256, E, W, 2)
+    for plan_fn in (
+        lambda c: plan_mix(c, shape, profile, max_replicas=4),
+        lambda c: plan_shadow(c, shape, profile),
+        lambda c: plan_none(c, shape, profile),
+    ):
+        ref = plan_fn(counts_WN)
+        assert plan_fn(counts_WN) == ref
+        assert plan_fn(counts_WN.tolist()) == ref
+        assert plan_fn(counts_WN.to(torch.int32)) == ref
+        assert plan_fn(tuple(tuple(row) for row in counts_WN.tolist())) == ref
+
+
+def _check_segments(plan: Plan, counts_WN: list[list[int]], E: int) -> None:
+    """Every (s, g) with rows is computed at exactly one rank, s or the owner, and the rows the
+    prediction puts on each rank are exactly those segments."""
+    W = len(counts_WN)
+    rows_W = [0] * W
+    for s in range(W):
+        for g, c in enumerate(counts_WN[s]):
+            at = plan.computed_at(s, g, E)
+            assert at in (s, g // E)
+            assert (at == s) == (s == g // E or s in plan.holders(g))
+            rows_W[at] += c
+    assert tuple(rows_W) == plan.prediction.rows
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    W=st.integers(1, 8),
+    E=st.integers(1, 8),
+    max_replicas=st.integers(0, 10),
+    profile=st.sampled_from(PROFILES),
+    overlap=st.booleans(),
+    data=st.data(),
+)
+def test_mix_properties(
+    W: int, E: int, max_replicas: int, profile: HardwareProfile, overlap: bool, data: st.DataObject
+) -> None:
+    N = W * E
+    cell = st.one_of(st.just(0), st.integers(1, 8), st.integers(0, 2000))
+    counts_WN = data.draw(st.lists(st.lists(cell, min_size=N, max_size=N), min_size=W, max_size=W))
+    shape = LayerShape(64, 256, E, W, data.draw(st.sampled_from([2, 4])))
+    plan = plan_mix(counts_WN, shape, profile, max_replicas, overlap=overlap)
+
+    assert plan.prediction.step_s <= plan.baseline.step_s
+    assert (plan.prediction.step_s < plan.baseline.step_s) == bool(plan.hot)
+    assert plan.baseline == predict(counts_WN, {}, shape, profile, overlap)
+    assert plan.prediction == predict(counts_WN, plan.replicas, shape, profile, overlap)
+    assert list(plan.hot) == sorted(set(plan.hot))
+    for g, holders in plan.replicas:  # the mixed rule: exactly the other ranks with rows for g
+        assert holders == tuple(s for s in range(W) if s != g // E and counts_WN[s][g] > 0)
+    for r in range(W):
+        slots = plan.replica_slots(r)
+        assert len(slots) <= max_replicas
+        assert slots == tuple(g for g in plan.hot if r in plan.holders(g))
+    _check_segments(plan, counts_WN, E)
+
+    # the greedy stopped for a reason: no single further expert that fits would strictly help
+    held = [len(plan.replica_slots(r)) for r in range(W)]
+    for g in range(N):
+        holders = tuple(s for s in range(W) if s != g // E and counts_WN[s][g] > 0)
+        if g in plan.hot or not holders or any(held[s] >= max_replicas for s in holders):
+            continue
+        more = predict(counts_WN, [*plan.hot, g], shape, profile, overlap)
+        assert not more.step_s < plan.prediction.step_s
+
+
+def _reference_mix_hot(counts_WN, shape, profile, max_replicas, overlap) -> tuple[int, ...]:
+    """The greedy of ``plan_mix`` spelled out with ``predict`` only: full passes over the
+    rejected candidates until a pass accepts nothing."""
+    W, E = shape.world_size, shape.experts_per_rank
+    candidates = []
+    for g in range(shape.num_experts):
+        holders = tuple(s for s in range(W) if s != g // E and counts_WN[s][g] > 0)
+        if holders:
+            candidates.append((-sum(counts_WN[s][g] for s in holders), g, holders))
+    pending = sorted(candidates)
+    hot: dict[int, tuple[int, ...]] = {}
+    best = predict(counts_WN, {}, shape, profile, overlap).step_s
+    while pending:
+        rejected = []
+        for cand in pending:
+            _, g, holders = cand
+            held = [sum(r in h for h in hot.values()) for r in range(W)]
+            if any(held[s] >= max_replicas for s in holders):
+                continue
+            step = predict(counts_WN, {**hot, g: holders}, shape, profile, overlap).step_s
+            if step < best:
+                best, hot[g] = step, holders
+            else:
+                rejected.append(cand)
+        if len(rejected) == len(pending):
+            break
+        pending = rejected
+    return tuple(sorted(hot))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    W=st.integers(2, 6),
+    E=st.integers(1, 6),
+    max_replicas=st.integers(1, 6),
+    profile=st.sampled_from(PROFILES),
+    overlap=st.booleans(),
+    data=st.data(),
+)
+def test_mix_matches_reference_greedy(
+    W: int, E: int, max_replicas: int, profile: HardwareProfile, overlap: bool, data: st.DataObject
+) -> None:
+    N = W * E
+    cell = st.one_of(st.just(0), st.integers(1, 8), st.integers(0, 2000))
+    counts_WN = data.draw(st.lists(st.lists(cell, min_size=N, max_size=N), min_size=W, max_size=W))
+    shape = LayerShape(64, 256, E, W, 4)
+    plan = plan_mix(counts_WN, shape, profile, max_replicas, overlap=overlap)
+    assert plan.hot == _reference_mix_hot(counts_WN, shape, profile, max_replicas, overlap)
+
+
+def test_plan_none() -> None:
+    counts_WN = _random_counts(3, 6, seed=3)
+    shape = LayerShape(64, 256, 2, 3, 2)
+    plan = plan_none(counts_WN, shape, CPU_PROFILE)
+    assert plan.hot == () and plan.replicas == () and plan.replica_slots(0) == ()
+    assert plan.prediction == plan.baseline == predict(counts_WN, {}, shape, CPU_PROFILE, False)
+    with_overlap = plan_none(counts_WN, shape, CPU_PROFILE, overlap=True)
+    assert with_overlap.prediction == predict(counts_WN, {}, shape, CPU_PROFILE)
+
+
+@settings(max_examples=100, deadline=None)
+@given(W=st.integers(1, 8), E=st.integers(1, 8), profile=st.sampled_from(PROFILES), data=st.data())
+def test_shadow_properties(W: int, E: int, profile: HardwareProfile, data: st.DataObject) -> None:
+    N = W * E
+    cell = st.one_of(st.just(0), st.integers(0, 2000))
+    counts_WN = data.draw(st.lists(st.lists(cell, min_size=N, max_size=N), min_size=W, max_size=W))
+    shape = LayerShape(64, 256, E, W, 2)
+    plan = plan_shadow(counts_WN, shape, profile)
+    for g, holders in plan.replicas:  # broadcast to every other rank
+        assert holders == tuple(r for r in range(W) if r != g // E)
+    assert plan.prediction == predict(counts_WN, plan.replicas, shape, profile, overlap=False)
+    _check_segments(plan, counts_WN, E)
+
+
+def test_extreme_skew() -> None:
+    """All rows to expert 0 (owner: rank 0). 64 rows per rank, D=64, F=256, fp32:
+    per row 196608 FLOP, 256 B; one expert's parameters P = 132352 B.
+
+    compute-bound (1 GFLOP/s, 100 GB/s): a2a puts 256 rows (~50 ms) on rank 0; replicas on ranks
+    1-3 leave 64 rows (~12.6 ms) each, for ~4 us of weight traffic -> replicate.
+    link-bound (1 MB/s): a2a costs rank 0 ~50 ms of compute + ~86 ms of exposed token traffic
+    (192 remote rows x 512 B); replicas cost it 3 x P = 397 KB of weights (~0.4 s) -> don't.
+    """
+    W, E = 4, 2
+    counts_WN = [[64] + [0] * (W * E - 1) for _ in range(W)]
+    shape = LayerShape(64, 256, E, W, 4)
+    plan = plan_mix(counts_WN, shape, COMPUTE_BOUND, max_replicas=1)
+    assert plan.replicas == ((0, (1, 2, 3)),)
+    assert plan.prediction.rows == (64, 64, 64, 64)
+    assert plan.baseline.rows == (256, 0, 0, 0)
+    assert plan_mix(counts_WN, shape, LINK_BOUND, max_replicas=1).hot == ()
+    assert plan_mix(counts_WN, shape, COMPUTE_BOUND, max_replicas=0).hot == ()
+
+
+def test_uniform_routing_cheap_compute_replicates_nothing() -> None:
+    W, E = 4, 2
+    counts_WN = [[100] * (W * E) for _ in range(W)]
+    shape = LayerShape(64, 256, E, W, 2)
+    cheap_compute = HardwareProfile(
+        "cheap-compute", gemm_flops=1e18, link_bandwidth=1e9, link_latency=1e-5
+    )
+    for profile in (cheap_compute, GPU_PROFILE, CPU_PROFILE):
+        assert plan_mix(counts_WN, shape, profile, max_replicas=8).hot == ()
+
+
+# Shadow toys: D=1, F=1, fp32 -> flops_per_row = 12, row_bytes = 4, P = (2 + 1 + 1) * 4 = 16 B.
+# Profile 12 FLOP/s, 16 B/s: t_row = 1, t_feat = 4 * 4 / 16 = 1, t_model = 16 / 16 = 1, so
+# lat(S) = 2 * max_r B_r(S) + |S|.
+UNIT = HardwareProfile("unit", gemm_flops=12.0, link_bandwidth=16.0, link_latency=1e-3)
+
+
+def test_shadow_toy_two_ranks() -> None:
+    counts_WN = [[4, 0], [4, 2]]  # loads: e0 = 8, e1 = 2
+    shape = LayerShape(1, 1, experts_per_rank=1, world_size=2, bytes_per_element=4)
+    # lat({})     = 2 * max(8, 2) = 16
+    # lat({0})    = 2 * max(4, 2 + 4) + 1 = 13 < 16 -> shadow e0
+    # lat({0, 1}) = 2 * max(4 + 0, 6 - 2 + 2) + 2 = 14 >= 13 -> stop
+    plan = plan_shadow(counts_WN, shape, UNIT)
+    assert plan.replicas == ((0, (1,)),)
+    assert plan.computed_at(1, 0, 1) == 1 and plan.computed_at(0, 1, 1) == 1
+
+
+def test_shadow_toy_three_ranks_stops_at_first_useless() -> None:
+    counts_WN = [[10, 25, 0], [60, 10, 0], [60, 25, 10]]  # loads: e0 = 130, e1 = 60, e2 = 10
+    shape = LayerShape(1, 1, experts_per_rank=1, world_size=3, bytes_per_element=4)
+    # lat({})        = 2 * 130 = 260
+    # lat({0})       = 2 * max(10, 60 + 60, 10 + 60) + 1 = 241 -> shadow e0
+    # lat({0, 1})    = 2 * max(10 + 25, 120 - 60 + 10, 70 + 25) + 2 = 192 -> shadow e1
+    # lat({0, 1, 2}) = 2 * max(35, 70, 95 - 10 + 10) + 3 = 193 >= 192 -> stop
+    plan = plan_shadow(counts_WN, shape, UNIT)
+    assert plan.replicas == ((0, (1, 2)), (1, (0, 2)))
+    assert plan.replica_slots(2) == (0, 1) and plan.replica_slots(0) == (1,)
+    assert plan.prediction.rows == (35, 70, 95)
+
+
+def test_plan_accessors() -> None:
+    shape = LayerShape(4, 8, experts_per_rank=2, world_size=3, bytes_per_element=2)
+    counts_WN = [[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1], [1, 1, 1, 1, 1, 1]]
+    base = predict(counts_WN, {}, shape, CPU_PROFILE)
+    plan = Plan((1, 4), ((1, (2,)), (4, (0, 1))), base, base)
+    assert plan.holders(4) == (0, 1) and plan.holders(0) == ()
+    assert plan.replica_slots(0) == (4,) and plan.replica_slots(2) == (1,)
+    assert plan.computed_at(2, 1, 2) == 2  # replica
+    assert plan.computed_at(1, 1, 2) == 0  # no replica -> owner
+    assert plan.computed_at(0, 0, 2) == 0  # own expert
+    with pytest.raises(ValueError, match="ascending"):
+        Plan((4, 1), ((4, (0,)), (1, (2,))), base, base)
+    with pytest.raises(ValueError, match="exactly hot"):
+        Plan((1,), (), base, base)
+
+
+def test_bad_planner_inputs() -> None:
+    shape = LayerShape(4, 8, experts_per_rank=2, world_size=2, bytes_per_element=2)
+    counts_WN = [[1, 2, 3, 4], [4, 3, 2, 1]]
+    with pytest.raises(ValueError, match="max_replicas must be >= 0, got -1"):
+        plan_mix(counts_WN, shape, CPU_PROFILE, max_replicas=-1)
+    with pytest.raises(TypeError, match="max_replicas"):
+        plan_mix(counts_WN, shape, CPU_PROFILE, max_replicas=True)
+    with pytest.raises(TypeError, match="overlap"):
+        plan_mix(counts_WN, shape, CPU_PROFILE, 2, overlap=1)
+    for plan_fn in (plan_none, plan_shadow, lambda c, s, p: plan_mix(c, s, p, 2)):
+        with pytest.raises(ValueError, match=r"\(2, 3\).*\(2, 4\)"):
+            plan_fn(torch.ones(2, 3, dtype=torch.int64), shape, CPU_PROFILE)
+        with pytest.raises(ValueError, match=r"counts_WN\[1\]\[2\] = -2"):
+            plan_fn([[1, 2, 3, 4], [4, 3, -2, 1]], shape, CPU_PROFILE)

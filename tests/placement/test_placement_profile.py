@@ -1,0 +1,55 @@
+"""Hardware profiles and layer shapes: validation and derived sizes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape, default_profile
+
+
+def test_default_profiles() -> None:
+    assert default_profile("cpu") is CPU_PROFILE
+    assert default_profile("cuda") is GPU_PROFILE
+    with pytest.raises(ValueError, match="'tpu'"):
+        default_profile("tpu")
+
+
+@pytest.mark.parametrize("field", ["gemm_flops", "link_bandwidth", "link_latency"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_profile_rejects_bad_numbers(field: str, bad: float) -> None:
+    kwargs = {"name": "x", "gemm_flops": 1e9, "link_bandwidth": 1e9, "link_latency": 1e-5}
+    with pytest.raises(ValueError, match=field):
+        HardwareProfile(**{**kwargs, field: bad})
+    with pytest.raises(TypeError, match=field):
+        HardwareProfile(**{**kwargs, field: "fast"})
+
+
+def test_profile_rejects_empty_name() -> None:
+    with pytest.raises(ValueError, match="name"):
+        HardwareProfile("", 1e9, 1e9, 1e-5)
+
+
+def test_layer_shape_derived_sizes() -> None:
+    s = LayerShape(
+        model_dim=8, hidden_dim=32, experts_per_rank=3, world_size=4, bytes_per_element=2
+    )
+    assert s.num_experts == 12
+    assert s.flops_per_row == 3 * 2 * 2 * 8 * 32  # fwd+bwd, 2 FLOP/MAC, 2 GEMMs of D x F
+    assert s.params_bytes_per_expert == (2 * 8 * 32 + 32 + 8) * 2  # W1, W2, b1 (F), b2 (D)
+    assert s.row_bytes == 16
+    swiglu = LayerShape(8, 32, 3, 4, 4, gemms_per_expert=3)
+    assert swiglu.flops_per_row == 3 * 2 * 3 * 8 * 32
+    assert swiglu.params_bytes_per_expert == (3 * 8 * 32 + 2 * 32 + 8) * 4
+
+
+@pytest.mark.parametrize(
+    "field", ["model_dim", "hidden_dim", "experts_per_rank", "world_size", "bytes_per_element"]
+)
+def test_layer_shape_rejects_bad_sizes(field: str) -> None:
+    kwargs = dict(model_dim=8, hidden_dim=32, experts_per_rank=2, world_size=2, bytes_per_element=4)
+    with pytest.raises(ValueError, match=field):
+        LayerShape(**{**kwargs, field: 0})
+    with pytest.raises(TypeError, match=field):
+        LayerShape(**{**kwargs, field: 2.0})

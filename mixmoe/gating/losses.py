@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import torch
 
+from mixmoe.gating.precision import widen
+
 
 def load_balancing_loss(
     logits_TN: torch.Tensor, ids_TK: torch.Tensor, first_choice_only: bool = False
 ) -> torch.Tensor:
     num_experts = logits_TN.shape[-1]
     if logits_TN.shape[0] == 0:
-        return logits_TN.float().sum() * 0.0
-    probs_N = torch.softmax(logits_TN.float(), dim=-1).mean(dim=0)
+        return widen(logits_TN).sum() * 0.0
+    probs_N = torch.softmax(widen(logits_TN), dim=-1).mean(dim=0)
     chosen = ids_TK[:, :1] if first_choice_only else ids_TK
     kept = chosen[chosen >= 0]
     counts_N = torch.bincount(kept, minlength=num_experts).to(probs_N.dtype)
@@ -34,5 +36,5 @@ def load_balancing_loss(
 
 def router_z_loss(logits_TN: torch.Tensor) -> torch.Tensor:
     if logits_TN.shape[0] == 0:
-        return logits_TN.float().sum() * 0.0
-    return torch.logsumexp(logits_TN.float(), dim=-1).square().mean()
+        return widen(logits_TN).sum() * 0.0
+    return torch.logsumexp(widen(logits_TN), dim=-1).square().mean()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mixmoe.config import GateConfig
+from mixmoe.gating.precision import widen
 from mixmoe.types import Routing
 
 
@@ -29,9 +30,9 @@ def topk_route(logits_TN: torch.Tensor, k: int, normalize: str = "topk_softmax")
     """
     top_TK, ids_TK = _top_k_stable(logits_TN, k)
     if normalize == "topk_softmax":
-        weights_TK = torch.softmax(top_TK.float(), dim=-1)
+        weights_TK = torch.softmax(widen(top_TK), dim=-1)
     else:
-        probs_TN = torch.softmax(logits_TN.float(), dim=-1)
+        probs_TN = torch.softmax(widen(logits_TN), dim=-1)
         picked_TK = probs_TN.gather(1, ids_TK)
         weights_TK = picked_TK / picked_TK.sum(dim=-1, keepdim=True)
     return Routing(ids_TK, weights_TK.to(logits_TN.dtype), logits_TN)
@@ -39,7 +40,7 @@ def topk_route(logits_TN: torch.Tensor, k: int, normalize: str = "topk_softmax")
 
 def switch_route(logits_TN: torch.Tensor) -> Routing:
     """Switch Transformer: top-1, weight = softmax probability of the chosen expert."""
-    probs_TN = torch.softmax(logits_TN.float(), dim=-1)
+    probs_TN = torch.softmax(widen(logits_TN), dim=-1)
     _, ids_TK = _top_k_stable(logits_TN, 1)
     weights_TK = probs_TN.gather(1, ids_TK)
     return Routing(ids_TK, weights_TK.to(logits_TN.dtype), logits_TN)
@@ -53,7 +54,7 @@ def gshard_route(
     With ``random_routing`` the second choice is kept with probability ``min(1, 2 * w2)``; a dropped
     choice gets id -1 and weight 0 (dropless otherwise: there is no capacity).
     """
-    probs_TN = torch.softmax(logits_TN.float(), dim=-1)
+    probs_TN = torch.softmax(widen(logits_TN), dim=-1)
     _, ids_TK = _top_k_stable(logits_TN, 2)
     picked_TK = probs_TN.gather(1, ids_TK)
     weights_TK = picked_TK / picked_TK.sum(dim=-1, keepdim=True)

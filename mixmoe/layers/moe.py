@@ -75,6 +75,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         self._check_input(x)
+        with torch.profiler.record_function("moe.layer"):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         cfg = self.config
         x_TD = x.reshape(-1, cfg.model_dim)
         with trace_span("moe.gate", kind="compute"):

@@ -1,0 +1,257 @@
+"""Differentiable ops over the block layout: ``grouped_linear``, ``expert_mlp`` and the row
+movement ops, against dense per-row loops and ``torch.autograd.gradcheck`` in float64.
+
+Legend: G segments, S slots, Nb blocks, B block size, P padded rows, I/O in/out features,
+D model dim, F hidden dim, T tokens, K top-k.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _unit_helpers import seed_for
+from torch.autograd import gradcheck
+from torch.testing import assert_close
+
+from mixmoe.ops import combine_rows, gather_rows, grouped_linear
+from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
+from mixmoe.schedule.blocks import build_block_schedule
+
+# Segments with empty ones (0), partial blocks (3, 6 with B=4), a full block (4), and a slot
+# used by two non-adjacent segments (slot 1) so that one slot has several runs of blocks.
+COUNTS = [3, 0, 6, 4, 0, 2]
+SLOTS = [1, 0, 2, 1, 3, 0]
+NUM_SLOTS = 4
+
+
+def random_schedule(seed: int, block_size: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 9, (6,), generator=g)
+    counts[torch.randint(1, 6, (2,), generator=g)] = 0  # at least one empty segment
+    counts[0] = block_size + 1  # at least one full and one partial block
+    slots = torch.randint(0, NUM_SLOTS, (6,), generator=g)
+    return build_block_schedule(counts, slots, block_size=block_size)
+
+
+def fixed_schedule(block_size: int = 4):
+    return build_block_schedule(torch.tensor(COUNTS), torch.tensor(SLOTS), block_size=block_size)
+
+
+def dense_grouped_linear(x_PI, w_SIO, b_SO, s):
+    """Row by row: y[p] = x[p] @ w[slot(p)] + b[slot(p)] on valid rows, 0 on masked rows."""
+    y = torch.zeros(x_PI.shape[0], w_SIO.shape[2], dtype=x_PI.dtype)
+    for p in range(x_PI.shape[0]):
+        if s.src_P[p] < 0:
+            continue
+        slot = int(s.block_slot_Nb[p // s.block_size])
+        y[p] = x_PI[p] @ w_SIO[slot] + (b_SO[slot] if b_SO is not None else 0)
+    return y
+
+
+def gl(x, w, b, s):
+    return grouped_linear(x, w, b, s.block_slot_Nb, s.block_rows_Nb, s.block_size)
+
+
+# ---------------------------------------------------------------- grouped_linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_grouped_linear_matches_dense_loop(bias, block_size):
+    torch.manual_seed(seed_for("gl-dense", bias, block_size))
+    s = fixed_schedule(block_size)
+    x = torch.randn(s.num_padded_rows, 5, dtype=torch.float64)
+    w = torch.randn(NUM_SLOTS, 5, 7, dtype=torch.float64)
+    b = torch.randn(NUM_SLOTS, 7, dtype=torch.float64) if bias else None
+    assert_close(gl(x, w, b, s), dense_grouped_linear(x, w, b, s))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grouped_linear_gradcheck(bias, seed):
+    torch.manual_seed(seed_for("gl-gradcheck", bias, seed))
+    s = random_schedule(seed)
+    x = torch.randn(s.num_padded_rows, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(NUM_SLOTS, 3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(NUM_SLOTS, 4, dtype=torch.float64, requires_grad=True) if bias else None
+    inputs = (x, w, b) if bias else (x, w)
+    fn = (lambda x, w, b: gl(x, w, b, s)) if bias else (lambda x, w: gl(x, w, None, s))
+    assert gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+
+
+def test_grouped_linear_gradcheck_fixed_schedule():
+    """Empty segments, partial blocks and a slot with two runs, all at once."""
+    torch.manual_seed(seed_for("gl-gradcheck-fixed"))
+    s = fixed_schedule(4)
+    assert (s.block_rows_Nb < 4).any() and 0 in COUNTS
+    x = torch.randn(s.num_padded_rows, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(NUM_SLOTS, 3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(NUM_SLOTS, 4, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda x, w, b: gl(x, w, b, s), (x, w, b), eps=1e-6, atol=1e-6)
+
+
+def test_grouped_linear_grads_of_unused_slot_and_masked_rows_are_zero():
+    torch.manual_seed(seed_for("gl-zero-grads"))
+    s = fixed_schedule(4)  # slot 3 only has an empty segment
+    x = torch.randn(s.num_padded_rows, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(NUM_SLOTS, 5, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(NUM_SLOTS, 6, dtype=torch.float64, requires_grad=True)
+    gl(x, w, b, s).backward(torch.randn(s.num_padded_rows, 6, dtype=torch.float64))
+    assert torch.equal(w.grad[3], torch.zeros_like(w.grad[3]))
+    assert torch.equal(b.grad[3], torch.zeros_like(b.grad[3]))
+    masked = s.src_P < 0
+    assert masked.any()
+    assert torch.equal(x.grad[masked], torch.zeros_like(x.grad[masked]))
+
+
+def test_grouped_linear_masked_rows_ignore_finite_garbage():
+    """Padded input rows hold garbage: outputs there are exactly 0, and nothing else changes."""
+    torch.manual_seed(seed_for("gl-garbage"))
+    s = fixed_schedule(4)
+    masked = s.src_P < 0
+    x = torch.randn(s.num_padded_rows, 5, dtype=torch.float64)
+    x_garbage = x.clone()
+    x_garbage[masked] = torch.randn(int(masked.sum()), 5, dtype=torch.float64) * 1e6
+    w = torch.randn(NUM_SLOTS, 5, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(NUM_SLOTS, 6, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(s.num_padded_rows, 6, dtype=torch.float64)
+
+    grads = []
+    for inp in (x, x_garbage):
+        inp = inp.clone().requires_grad_()
+        w.grad = b.grad = None
+        y = gl(inp, w, b, s)
+        assert torch.equal(y[masked], torch.zeros_like(y[masked]))
+        y.backward(dy)
+        assert torch.equal(inp.grad[masked], torch.zeros_like(inp.grad[masked]))
+        grads.append((y.detach(), w.grad.clone(), b.grad.clone()))
+    for clean, dirty in zip(grads[0], grads[1], strict=True):
+        assert_close(dirty, clean)
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_grouped_linear_masked_rows_ignore_nonfinite_garbage(garbage):
+    torch.manual_seed(seed_for("gl-nan-garbage", garbage))
+    s = fixed_schedule(4)
+    masked = s.src_P < 0
+    x = torch.randn(s.num_padded_rows, 5, dtype=torch.float64)
+    x[masked] = garbage  # e.g. an uninitialised (torch.empty) padded buffer
+    x.requires_grad_()
+    w = torch.randn(NUM_SLOTS, 5, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(NUM_SLOTS, 6, dtype=torch.float64, requires_grad=True)
+    y = gl(x, w, b, s)
+    assert torch.equal(y[masked], torch.zeros_like(y[masked]))
+    y.backward(torch.randn_like(y))
+    assert torch.isfinite(w.grad).all() and torch.isfinite(b.grad).all()
+    assert torch.equal(x.grad[masked], torch.zeros_like(x.grad[masked]))
+
+
+def test_grouped_linear_empty_layout():
+    s = build_block_schedule(torch.tensor([0, 0]), torch.tensor([0, 1]), block_size=4)
+    x = torch.randn(0, 3, requires_grad=True)
+    w = torch.randn(2, 3, 4, requires_grad=True)
+    b = torch.randn(2, 4, requires_grad=True)
+    y = gl(x, w, b, s)
+    assert y.shape == (0, 4)
+    (y.sum() + 0 * w.sum() + 0 * b.sum()).backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+# ---------------------------------------------------------------- expert_mlp
+
+
+def dense_expert_mlp(x_PD, weights: ExpertWeights, s, activation):
+    import math
+
+    act = {
+        "relu": lambda h: torch.clamp(h, min=0),
+        "gelu": lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2.0))),
+        "silu": lambda h: h * torch.sigmoid(h),
+        "swiglu": lambda h: h * torch.sigmoid(h),
+    }[activation]
+    out = torch.zeros_like(x_PD)
+    for p in range(x_PD.shape[0]):
+        if s.src_P[p] < 0:
+            continue
+        g = int(s.block_slot_Nb[p // s.block_size])
+        h = act(x_PD[p] @ weights.w1_SDF[g] + weights.b1_SF[g])
+        if activation == "swiglu":
+            h = h * (x_PD[p] @ weights.w3_SDF[g] + weights.b3_SF[g])
+        out[p] = h @ weights.w2_SFD[g] + weights.b2_SD[g]
+    return out
+
+
+def random_expert_weights(S, D, F, activation, bias=True, requires_grad=False):
+    def r(*shape):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=requires_grad)
+
+    swiglu = activation == "swiglu"
+    return ExpertWeights(
+        w1_SDF=r(S, D, F),
+        w2_SFD=r(S, F, D),
+        b1_SF=r(S, F) if bias else None,
+        b2_SD=r(S, D) if bias else None,
+        w3_SDF=r(S, D, F) if swiglu else None,
+        b3_SF=r(S, F) if swiglu and bias else None,
+    )
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu", "swiglu"])
+def test_expert_mlp_matches_dense_loop(activation):
+    torch.manual_seed(seed_for("mlp-dense", activation))
+    s = fixed_schedule(4)
+    x = torch.randn(s.num_padded_rows, 5, dtype=torch.float64)
+    wts = random_expert_weights(NUM_SLOTS, 5, 7, activation)
+    out = expert_mlp(x, wts, s, activation)
+    assert_close(out, dense_expert_mlp(x, wts, s, activation))
+    masked = s.src_P < 0
+    assert torch.equal(out[masked], torch.zeros_like(out[masked]))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu", "swiglu"])
+def test_expert_mlp_gradcheck(activation, bias):
+    seed = seed_for("mlp-gradcheck", activation, bias)
+    torch.manual_seed(seed)
+    s = random_schedule(seed % 1000)
+    x = torch.randn(s.num_padded_rows, 3, dtype=torch.float64, requires_grad=True)
+    wts = random_expert_weights(NUM_SLOTS, 3, 4, activation, bias=bias, requires_grad=True)
+    names = [
+        n
+        for n in ("w1_SDF", "w2_SFD", "b1_SF", "b2_SD", "w3_SDF", "b3_SF")
+        if getattr(wts, n) is not None
+    ]
+    tensors = tuple(getattr(wts, n) for n in names)
+
+    def fn(x, *ts):
+        return expert_mlp(x, ExpertWeights(**dict(zip(names, ts, strict=True))), s, activation)
+
+    assert gradcheck(fn, (x, *tensors), eps=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- rows
+
+
+def test_gather_rows_and_combine_rows():
+    torch.manual_seed(seed_for("rows"))
+    T, D = 4, 3
+    x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    token_P = torch.tensor([2, 0, T, 3, 1, T])
+    x_P = gather_rows(x, token_P)
+    assert torch.equal(x_P[2], torch.zeros(D, dtype=torch.float64))
+    assert torch.equal(x_P[[0, 1, 3, 4]], x.detach()[[2, 0, 3, 1]])
+
+    out_P = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
+    pos_TK = torch.tensor([[1, 4], [0, 6], [3, 5], [2, 6]])  # 6 == P: dropped -> zero row
+    w_TK = torch.randn(T, 2, dtype=torch.float64, requires_grad=True)
+    y = combine_rows(out_P, pos_TK, w_TK)
+    expected = torch.stack(
+        [
+            w_TK[t, 0] * out_P[pos_TK[t, 0]]
+            + (w_TK[t, 1] * out_P[pos_TK[t, 1]] if pos_TK[t, 1] < 6 else 0)
+            for t in range(T)
+        ]
+    )
+    assert_close(y, expected)
+    assert gradcheck(lambda o, w: combine_rows(o, pos_TK, w), (out_P, w_TK))
+    assert gradcheck(lambda x: gather_rows(x, token_P), (x,))

@@ -12,6 +12,7 @@ import io
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -64,16 +65,25 @@ def spawn_gloo(
         for p in procs:
             p.start()
         got: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
         try:
             while len(got) < world_size:
                 try:
-                    rank, ok, value = results.get(timeout=timeout_s)
+                    rank, ok, value = results.get(timeout=1.0)
                 except queue.Empty:
-                    missing = sorted(set(range(world_size)) - set(got))
-                    raise RuntimeError(f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
+                    dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                    if dead:  # exited without reporting (crashed at start-up, killed, ...)
+                        time.sleep(1.0)  # a result may still be in the pipe
+                        if results.empty():
+                            codes = {r: procs[r].exitcode for r in dead}
+                            raise RuntimeError(f"ranks {dead} exited without a result (exit codes {codes})") from None
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - set(got))
+                        raise RuntimeError(f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
+                    continue
                 got[rank] = (ok, value)
                 if not ok:  # one rank failed: give the others a moment to report, then stop
-                    timeout_s = min(timeout_s, 30.0)
+                    deadline = min(deadline, time.monotonic() + 30.0)
         except RuntimeError:
             if not any(not ok for ok, _ in got.values()):
                 raise

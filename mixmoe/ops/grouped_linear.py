@@ -11,8 +11,8 @@ x_block^T @ dy_block, db[s] = column sums of dy over the same rows. Masked rows 
 and receive zero gradient.
 
 The CPU implementation below is the torch reference path; it loops over *runs* of consecutive
-blocks that share a slot (at most a few per slot), never over rows or blocks. ``mixmoe.kernels``
-registers CUDA implementations of the same ops.
+blocks that share a slot (at most a few per slot), never over rows or blocks. The CUDA
+implementations (``*_triton``) launch the Triton kernels of ``mixmoe.kernels``, imported lazily.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from __future__ import annotations
 import torch
 
 
-def _row_mask_P1(block_rows_Nb: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+def _padding_rows(block_rows_Nb: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Indices of the masked (padding) rows. Masking fills these rows (not a multiply by 0), so
+    NaN/inf garbage in padded rows can never leak into outputs or weight gradients."""
     lane_B = torch.arange(block_size, device=block_rows_Nb.device)
-    return (lane_B[None, :] < block_rows_Nb[:, None]).reshape(-1, 1).to(dtype)
+    return torch.nonzero((lane_B[None, :] >= block_rows_Nb[:, None]).reshape(-1)).reshape(-1)
 
 
 def _slot_runs(block_slot_Nb: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -46,19 +48,28 @@ def grouped_linear(
 ) -> torch.Tensor:
     """``y_PO``: each block of ``x_PI`` times its slot's weight (+ bias), masked rows zero."""
     out_dtype = torch.promote_types(x_PI.dtype, w_SIO.dtype)
-    y_PO = x_PI.new_zeros(x_PI.shape[0], w_SIO.shape[2], dtype=out_dtype)
+    y_PO = x_PI.new_empty(x_PI.shape[0], w_SIO.shape[2], dtype=out_dtype)  # every block is written
     for slot, b0, b1 in _slot_runs(block_slot_Nb):
         rows = slice(b0 * block_size, b1 * block_size)
         if b_SO is None:
             torch.matmul(x_PI[rows], w_SIO[slot], out=y_PO[rows])
         else:
             torch.addmm(b_SO[slot], x_PI[rows], w_SIO[slot], out=y_PO[rows])
-    return y_PO * _row_mask_P1(block_rows_Nb, block_size, y_PO.dtype)
+    return y_PO.index_fill_(0, _padding_rows(block_rows_Nb, block_size), 0.0)
 
 
 @grouped_linear.register_fake
 def _(x_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size):
     return x_PI.new_empty(x_PI.shape[0], w_SIO.shape[2])
+
+
+@grouped_linear.register_kernel("cuda")
+def grouped_linear_triton(x_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size, *, config=None):
+    from mixmoe import kernels  # Triton is imported only when a CUDA tensor gets here
+
+    return kernels.grouped_gemm(
+        x_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size=block_size, config=config
+    )
 
 
 @torch.library.custom_op("mixmoe::grouped_weight_grad", mutates_args=())
@@ -73,7 +84,9 @@ def grouped_weight_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dw_SIO, db_SO): per-slot reductions over that slot's blocks (masked rows excluded).
     ``db_SO`` is an empty [S, 0] tensor when ``with_bias`` is False."""
-    dy_PO = dy_PO * _row_mask_P1(block_rows_Nb, block_size, dy_PO.dtype)
+    pad_rows = _padding_rows(block_rows_Nb, block_size)
+    dy_PO = dy_PO.index_fill(0, pad_rows, 0.0)
+    x_PI = x_PI.index_fill(0, pad_rows, 0.0)
     dw_SIO = x_PI.new_zeros(num_slots, x_PI.shape[1], dy_PO.shape[1])
     db_SO = dy_PO.new_zeros(num_slots, dy_PO.shape[1] if with_bias else 0)
     for slot, b0, b1 in _slot_runs(block_slot_Nb):
@@ -89,6 +102,18 @@ def _(x_PI, dy_PO, block_slot_Nb, block_rows_Nb, num_slots, block_size, with_bia
     return (
         x_PI.new_empty(num_slots, x_PI.shape[1], dy_PO.shape[1]),
         dy_PO.new_empty(num_slots, dy_PO.shape[1] if with_bias else 0),
+    )
+
+
+@grouped_weight_grad.register_kernel("cuda")
+def grouped_weight_grad_triton(
+    x_PI, dy_PO, block_slot_Nb, block_rows_Nb, num_slots, block_size, with_bias, *, config=None
+):
+    from mixmoe import kernels
+
+    return kernels.grouped_weight_grad(
+        x_PI, dy_PO, block_slot_Nb, block_rows_Nb, num_slots=num_slots, block_size=block_size,
+        with_bias=with_bias, config=config,
     )
 
 

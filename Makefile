@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[dev,plot]"
+	$(BIN)/pip install -q -e ".[dev,plot,triton]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,6 +25,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mixmoe tests
+	$(BIN)/ruff format --check mixmoe tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

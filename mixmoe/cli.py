@@ -15,7 +15,10 @@ from collections.abc import Sequence
 # command words -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("demo",): ("mixmoe.bench.demo", "run the default CPU demo (strategy comparison benchmark)"),
-    ("bench", "layer"): ("mixmoe.bench.layer", "benchmark one MoE layer (FORMATS.md section 1 log)"),
+    ("bench", "layer"): (
+        "mixmoe.bench.layer",
+        "benchmark one MoE layer (FORMATS.md section 1 log)",
+    ),
     ("bench", "kernels"): ("mixmoe.bench.kernels", "benchmark grouped-GEMM providers"),
     ("analyze", "trace"): ("mixmoe.report.analyze_trace", "analyse CMD operation traces"),
     ("analyze", "profile"): ("mixmoe.report.analyze_profile", "analyse a torch.profiler table"),
@@ -51,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     words, rest = found
     module = importlib.import_module(COMMANDS[words][0])
-    parser = argparse.ArgumentParser(prog="mixmoe " + " ".join(words), description=COMMANDS[words][1])
+    parser = argparse.ArgumentParser(
+        prog="mixmoe " + " ".join(words), description=COMMANDS[words][1]
+    )
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     return int(module.run(args) or 0)

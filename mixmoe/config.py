@@ -60,7 +60,9 @@ class GateConfig:
         if self.jitter_eps >= 1.0:
             raise ValueError(f"jitter_eps must be in [0, 1), got {self.jitter_eps}")
         if self.jitter_eps and self.type != "switch":
-            raise ValueError("jitter_eps is a switch-gate option; set type='switch' or jitter_eps=0")
+            raise ValueError(
+                "jitter_eps is a switch-gate option; set type='switch' or jitter_eps=0"
+            )
         if self.random_routing and self.type != "gshard":
             raise ValueError(
                 "random_routing is a gshard-gate option; set type='gshard' or random_routing=False"

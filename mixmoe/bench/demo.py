@@ -12,8 +12,13 @@ import argparse
 from mixmoe.bench import layer
 
 DEMO_DEFAULTS = {
-    "world_size": 2, "threads": 1, "routing": "hot:0.4", "strategy": "mix,a2a,shadow",
-    "tokens": 4096, "warmup": 5, "steps": 15,
+    "world_size": 2,
+    "threads": 1,
+    "routing": "hot:0.4",
+    "strategy": "mix,a2a,shadow",
+    "tokens": 4096,
+    "warmup": 5,
+    "steps": 15,
 }
 
 

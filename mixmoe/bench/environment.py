@@ -13,7 +13,10 @@ import torch
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=os.path.dirname(os.path.abspath(__file__)),
         )
     except (OSError, subprocess.SubprocessError):

@@ -27,8 +27,14 @@ from mixmoe.bench.timing import StageTimer, median
 from mixmoe.config import MoEConfig
 from mixmoe.layers.moe import MoE
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -60,12 +66,16 @@ class LayerBenchConfig:
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.world_size > 1 and "local" in self.strategies:
-            raise ValueError("strategy 'local' runs on one rank; use a2a, shadow or mix with --world-size > 1")
+            raise ValueError(
+                "strategy 'local' runs on one rank; use a2a, shadow or mix with --world-size > 1"
+            )
 
     def moe_config(self, strategy: str) -> MoEConfig:
         return MoEConfig(
-            model_dim=self.model_dim, hidden_dim=self.hidden_size,
-            num_experts=self.num_local_experts * self.world_size, top_k=self.top_k,
+            model_dim=self.model_dim,
+            hidden_dim=self.hidden_size,
+            num_experts=self.num_local_experts * self.world_size,
+            top_k=self.top_k,
             strategy=strategy,
         )
 
@@ -84,24 +94,29 @@ class _Progress:
 
     def __init__(self, total: int, label: str) -> None:
         self.total, self.label, self.done = total, label, 0
-        self.enabled = sys.stderr.isatty() or True
 
     def step(self) -> None:
         self.done += 1
         width = 30
         filled = int(width * self.done / max(self.total, 1))
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}")
+        sys.stderr.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+        )
         if self.done == self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
 
-def build_layer(cfg: LayerBenchConfig, strategy: str, ids_TK: torch.Tensor | None, comm=None) -> torch.nn.Module:
+def build_layer(
+    cfg: LayerBenchConfig, strategy: str, ids_TK: torch.Tensor | None, comm=None
+) -> torch.nn.Module:
     """The layer for one strategy; every strategy gets identical parameters (same seed)."""
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     moe_cfg = cfg.moe_config(strategy)
     torch.manual_seed(cfg.seed)
-    gate = SyntheticGate(moe_cfg, ids_TK, device=device, dtype=dtype) if ids_TK is not None else None
+    gate = (
+        SyntheticGate(moe_cfg, ids_TK, device=device, dtype=dtype) if ids_TK is not None else None
+    )
     layer = MoE(moe_cfg, gate=gate, device=device, dtype=dtype)
     if comm is not None and comm.world_size > 1:
         from mixmoe.parallel import parallelize_moe
@@ -110,7 +125,9 @@ def build_layer(cfg: LayerBenchConfig, strategy: str, ids_TK: torch.Tensor | Non
     return layer
 
 
-def _inputs(cfg: LayerBenchConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _inputs(
+    cfg: LayerBenchConfig, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank + 1)
     x_TD = torch.randn(cfg.tokens, cfg.model_dim, generator=gen).to(device, dtype)
@@ -118,7 +135,9 @@ def _inputs(cfg: LayerBenchConfig, rank: int) -> tuple[torch.Tensor, torch.Tenso
     spec = RoutingSpec.parse(cfg.routing)
     ids_TK = None
     if spec.kind != "gate":
-        ids_TK = synthetic_ids(spec, cfg.tokens, cfg.top_k, cfg.num_local_experts * cfg.world_size, gen)
+        ids_TK = synthetic_ids(
+            spec, cfg.tokens, cfg.top_k, cfg.num_local_experts * cfg.world_size, gen
+        )
     return x_TD, dy_TD, ids_TK
 
 
@@ -128,7 +147,10 @@ def _check_agreement(outputs: dict[str, torch.Tensor], dtype: torch.dtype) -> No
     tol = {torch.float32: (1e-4, 1e-4)}.get(dtype, (2e-2, 2e-2))
     for name in names[1:]:
         torch.testing.assert_close(
-            outputs[name], outputs[names[0]], rtol=tol[0], atol=tol[1],
+            outputs[name],
+            outputs[names[0]],
+            rtol=tol[0],
+            atol=tol[1],
             msg=lambda m, n=name: f"strategy {n} disagrees with {names[0]}: {m}",
         )
 
@@ -174,22 +196,43 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
     return list(results.values())
 
 
-def write_logs(cfg: LayerBenchConfig, results: list[StrategyResult], out=sys.stdout) -> None:
+def _steady_mean(values: list[float], warmup: int) -> float:
+    steady = values[warmup:]
+    return sum(steady) / len(steady)
+
+
+def write_logs(cfg: LayerBenchConfig, results: list[StrategyResult], out=None) -> None:
+    out = out or sys.stdout
     for r in results:
-        print(log_format.header_line(
-            world_size=cfg.world_size, dtype=str(DTYPES[cfg.dtype]).replace("torch.", ""),
-            model_dim=cfg.model_dim, hidden_size=cfg.hidden_size, samples=cfg.tokens,
-            num_local_experts=cfg.num_local_experts, top_k=cfg.top_k, device=cfg.device,
-        ), file=out)
-        for i, (st, fw, bw) in enumerate(zip(r.step_ms, r.fwd_ms, r.bwd_ms)):
-            tf = log_format.nominal_tflops(cfg.tokens, cfg.model_dim, cfg.hidden_size, cfg.top_k, st)
+        print(
+            log_format.header_line(
+                world_size=cfg.world_size,
+                dtype=str(DTYPES[cfg.dtype]).replace("torch.", ""),
+                model_dim=cfg.model_dim,
+                hidden_size=cfg.hidden_size,
+                samples=cfg.tokens,
+                num_local_experts=cfg.num_local_experts,
+                top_k=cfg.top_k,
+                device=cfg.device,
+            ),
+            file=out,
+        )
+        for i, (st, fw, bw) in enumerate(zip(r.step_ms, r.fwd_ms, r.bwd_ms, strict=True)):
+            tf = log_format.nominal_tflops(
+                cfg.tokens, cfg.model_dim, cfg.hidden_size, cfg.top_k, st
+            )
             print(log_format.step_line(i, st, fw, bw, tf), file=out)
-        m = slice(cfg.warmup, None)
-        mean = lambda v: sum(v[m]) / len(v[m])  # noqa: E731
-        print(log_format.summary_line(
-            f"mixmoe-{r.strategy}", cfg.num_local_experts, round(mean(r.step_ms), 3),
-            round(mean(r.fwd_ms), 3), round(mean(r.bwd_ms), 3),
-        ), file=out)
+        step, fwd, bwd = (_steady_mean(v, cfg.warmup) for v in (r.step_ms, r.fwd_ms, r.bwd_ms))
+        print(
+            log_format.summary_line(
+                f"mixmoe-{r.strategy}",
+                cfg.num_local_experts,
+                round(step, 3),
+                round(fwd, 3),
+                round(bwd, 3),
+            ),
+            file=out,
+        )
         print(file=out)
 
 
@@ -200,15 +243,19 @@ def summary_rows(cfg: LayerBenchConfig, results: list[StrategyResult]) -> list[d
     rows = []
     for r in results:
         step = median(r.step_ms[m])
-        rows.append({
-            "strategy": r.strategy,
-            "step_ms": step,
-            "fwd_ms": median(r.fwd_ms[m]),
-            "bwd_ms": median(r.bwd_ms[m]),
-            "tflops": log_format.nominal_tflops(cfg.tokens, cfg.model_dim, cfg.hidden_size, cfg.top_k, step),
-            f"vs_{base.strategy}": step / base_ms,
-            **r.stats,
-        })
+        rows.append(
+            {
+                "strategy": r.strategy,
+                "step_ms": step,
+                "fwd_ms": median(r.fwd_ms[m]),
+                "bwd_ms": median(r.bwd_ms[m]),
+                "tflops": log_format.nominal_tflops(
+                    cfg.tokens, cfg.model_dim, cfg.hidden_size, cfg.top_k, step
+                ),
+                f"vs_{base.strategy}": step / base_ms,
+                **r.stats,
+            }
+        )
     return rows
 
 
@@ -216,11 +263,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     keys = list(rows[0])
     for row in rows[1:]:
         keys += [k for k in row if k not in keys]
+
     def cell(v: Any) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
+
     table = [keys] + [[cell(row.get(k, "")) for k in keys] for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(keys))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -230,9 +279,22 @@ def write_jsonl(cfg: LayerBenchConfig, results: list[StrategyResult], path: str)
     env = environment(torch.device(cfg.device))
     with open(path, "a") as f:
         for r in results:
-            f.write(json.dumps({"kind": "bench_layer", "config": asdict(cfg), "environment": env,
-                                "strategy": r.strategy, "warmup": cfg.warmup, "step_ms": r.step_ms,
-                                "fwd_ms": r.fwd_ms, "bwd_ms": r.bwd_ms, "stats": r.stats}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "kind": "bench_layer",
+                        "config": asdict(cfg),
+                        "environment": env,
+                        "strategy": r.strategy,
+                        "warmup": cfg.warmup,
+                        "step_ms": r.step_ms,
+                        "fwd_ms": r.fwd_ms,
+                        "bwd_ms": r.bwd_ms,
+                        "stats": r.stats,
+                    }
+                )
+                + "\n"
+            )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -247,13 +309,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help="measured steps")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (not measured)")
     p.add_argument("--routing", default=d.routing, help="gate | uniform | zipf:S | hot:P")
-    p.add_argument("--strategy", default=None,
-                   help="comma list of local, a2a, shadow, mix (default: local, or mix,a2a,shadow with >1 rank)")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks; on CPU spawns gloo processes (default: torchrun's WORLD_SIZE or 1)")
+    p.add_argument(
+        "--strategy",
+        default=None,
+        help="comma list of local, a2a, shadow, mix (default: local, or mix,a2a,shadow with >1 rank)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks; on CPU spawns gloo processes (default: torchrun's WORLD_SIZE or 1)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: leave as is)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--jsonl", default="runs/bench-layer.jsonl", help="append JSONL records here ('' for none)")
+    p.add_argument(
+        "--jsonl", default="runs/bench-layer.jsonl", help="append JSONL records here ('' for none)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
@@ -263,10 +334,20 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
     default = "local" if world == 1 else "mix,a2a,shadow"
     strategies = tuple(s.strip() for s in (args.strategy or default).split(",") if s.strip())
     return LayerBenchConfig(
-        model_dim=args.model_dim, hidden_size=args.hidden_size, tokens=args.tokens,
-        num_local_experts=args.num_local_experts, top_k=args.top_k, dtype=args.dtype,
-        device=args.device, steps=args.steps, warmup=args.warmup, routing=args.routing,
-        strategies=strategies, world_size=world, threads=args.threads, seed=args.seed,
+        model_dim=args.model_dim,
+        hidden_size=args.hidden_size,
+        tokens=args.tokens,
+        num_local_experts=args.num_local_experts,
+        top_k=args.top_k,
+        dtype=args.dtype,
+        device=args.device,
+        steps=args.steps,
+        warmup=args.warmup,
+        routing=args.routing,
+        strategies=strategies,
+        world_size=world,
+        threads=args.threads,
+        seed=args.seed,
         jsonl=args.jsonl or None,
     )
 

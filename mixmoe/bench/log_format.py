@@ -5,8 +5,16 @@ from __future__ import annotations
 
 
 def header_line(
-    *, world_size: int, dtype: str, model_dim: int, hidden_size: int, samples: int,
-    num_local_experts: int, top_k: int, device: str, overlap_degree: int = 1,
+    *,
+    world_size: int,
+    dtype: str,
+    model_dim: int,
+    hidden_size: int,
+    samples: int,
+    num_local_experts: int,
+    top_k: int,
+    device: str,
+    overlap_degree: int = 1,
 ) -> str:
     return (
         f"[Benchmark] world_size = {world_size}, dtype = {dtype}, model_dim = {model_dim}, "
@@ -23,7 +31,9 @@ def step_line(step: int, step_ms: float, fwd_ms: float, bwd_ms: float, tflops: f
     )
 
 
-def summary_line(system: str, num_local_experts: int, step_ms: float, fwd_ms: float, bwd_ms: float) -> str:
+def summary_line(
+    system: str, num_local_experts: int, step_ms: float, fwd_ms: float, bwd_ms: float
+) -> str:
     """Starts with a newline (the blank line) and a space, as in the wild."""
     return (
         f"\n {system} {num_local_experts} [Summary] Average synchronized step_time = "
@@ -31,7 +41,9 @@ def summary_line(system: str, num_local_experts: int, step_ms: float, fwd_ms: fl
     )
 
 
-def nominal_tflops(samples: int, model_dim: int, hidden_size: int, top_k: int, step_ms: float) -> float:
+def nominal_tflops(
+    samples: int, model_dim: int, hidden_size: int, top_k: int, step_ms: float
+) -> float:
     """samples * D * F * 4 * K * 3 / step time: two GEMMs at 2 FLOPs per MAC, fwd + bwd = 3x fwd."""
     if step_ms <= 0:
         return 0.0

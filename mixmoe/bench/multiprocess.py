@@ -17,13 +17,17 @@ def _rank_main(comm, cfg: LayerBenchConfig) -> list[StrategyResult]:
     return run_rank(cfg, comm)
 
 
-def run_distributed(cfg: LayerBenchConfig, report: Callable[[LayerBenchConfig, list[StrategyResult]], None]) -> int:
+def run_distributed(
+    cfg: LayerBenchConfig, report: Callable[[LayerBenchConfig, list[StrategyResult]], None]
+) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         from mixmoe.comm import init_distributed
 
         comm = init_distributed("auto")
         if comm.world_size != cfg.world_size:
-            raise ValueError(f"--world-size {cfg.world_size} but torchrun launched {comm.world_size} ranks")
+            raise ValueError(
+                f"--world-size {cfg.world_size} but torchrun launched {comm.world_size} ranks"
+            )
         results = run_rank(cfg, comm)
         if comm.rank == 0:
             report(cfg, results)

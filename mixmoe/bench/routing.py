@@ -55,7 +55,11 @@ def synthetic_ids(
     T, K, N = num_tokens, top_k, num_experts
     if spec.kind == "uniform" or spec.kind == "zipf":
         rank_N = torch.arange(N, dtype=torch.float64)
-        probs_N = torch.ones(N, dtype=torch.float64) if spec.kind == "uniform" else (rank_N + 1) ** -spec.value
+        probs_N = (
+            torch.ones(N, dtype=torch.float64)
+            if spec.kind == "uniform"
+            else (rank_N + 1) ** -spec.value
+        )
         if T == 0:
             return torch.empty(0, K, dtype=torch.int64)
         return torch.multinomial(probs_N.expand(T, N), K, replacement=False, generator=generator)
@@ -65,9 +69,15 @@ def synthetic_ids(
         return torch.arange(N).expand(T, N).clone()
     # expert 0 gets round(P * T * K) rows (at most one per token); other choices uniform on 1..N-1
     hot_rows = min(T, round(spec.value * T * K))
-    ids_TK = 1 + torch.multinomial(
-        torch.ones(max(T, 1), N - 1, dtype=torch.float64), K, replacement=False, generator=generator
-    )[:T]
+    ids_TK = (
+        1
+        + torch.multinomial(
+            torch.ones(max(T, 1), N - 1, dtype=torch.float64),
+            K,
+            replacement=False,
+            generator=generator,
+        )[:T]
+    )
     hot_T = torch.randperm(T, generator=generator)[:hot_rows]
     slot_T = torch.randint(0, K, (hot_rows,), generator=generator)
     ids_TK[hot_T, slot_T] = 0

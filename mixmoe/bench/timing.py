@@ -26,8 +26,8 @@ class StageTimer:
     def elapsed_ms(self) -> list[float]:
         if self.cuda:
             self.marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
 def median(values: list[float]) -> float:

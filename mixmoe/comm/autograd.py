@@ -75,7 +75,9 @@ class _Wait(torch.autograd.Function):
         return grad, None
 
 
-def all_to_all(comm, x_RC: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+def all_to_all(
+    comm, x_RC: torch.Tensor, out_splits: list[int], in_splits: list[int]
+) -> torch.Tensor:
     return _AllToAll.apply(x_RC, comm, out_splits, in_splits, None, None)
 
 
@@ -91,6 +93,10 @@ def all_to_all_wait(out_RC: torch.Tensor, pending: _Pending) -> torch.Tensor:
 
 
 def cached_all_to_all(
-    comm, x_RC: torch.Tensor, out_splits: list[int], in_splits: list[int], cached: torch.Tensor | None
+    comm,
+    x_RC: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    cached: torch.Tensor | None,
 ) -> torch.Tensor:
     return _AllToAll.apply(x_RC, comm, out_splits, in_splits, None, cached)

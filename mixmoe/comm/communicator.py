@@ -69,7 +69,9 @@ class Communicator:
 
     def broadcast(self, x: torch.Tensor, src: int) -> None:
         """In place; ``src`` is a rank of this group."""
-        dist.broadcast(x, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        dist.broadcast(
+            x, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group
+        )
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -88,7 +90,9 @@ class LocalCommunicator:
 
     def all_to_all(self, out_RC, in_RC, out_splits, in_splits, async_op=False) -> Work:
         if out_splits != in_splits:
-            raise ValueError(f"world size 1 all_to_all needs equal splits, got {out_splits} vs {in_splits}")
+            raise ValueError(
+                f"world size 1 all_to_all needs equal splits, got {out_splits} vs {in_splits}"
+            )
         out_RC.copy_(in_RC)
         return _Done()
 

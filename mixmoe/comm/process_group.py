@@ -37,9 +37,15 @@ def init_distributed(
         if store is not None:
             if rank is None or world_size is None:
                 raise ValueError("init_distributed(store=...) needs rank and world_size")
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, **kwargs
+            )
         else:
-            missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            missing = [
+                k
+                for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                if k not in os.environ
+            ]
             if missing and rank is None:
                 raise RuntimeError(
                     f"init_distributed: environment variables {missing} are not set; launch with "
@@ -47,7 +53,9 @@ def init_distributed(
                 )
             dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+            torch.cuda.set_device(
+                int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+            )
     return Communicator()
 
 

@@ -28,8 +28,9 @@ def _child(rank, world_size, store_path, threads, pg_timeout_s, fn, args, result
         from mixmoe.comm.process_group import init_distributed
 
         store = dist.FileStore(store_path, world_size)
-        comm = init_distributed("gloo", rank=rank, world_size=world_size, store=store,
-                                timeout_s=pg_timeout_s)
+        comm = init_distributed(
+            "gloo", rank=rank, world_size=world_size, store=store, timeout_s=pg_timeout_s
+        )
         out = fn(comm, *args)
         buf = io.BytesIO()  # plain bytes: tensors must not outlive this process as shared memory
         torch.save(out, buf)
@@ -59,7 +60,10 @@ def spawn_gloo(
     with tempfile.TemporaryDirectory(prefix="mixmoe-gloo-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, store_path, threads, pg_timeout_s, fn, args, results))
+            ctx.Process(
+                target=_child,
+                args=(r, world_size, store_path, threads, pg_timeout_s, fn, args, results),
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -71,15 +75,21 @@ def spawn_gloo(
                 try:
                     rank, ok, value = results.get(timeout=1.0)
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                    dead = [
+                        r for r, p in enumerate(procs) if p.exitcode is not None and r not in got
+                    ]
                     if dead:  # exited without reporting (crashed at start-up, killed, ...)
                         time.sleep(1.0)  # a result may still be in the pipe
                         if results.empty():
                             codes = {r: procs[r].exitcode for r in dead}
-                            raise RuntimeError(f"ranks {dead} exited without a result (exit codes {codes})") from None
+                            raise RuntimeError(
+                                f"ranks {dead} exited without a result (exit codes {codes})"
+                            ) from None
                     if time.monotonic() > deadline:
                         missing = sorted(set(range(world_size)) - set(got))
-                        raise RuntimeError(f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
+                        raise RuntimeError(
+                            f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                        ) from None
                     continue
                 got[rank] = (ok, value)
                 if not ok:  # one rank failed: give the others a moment to report, then stop

@@ -61,8 +61,17 @@ _HEADER = 2  # fingerprint, weights version
 
 def config_fingerprint(config: MoEConfig, world_size: int) -> int:
     """A stable 31-bit digest of everything all ranks must agree on."""
-    key = (config.num_experts, config.top_k, config.model_dim, config.hidden_dim,
-           config.activation, config.bias, config.block_size, config.strategy, world_size)
+    key = (
+        config.num_experts,
+        config.top_k,
+        config.model_dim,
+        config.hidden_dim,
+        config.activation,
+        config.bias,
+        config.block_size,
+        config.strategy,
+        world_size,
+    )
     return zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
 
 
@@ -70,7 +79,9 @@ def _schedule(counts: list[int], slots: list[int], block_size: int, device) -> B
     nb = sum(-(-c // block_size) for c in counts)
     return build_block_schedule(
         torch.tensor(counts, dtype=torch.int64, device=device),
-        torch.tensor(slots, dtype=torch.int64, device=device), nb, block_size,
+        torch.tensor(slots, dtype=torch.int64, device=device),
+        nb,
+        block_size,
     )
 
 
@@ -92,7 +103,9 @@ class ExpertParallelDispatcher:
         self, comm, config: MoEConfig, strategy: str, profile: HardwareProfile | None = None
     ) -> None:
         if strategy not in STRATEGY_SPECS:
-            raise ValueError(f"strategy {strategy!r} is not expert-parallel; use one of {sorted(STRATEGY_SPECS)}")
+            raise ValueError(
+                f"strategy {strategy!r} is not expert-parallel; use one of {sorted(STRATEGY_SPECS)}"
+            )
         W = comm.world_size
         if config.num_experts % W:
             raise ValueError(
@@ -114,28 +127,45 @@ class ExpertParallelDispatcher:
         """Once: a fixed-size exchange so ranks with a different expert count (whose count vectors
         differ in length) fail clearly instead of hanging in the count exchange."""
         cfg = self.config
-        mine = torch.tensor([self.fingerprint, cfg.num_experts, cfg.top_k, cfg.model_dim,
-                             cfg.hidden_dim], dtype=torch.int64, device=device)
+        mine = torch.tensor(
+            [self.fingerprint, cfg.num_experts, cfg.top_k, cfg.model_dim, cfg.hidden_dim],
+            dtype=torch.int64,
+            device=device,
+        )
         every = self.comm.all_gather_rows(mine).tolist()
         if any(row != every[0] for row in every):
             described = "; ".join(
                 f"rank {r}: num_experts={row[1]}, top_k={row[2]}, model_dim={row[3]}, hidden_dim={row[4]}"
                 for r, row in enumerate(every)
             )
-            raise ValueError(f"MoE config differs across ranks ({described}); build the layer with "
-                             "the same MoEConfig on every rank")
+            raise ValueError(
+                f"MoE config differs across ranks ({described}); build the layer with "
+                "the same MoEConfig on every rank"
+            )
         self._handshake_done = True
 
-    def exchange_counts(self, counts_N: torch.Tensor, version: int) -> tuple[list[list[int]], list[int]]:
+    def exchange_counts(
+        self, counts_N: torch.Tensor, version: int
+    ) -> tuple[list[list[int]], list[int]]:
         """THE host sync: all_gather [fingerprint, version, counts] and bring C to the host."""
-        header = torch.tensor([self.fingerprint, version], dtype=torch.int64, device=counts_N.device)
-        with trace_span("moe.count_exchange", kind="comm", comm_func="allgather", group="exp",
-                        shape=(counts_N.numel() + _HEADER,), dtype=torch.int64):
+        header = torch.tensor(
+            [self.fingerprint, version], dtype=torch.int64, device=counts_N.device
+        )
+        with trace_span(
+            "moe.count_exchange",
+            kind="comm",
+            comm_func="allgather",
+            group="exp",
+            shape=(counts_N.numel() + _HEADER,),
+            dtype=torch.int64,
+        ):
             every = counts_to_host(self.comm.all_gather_rows(torch.cat([header, counts_N])))
         fingerprints = {row[0] for row in every}
         if len(fingerprints) != 1:
-            raise ValueError("MoE config fingerprints differ across ranks in the count exchange "
-                             f"({[row[0] for row in every]}); use the same MoEConfig everywhere")
+            raise ValueError(
+                "MoE config fingerprints differ across ranks in the count exchange "
+                f"({[row[0] for row in every]}); use the same MoEConfig everywhere"
+            )
         return [row[_HEADER:] for row in every], [row[1] for row in every]
 
     def invalidate_replicas(self) -> None:
@@ -147,8 +177,11 @@ class ExpertParallelDispatcher:
     def _plan(self, C: list[list[int]], dtype: torch.dtype, device: torch.device) -> Plan:
         cfg, E = self.config, self.experts_per_rank
         shape = LayerShape(
-            model_dim=cfg.model_dim, hidden_dim=cfg.hidden_dim, experts_per_rank=E,
-            world_size=self.comm.world_size, bytes_per_element=torch.finfo(dtype).bits // 8,
+            model_dim=cfg.model_dim,
+            hidden_dim=cfg.hidden_dim,
+            experts_per_rank=E,
+            world_size=self.comm.world_size,
+            bytes_per_element=torch.finfo(dtype).bits // 8,
             gemms_per_expert=3 if cfg.activation == "swiglu" else 2,
         )
         profile = self.profile or default_profile(device.type)
@@ -167,7 +200,9 @@ class ExpertParallelDispatcher:
         T, K = routing.ids_TK.shape
         device = x_TD.device
         if weights.num_slots != E:
-            raise ValueError(f"dispatcher expects the {E} experts owned by rank {r}, got {weights.num_slots}")
+            raise ValueError(
+                f"dispatcher expects the {E} experts owned by rank {r}, got {weights.num_slots}"
+            )
         if not self._handshake_done:
             self._handshake(device)
 
@@ -204,8 +239,14 @@ class ExpertParallelDispatcher:
         if plan.replicas:
             key = (plan.replicas, tuple(versions[g // E] for g, _ in plan.replicas))
             cached = self._cache_HQ if self.spec.cache_replicas and key == self._cache_key else None
-            with trace_span("moe.replica_fetch", kind="comm", comm_func="all_to_all", group="exp",
-                            in_splits=fetch.in_splits, out_splits=fetch.out_splits):
+            with trace_span(
+                "moe.replica_fetch",
+                kind="comm",
+                comm_func="all_to_all",
+                group="exp",
+                in_splits=fetch.in_splits,
+                out_splits=fetch.out_splits,
+            ):
                 replicas_HQ = fetch_replicas(comm, weights, fetch, cached)
             if self.spec.cache_replicas:
                 self._cache_key, self._cache_HQ = key, replicas_HQ.detach()
@@ -215,16 +256,31 @@ class ExpertParallelDispatcher:
         # 4. rows: local-owned, local-replica, remote (sorted-order positions)
         start = exclusive_cumsum(c)
         token_R = order_R // K
-        own_rows = concat_ranges([start[g] for g in own_experts], [c[g] for g in own_experts], device)
-        rep_rows = concat_ranges([start[g] for g in rep_experts], [c[g] for g in rep_experts], device)
-        send_rows = concat_ranges([start[g] for g in send_experts], [c[g] for g in send_experts], device)
+        own_rows = concat_ranges(
+            [start[g] for g in own_experts], [c[g] for g in own_experts], device
+        )
+        rep_rows = concat_ranges(
+            [start[g] for g in rep_experts], [c[g] for g in rep_experts], device
+        )
+        send_rows = concat_ranges(
+            [start[g] for g in send_experts], [c[g] for g in send_experts], device
+        )
         x_send = x_TD[token_R[send_rows]]
-        moving = sum(sum(row) for row in C) - sum(
-            C[s][g] for s in range(W) for g in range(N) if plan.computed_at(s, g, E) == s
-        ) > 0  # every rank computes the same answer: skip the all_to_alls when nothing moves
-        with trace_span("moe.dispatch", kind="comm", comm_func="all_to_all", group="exp",
-                        shape=tuple(x_send.shape), dtype=x_TD.dtype, in_splits=in_splits,
-                        out_splits=out_splits):
+        moving = (
+            sum(sum(row) for row in C)
+            - sum(C[s][g] for s in range(W) for g in range(N) if plan.computed_at(s, g, E) == s)
+            > 0
+        )  # every rank computes the same answer: skip the all_to_alls when nothing moves
+        with trace_span(
+            "moe.dispatch",
+            kind="comm",
+            comm_func="all_to_all",
+            group="exp",
+            shape=tuple(x_send.shape),
+            dtype=x_TD.dtype,
+            in_splits=in_splits,
+            out_splits=out_splits,
+        ):
             if moving and self.spec.overlap:
                 recv_RD, pending = all_to_all_start(comm, x_send, out_splits, in_splits)
             elif moving:
@@ -237,13 +293,19 @@ class ExpertParallelDispatcher:
             sched_own = _schedule([c[g] for g in own_experts], list(range(E)), B, device)
             out_own_PD = expert_mlp(
                 gather_rows(x_TD, _padded_source(sched_own, token_R[own_rows], T)),
-                weights, sched_own, activation,
+                weights,
+                sched_own,
+                activation,
             )
-            sched_rep = _schedule([c[g] for g in rep_experts], list(range(len(rep_experts))), B, device)
+            sched_rep = _schedule(
+                [c[g] for g in rep_experts], list(range(len(rep_experts))), B, device
+            )
             if replica_weights is not None:
                 out_rep_PD = expert_mlp(
                     gather_rows(x_TD, _padded_source(sched_rep, token_R[rep_rows], T)),
-                    replica_weights, sched_rep, activation,
+                    replica_weights,
+                    sched_rep,
+                    activation,
                 )
             else:
                 out_rep_PD = out_own_PD[:0]
@@ -253,15 +315,26 @@ class ExpertParallelDispatcher:
             sched_recv = _schedule(recv_counts, recv_slots, B, device)
             n_recv = recv_RD.shape[0]
             out_recv_PD = expert_mlp(
-                gather_rows(recv_RD, _padded_source(sched_recv, torch.arange(n_recv, device=device), n_recv)),
-                weights, sched_recv, activation,
+                gather_rows(
+                    recv_RD, _padded_source(sched_recv, torch.arange(n_recv, device=device), n_recv)
+                ),
+                weights,
+                sched_recv,
+                activation,
             )
             out_recv_RD = out_recv_PD[sched_recv.padded_position_R()]
 
         # 6. results home, combine
-        with trace_span("moe.return", kind="comm", comm_func="all_to_all", group="exp",
-                        shape=tuple(out_recv_RD.shape), dtype=x_TD.dtype, in_splits=out_splits,
-                        out_splits=in_splits):
+        with trace_span(
+            "moe.return",
+            kind="comm",
+            comm_func="all_to_all",
+            group="exp",
+            shape=tuple(out_recv_RD.shape),
+            dtype=x_TD.dtype,
+            in_splits=out_splits,
+            out_splits=in_splits,
+        ):
             if moving and self.spec.overlap:
                 back_RD, back_pending = all_to_all_start(comm, out_recv_RD, in_splits, out_splits)
             elif moving:
@@ -286,8 +359,8 @@ class ExpertParallelDispatcher:
 
         rows_W = plan.prediction.rows
         stats = {
-            "rows_moved": sum(sum(row) for row in C) - sum(
-                C[s][g] for s in range(W) for g in range(N) if plan.computed_at(s, g, E) == s),
+            "rows_moved": sum(sum(row) for row in C)
+            - sum(C[s][g] for s in range(W) for g in range(N) if plan.computed_at(s, g, E) == s),
             "replicas": sum(len(h) for _, h in plan.replicas),
             "max_rows": max(rows_W),
             "mean_rows": sum(rows_W) / W,

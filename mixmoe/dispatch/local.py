@@ -1,6 +1,7 @@
 """``local`` strategy: every expert on this device (world size 1).
 
-gate ids -> row layout (one host sync) -> gather rows -> expert MLP on blocks -> weighted combine.
+gate ids -> row layout (one host sync) -> gather rows -> expert MLP on blocks -> weighted combine
+(the last three fused into the grouped GEMMs on CUDA).
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import torch
 
 from mixmoe.dispatch.layout import expert_row_layout
 from mixmoe.dispatch.result import DispatchResult
-from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
-from mixmoe.ops.rows import combine_rows, gather_rows
+from mixmoe.ops.expert_mlp import ExpertWeights
+from mixmoe.ops.token_expert_mlp import token_expert_mlp
 from mixmoe.tracing import trace_span
 from mixmoe.types import Routing
 
@@ -30,10 +31,15 @@ class LocalDispatcher:
     ) -> DispatchResult:
         with trace_span("moe.count", kind="host"):
             layout = expert_row_layout(routing.ids_TK, weights.num_slots, self.block_size)
-        with trace_span("moe.dispatch", kind="compute"):
-            x_PD = gather_rows(x_TD, layout.token_P)
         with trace_span("moe.experts", kind="compute"):
-            out_PD = expert_mlp(x_PD, weights, layout.schedule, activation)
-        with trace_span("moe.combine", kind="compute"):
-            y_TD = combine_rows(out_PD, layout.pos_TK, routing.weights_TK)
+            # gather -> expert MLP over blocks -> weighted combine (fused into the GEMMs on CUDA)
+            y_TD = token_expert_mlp(
+                x_TD,
+                layout.token_P,
+                layout.pos_TK,
+                routing.weights_TK,
+                weights,
+                layout.schedule,
+                activation,
+            )
         return DispatchResult(y_TD, layout.counts_N)

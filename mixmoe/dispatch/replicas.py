@@ -56,7 +56,11 @@ class FetchPlan:
 
 
 def _present(weights: ExpertWeights) -> list[tuple[str, torch.Tensor]]:
-    return [(f.name, getattr(weights, f.name)) for f in fields(weights) if getattr(weights, f.name) is not None]
+    return [
+        (f.name, getattr(weights, f.name))
+        for f in fields(weights)
+        if getattr(weights, f.name) is not None
+    ]
 
 
 def pack_experts(weights: ExpertWeights, local_ids: list[int]) -> torch.Tensor:
@@ -64,7 +68,9 @@ def pack_experts(weights: ExpertWeights, local_ids: list[int]) -> torch.Tensor:
     parts = _present(weights)
     idx = torch.tensor(local_ids, dtype=torch.int64, device=weights.w1_SDF.device)
     n = len(local_ids)
-    return torch.cat([t.index_select(0, idx).reshape(n, math.prod(t.shape[1:])) for _, t in parts], dim=1)
+    return torch.cat(
+        [t.index_select(0, idx).reshape(n, math.prod(t.shape[1:])) for _, t in parts], dim=1
+    )
 
 
 def unpack_experts(packed_HQ: torch.Tensor, like: ExpertWeights) -> ExpertWeights:

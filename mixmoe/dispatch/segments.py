@@ -16,7 +16,9 @@ def concat_ranges(starts: list[int], counts: list[int], device: torch.device) ->
         return torch.empty(0, dtype=torch.int64, device=device)
     counts_G = torch.tensor(counts, dtype=torch.int64, device=device)
     starts_G = torch.tensor(starts, dtype=torch.int64, device=device)
-    seg_R = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_G, output_size=total)
+    seg_R = torch.repeat_interleave(
+        torch.arange(len(counts), device=device), counts_G, output_size=total
+    )
     first_G = torch.cumsum(counts_G, 0) - counts_G
     return starts_G[seg_R] + torch.arange(total, device=device) - first_G[seg_R]
 

@@ -85,6 +85,11 @@ class MoE(nn.Module):
             routing, balance, z = self.gate(x_TD)
         out = self.dispatcher(x_TD, routing, self.experts.weights(), self.experts.activation)
         loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
-        aux = MoEAux(balance_loss=balance, z_loss=z, loss=loss, counts_N=out.counts_N,
-                     stats=out.stats or None)
+        aux = MoEAux(
+            balance_loss=balance,
+            z_loss=z,
+            loss=loss,
+            counts_N=out.counts_N,
+            stats=out.stats or None,
+        )
         return out.y_TD.to(x.dtype).reshape(x.shape), aux

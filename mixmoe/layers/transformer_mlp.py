@@ -19,12 +19,31 @@ from mixmoe.config import GateConfig, MoEConfig
 from mixmoe.layers.moe import MoE
 from mixmoe.types import MoEAux
 
-_GATE_ALIASES = {"top": "topk", "topk": "topk", "naive": "topk", "switch": "switch", "gshard": "gshard"}
+_GATE_ALIASES = {
+    "top": "topk",
+    "topk": "topk",
+    "naive": "topk",
+    "switch": "switch",
+    "gshard": "gshard",
+}
 _ACT_BY_NAME = {"gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu", "swiglu": "swiglu"}
-_EXPERT_KEYS = {"num_local_expert", "count_per_node", "hidden_size", "hidden_size_per_expert",
-                "activation_fn", "type"}
-_GATE_KEYS = {"type", "k", "capacity_factor", "fp32_gate", "normalize", "jitter_eps",
-              "random_routing"}
+_EXPERT_KEYS = {
+    "num_local_expert",
+    "count_per_node",
+    "hidden_size",
+    "hidden_size_per_expert",
+    "activation_fn",
+    "type",
+}
+_GATE_KEYS = {
+    "type",
+    "k",
+    "capacity_factor",
+    "fp32_gate",
+    "normalize",
+    "jitter_eps",
+    "random_routing",
+}
 
 
 def _activation_name(fn: str | Callable | type | None) -> str:
@@ -91,15 +110,21 @@ class MixMOETransformerMLP(nn.Module):
             raise ValueError("model_dim is required, e.g. model_dim=1024")
         unknown = set(gate_type) - _GATE_KEYS
         if unknown:
-            raise ValueError(f"gate_type has unknown keys {sorted(unknown)}; known: {sorted(_GATE_KEYS)}")
+            raise ValueError(
+                f"gate_type has unknown keys {sorted(unknown)}; known: {sorted(_GATE_KEYS)}"
+            )
         unknown = set(experts) - _EXPERT_KEYS
         if unknown:
-            raise ValueError(f"experts has unknown keys {sorted(unknown)}; known: {sorted(_EXPERT_KEYS)}")
+            raise ValueError(
+                f"experts has unknown keys {sorted(unknown)}; known: {sorted(_EXPERT_KEYS)}"
+            )
         if experts.get("type", "ffn") != "ffn":
             raise ValueError(f"experts type {experts['type']!r} is not supported; use 'ffn'")
         gate_name = str(gate_type.get("type", "top"))
         if gate_name not in _GATE_ALIASES:
-            raise ValueError(f"gate_type type {gate_name!r} is unknown; use one of {sorted(_GATE_ALIASES)}")
+            raise ValueError(
+                f"gate_type type {gate_name!r} is unknown; use one of {sorted(_GATE_ALIASES)}"
+            )
         capacity = gate_type.get("capacity_factor", 0)
         if capacity not in (0, None) and capacity > 0:
             raise ValueError(
@@ -118,7 +143,8 @@ class MixMOETransformerMLP(nn.Module):
         if not 0 <= expert_rank < world_size:
             raise ValueError(f"expert_rank={expert_rank} must be in [0, world_size={world_size})")
         if total_batch_size is not None and (
-            isinstance(total_batch_size, bool) or not isinstance(total_batch_size, int)
+            isinstance(total_batch_size, bool)
+            or not isinstance(total_batch_size, int)
             or total_batch_size < 1
         ):
             raise ValueError(f"total_batch_size must be a positive int, got {total_batch_size!r}")
@@ -145,7 +171,11 @@ class MixMOETransformerMLP(nn.Module):
             aux_loss_coef=aux_loss_coef,
             z_loss_coef=z_loss_coef,
         )
-        self.world_size, self.expert_rank, self.total_batch_size = world_size, expert_rank, total_batch_size
+        self.world_size, self.expert_rank, self.total_batch_size = (
+            world_size,
+            expert_rank,
+            total_batch_size,
+        )
         self.moe = MoE(self.config, device=device, dtype=dtype)
         self.aux: MoEAux | None = None
         if scan_expert_func is not None:
@@ -178,8 +208,11 @@ class FMoETransformerMLP(MixMOETransformerMLP):
     ) -> None:
         super().__init__(
             gate_type={"type": "top", "k": top_k},
-            experts={"num_local_expert": num_expert, "hidden_size": d_hidden,
-                     "activation_fn": activation},
+            experts={
+                "num_local_expert": num_expert,
+                "hidden_size": d_hidden,
+                "activation_fn": activation,
+            },
             model_dim=d_model,
             world_size=world_size,
             **kwargs,

@@ -33,7 +33,7 @@ class ExpertWeights:
         return self.w1_SDF.shape[0]
 
 
-def _activate(h_PF: torch.Tensor, activation: str) -> torch.Tensor:
+def activate(h_PF: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "gelu":
         return F.gelu(h_PF)
     if activation == "relu":
@@ -47,7 +47,7 @@ def expert_mlp(
     """out_PD = act(x @ w1 + b1) [* (x @ w3 + b3)] @ w2 + b2, per block with its slot's weights;
     masked rows are zero."""
     meta = (schedule.block_slot_Nb, schedule.block_rows_Nb, schedule.block_size)
-    h_PF = _activate(grouped_linear(x_PD, weights.w1_SDF, weights.b1_SF, *meta), activation)
+    h_PF = activate(grouped_linear(x_PD, weights.w1_SDF, weights.b1_SF, *meta), activation)
     if activation == "swiglu":
         h_PF = h_PF * grouped_linear(x_PD, weights.w3_SDF, weights.b3_SF, *meta)
     return grouped_linear(h_PF, weights.w2_SFD, weights.b2_SD, *meta)

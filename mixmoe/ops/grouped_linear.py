@@ -31,7 +31,7 @@ def _slot_runs(block_slot_Nb: torch.Tensor) -> list[tuple[int, int, int]]:
     """(slot, first block, end block) of every run of equal consecutive slots."""
     slots, lengths = torch.unique_consecutive(block_slot_Nb, return_counts=True)
     runs, start = [], 0
-    for slot, length in zip(slots.tolist(), lengths.tolist()):
+    for slot, length in zip(slots.tolist(), lengths.tolist(), strict=True):
         runs.append((slot, start, start + length))
         start += length
     return runs
@@ -60,11 +60,14 @@ def grouped_linear(
 
 @grouped_linear.register_fake
 def _(x_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size):
-    return x_PI.new_empty(x_PI.shape[0], w_SIO.shape[2])
+    dtype = torch.promote_types(x_PI.dtype, w_SIO.dtype)  # as the real implementations
+    return x_PI.new_empty(x_PI.shape[0], w_SIO.shape[2], dtype=dtype)
 
 
 @grouped_linear.register_kernel("cuda")
-def grouped_linear_triton(x_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size, *, config=None):
+def grouped_linear_triton(
+    x_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size, *, config=None
+):
     from mixmoe import kernels  # Triton is imported only when a CUDA tensor gets here
 
     return kernels.grouped_gemm(
@@ -112,8 +115,14 @@ def grouped_weight_grad_triton(
     from mixmoe import kernels
 
     return kernels.grouped_weight_grad(
-        x_PI, dy_PO, block_slot_Nb, block_rows_Nb, num_slots=num_slots, block_size=block_size,
-        with_bias=with_bias, config=config,
+        x_PI,
+        dy_PO,
+        block_slot_Nb,
+        block_rows_Nb,
+        num_slots=num_slots,
+        block_size=block_size,
+        with_bias=with_bias,
+        config=config,
     )
 
 
@@ -133,7 +142,12 @@ def _backward(ctx, dy_PO):
         ).to(x_PI.dtype)
     if ctx.needs_input_grad[1] or (ctx.with_bias and ctx.needs_input_grad[2]):
         dw, db = grouped_weight_grad(
-            x_PI, dy_PO, block_slot_Nb, block_rows_Nb, w_SIO.shape[0], ctx.block_size,
+            x_PI,
+            dy_PO,
+            block_slot_Nb,
+            block_rows_Nb,
+            w_SIO.shape[0],
+            ctx.block_size,
             ctx.with_bias,
         )
         dw = dw.to(w_SIO.dtype)

@@ -18,6 +18,8 @@ def gather_rows(x_TD: torch.Tensor, token_P: torch.Tensor) -> torch.Tensor:
     return F.pad(x_TD, (0, 0, 0, 1))[token_P]
 
 
-def combine_rows(out_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+def combine_rows(
+    out_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
     rows_TKD = F.pad(out_PD, (0, 0, 0, 1))[pos_TK]
     return (rows_TKD * weights_TK.unsqueeze(-1).to(rows_TKD.dtype)).sum(dim=1)

@@ -27,8 +27,15 @@ def _shard_experts(full: Experts, rank: int, world_size: int) -> Experts:
         )
     E = full.num_experts // world_size
     w = full.w1
-    local = Experts(E, full.model_dim, full.hidden_dim, full.activation, full.b1 is not None,
-                    device=w.device, dtype=w.dtype)
+    local = Experts(
+        E,
+        full.model_dim,
+        full.hidden_dim,
+        full.activation,
+        full.b1 is not None,
+        device=w.device,
+        dtype=w.dtype,
+    )
     with torch.no_grad():
         for name, p in local.named_expert_parameters():
             p.copy_(getattr(full, name)[rank * E : (rank + 1) * E])
@@ -46,7 +53,9 @@ def parallelize_moe(
         raise TypeError(f"parallelize_moe expects a mixmoe.MoE, got {type(layer).__name__}")
     strategy = strategy or layer.config.strategy
     if strategy not in STRATEGY_SPECS:
-        raise ValueError(f"strategy {strategy!r} is not expert-parallel; use one of {sorted(STRATEGY_SPECS)}")
+        raise ValueError(
+            f"strategy {strategy!r} is not expert-parallel; use one of {sorted(STRATEGY_SPECS)}"
+        )
     if layer.experts.num_global_experts != layer.experts.num_experts:
         raise ValueError("this layer is already sharded")
     layer.experts = _shard_experts(layer.experts, comm.rank, comm.world_size)

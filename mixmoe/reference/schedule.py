@@ -16,7 +16,7 @@ def reference_block_schedule(
         "src": [],
     }
     row = 0
-    for seg, (count, slot) in enumerate(zip(seg_counts, seg_slots)):
+    for seg, (count, slot) in enumerate(zip(seg_counts, seg_slots, strict=True)):
         start = 0
         while start < count:
             rows = min(block_size, count - start)

@@ -20,15 +20,15 @@ __all__ = ["CATEGORY_LABELS", "CategoryTime", "MoEBreakdown", "moe_breakdown"]
 
 CATEGORY_LABELS: dict[str, tuple[str, ...]] = {
     "gate": ("MOEGate", "moe.gate"),
-    "dispatch": ("DispatchMask", "MOEmm", "moe.count", "moe.plan", "moe.dispatch"),
+    "dispatch": ("DispatchMask", "MOEmm", "moe.count", "moe.count_exchange", "moe.plan"),
     "all-to-all": (
         "MOEAll2All_input",
         "MOEAll2All_output",
-        "moe.all_to_all",
-        "moe.replicas",
+        "moe.dispatch",
+        "moe.return",
         "moe.replica_fetch",
     ),
-    "experts": ("MOEExpert", "moe.experts"),
+    "experts": ("MOEExpert", "moe.experts", "moe.experts_local", "moe.experts_remote"),
     "combine": ("MOECombineExpert", "moe.combine"),
 }
 LAYER_LABELS = ("MOELayer", "moe.layer")

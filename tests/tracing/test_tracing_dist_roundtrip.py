@@ -110,7 +110,7 @@ def test_two_rank_traced_run_round_trips(tmp_path) -> None:
         for op in forward:
             names = [s.name for s in op.sub_ops]
             assert names[0] == "moe.dispatch"  # our collective, then the layer's own stages
-            assert {"moe.gate", "moe.experts", "moe.combine"} <= set(names)
+            assert {"moe.gate", "moe.count", "moe.experts"} <= set(names)
             comm = op.sub_ops[0]
             assert comm.in_splits == tuple(IN[rank]) and comm.out_splits == tuple(OUT[rank])
             assert comm.shape == (sum(IN[rank]), D) and comm.dtype == "torch.float32"

@@ -82,6 +82,7 @@ def _schedule(counts: list[int], slots: list[int], block_size: int, device) -> B
         torch.tensor(slots, dtype=torch.int64, device=device),
         nb,
         block_size,
+        num_rows=sum(counts),
     )
 
 

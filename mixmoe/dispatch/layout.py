@@ -48,7 +48,11 @@ def expert_row_layout(ids_TK: torch.Tensor, num_experts: int, block_size: int) -
     counts_host = counts_to_host(counts_N)
     num_blocks = sum(-(-c // block_size) for c in counts_host)
     schedule = build_block_schedule(
-        counts_N, torch.arange(num_experts, device=device), num_blocks, block_size
+        counts_N,
+        torch.arange(num_experts, device=device),
+        num_blocks,
+        block_size,
+        num_rows=sum(counts_host),
     )
     src_P = schedule.src_P
     token_P = torch.where(src_P >= 0, order_R[src_P.clamp(min=0)] // K, T)

@@ -28,9 +28,10 @@ def load_balancing_loss(
         return widen(logits_TN).sum() * 0.0
     probs_N = torch.softmax(widen(logits_TN), dim=-1).mean(dim=0)
     chosen = ids_TK[:, :1] if first_choice_only else ids_TK
-    kept = chosen[chosen >= 0]
-    counts_N = torch.bincount(kept, minlength=num_experts).to(probs_N.dtype)
-    f_N = counts_N / kept.numel() if kept.numel() else counts_N
+    # dropped choices (-1) land in an extra bin that is cut off; no boolean indexing, no host sync
+    binned = torch.where(chosen >= 0, chosen, num_experts).reshape(-1)
+    counts_N = torch.bincount(binned, minlength=num_experts + 1)[:num_experts].to(probs_N.dtype)
+    f_N = counts_N / counts_N.sum().clamp(min=1)
     return num_experts * (f_N * probs_N).sum()
 
 

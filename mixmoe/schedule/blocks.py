@@ -34,6 +34,8 @@ class BlockSchedule:
     block_row_start_Nb: first sorted row of each block.
     block_rows_Nb:    valid rows of each block, in [1, B].
     seg_row_start_G:  first sorted row of each segment (exclusive cumsum of the counts).
+    seg_counts_G:     rows of each segment.
+    seg_block_start_G: first block of each segment.
     src_P:            sorted row held by each padded row, -1 for masked padding.
     num_rows:         R = total valid rows (a Python int).
     """
@@ -44,6 +46,8 @@ class BlockSchedule:
     block_row_start_Nb: torch.Tensor
     block_rows_Nb: torch.Tensor
     seg_row_start_G: torch.Tensor
+    seg_counts_G: torch.Tensor
+    seg_block_start_G: torch.Tensor
     src_P: torch.Tensor
     num_rows: int
 
@@ -56,11 +60,16 @@ class BlockSchedule:
         return self.num_blocks * self.block_size
 
     def padded_position_R(self) -> torch.Tensor:
-        """Padded row of every sorted row (the inverse of ``src_P`` on its valid entries)."""
-        valid_P = self.src_P >= 0
-        pos_R = torch.empty(self.num_rows, dtype=torch.int64, device=self.src_P.device)
-        pos_R[self.src_P[valid_P]] = torch.nonzero(valid_P).flatten()
-        return pos_R
+        """Padded row of every sorted row (the inverse of ``src_P`` on its valid entries),
+        computed arithmetically: no device sync."""
+        device, B = self.src_P.device, self.block_size
+        seg_R = torch.repeat_interleave(
+            torch.arange(self.seg_counts_G.numel(), device=device),
+            self.seg_counts_G,
+            output_size=self.num_rows,
+        )
+        within_R = torch.arange(self.num_rows, device=device) - self.seg_row_start_G[seg_R]
+        return (self.seg_block_start_G[seg_R] + within_R // B) * B + within_R % B
 
 
 def build_block_schedule(
@@ -68,11 +77,13 @@ def build_block_schedule(
     seg_slot_G: torch.Tensor,
     num_blocks: int | None = None,
     block_size: int = 64,
+    num_rows: int | None = None,
 ) -> BlockSchedule:
     """Cut segments of ``seg_counts_G`` rows (segment g uses slot ``seg_slot_G[g]``) into blocks.
 
-    ``num_blocks`` may be passed when the caller already knows it on the host (it is
-    ``sum(ceil(c / B))``); otherwise it is read from the device here (one small host sync).
+    ``num_blocks`` (``sum(ceil(c / B))``) and ``num_rows`` (``sum(c)``) may be passed when the
+    caller already knows them on the host; otherwise they are read from the device here (a small
+    host sync each).
     Zero-row segments get no block.
     """
     if block_size < 1:
@@ -108,6 +119,8 @@ def build_block_schedule(
         block_row_start_Nb=block_row_start_Nb,
         block_rows_Nb=block_rows_Nb,
         seg_row_start_G=seg_row_start_G,
+        seg_counts_G=counts_G,
+        seg_block_start_G=seg_block_start_G,
         src_P=src_NbB.reshape(-1),
-        num_rows=int(counts_G.sum()) if num_blocks else 0,
+        num_rows=int(counts_G.sum()) if num_rows is None else num_rows,
     )

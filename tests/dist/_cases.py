@@ -12,9 +12,14 @@ D, F = 12, 20
 
 def make_config(case: dict) -> MoEConfig:
     return MoEConfig(
-        model_dim=D, hidden_dim=F, num_experts=case["num_experts"], top_k=case["top_k"],
-        activation=case.get("activation", "gelu"), gate=GateConfig(type=case.get("gate", "topk")),
-        block_size=case.get("block_size", 16), max_replicas=case.get("max_replicas", 4),
+        model_dim=D,
+        hidden_dim=F,
+        num_experts=case["num_experts"],
+        top_k=case["top_k"],
+        activation=case.get("activation", "gelu"),
+        gate=GateConfig(type=case.get("gate", "topk")),
+        block_size=case.get("block_size", 16),
+        max_replicas=case.get("max_replicas", 4),
     )
 
 

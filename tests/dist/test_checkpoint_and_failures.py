@@ -11,8 +11,14 @@ from mixmoe.parallel import gather_full_state_dict, load_full_state_dict, parall
 
 pytestmark = pytest.mark.dist
 
-CASE = {"num_experts": 4, "top_k": 2, "skew": "hot", "dtype": torch.float64, "seed": 11,
-        "tokens": [50, 40, 30, 20]}
+CASE = {
+    "num_experts": 4,
+    "top_k": 2,
+    "skew": "hot",
+    "dtype": torch.float64,
+    "seed": 11,
+    "tokens": [50, 40, 30, 20],
+}
 
 
 def _save_w4(comm) -> dict | None:

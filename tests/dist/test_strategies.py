@@ -15,9 +15,13 @@ from mixmoe.parallel import parallelize_moe
 from mixmoe.placement.profile import HardwareProfile
 
 # compute-bound profile: replication always pays, so mix and shadow really use replicas
-REPLICATE = HardwareProfile("test-replicate", gemm_flops=1e6, link_bandwidth=1e12, link_latency=1e-9)
+REPLICATE = HardwareProfile(
+    "test-replicate", gemm_flops=1e6, link_bandwidth=1e12, link_latency=1e-9
+)
 # bandwidth-starved profile: replicas never pay
-NO_REPLICATE = HardwareProfile("test-no-replicate", gemm_flops=1e15, link_bandwidth=1.0, link_latency=1e-9)
+NO_REPLICATE = HardwareProfile(
+    "test-no-replicate", gemm_flops=1e15, link_bandwidth=1.0, link_latency=1e-9
+)
 
 pytestmark = pytest.mark.dist
 
@@ -30,8 +34,11 @@ def _run_case(comm, case: dict) -> dict:
     y, aux = layer(x)
     (y * dy).sum().backward()
     return {
-        "y": y.detach(), "dx": x.grad, "stats": aux.stats,
-        "gate_w": layer.gate.wg.weight.grad, "gate_b": layer.gate.wg.bias.grad,
+        "y": y.detach(),
+        "dx": x.grad,
+        "stats": aux.stats,
+        "gate_w": layer.gate.wg.weight.grad,
+        "gate_b": layer.gate.wg.bias.grad,
         **{f"d{n}": p.grad for n, p in layer.experts.named_expert_parameters()},
     }
 
@@ -42,12 +49,14 @@ def _worker(comm, cases: list[dict]) -> list[dict]:
 
 def _reference(case: dict, world: int) -> dict:
     layer = make_layer(case)
-    xs, dys = zip(*(rank_inputs(case, r) for r in range(world)))
+    xs, dys = zip(*(rank_inputs(case, r) for r in range(world)), strict=True)
     x = torch.cat(xs).requires_grad_(True)
     y, _ = layer(x)
     (y * torch.cat(dys)).sum().backward()
     return {
-        "y": y.detach(), "dx": x.grad, "gate_w": layer.gate.wg.weight.grad,
+        "y": y.detach(),
+        "dx": x.grad,
+        "gate_w": layer.gate.wg.weight.grad,
         "gate_b": layer.gate.wg.bias.grad,
         **{f"d{n}": p.grad for n, p in layer.experts.named_expert_parameters()},
     }
@@ -55,7 +64,11 @@ def _reference(case: dict, world: int) -> dict:
 
 def _check(case: dict, got: list[dict], world: int) -> None:
     ref = _reference(case, world)
-    tol = {"rtol": 1e-10, "atol": 1e-10} if case["dtype"] == torch.float64 else {"rtol": 1e-4, "atol": 2e-5}
+    tol = (
+        {"rtol": 1e-10, "atol": 1e-10}
+        if case["dtype"] == torch.float64
+        else {"rtol": 1e-4, "atol": 2e-5}
+    )
     torch.testing.assert_close(torch.cat([g["y"] for g in got]), ref["y"], **tol)
     torch.testing.assert_close(torch.cat([g["dx"] for g in got]), ref["dx"], **tol)
     for key in ("gate_w", "gate_b"):  # gate is data-parallel: the reference sees the summed grad
@@ -69,16 +82,26 @@ def _cases(world: int) -> list[dict]:
     cases = []
     tokens = {2: [[70, 45], [0, 130]], 4: [[33, 0, 100, 64], [64, 1, 17, 90]]}[world]
     grid = itertools.product(
-        ("a2a", "shadow", "mix"), (torch.float64, torch.float32), (1, 2), ("uniform", "hot", "one"),
+        ("a2a", "shadow", "mix"),
+        (torch.float64, torch.float32),
+        (1, 2),
+        ("uniform", "hot", "one"),
     )
     for i, (strategy, dtype, top_k, skew) in enumerate(grid):
         if dtype == torch.float32 and skew == "uniform":
             continue  # float32 is covered by the skewed cases; keep the tier short
-        cases.append({
-            "strategy": strategy, "dtype": dtype, "top_k": top_k, "skew": skew,
-            "num_experts": 2 * world, "tokens": tokens[i % 2], "seed": 1000 * world + i,
-            "profile": NO_REPLICATE if (i % 5 == 4) else REPLICATE,
-        })
+        cases.append(
+            {
+                "strategy": strategy,
+                "dtype": dtype,
+                "top_k": top_k,
+                "skew": skew,
+                "num_experts": 2 * world,
+                "tokens": tokens[i % 2],
+                "seed": 1000 * world + i,
+                "profile": NO_REPLICATE if (i % 5 == 4) else REPLICATE,
+            }
+        )
     return cases
 
 

@@ -13,8 +13,14 @@ from mixmoe.parallel import parallelize_moe
 
 pytestmark = pytest.mark.dist
 
-CASE = {"num_experts": 4, "top_k": 2, "skew": "hot", "dtype": torch.float64, "seed": 7,
-        "tokens": [96, 80]}
+CASE = {
+    "num_experts": 4,
+    "top_k": 2,
+    "skew": "hot",
+    "dtype": torch.float64,
+    "seed": 7,
+    "tokens": [96, 80],
+}
 
 
 def _train(comm, strategy: str, steps: int) -> dict:
@@ -30,9 +36,13 @@ def _train(comm, strategy: str, steps: int) -> dict:
             # what this rank computed with == what the owners hold right now
             plan = disp._last_fetch
             owned = pack_experts(layer.experts.weights(), list(range(layer.experts.num_experts)))
-            every = comm.all_gather_rows(owned.detach().reshape(-1)).reshape(case["num_experts"], -1)
+            every = comm.all_gather_rows(owned.detach().reshape(-1)).reshape(
+                case["num_experts"], -1
+            )
             truth = every[list(plan.recv_experts)]
-            replica_errors.append((disp._cache_HQ - truth).abs().max().item() if truth.numel() else 0.0)
+            replica_errors.append(
+                (disp._cache_HQ - truth).abs().max().item() if truth.numel() else 0.0
+            )
             fetched.append(len(plan.recv_experts))
         (y * dy).sum().backward()
         # gate is data-parallel: average its grads like DDP would
@@ -57,8 +67,15 @@ def _eval_cache(comm) -> dict:
         y2, a2 = layer(x)  # weights unchanged: the fetch is served from the cache
         layer.experts.w1.add_(0.5)  # an in-place write bumps the version: refetch
         y3, a3 = layer(x)
-    return {"cached": [a1.stats["replica_cached"], a2.stats["replica_cached"], a3.stats["replica_cached"]],
-            "same": torch.equal(y1, y2), "changed": not torch.equal(y2, y3)}
+    return {
+        "cached": [
+            a1.stats["replica_cached"],
+            a2.stats["replica_cached"],
+            a3.stats["replica_cached"],
+        ],
+        "same": torch.equal(y1, y2),
+        "changed": not torch.equal(y2, y3),
+    }
 
 
 def _worker(comm) -> dict:

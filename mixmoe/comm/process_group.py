@@ -51,7 +51,11 @@ def init_distributed(
                     f"init_distributed: environment variables {missing} are not set; launch with "
                     "torchrun or pass store=, rank= and world_size="
                 )
-            dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+            if rank is not None:
+                kwargs["rank"] = rank
+            if world_size is not None:
+                kwargs["world_size"] = world_size
+            dist.init_process_group(backend, **kwargs)  # env:// reads the torchrun variables
         if backend == "nccl":
             torch.cuda.set_device(
                 int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))

@@ -33,6 +33,7 @@ from mixmoe.dispatch.layout import counts_to_host
 from mixmoe.dispatch.replicas import FetchPlan, fetch_replicas, unpack_experts, weights_version
 from mixmoe.dispatch.result import DispatchResult
 from mixmoe.dispatch.segments import concat_ranges, exclusive_cumsum
+from mixmoe.dispatch.step_plan import StepPlan, build_step_plan
 from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
 from mixmoe.ops.rows import combine_rows, gather_rows
 from mixmoe.placement.cost_model import LayerShape
@@ -192,12 +193,53 @@ class ExpertParallelDispatcher:
             return plan_shadow(C, shape, profile)
         return plan_mix(C, shape, profile, cfg.max_replicas)
 
+    def _exchange(self, name: str, x_RD: torch.Tensor, out_splits, in_splits, moving: bool):
+        """Token all_to_all: async under overlap (returns a pending handle), else synchronous;
+        skipped on every rank alike when nothing moves."""
+        with trace_span(
+            name,
+            kind="comm",
+            comm_func="all_to_all",
+            group="exp",
+            shape=tuple(x_RD.shape),
+            dtype=x_RD.dtype,
+            in_splits=in_splits,
+            out_splits=out_splits,
+        ):
+            if not moving:
+                return x_RD[:0], None
+            if self.spec.overlap:
+                return all_to_all_start(self.comm, x_RD, out_splits, in_splits)
+            return all_to_all(self.comm, x_RD, out_splits, in_splits), None
+
+    def _fetch(self, weights: ExpertWeights, plan: Plan, step: StepPlan, versions: list[int]):
+        """Replica weights for this step (None if nothing is replicated) and whether the fetch
+        was served from the cache."""
+        if not plan.replicas:
+            return None, False
+        E = self.experts_per_rank
+        key = (plan.replicas, tuple(versions[g // E] for g, _ in plan.replicas))
+        cached = self._cache_HQ if self.spec.cache_replicas and key == self._cache_key else None
+        with trace_span(
+            "moe.replica_fetch",
+            kind="comm",
+            comm_func="all_to_all",
+            group="exp",
+            in_splits=step.fetch.in_splits,
+            out_splits=step.fetch.out_splits,
+        ):
+            replicas_HQ = fetch_replicas(self.comm, weights, step.fetch, cached)
+        if self.spec.cache_replicas:
+            self._cache_key, self._cache_HQ = key, replicas_HQ.detach()
+        self._last_fetch = step.fetch
+        return unpack_experts(replicas_HQ, weights), cached is not None
+
     # -- the step ------------------------------------------------------------------------------
     def __call__(
         self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights, activation: str
     ) -> DispatchResult:
-        comm, E, B = self.comm, self.experts_per_rank, self.config.block_size
-        W, r, N = comm.world_size, comm.rank, self.config.num_experts
+        E, B = self.experts_per_rank, self.config.block_size
+        W, r, N = self.comm.world_size, self.comm.rank, self.config.num_experts
         T, K = routing.ids_TK.shape
         device = x_TD.device
         if weights.num_slots != E:
@@ -214,93 +256,43 @@ class ExpertParallelDispatcher:
         C, versions = self.exchange_counts(counts_N, weights_version(weights))
         c = C[r]
 
-        # 2. plan
+        # 2. plan: the same on every rank
         with trace_span("moe.plan", kind="host"):
             plan = self._plan(C, x_TD.dtype, device)
-            holders = {g: set(h) for g, h in plan.replicas}
-            rep_experts = list(plan.replica_slots(r))
-            own_experts = list(range(r * E, (r + 1) * E))
-            send_experts = [g for g in range(N) if g // E != r and g not in set(rep_experts)]
-            in_splits = [0] * W
-            for g in send_experts:
-                in_splits[g // E] += c[g]
-            recv_counts, recv_slots, out_splits = [], [], [0] * W
-            for s in range(W):
-                for e in range(E):
-                    g = r * E + e
-                    n = C[s][g] if s != r and s not in holders.get(g, ()) else 0
-                    recv_counts.append(n)
-                    recv_slots.append(e)
-                    out_splits[s] += n
-            fetch = FetchPlan.build(plan.replicas, r, W, E)
-            assert fetch.recv_experts == tuple(rep_experts)
+            step = build_step_plan(C, plan, r, E)
+        moving = step.rows_moved > 0
 
-        # 3. replica fetch
-        replica_weights, cached = None, None
-        if plan.replicas:
-            key = (plan.replicas, tuple(versions[g // E] for g, _ in plan.replicas))
-            cached = self._cache_HQ if self.spec.cache_replicas and key == self._cache_key else None
-            with trace_span(
-                "moe.replica_fetch",
-                kind="comm",
-                comm_func="all_to_all",
-                group="exp",
-                in_splits=fetch.in_splits,
-                out_splits=fetch.out_splits,
-            ):
-                replicas_HQ = fetch_replicas(comm, weights, fetch, cached)
-            if self.spec.cache_replicas:
-                self._cache_key, self._cache_HQ = key, replicas_HQ.detach()
-            self._last_fetch = fetch
-            replica_weights = unpack_experts(replicas_HQ, weights)
+        # 3. replica fetch (one all_to_all of packed weights, or the cache)
+        replica_weights, cached = self._fetch(weights, plan, step, versions)
 
-        # 4. rows: local-owned, local-replica, remote (sorted-order positions)
+        # 4. rows (positions in expert-sorted order): local-owned, local-replica, remote
         start = exclusive_cumsum(c)
+
+        def rows_of(experts: tuple[int, ...]) -> torch.Tensor:
+            return concat_ranges([start[g] for g in experts], [c[g] for g in experts], device)
+
         token_R = order_R // K
-        own_rows = concat_ranges(
-            [start[g] for g in own_experts], [c[g] for g in own_experts], device
+        own_rows, rep_rows, send_rows = (
+            rows_of(step.own_experts),
+            rows_of(step.rep_experts),
+            rows_of(step.send_experts),
         )
-        rep_rows = concat_ranges(
-            [start[g] for g in rep_experts], [c[g] for g in rep_experts], device
+        recv_RD, pending = self._exchange(
+            "moe.dispatch", x_TD[token_R[send_rows]], step.out_splits, step.in_splits, moving
         )
-        send_rows = concat_ranges(
-            [start[g] for g in send_experts], [c[g] for g in send_experts], device
-        )
-        x_send = x_TD[token_R[send_rows]]
-        moving = (
-            sum(sum(row) for row in C)
-            - sum(C[s][g] for s in range(W) for g in range(N) if plan.computed_at(s, g, E) == s)
-            > 0
-        )  # every rank computes the same answer: skip the all_to_alls when nothing moves
-        with trace_span(
-            "moe.dispatch",
-            kind="comm",
-            comm_func="all_to_all",
-            group="exp",
-            shape=tuple(x_send.shape),
-            dtype=x_TD.dtype,
-            in_splits=in_splits,
-            out_splits=out_splits,
-        ):
-            if moving and self.spec.overlap:
-                recv_RD, pending = all_to_all_start(comm, x_send, out_splits, in_splits)
-            elif moving:
-                recv_RD, pending = all_to_all(comm, x_send, out_splits, in_splits), None
-            else:
-                recv_RD, pending = x_send[:0], None
 
         # 5. experts: local blocks first (overlapping the all_to_all under mix), then received
         with trace_span("moe.experts_local", kind="compute"):
-            sched_own = _schedule([c[g] for g in own_experts], list(range(E)), B, device)
+            sched_own = _schedule([c[g] for g in step.own_experts], list(range(E)), B, device)
             out_own_PD = expert_mlp(
                 gather_rows(x_TD, _padded_source(sched_own, token_R[own_rows], T)),
                 weights,
                 sched_own,
                 activation,
             )
-            sched_rep = _schedule(
-                [c[g] for g in rep_experts], list(range(len(rep_experts))), B, device
-            )
+            rep_counts = [c[g] for g in step.rep_experts]
+            sched_rep = _schedule(rep_counts, list(range(len(rep_counts))), B, device)
+            out_rep_PD = out_own_PD[:0]
             if replica_weights is not None:
                 out_rep_PD = expert_mlp(
                     gather_rows(x_TD, _padded_source(sched_rep, token_R[rep_rows], T)),
@@ -308,49 +300,32 @@ class ExpertParallelDispatcher:
                     sched_rep,
                     activation,
                 )
-            else:
-                out_rep_PD = out_own_PD[:0]
         if pending is not None:
             recv_RD = all_to_all_wait(recv_RD, pending)
         with trace_span("moe.experts_remote", kind="compute"):
-            sched_recv = _schedule(recv_counts, recv_slots, B, device)
+            sched_recv = _schedule(step.recv_counts, step.recv_slots, B, device)
             n_recv = recv_RD.shape[0]
+            all_recv_R = torch.arange(n_recv, device=device)
             out_recv_PD = expert_mlp(
-                gather_rows(
-                    recv_RD, _padded_source(sched_recv, torch.arange(n_recv, device=device), n_recv)
-                ),
+                gather_rows(recv_RD, _padded_source(sched_recv, all_recv_R, n_recv)),
                 weights,
                 sched_recv,
                 activation,
             )
             out_recv_RD = out_recv_PD[sched_recv.padded_position_R()]
 
-        # 6. results home, combine
-        with trace_span(
-            "moe.return",
-            kind="comm",
-            comm_func="all_to_all",
-            group="exp",
-            shape=tuple(out_recv_RD.shape),
-            dtype=x_TD.dtype,
-            in_splits=out_splits,
-            out_splits=in_splits,
-        ):
-            if moving and self.spec.overlap:
-                back_RD, back_pending = all_to_all_start(comm, out_recv_RD, in_splits, out_splits)
-            elif moving:
-                back_RD, back_pending = all_to_all(comm, out_recv_RD, in_splits, out_splits), None
-            else:
-                back_RD, back_pending = out_recv_RD[:0], None
+        # 6. results home (overlapped with the local combine under mix), combine
+        back_RD, back_pending = self._exchange(
+            "moe.return", out_recv_RD, step.in_splits, step.out_splits, moving
+        )
         with trace_span("moe.combine", kind="compute"):
-            p_own = sched_own.num_padded_rows
             out_loc_PD = torch.cat([out_own_PD, out_rep_PD])
             n_loc, n_send = out_loc_PD.shape[0], send_rows.numel()
             inv_R = torch.empty_like(order_R)
             inv_R[order_R] = torch.arange(order_R.numel(), device=device)
             pos_loc = torch.full((T * K,), n_loc, dtype=torch.int64, device=device)
             pos_loc[own_rows] = sched_own.padded_position_R()
-            pos_loc[rep_rows] = p_own + sched_rep.padded_position_R()
+            pos_loc[rep_rows] = sched_own.num_padded_rows + sched_rep.padded_position_R()
             pos_back = torch.full((T * K,), n_send, dtype=torch.int64, device=device)
             pos_back[send_rows] = torch.arange(n_send, device=device)
             y_TD = combine_rows(out_loc_PD, pos_loc[inv_R].view(T, K), routing.weights_TK)
@@ -360,11 +335,10 @@ class ExpertParallelDispatcher:
 
         rows_W = plan.prediction.rows
         stats = {
-            "rows_moved": sum(sum(row) for row in C)
-            - sum(C[s][g] for s in range(W) for g in range(N) if plan.computed_at(s, g, E) == s),
+            "rows_moved": step.rows_moved,
             "replicas": sum(len(h) for _, h in plan.replicas),
             "max_rows": max(rows_W),
             "mean_rows": sum(rows_W) / W,
-            "replica_cached": cached is not None,
+            "replica_cached": cached,
         }
         return DispatchResult(y_TD, counts_N, stats)

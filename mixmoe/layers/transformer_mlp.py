@@ -83,8 +83,11 @@ class MixMOETransformerMLP(nn.Module):
 
     Legacy arguments: ``scan_expert_func(name, param)`` is called on every expert parameter
     (e.g. to mark it ``skip_allreduce``); ``world_size``/``expert_rank`` describe the expert-parallel
-    group (experts are ``num_local_expert`` per rank, so N = E * world_size); ``total_batch_size``
-    is accepted and checked but unused (mixmoe sizes its buffers per step from the counts).
+    group (experts are ``num_local_expert`` per rank, so N = E * world_size): the module is built
+    with all N experts and must be sharded before its first forward with
+    ``mixmoe.parallel.parallelize_moe(module.moe, comm)`` on every rank (checked against
+    ``expert_rank``); ``total_batch_size`` is accepted and checked but unused (mixmoe sizes its
+    buffers per step from the counts).
     """
 
     def __init__(
@@ -148,11 +151,6 @@ class MixMOETransformerMLP(nn.Module):
             or total_batch_size < 1
         ):
             raise ValueError(f"total_batch_size must be a positive int, got {total_batch_size!r}")
-        if world_size > 1:
-            raise ValueError(
-                f"world_size={world_size}: this layer is built for one device; apply expert "
-                "parallelism from outside with mixmoe.parallel (world_size=1 here)"
-            )
         gate_kind = _GATE_ALIASES[gate_name]
         default_k = {"switch": 1, "gshard": 2}.get(gate_kind, 2)
         self.config = MoEConfig(
@@ -187,7 +185,25 @@ class MixMOETransformerMLP(nn.Module):
         """The scaled auxiliary loss of the last forward (None before the first)."""
         return None if self.aux is None else self.aux.loss
 
+    def _check_sharding(self) -> None:
+        experts = self.moe.experts
+        if self.world_size == 1:
+            return
+        if experts.num_experts == experts.num_global_experts:
+            raise ValueError(
+                f"world_size={self.world_size}: shard the experts before the first forward with "
+                "mixmoe.parallel.parallelize_moe(module.moe, comm) on every rank"
+            )
+        local = experts.num_global_experts // self.world_size
+        if experts.first_expert != self.expert_rank * local:
+            raise ValueError(
+                f"expert_rank={self.expert_rank} but this rank holds experts "
+                f"{experts.first_expert}..{experts.first_expert + local - 1}; pass "
+                "expert_rank=comm.rank of the expert-parallel group"
+            )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_sharding()
         y, self.aux = self.moe(x)
         return y
 

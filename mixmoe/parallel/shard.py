@@ -38,7 +38,9 @@ def _shard_experts(full: Experts, rank: int, world_size: int) -> Experts:
     )
     with torch.no_grad():
         for name, p in local.named_expert_parameters():
-            p.copy_(getattr(full, name)[rank * E : (rank + 1) * E])
+            source = getattr(full, name)
+            p.copy_(source[rank * E : (rank + 1) * E])
+            p.__dict__.update(source.__dict__)  # marks set by the user (scan_expert_func) survive
     local.first_expert, local.num_global_experts = rank * E, full.num_experts
     return local
 

@@ -8,7 +8,7 @@ import torch
 from _cases import make_layer, rank_inputs
 from test_strategies import REPLICATE
 
-from mixmoe.dispatch.replicas import FetchPlan, pack_experts
+from mixmoe.dispatch.replicas import pack_experts
 from mixmoe.parallel import parallelize_moe
 
 pytestmark = pytest.mark.dist

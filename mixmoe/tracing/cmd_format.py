@@ -37,6 +37,13 @@ _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _CMD_PREFIX = re.compile(r"^rank:-?\d+:")
 
 
+def _start_ms(duration_ms: float | None, timestamp_ms: float | None) -> float | None:
+    """Start of a span logged by its END timestamp and duration (None if either is unknown)."""
+    if duration_ms is None or timestamp_ms is None:
+        return None
+    return timestamp_ms - duration_ms
+
+
 @dataclass(frozen=True)
 class SubOp:
     """One timed sub-operation inside an op: a collective (legacy producers) or a mixmoe span.
@@ -60,9 +67,7 @@ class SubOp:
 
     @property
     def start_ms(self) -> float | None:
-        if self.duration_ms is None or self.timestamp_ms is None:
-            return None
-        return self.timestamp_ms - self.duration_ms
+        return _start_ms(self.duration_ms, self.timestamp_ms)
 
     @property
     def is_comm(self) -> bool:
@@ -99,9 +104,7 @@ class CmdOp:
 
     @property
     def start_ms(self) -> float | None:
-        if self.duration_ms is None or self.timestamp_ms is None:
-            return None
-        return self.timestamp_ms - self.duration_ms
+        return _start_ms(self.duration_ms, self.timestamp_ms)
 
     @property
     def is_timed(self) -> bool:

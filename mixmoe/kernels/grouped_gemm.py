@@ -40,9 +40,11 @@ _AUTOTUNE_CONFIGS = [
     for bm, bn, bk, w, s in [
         (64, 128, 64, 4, 4),
         (64, 256, 64, 8, 3),
+        (64, 256, 64, 4, 4),
         (64, 64, 64, 4, 4),
         (128, 128, 64, 8, 3),
         (128, 256, 64, 8, 3),
+        (128, 256, 64, 8, 4),
         (32, 128, 64, 4, 4),
         (16, 128, 64, 4, 4),
     ]
@@ -87,6 +89,7 @@ def _grouped_gemm_kernel(
     GATHER: tl.constexpr,
     SCALE: tl.constexpr,
     SCATTER: tl.constexpr,
+    BLOCKS_CLASS: tl.constexpr,  # autotune key only: bit length of the number of blocks
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -146,7 +149,7 @@ def _grouped_gemm_kernel(
 
 _grouped_gemm_autotuned = triton.autotune(
     configs=_AUTOTUNE_CONFIGS,
-    key=["I", "O", "BLOCK_SIZE", "HAS_BIAS", "GATHER", "SCALE", "SCATTER"],
+    key=["I", "O", "BLOCK_SIZE", "HAS_BIAS", "GATHER", "SCALE", "SCATTER", "BLOCKS_CLASS"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_grouped_gemm_kernel)
 
@@ -243,6 +246,8 @@ def grouped_gemm(
         "GATHER": row_index_P is not None,
         "SCALE": row_scale_P is not None,
         "SCATTER": out_index_P is not None,
+        # tune per problem-size class: a config tuned on 16 blocks is a poor choice for 4096
+        "BLOCKS_CLASS": block_slot_Nb.shape[0].bit_length(),
         "INPUT_PRECISION": input_precision(dtype),
         "DOT_FP32": dot_in_fp32(_grouped_gemm_kernel, dtype),
     }

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU session's checks, in one call of the device tool (see README "Kernels").
+# Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
+# Stages: env, install, gpu-tests, suite, kernels, layer, hf. Logs go to $OUT (or ./gpu-out).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+run() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc ($(date +%T))"; tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+for stage in "$@"; do case $stage in
+  env) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+       $PY -c "import torch, triton, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')";;
+  install) $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; echo "install rc=$?";;
+  gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests -m gpu -o addopts= -q -ra -p no:cacheprovider;;
+  suite) run suite "${SUITE_S:-420}" $PY -m pytest tests -o addopts= -q -ra -p no:cacheprovider -x;;
+
+  kernels) run kernels "${KERNELS_S:-300}" $PY -m mixmoe bench kernels --device cuda --dtype bf16 \
+       --model-dim 1024 --hidden-size 4096 --rows-per-expert ${ROWS:-256,1024,4096} \
+       --experts ${EXPERTS:-4,16,64} --skew ${SKEW:-uniform} --activation ${ACT:-gelu} \
+       --warmup 5 --repeats 20 --jsonl "$OUT/kernels.jsonl";;
+  layer) for e in ${LAYER_EXPERTS:-4 16 64}; do
+       run layer-e$e "${LAYER_S:-120}" $PY -m mixmoe bench layer --device cuda --dtype bf16 \
+         --model-dim 1024 --hidden-size 4096 --tokens 8192 --num-local-experts $e --top-k 2 \
+         --routing ${LAYER_ROUTING:-uniform} --steps 20 --warmup 5 --jsonl "$OUT/layer.jsonl"; done;;
+  hf) run hf "${HF_S:-240}" $PY scripts/gpu/hf_mixtral_vs_mixmoe.py --experts ${HF_EXPERTS:-4,16,64};;
+  *) echo "unknown stage $stage"; exit 2;;
+esac; done

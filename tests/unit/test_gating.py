@@ -46,6 +46,19 @@ def test_topk_weights_by_hand(normalize):
     assert_close(r1.weights_TK, t64([[1.0]]))
 
 
+def test_topk_default_normalisation_is_topk_softmax():
+    # the two normalisations are equal in exact arithmetic (see above), not in float32 rounding:
+    # bitwise equality pins the default to the documented ``topk_softmax`` computation
+    torch.manual_seed(seed_for("topk-default"))
+    logits = torch.randn(64, 8) * 3
+    default = topk_route(logits, 2)
+    explicit = topk_route(logits, 2, "topk_softmax")
+    assert torch.equal(default.ids_TK, explicit.ids_TK)
+    assert torch.equal(default.weights_TK, explicit.weights_TK)
+    renorm = topk_route(logits, 2, "softmax_renorm")
+    assert_close(renorm.weights_TK, explicit.weights_TK)  # same values up to rounding
+
+
 def test_switch_weight_is_softmax_probability():
     # probs 3/6, 1/6, 2/6 -> top-1 expert 0 with weight 1/2 (NOT renormalised to 1)
     r = switch_route(t64([[LN3, 0.0, LN2], [0.0, LN2, LN3]]))

@@ -194,6 +194,23 @@ def test_z_loss_is_stable_for_large_logits():
     assert_close(got, torch.tensor((1000.0 + LN2) ** 2), rtol=1e-6, atol=0)
 
 
+def test_aux_losses_of_zero_tokens_are_zero_with_a_gradient():
+    # a rank may route no tokens: the losses are exactly 0 (not NaN from a mean over nothing)
+    logits = torch.randn(0, 4, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.zeros(0, 2, dtype=torch.int64)
+    for loss in (load_balancing_loss(logits, ids), router_z_loss(logits)):
+        assert loss.dtype == torch.float32 and loss.item() == 0.0
+        (grad,) = torch.autograd.grad(loss, logits)
+        assert grad.shape == (0, 4)
+
+
+def test_route_defaults_to_eval_no_random_drops():
+    gate = GateConfig(type="gshard", random_routing=True)
+    torch.manual_seed(seed_for("route-default-eval"))
+    routing = route(torch.randn(256, 8), 2, gate)  # training defaults to False
+    assert (routing.ids_TK >= 0).all()
+
+
 @pytest.mark.parametrize("first_choice_only", [False, True])
 def test_aux_losses_accumulate_in_float32_from_bf16_logits(first_choice_only):
     """bf16 logits at a realistic size (4096 x 8, scale 4): both losses come back in float32 and

@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint clean venv
+.PHONY: demo test lint mutation clean venv
 
 venv: $(STAMP)
 
@@ -27,5 +27,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check mixmoe tests
 	$(BIN)/ruff format --check mixmoe tests
 
+# Mutation testing of the core (slow, not in CI): MUTATION_GROUPS="gating ops" for a subset.
+# Edits the sources in place while it runs; prints kill rates and survivors (tests/MUTATION.md).
+mutation: $(STAMP)
+	$(BIN)/python tests/mutation/run_mutation.py $(MUTATION_GROUPS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mutmut-cache

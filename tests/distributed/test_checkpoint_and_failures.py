@@ -62,6 +62,28 @@ def test_checkpoint_reshards_4_to_2_to_1() -> None:
         torch.testing.assert_close(plain(torch.cat(xs[0::2]))[0], ref[0], rtol=0, atol=0)
 
 
+def _gather_untrained(comm, case: dict) -> dict | None:
+    return gather_full_state_dict(parallelize_moe(make_layer(case), comm, "a2a"), comm)
+
+
+@pytest.mark.parametrize(
+    ("world", "activation"), [(2, "gelu"), (3, "swiglu")], ids=["W2-gelu", "W3-swiglu"]
+)
+def test_gathered_checkpoint_is_the_unsharded_layer(world: int, activation: str) -> None:
+    """Untrained: the gathered dict is exactly the single-device layer of the same seed, every
+    tensor, every expert in global order (a permuted gather is self-consistent on reload, so only
+    this comparison catches it). Several experts per rank, odd and even world sizes."""
+    from mixmoe.comm.spawn import spawn_gloo
+
+    case = dict(CASE, num_experts=6, activation=activation, dtype=torch.float32)
+    full = spawn_gloo(_gather_untrained, world, case)
+    assert all(out is None for out in full[1:])
+    single = make_layer(case).state_dict()
+    assert sorted(full[0]) == sorted(single)
+    for key, tensor in single.items():
+        torch.testing.assert_close(full[0][key], tensor, rtol=0, atol=0, msg=key)
+
+
 def _mismatch(comm, field: str) -> str:
     case = dict(CASE, strategy="a2a")
     if comm.rank == 1:

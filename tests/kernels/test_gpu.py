@@ -254,3 +254,11 @@ def _layout_to(layout, device):
         pos_TK=layout.pos_TK.to(device),
         counts_N=layout.counts_N.to(device),
     )
+
+
+def test_combine_weights_grad_fp32_accumulation_real_sizes():
+    """The width-4096 bf16 check of ``test_kernels.py`` at a real token count, default launch."""
+    from test_kernels import check_combine_weights_grad_wide_bf16
+
+    gen = torch.Generator().manual_seed(16)
+    check_combine_weights_grad_wide_bf16(8192, 2, 16384, gen, torch.device("cuda"))

@@ -202,6 +202,31 @@ def test_combine_weights_grad(layout_case, make_layout, dtype, device, gen):
     torch.testing.assert_close(dw, ref, **TOL[dtype])
 
 
+def check_combine_weights_grad_wide_bf16(T, K, P, gen, device, **launch) -> None:
+    """bf16 ``dy``/``rows`` at width O = 4096: the fp32 accumulation of the dot products is within
+    1e-4 (relative, Frobenius) of the float64 dot products of the same bf16 values; a bf16 product
+    or partial sum is off by ~1e-3 or more. ``pos`` drops about one choice in eight."""
+    O = 4096
+    pos_TK = torch.randint(0, P, (T, K), generator=gen)
+    pos_TK[torch.rand(T, K, generator=gen) < 0.125] = P
+    rows = _rand(gen, T * K, O, dtype=torch.bfloat16, device=device)
+    dy = _rand(gen, T, O, dtype=torch.bfloat16, device=device)
+    pos_TK = pos_TK.to(device)
+    dropped = (pos_TK >= P).reshape(-1, 1)
+    truth = (torch.where(dropped, 0.0, rows.double()).view(T, K, O) * dy.double().unsqueeze(1)).sum(
+        -1
+    )
+    dw = combine_weights_grad(dy, rows, pos_TK, num_padded_rows=P, **launch)
+    assert dw.dtype == torch.float32
+    err = ((dw.double() - truth).norm() / truth.norm()).item()
+    assert err < 1e-4, f"combine weight gradient relative error {err:.3g} (fp32 gives ~1e-7)"
+
+
+def test_combine_weights_grad_accumulates_in_fp32_at_width_4096(device, gen):
+    # few rows: the interpreter walks the 4096 columns in block_o steps
+    check_combine_weights_grad_wide_bf16(16, 2, 40, gen, device, block_t=16, block_o=256)
+
+
 def test_combine_is_deterministic(make_layout, device, gen):
     schedule, _, pos_TK, _ = make_layout([30, 7], [0, 1], 20, 2, 16, gen, device)
     rows = _rand(gen, 40, 48, dtype=torch.float32, device=device)

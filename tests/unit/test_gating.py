@@ -46,6 +46,19 @@ def test_topk_weights_by_hand(normalize):
     assert_close(r1.weights_TK, t64([[1.0]]))
 
 
+def test_topk_default_normalisation_is_topk_softmax():
+    # the two normalisations are equal in exact arithmetic (see above), not in float32 rounding:
+    # bitwise equality pins the default to the documented ``topk_softmax`` computation
+    torch.manual_seed(seed_for("topk-default"))
+    logits = torch.randn(64, 8) * 3
+    default = topk_route(logits, 2)
+    explicit = topk_route(logits, 2, "topk_softmax")
+    assert torch.equal(default.ids_TK, explicit.ids_TK)
+    assert torch.equal(default.weights_TK, explicit.weights_TK)
+    renorm = topk_route(logits, 2, "softmax_renorm")
+    assert_close(renorm.weights_TK, explicit.weights_TK)  # same values up to rounding
+
+
 def test_switch_weight_is_softmax_probability():
     # probs 3/6, 1/6, 2/6 -> top-1 expert 0 with weight 1/2 (NOT renormalised to 1)
     r = switch_route(t64([[LN3, 0.0, LN2], [0.0, LN2, LN3]]))
@@ -179,6 +192,43 @@ def test_z_loss_is_stable_for_large_logits():
     # naive log(sum(exp)) overflows; logsumexp(1000, 1000) = 1000 + ln 2
     got = router_z_loss(torch.tensor([[1000.0, 1000.0]]))
     assert_close(got, torch.tensor((1000.0 + LN2) ** 2), rtol=1e-6, atol=0)
+
+
+def test_aux_losses_of_zero_tokens_are_zero_with_a_gradient():
+    # a rank may route no tokens: the losses are exactly 0 (not NaN from a mean over nothing)
+    logits = torch.randn(0, 4, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.zeros(0, 2, dtype=torch.int64)
+    for loss in (load_balancing_loss(logits, ids), router_z_loss(logits)):
+        assert loss.dtype == torch.float32 and loss.item() == 0.0
+        (grad,) = torch.autograd.grad(loss, logits)
+        assert grad.shape == (0, 4)
+
+
+def test_route_defaults_to_eval_no_random_drops():
+    gate = GateConfig(type="gshard", random_routing=True)
+    torch.manual_seed(seed_for("route-default-eval"))
+    routing = route(torch.randn(256, 8), 2, gate)  # training defaults to False
+    assert (routing.ids_TK >= 0).all()
+
+
+@pytest.mark.parametrize("first_choice_only", [False, True])
+def test_aux_losses_accumulate_in_float32_from_bf16_logits(first_choice_only):
+    """bf16 logits at a realistic size (4096 x 8, scale 4): both losses come back in float32 and
+    within 1e-5 relative of float64. Computing them in bf16 (no upcast) is off by 1e-4 .. 5e-3."""
+    torch.manual_seed(seed_for("aux-bf16", first_choice_only))
+    logits16 = (torch.randn(4096, 8, dtype=torch.float64) * 4.0).bfloat16()
+    logits64 = logits16.double()  # exactly the values the bf16 tensor holds
+    ids = torch.topk(logits64, 2, dim=-1).indices
+    chosen = ids[:, :1] if first_choice_only else ids
+    f = torch.bincount(chosen.reshape(-1), minlength=8).double() / chosen.numel()
+    balance_ref = 8 * (f * torch.softmax(logits64, dim=-1).mean(dim=0)).sum()
+    z_ref = torch.logsumexp(logits64, dim=-1).square().mean()
+
+    balance = load_balancing_loss(logits16, ids, first_choice_only=first_choice_only)
+    z = router_z_loss(logits16)
+    assert balance.dtype == torch.float32 and z.dtype == torch.float32
+    assert_close(balance.double(), balance_ref, rtol=1e-5, atol=0)
+    assert_close(z.double(), z_ref, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("gate", ["topk", "switch", "gshard"])

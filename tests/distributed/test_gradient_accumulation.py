@@ -1,0 +1,93 @@
+"""Gradient accumulation: several forward/backward passes before one optimizer step.
+
+Under ``mix`` the second micro-batch is served from the replica cache (the owners' weights are
+unchanged), yet its replica gradients must still go home and add to the owners' ``.grad``;
+``shadow`` refetches every time. Every expert gradient accumulated over the micro-batches must
+equal ``a2a``'s and the single-rank layer's (the training test steps every iteration, so it never
+sees a cached replica under autograd).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cases import make_layer, rank_inputs
+from test_strategies import REPLICATE
+
+from mixmoe.parallel import parallelize_moe
+
+pytestmark = pytest.mark.dist
+
+CASE = {
+    "num_experts": 4,
+    "top_k": 2,
+    "skew": "hot",
+    "dtype": torch.float64,
+    "seed": 13,
+    "tokens": [70, 45],
+}
+MICRO_BATCHES = 3
+STRATEGIES = ("a2a", "shadow", "mix")
+
+
+def _micro_batch(rank: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same x every micro-batch (same counts, same plan: the cache can serve it), a fresh dy."""
+    x, _ = rank_inputs(CASE, rank)
+    _, dy = rank_inputs(dict(CASE, seed=CASE["seed"] + 1000 * (m + 1)), rank)
+    return x, dy
+
+
+def _accumulate(comm, strategy: str) -> dict:
+    layer = parallelize_moe(make_layer(CASE), comm, strategy, profile=REPLICATE)
+    stats = []
+    for m in range(MICRO_BATCHES):
+        x, dy = _micro_batch(comm.rank, m)
+        y, aux = layer(x)
+        (y * dy).sum().backward()  # no optimizer step, no zero_grad: grads accumulate
+        stats.append({k: aux.stats[k] for k in ("replicas", "replica_cached")})
+    return {
+        "stats": stats,
+        "gate": {n: p.grad.clone() for n, p in layer.gate.named_parameters()},
+        "experts": {n: p.grad.clone() for n, p in layer.experts.named_expert_parameters()},
+    }
+
+
+def _worker(comm) -> dict:
+    return {s: _accumulate(comm, s) for s in STRATEGIES}
+
+
+def _single_rank(world: int) -> dict:
+    layer = make_layer(CASE)
+    for m in range(MICRO_BATCHES):
+        xs, dys = zip(*(_micro_batch(r, m) for r in range(world)), strict=True)
+        y, _ = layer(torch.cat(xs))
+        (y * torch.cat(dys)).sum().backward()
+    return {
+        "gate": {n: p.grad for n, p in layer.gate.named_parameters()},
+        "experts": {n: p.grad for n, p in layer.experts.named_expert_parameters()},
+    }
+
+
+def test_accumulated_gradients_through_cached_replicas() -> None:
+    from mixmoe.comm.spawn import spawn_gloo
+
+    world = 2
+    out = spawn_gloo(_worker, world)
+    ref = _single_rank(world)
+    tol = {"rtol": 1e-10, "atol": 1e-10}
+    for strategy in STRATEGIES:
+        stats = [s for rank_out in out for s in rank_out[strategy]["stats"]]
+        if strategy != "a2a":  # replication forced, or the test proves nothing
+            assert all(s["replicas"] > 0 for s in stats), (strategy, stats)
+        if strategy == "mix":  # micro-batches after the first are served from the cache
+            for rank_out in out:
+                cached = [s["replica_cached"] for s in rank_out["mix"]["stats"]]
+                assert cached == [False] + [True] * (MICRO_BATCHES - 1), cached
+        for name, grad in ref["experts"].items():
+            got = torch.cat([rank_out[strategy]["experts"][name] for rank_out in out])
+            torch.testing.assert_close(got, grad, **tol, msg=f"{strategy} d{name} vs single rank")
+            a2a = torch.cat([rank_out["a2a"]["experts"][name] for rank_out in out])
+            torch.testing.assert_close(got, a2a, **tol, msg=f"{strategy} d{name} vs a2a")
+        for name, grad in ref["gate"].items():  # data-parallel: the reference sees the sum
+            got = sum(rank_out[strategy]["gate"][name] for rank_out in out)
+            torch.testing.assert_close(got, grad, **tol, msg=f"{strategy} gate d{name}")

@@ -232,3 +232,25 @@ def test_import_mixmoe_is_light_and_side_effect_free():
     heavy, initialized = proc.stdout.split("\n")[:2]
     assert heavy == "[]", f"`import mixmoe` imported {heavy}; import them lazily"
     assert initialized == "False"
+
+
+def test_layers_match_the_design_doc():
+    """The table under "## Layers" in docs/design.md lists exactly ``LAYERS``."""
+    doc = PACKAGE_DIR.parent / "docs" / "design.md"
+    documented: dict[str, int] = {}
+    section = doc.read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("L") and cells[0][1:].isdigit():
+            for name in cells[1].split(","):
+                documented[name.strip().strip("`")] = int(cells[0][1:])
+    assert documented == LAYERS
+
+
+def test_every_package_has_a_layer_and_exists():
+    """No layer for a package that does not exist, no package without a layer."""
+    present = {
+        p.stem for p in PACKAGE_DIR.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    present.discard("__init__")
+    assert present == set(LAYERS)

@@ -1,8 +1,21 @@
 """Command-line entry point: ``mixmoe <command> ...`` (also ``python -m mixmoe``).
 
-Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
-Modules are imported only when their command is chosen, so ``mixmoe --help`` stays fast and
-optional dependencies (matplotlib, triton) are only touched by the commands that need them.
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``
+(``mixmoe.commands``); registering it in ``COMMANDS`` is all it takes. A command's module is
+imported only when that command is chosen (or its help is asked for), so ``mixmoe --help`` stays
+fast and optional dependencies are only touched by the commands that need them.
+
+The error contract, enforced here for every command (those added later included):
+
+- a user error (bad flag or value, missing file, missing optional dependency) prints one line,
+  ``mixmoe: error: <what is wrong and the fix>``, to stderr and exits with status 2 (argparse's
+  convention for usage errors); user errors are argparse errors and ``ValueError``,
+  ``TypeError``, ``OSError`` and ``ImportError`` raised by the command;
+- ``--debug`` (anywhere on the line) shows the full traceback instead;
+- anything else is a bug in mixmoe and keeps its traceback;
+- Ctrl-C prints ``mixmoe: interrupted`` and exits with 130.
+
+Help texts show each option's default.
 """
 
 from __future__ import annotations
@@ -10,56 +23,149 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "main"]
 
 # command words -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("demo",): ("mixmoe.bench.demo", "run the default CPU demo (strategy comparison benchmark)"),
+    ("demo",): ("mixmoe.commands.demo", "run the default CPU demo (strategy comparison benchmark)"),
     ("bench", "layer"): (
-        "mixmoe.bench.layer",
-        "benchmark one MoE layer (FORMATS.md section 1 log)",
+        "mixmoe.commands.bench_layer",
+        "benchmark one MoE layer (docs/formats.md section 1 log)",
     ),
-    ("bench", "kernels"): ("mixmoe.bench.kernels", "benchmark grouped-GEMM providers"),
-    ("analyze", "trace"): ("mixmoe.report.analyze_trace", "analyse CMD operation traces"),
-    ("analyze", "profile"): ("mixmoe.report.analyze_profile", "analyse a torch.profiler table"),
-    ("report",): ("mixmoe.report.report_cli", "tables and plots from benchmark logs"),
+    ("bench", "kernels"): ("mixmoe.commands.bench_kernels", "benchmark grouped-GEMM providers"),
+    ("analyze", "trace"): ("mixmoe.commands.analyze_trace", "analyse CMD operation traces"),
+    ("analyze", "profile"): ("mixmoe.commands.analyze_profile", "analyse a torch.profiler table"),
+    ("report",): ("mixmoe.commands.report", "tables and plots from benchmark logs"),
 }
+# the exceptions a command raises for bad input; everything else is a bug and keeps its traceback
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError, ImportError)
+GROUP_HELP = {"bench": "benchmarks", "analyze": "trace and profile analyses"}
+DEBUG_FLAG = "--debug"
 
 
-def _usage() -> str:
-    lines = ["usage: mixmoe <command> [options]", "", "commands:"]
-    for words, (_, text) in COMMANDS.items():
-        lines.append(f"  {' '.join(words):<18} {text}")
-    lines.append("")
-    lines.append("`mixmoe <command> --help` shows the options of one command.")
-    return "\n".join(lines)
+class UsageError(Exception):
+    """A command line argparse could not parse (raised instead of printing usage and exiting)."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        where = prog.removeprefix("mixmoe").strip()
+        super().__init__(f"{where}: {message}" if where else message)
+        self.prog = prog
 
 
-def _match(argv: Sequence[str]) -> tuple[tuple[str, ...], list[str]] | None:
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the default is None/False or the help
+    already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            text = f"{text} (default: {str(shown).replace('%', '%%')!s})".strip()
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise UsageError(self.prog, f"{message} (see '{self.prog} --help')")
+
+
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        DEBUG_FLAG,
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on an error, show the full traceback instead of one line",
+    )
+
+
+def build_parser(load: Iterable[tuple[str, ...]] | None = None) -> argparse.ArgumentParser:
+    """The whole command tree. The options of the commands in ``load`` (all when None) are
+    added by importing their modules; the others only have their help line."""
+    wanted = set(COMMANDS) if load is None else set(load)
+    root = _Parser(
+        prog="mixmoe",
+        description="Mixture-of-Experts training for PyTorch: benchmarks, trace and profile "
+        "analyses, reports.",
+        epilog="`mixmoe <command> --help` shows the options of one command.",
+    )
+    _add_debug(root)
+    groups: dict[tuple[str, ...], Any] = {(): root.add_subparsers(metavar="COMMAND")}
+    groups[()].required = True
+    for words, (module_name, text) in COMMANDS.items():
+        for depth in range(1, len(words)):
+            prefix = words[:depth]
+            if prefix not in groups:
+                parent = groups[prefix[:-1]]
+                sub = parent.add_parser(
+                    prefix[-1], help=GROUP_HELP.get(prefix[-1], ""), description=None
+                )
+                _add_debug(sub)
+                groups[prefix] = sub.add_subparsers(metavar="COMMAND")
+                groups[prefix].required = True
+        leaf = groups[words[:-1]].add_parser(words[-1], help=text, description=text)
+        leaf.set_defaults(_command=words)
+        if words in wanted:
+            importlib.import_module(module_name).add_arguments(leaf)
+        _add_debug(leaf)
+    return root
+
+
+def _match(argv: Sequence[str]) -> tuple[str, ...] | None:
     for n in (2, 1):
         words = tuple(argv[:n])
         if words in COMMANDS:
-            return words, list(argv[n:])
+            return words
     return None
 
 
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    found = _match(argv)
-    if found is None:
-        print(f"mixmoe: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = DEBUG_FLAG in argv[:end]
+    argv = [a for i, a in enumerate(argv) if i >= end or a != DEBUG_FLAG]
+    try:
+        if not argv:
+            build_parser(load=()).print_help()
+            return 0
+        words = _match(argv)
+        args = build_parser(load=[words] if words else ()).parse_args(argv)
+        module = importlib.import_module(COMMANDS[args._command][0])
+        return int(module.run(args) or 0)
+    except SystemExit as exc:  # --help, or a command that exits on purpose
+        if isinstance(exc.code, str):
+            print(f"mixmoe: error: {exc.code}", file=sys.stderr)
+            return 2
+        return int(exc.code or 0)
+    except KeyboardInterrupt:
+        print("mixmoe: interrupted", file=sys.stderr)
+        return 130
+    except (UsageError, *USER_ERRORS) as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"mixmoe: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    words, rest = found
-    module = importlib.import_module(COMMANDS[words][0])
-    parser = argparse.ArgumentParser(
-        prog="mixmoe " + " ".join(words), description=COMMANDS[words][1]
-    )
-    module.add_arguments(parser)
-    args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,24 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mixmoe.validation import check_block_size, check_float, check_int
+
 GATE_TYPES = ("topk", "switch", "gshard")
 ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
 TOPK_NORMALIZE = ("topk_softmax", "softmax_renorm")
 STRATEGIES = ("local", "a2a", "shadow", "mix")
-
-
-def _check_int(name: str, value: object, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-
-
-def _check_float(name: str, value: object, lo: float = 0.0) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {value!r}")
-    if not value >= lo:  # also rejects NaN
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +44,7 @@ class GateConfig:
             raise ValueError(
                 f"gate normalize {self.normalize!r} is unknown; use one of {TOPK_NORMALIZE}"
             )
-        _check_float("jitter_eps", self.jitter_eps)
+        check_float("jitter_eps", self.jitter_eps)
         if self.jitter_eps >= 1.0:
             raise ValueError(f"jitter_eps must be in [0, 1), got {self.jitter_eps}")
         if self.jitter_eps and self.type != "switch":
@@ -91,11 +79,11 @@ class MoEConfig:
     max_replicas: int = 4
 
     def __post_init__(self) -> None:
-        _check_int("model_dim", self.model_dim, 1)
-        _check_int("hidden_dim", self.hidden_dim, 1)
-        _check_int("num_experts", self.num_experts, 1)
-        _check_int("top_k", self.top_k, 1)
-        _check_int("max_replicas", self.max_replicas, 0)
+        check_int("model_dim", self.model_dim, 1)
+        check_int("hidden_dim", self.hidden_dim, 1)
+        check_int("num_experts", self.num_experts, 1)
+        check_int("top_k", self.top_k, 1)
+        check_int("max_replicas", self.max_replicas, 0)
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k={self.top_k} exceeds num_experts={self.num_experts}; "
@@ -109,9 +97,8 @@ class MoEConfig:
             raise ValueError(f"the switch gate routes top-1; got top_k={self.top_k}, use top_k=1")
         if self.gate.type == "gshard" and self.top_k != 2:
             raise ValueError(f"the gshard gate routes top-2; got top_k={self.top_k}, use top_k=2")
-        _check_float("aux_loss_coef", self.aux_loss_coef)
-        _check_float("z_loss_coef", self.z_loss_coef)
-        if self.block_size not in (16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 16, 32, 64, 128; got {self.block_size}")
+        check_float("aux_loss_coef", self.aux_loss_coef)
+        check_float("z_loss_coef", self.z_loss_coef)
+        check_block_size(self.block_size)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {self.strategy!r} is unknown; use one of {STRATEGIES}")

@@ -1,8 +1,10 @@
-"""``mixmoe bench layer``: time one MoE layer per strategy on identical inputs.
+"""The layer benchmark engine (``mixmoe bench layer``, CLI in ``mixmoe.commands.bench_layer``):
+time one MoE layer per strategy on identical inputs.
 
-Writes, per strategy, the FORMATS.md section 1 log (system name ``mixmoe-<strategy>``) to stdout,
-a progress bar to stderr, then one comparison table of medians and a JSONL record per strategy
-(config, environment, per-step times).
+``run_rank`` times the strategies on this rank (``mixmoe.bench.multiprocess`` runs it on several);
+``write_logs`` prints the docs/formats.md section 1 log per strategy (system name
+``mixmoe-<strategy>``), ``summary_rows`` the comparison of medians, ``jsonl_records`` one record
+per strategy (per-step times; ``mixmoe.bench.results.append_jsonl`` adds config and environment).
 
 Every step is forward + backward + optimizer step (SGD), so anything a strategy caches across
 steps (replicas) is paid for as in training. Warm-up steps are printed but excluded from every
@@ -11,30 +13,18 @@ statistic. With several ranks, a step's time is the maximum over ranks (synchron
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 import torch
 
-from mixmoe.bench import log_format
-from mixmoe.bench.environment import environment
 from mixmoe.bench.routing import RoutingSpec, SyntheticGate, synthetic_ids
 from mixmoe.bench.timing import StageTimer, median
-from mixmoe.config import MoEConfig
+from mixmoe.config import STRATEGIES, MoEConfig
+from mixmoe.formats import layer_log
 from mixmoe.layers.moe import MoE
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+from mixmoe.validation import check_choice, check_device, check_dtype, check_int, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -57,18 +47,26 @@ class LayerBenchConfig:
     jsonl: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is unknown; use one of {sorted(DTYPES)}")
+        check_dtype(self.dtype)
+        check_device(self.device)
         RoutingSpec.parse(self.routing)
-        for name, value in (("steps", self.steps), ("tokens", self.tokens)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        for name, value, lo in (
+            ("steps", self.steps, 1),
+            ("tokens", self.tokens, 1),
+            ("warmup", self.warmup, 0),
+            ("world_size", self.world_size, 1),
+            ("threads", self.threads, 0),
+        ):
+            check_int(name, value, lo)
+        if not self.strategies:
+            raise ValueError(f"no strategy given; use one or more of {', '.join(STRATEGIES)}")
+        for strategy in self.strategies:
+            check_choice("strategy", strategy, STRATEGIES)
         if self.world_size > 1 and "local" in self.strategies:
             raise ValueError(
                 "strategy 'local' runs on one rank; use a2a, shadow or mix with --world-size > 1"
             )
+        self.moe_config(self.strategies[0])  # the layer's own checks (top_k <= experts, ...)
 
     def moe_config(self, strategy: str) -> MoEConfig:
         return MoEConfig(
@@ -111,7 +109,7 @@ def build_layer(
     cfg: LayerBenchConfig, strategy: str, ids_TK: torch.Tensor | None, comm=None
 ) -> torch.nn.Module:
     """The layer for one strategy; every strategy gets identical parameters (same seed)."""
-    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    device, dtype = torch.device(cfg.device), torch_dtype(cfg.dtype)
     moe_cfg = cfg.moe_config(strategy)
     torch.manual_seed(cfg.seed)
     gate = (
@@ -128,7 +126,7 @@ def build_layer(
 def _inputs(
     cfg: LayerBenchConfig, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    device, dtype = torch.device(cfg.device), torch_dtype(cfg.dtype)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank + 1)
     x_TD = torch.randn(cfg.tokens, cfg.model_dim, generator=gen).to(device, dtype)
     dy_TD = torch.randn(cfg.tokens, cfg.model_dim, generator=gen).to(device, dtype)
@@ -163,7 +161,7 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
     opts = {s: torch.optim.SGD(layer.parameters(), lr=cfg.lr) for s, layer in layers.items()}
     results = {s: StrategyResult(s) for s in cfg.strategies}
     with torch.no_grad():
-        _check_agreement({s: layer(x_TD)[0] for s, layer in layers.items()}, DTYPES[cfg.dtype])
+        _check_agreement({s: layer(x_TD)[0] for s, layer in layers.items()}, torch_dtype(cfg.dtype))
     total = cfg.warmup + cfg.steps
     progress = _Progress(total * len(layers), "bench layer") if rank == 0 else None
     for _ in range(total):
@@ -201,13 +199,16 @@ def _steady_mean(values: list[float], warmup: int) -> float:
     return sum(steady) / len(steady)
 
 
-def write_logs(cfg: LayerBenchConfig, results: list[StrategyResult], out=None) -> None:
+def write_logs(
+    cfg: LayerBenchConfig, results: list[StrategyResult], out: TextIO | None = None
+) -> None:
+    """The docs/formats.md section 1 log of every strategy (header, steps, summary) to ``out``."""
     out = out or sys.stdout
     for r in results:
         print(
-            log_format.header_line(
+            layer_log.header_line(
                 world_size=cfg.world_size,
-                dtype=str(DTYPES[cfg.dtype]).replace("torch.", ""),
+                dtype=str(torch_dtype(cfg.dtype)).replace("torch.", ""),
                 model_dim=cfg.model_dim,
                 hidden_size=cfg.hidden_size,
                 samples=cfg.tokens,
@@ -218,13 +219,11 @@ def write_logs(cfg: LayerBenchConfig, results: list[StrategyResult], out=None) -
             file=out,
         )
         for i, (st, fw, bw) in enumerate(zip(r.step_ms, r.fwd_ms, r.bwd_ms, strict=True)):
-            tf = log_format.nominal_tflops(
-                cfg.tokens, cfg.model_dim, cfg.hidden_size, cfg.top_k, st
-            )
-            print(log_format.step_line(i, st, fw, bw, tf), file=out)
+            tf = layer_log.nominal_tflops(cfg.tokens, cfg.model_dim, cfg.hidden_size, cfg.top_k, st)
+            print(layer_log.step_line(i, st, fw, bw, tf), file=out)
         step, fwd, bwd = (_steady_mean(v, cfg.warmup) for v in (r.step_ms, r.fwd_ms, r.bwd_ms))
         print(
-            log_format.summary_line(
+            layer_log.summary_line(
                 f"mixmoe-{r.strategy}",
                 cfg.num_local_experts,
                 round(step, 3),
@@ -249,7 +248,7 @@ def summary_rows(cfg: LayerBenchConfig, results: list[StrategyResult]) -> list[d
                 "step_ms": step,
                 "fwd_ms": median(r.fwd_ms[m]),
                 "bwd_ms": median(r.bwd_ms[m]),
-                "tflops": log_format.nominal_tflops(
+                "tflops": layer_log.nominal_tflops(
                     cfg.tokens, cfg.model_dim, cfg.hidden_size, cfg.top_k, step
                 ),
                 f"vs_{base.strategy}": step / base_ms,
@@ -259,115 +258,16 @@ def summary_rows(cfg: LayerBenchConfig, results: list[StrategyResult]) -> list[d
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    keys = list(rows[0])
-    for row in rows[1:]:
-        keys += [k for k in row if k not in keys]
-
-    def cell(v: Any) -> str:
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-    table = [keys] + [[cell(row.get(k, "")) for k in keys] for row in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(keys))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def write_jsonl(cfg: LayerBenchConfig, results: list[StrategyResult], path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    env = environment(torch.device(cfg.device))
-    with open(path, "a") as f:
-        for r in results:
-            f.write(
-                json.dumps(
-                    {
-                        "kind": "bench_layer",
-                        "config": asdict(cfg),
-                        "environment": env,
-                        "strategy": r.strategy,
-                        "warmup": cfg.warmup,
-                        "step_ms": r.step_ms,
-                        "fwd_ms": r.fwd_ms,
-                        "bwd_ms": r.bwd_ms,
-                        "stats": r.stats,
-                    }
-                )
-                + "\n"
-            )
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = LayerBenchConfig()
-    p.add_argument("--model-dim", type=int, default=d.model_dim)
-    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank (samples)")
-    p.add_argument("--num-local-experts", type=int, default=d.num_local_experts)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
-    p.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
-    p.add_argument("--steps", type=int, default=d.steps, help="measured steps")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (not measured)")
-    p.add_argument("--routing", default=d.routing, help="gate | uniform | zipf:S | hot:P")
-    p.add_argument(
-        "--strategy",
-        default=None,
-        help="comma list of local, a2a, shadow, mix (default: local, or mix,a2a,shadow with >1 rank)",
-    )
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="ranks; on CPU spawns gloo processes (default: torchrun's WORLD_SIZE or 1)",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: leave as is)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument(
-        "--jsonl", default="runs/bench-layer.jsonl", help="append JSONL records here ('' for none)"
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
-    import os
-
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    default = "local" if world == 1 else "mix,a2a,shadow"
-    strategies = tuple(s.strip() for s in (args.strategy or default).split(",") if s.strip())
-    return LayerBenchConfig(
-        model_dim=args.model_dim,
-        hidden_size=args.hidden_size,
-        tokens=args.tokens,
-        num_local_experts=args.num_local_experts,
-        top_k=args.top_k,
-        dtype=args.dtype,
-        device=args.device,
-        steps=args.steps,
-        warmup=args.warmup,
-        routing=args.routing,
-        strategies=strategies,
-        world_size=world,
-        threads=args.threads,
-        seed=args.seed,
-        jsonl=args.jsonl or None,
-    )
-
-
-def report(cfg: LayerBenchConfig, results: list[StrategyResult]) -> None:
-    write_logs(cfg, results)
-    print(f"routing = {cfg.routing}; medians over {cfg.steps} steps after {cfg.warmup} warm-up")
-    print(format_table(summary_rows(cfg, results)))
-    if cfg.jsonl:
-        write_jsonl(cfg, results, cfg.jsonl)
-        print(f"JSONL appended to {cfg.jsonl}")
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if cfg.world_size > 1:
-        from mixmoe.bench.multiprocess import run_distributed
-
-        return run_distributed(cfg, report)
-    report(cfg, run_rank(cfg))
-    return 0
+def jsonl_records(cfg: LayerBenchConfig, results: list[StrategyResult]) -> list[dict[str, Any]]:
+    """One record per strategy: per-step times (warm-up included, ``warmup`` says how many)."""
+    return [
+        {
+            "strategy": r.strategy,
+            "warmup": cfg.warmup,
+            "step_ms": r.step_ms,
+            "fwd_ms": r.fwd_ms,
+            "bwd_ms": r.bwd_ms,
+            "stats": r.stats,
+        }
+        for r in results
+    ]

@@ -4,7 +4,6 @@ otherwise N gloo processes spawned here (CPU)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 from mixmoe.bench.layer import LayerBenchConfig, StrategyResult, run_rank
 
@@ -17,9 +16,9 @@ def _rank_main(comm, cfg: LayerBenchConfig) -> list[StrategyResult]:
     return run_rank(cfg, comm)
 
 
-def run_distributed(
-    cfg: LayerBenchConfig, report: Callable[[LayerBenchConfig, list[StrategyResult]], None]
-) -> int:
+def run_distributed(cfg: LayerBenchConfig) -> list[StrategyResult] | None:
+    """The synchronised results on the rank that reports (rank 0, or this process when it
+    spawned the ranks); None on the other torchrun ranks."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         from mixmoe.comm import init_distributed
 
@@ -29,13 +28,9 @@ def run_distributed(
                 f"--world-size {cfg.world_size} but torchrun launched {comm.world_size} ranks"
             )
         results = run_rank(cfg, comm)
-        if comm.rank == 0:
-            report(cfg, results)
-        return 0
+        return results if comm.rank == 0 else None
     if cfg.device != "cpu":
         raise ValueError("spawning ranks is for --device cpu; launch GPU runs with torchrun")
     from mixmoe.comm.spawn import spawn_gloo
 
-    results = spawn_gloo(_rank_main, cfg.world_size, cfg, threads=cfg.threads or 1, timeout_s=3600)
-    report(cfg, results[0])
-    return 0
+    return spawn_gloo(_rank_main, cfg.world_size, cfg, threads=cfg.threads or 1, timeout_s=3600)[0]

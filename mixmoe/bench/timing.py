@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,3 +33,19 @@ class StageTimer:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def time_repeated(
+    step: Callable[[], object], device: torch.device, warmup: int, repeats: int
+) -> list[float]:
+    """``step()`` run ``warmup`` times untimed, then ``repeats`` times timed; the times in ms."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        timer = StageTimer(device)
+        timer.mark()
+        step()
+        timer.mark()
+        times.append(timer.elapsed_ms()[0])
+    return times

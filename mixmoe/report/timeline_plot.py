@@ -13,9 +13,9 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from mixmoe.formats.cmd import CmdOp
 from mixmoe.report.matplotlib_agg import pyplot
-from mixmoe.report.trace_analysis import phase_of
-from mixmoe.tracing.cmd_format import CmdOp
+from mixmoe.report.trace_summary import phase_of
 
 __all__ = ["COLORS", "plot_timeline"]
 

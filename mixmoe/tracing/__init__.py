@@ -3,12 +3,12 @@
 - ``trace_span(name, kind=..., ...)``: used by the layer around its stages; always a
   ``torch.profiler.record_function`` label, timed only while a recorder is active.
 - ``TraceRecorder(rank, stage_id)``: ``activate()``, ``op(name, batch_id=..., mg_state=...)``,
-  ``records()``, ``write_cmd(path)`` (CMD lines, FORMATS.md section 3, one file per rank).
+  ``records()``, ``write_cmd(path)`` (CMD lines, docs/formats.md section 3, one file per rank).
 - ``write_chrome_trace(paths_or_records, out_path)``: all ranks in one Chrome/Perfetto JSON.
-- ``CmdOp`` / ``SubOp``: the records, shared with the readers in ``mixmoe.report``.
+- ``CmdOp`` / ``SubOp``: the records; they and both file formats live in ``mixmoe.formats``
+  (torch-free), re-exported here for convenience.
 
-Submodules are loaded on first attribute access, so the torch-free ones (``cmd_format``) can be
-imported by readers without importing torch.
+Submodules are loaded on first attribute access: importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mixmoe.tracing.chrome import write_chrome_trace
-    from mixmoe.tracing.cmd_format import CmdOp, SubOp
+    from mixmoe.formats.chrome import write_chrome_trace
+    from mixmoe.formats.cmd import CmdOp, SubOp
     from mixmoe.tracing.recorder import TraceRecorder
     from mixmoe.tracing.span import trace_span
 
 __all__ = ["CmdOp", "SubOp", "TraceRecorder", "trace_span", "write_chrome_trace"]
 
 _HOME = {
-    "CmdOp": "mixmoe.tracing.cmd_format",
-    "SubOp": "mixmoe.tracing.cmd_format",
+    "CmdOp": "mixmoe.formats.cmd",
+    "SubOp": "mixmoe.formats.cmd",
     "TraceRecorder": "mixmoe.tracing.recorder",
     "trace_span": "mixmoe.tracing.span",
-    "write_chrome_trace": "mixmoe.tracing.chrome",
+    "write_chrome_trace": "mixmoe.formats.chrome",
 }
 
 

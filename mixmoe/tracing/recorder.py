@@ -10,7 +10,7 @@ Usage::
             with rec.op("forward_step", batch_id=b, mg_state="steady"):
                 y, aux = moe(x)          # the layer's trace_span calls become sub-operations
             ...
-    rec.write_cmd(f"trace_rank{r}.txt")  # FORMATS.md section 3, one file per rank
+    rec.write_cmd(f"trace_rank{r}.txt")  # docs/formats.md section 3, one file per rank
 
 Ops are flat (an op inside an op is an error); ``trace_span`` calls inside an op become its
 sub-operations, calls outside any op (but inside ``activate()``) become ops of their own.
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from mixmoe.formats.cmd import CmdOp, SubOp, write_cmd_file
 from mixmoe.tracing.clocks import CpuClock, CudaClock, clock_for
-from mixmoe.tracing.cmd_format import CmdOp, SubOp, format_cmd_line
 from mixmoe.tracing.span import ACTIVE, Frame, PendingSpan
 
 __all__ = ["TraceRecorder"]
@@ -195,8 +195,5 @@ class TraceRecorder:
         return list(self._done)
 
     def write_cmd(self, path: str | os.PathLike[str]) -> Path:
-        """Write ``records()`` as CMD lines (FORMATS.md section 3) to ``path``; returns it."""
-        out = Path(path)
-        lines = [format_cmd_line(op) + "\n" for op in self.records()]
-        out.write_text("".join(lines), encoding="utf-8")
-        return out
+        """Write ``records()`` as CMD lines (docs/formats.md section 3) to ``path``; returns it."""
+        return write_cmd_file(self.records(), path)

@@ -1,4 +1,4 @@
-"""Benchmark-log readers (FORMATS.md sections 1 and 2) and ``mixmoe report``.
+"""Benchmark-log readers (docs/formats.md sections 1 and 2) and ``mixmoe report``.
 
 The synthetic logs are built so that every expected figure is simple arithmetic (see comments).
 """
@@ -10,8 +10,9 @@ import json
 import pytest
 
 from mixmoe.cli import main
-from mixmoe.report.bench_log import read_layer_log, read_model_log, steady_steps
-from mixmoe.report.report_tables import run_stats, speedups
+from mixmoe.formats.layer_log import read_layer_log
+from mixmoe.formats.model_log import read_model_log
+from mixmoe.report.run_stats import run_stats, speedups, steady_steps
 
 HEADER = (
     "[Benchmark] world_size = 2, dtype = float32, model_dim = 256, hidden_size = 1024, "
@@ -181,8 +182,8 @@ def test_report_cli_text_markdown_and_plots(logs, tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "| mix_moe | bert | 16 | 60 | 40 (last 60%) | 100.000 |" in text and "| 2.00x |" in text
     assert (plots / "model_step_time.png").stat().st_size > 5000
-    with pytest.raises(SystemExit):
-        main(["report", str(model), "--baseline", "nope"])
+    assert main(["report", str(model), "--baseline", "nope"]) == 2
+    assert "mixmoe: error: --baseline 'nope' is not in these logs" in capsys.readouterr().err
 
 
 def test_report_on_logs_written_by_bench_layer(tmp_path, capsys) -> None:

@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mixmoe.cli import main
-from mixmoe.report.profile_analysis import moe_breakdown
-from mixmoe.report.profiler_table import parse_profiler_table, read_profiler_table
+from mixmoe.formats.profiler_table import parse_profiler_table, read_profiler_table
+from mixmoe.report.profile_breakdown import moe_breakdown
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "profiler_table_fairseq_moe.txt"
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from mixmoe.cli import main
-from mixmoe.report.cmd_trace import read_cmd_trace, read_traces
-from mixmoe.report.trace_analysis import p2p_calls, summarize_rank
+from mixmoe.formats.cmd import read_cmd_trace
+from mixmoe.formats.traces import read_traces
+from mixmoe.report.trace_summary import p2p_calls, summarize_rank
 from mixmoe.tracing import write_chrome_trace
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "cmd_trace_pp4_ep2_rank0.txt"

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mixmoe.report.chrome_trace import read_chrome_trace
-from mixmoe.report.cmd_trace import read_traces
-from mixmoe.report.trace_analysis import cross_rank_load_imbalance, summarize_rank
+from mixmoe.formats.chrome import read_chrome_trace
+from mixmoe.formats.traces import read_traces
+from mixmoe.report.trace_summary import cross_rank_load_imbalance, summarize_rank
 from mixmoe.tracing import TraceRecorder, trace_span, write_chrome_trace
 
 pytestmark = pytest.mark.dist

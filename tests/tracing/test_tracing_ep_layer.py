@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mixmoe import GateConfig, MoE, MoEConfig
+from mixmoe.formats.traces import read_traces
 from mixmoe.parallel import parallelize_moe
 from mixmoe.placement.profile import HardwareProfile
-from mixmoe.report.cmd_trace import read_traces
 from mixmoe.tracing import TraceRecorder, write_chrome_trace
 
 pytestmark = pytest.mark.dist

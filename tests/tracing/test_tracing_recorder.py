@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mixmoe.report.chrome_trace import read_chrome_trace
-from mixmoe.report.cmd_trace import read_cmd_trace
+from mixmoe.formats.chrome import read_chrome_trace
+from mixmoe.formats.cmd import read_cmd_trace
 from mixmoe.tracing import TraceRecorder, trace_span, write_chrome_trace
 
 

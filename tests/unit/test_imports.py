@@ -1,8 +1,7 @@
-"""Import direction (DESIGN.md, "imports point down only") and import-time hygiene.
+"""Import direction (docs/design.md, "Layers") and import-time hygiene.
 
-Layers: L0 config/types; L1 schedule, placement, reference, tracing, kernels, gating; L2 ops, comm;
-L3 dispatch; L4 layers; L5 cli, bench, models, report, sim, parallel (and ``__main__``). A module may import
-only modules of its own layer or below; only ``mixmoe/comm/`` may import ``torch.distributed``.
+``LAYERS`` must equal the table in docs/design.md (a test parses it). A module may import only
+modules of its own layer or below; only ``mixmoe/comm/`` may import ``torch.distributed``.
 The package root ``mixmoe/__init__.py`` is the public facade: it may import anything, and it counts
 as the top layer when another module imports it (``from mixmoe import MoE`` inside ``ops`` pulls in
 the whole package).
@@ -26,6 +25,8 @@ PACKAGE_DIR = Path(mixmoe.__file__).resolve().parent
 LAYERS: dict[str, int] = {
     "config": 0,
     "types": 0,
+    "validation": 0,
+    "formats": 1,
     "schedule": 1,
     "placement": 1,
     "reference": 1,
@@ -36,15 +37,12 @@ LAYERS: dict[str, int] = {
     "comm": 2,
     "dispatch": 3,
     "layers": 4,
-    "cli": 5,
-    "bench": 5,
-    "models": 5,
-    "report": 5,
-    "sim": 5,
-    "__main__": 5,
-    # not named in DESIGN.md: parallelize_* applied from outside the modules (torchtitan style);
-    # L5 so that layers/ can never depend on it
     "parallel": 5,
+    "bench": 5,
+    "report": 5,
+    "commands": 5,
+    "cli": 5,
+    "__main__": 5,
 }
 FACADE_LAYER = 5
 DISTRIBUTED_OK = ("comm",)
@@ -111,7 +109,7 @@ def import_violations(root: Path) -> list[str]:
             if own < 0:
                 problems.append(
                     f"{module}: top-level module '{top}' has no layer; add it to LAYERS "
-                    "(tests/unit/test_imports.py) following DESIGN.md"
+                    "(tests/unit/test_imports.py) and to the table in docs/design.md"
                 )
                 continue
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -234,3 +232,25 @@ def test_import_mixmoe_is_light_and_side_effect_free():
     heavy, initialized = proc.stdout.split("\n")[:2]
     assert heavy == "[]", f"`import mixmoe` imported {heavy}; import them lazily"
     assert initialized == "False"
+
+
+def test_layers_match_the_design_doc():
+    """The table under "## Layers" in docs/design.md lists exactly ``LAYERS``."""
+    doc = PACKAGE_DIR.parent / "docs" / "design.md"
+    documented: dict[str, int] = {}
+    section = doc.read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("L") and cells[0][1:].isdigit():
+            for name in cells[1].split(","):
+                documented[name.strip().strip("`")] = int(cells[0][1:])
+    assert documented == LAYERS
+
+
+def test_every_package_has_a_layer_and_exists():
+    """No layer for a package that does not exist, no package without a layer."""
+    present = {
+        p.stem for p in PACKAGE_DIR.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    present.discard("__init__")
+    assert present == set(LAYERS)

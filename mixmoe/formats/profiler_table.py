@@ -1,6 +1,7 @@
-"""Reader of ``torch.profiler`` operator tables (``key_averages().table()`` text, FORMATS.md §4).
+"""``torch.profiler`` operator tables (``key_averages().table()`` text, docs/formats.md section 4):
+records, reader and writer. Torch-free.
 
-Header-driven, never fixed offsets:
+The reader is header-driven, never fixed offsets:
 
 - The header is the line between the first two dashed rules; its cells are split at runs of two
   or more spaces, and a cell that overflowed into its neighbour (one space apart) is split back
@@ -14,7 +15,10 @@ Header-driven, never fixed offsets:
   numbers -> float.
 - The footer lines ``Self CPU time total: X`` / ``Self CUDA time total: X`` are optional.
 
-A row that cannot be read (truncated file) raises ValueError naming ``path:line``. Torch-free.
+A row that cannot be read (truncated file) raises ValueError naming ``path:line``.
+
+The writer (``format_profiler_table``) prints a table in the same layout from the rows' cell text
+(``ProfilerRow.raw``), so reading its output gives back the same rows and values.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ProfilerRow", "ProfilerTable", "parse_profiler_table", "read_profiler_table"]
+__all__ = [
+    "ProfilerRow",
+    "ProfilerTable",
+    "format_profiler_table",
+    "parse_profiler_table",
+    "read_profiler_table",
+]
 
 _DEVICES = ("CUDA", "XPU", "MTIA", "HPU", "PrivateUse1", "Device")
 KNOWN_COLUMNS = frozenset(
@@ -219,3 +229,26 @@ def read_profiler_table(path: str | os.PathLike[str]) -> ProfilerTable:
     """``parse_profiler_table`` on the file at ``path``."""
     with open(path, encoding="utf-8", errors="replace") as f:
         return parse_profiler_table(f.read(), os.fspath(path))
+
+
+def _fmt_us(us: float) -> str:
+    for unit in ("s", "ms"):
+        if us >= _TIME_SCALE[unit]:
+            return f"{us / _TIME_SCALE[unit]:.3f}{unit}"
+    return f"{us:.3f}us"
+
+
+def format_profiler_table(table: ProfilerTable) -> str:
+    """The text of ``table`` in the ``key_averages().table()`` layout: a dashed rule, the header,
+    a rule, one line per row (``raw`` cells, names left-aligned), a rule and the footer totals."""
+    columns = list(table.columns)
+    cells = [[r.name] + [r.raw.get(c, "") for c in columns[1:]] for r in table.rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    lines = [rule, line(columns), rule, *(line(row) for row in cells), rule]
+    lines += [f"Self {k} time total: {_fmt_us(v)}" for k, v in table.self_totals_us.items()]
+    return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mixmoe.report.profiler_table import ProfilerRow, ProfilerTable
+from mixmoe.formats.profiler_table import ProfilerRow, ProfilerTable
 
 __all__ = ["CATEGORY_LABELS", "CategoryTime", "MoEBreakdown", "moe_breakdown"]
 

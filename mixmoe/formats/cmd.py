@@ -1,4 +1,4 @@
-"""The CMD operation-trace line format (FORMATS.md section 3): data model, parser and writer.
+"""The CMD operation-trace line format (docs/formats.md section 3): records, reader and writer.
 
 One operation per line::
 
@@ -14,20 +14,35 @@ One operation per line::
 - ``description`` is free text (commas, parentheses, ``k=v`` pairs): it ends only at a comma
   followed by one of the op's known keys.
 
-This module is torch-free and literal: op names are kept as written (alias normalisation lives in
-``mixmoe.report.cmd_trace``). Writing then parsing a line gives back an equal ``CmdOp`` up to the
-1 ns rounding of the written milliseconds.
+Line level (``parse_cmd_line`` / ``format_cmd_line`` / ``read_cmd_file``) is literal: op names are
+kept as written, and writing then parsing a line gives back an equal ``CmdOp`` up to the 1 ns
+rounding of the written milliseconds. ``read_cmd_trace`` is what analyses use: the same ops with
+their names normalised through ``OP_ALIASES`` (producers disagree: ``exp_dp_allreduce`` vs
+``ep_dp_allreduce``); unknown names are kept as written. Torch-free.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["CmdOp", "SubOp", "format_cmd_line", "parse_cmd_line", "read_cmd_file"]
+__all__ = [
+    "OP_ALIASES",
+    "CmdOp",
+    "SubOp",
+    "canonical_op_name",
+    "format_cmd_line",
+    "normalised",
+    "parse_cmd_line",
+    "read_cmd_file",
+    "read_cmd_trace",
+    "write_cmd_file",
+]
 
 SHORT_FORM_KEYS = ("stage_id", "batch_id", "mg_state", "duration", "description", "group_kind")
 FULL_FORM_KEYS = ("input__shape", "input__dtype", "timestamp", "sub_operations")
@@ -360,4 +375,56 @@ def read_cmd_file(path: str | os.PathLike[str]) -> list[CmdOp]:
                 raise ValueError(
                     f"{os.fspath(path)}:{line_no}: {err}; fix or delete that line"
                 ) from None
+    return ops
+
+
+def write_cmd_file(ops: Iterable[CmdOp], path: str | os.PathLike[str]) -> Path:
+    """Write ``ops`` as full-form CMD lines (one per line, in the given order) to ``path``."""
+    out = Path(path)
+    out.write_text("".join(format_cmd_line(op) + "\n" for op in ops), encoding="utf-8")
+    return out
+
+
+# ----------------------------------------------------------------------------- op-name aliases
+
+# alias -> canonical op name
+OP_ALIASES: dict[str, str] = {
+    "exp_dp_allreduce": "ep_dp_allreduce",
+    "expert_dp_allreduce": "ep_dp_allreduce",
+    "ep_dp_all_reduce": "ep_dp_allreduce",
+    "exp_dp_all_reduce": "ep_dp_allreduce",
+    "dp_all_reduce": "dp_allreduce",
+    "data_parallel_allreduce": "dp_allreduce",
+    "forward": "forward_step",
+    "backward": "backward_step",
+    "optimizer": "optimizer_step",
+    "optim_step": "optimizer_step",
+    "load_batch": "get_batch",
+}
+
+
+def canonical_op_name(name: str) -> str:
+    """``name`` mapped through ``OP_ALIASES``; unknown names are returned unchanged."""
+    return OP_ALIASES.get(name, name)
+
+
+def normalised(ops: Iterable[CmdOp]) -> list[CmdOp]:
+    """``ops`` with their names mapped through ``canonical_op_name``."""
+    out = []
+    for op in ops:
+        name = canonical_op_name(op.name)
+        out.append(op if name == op.name else dataclasses.replace(op, name=name))
+    return out
+
+
+def read_cmd_trace(path: str | os.PathLike[str]) -> list[CmdOp]:
+    """The ops of one CMD trace file, in file order, names normalised (``OP_ALIASES``).
+
+    Lines not starting with ``rank:`` are skipped; an empty result raises ValueError (wrong file).
+    """
+    ops = normalised(read_cmd_file(path))
+    if not ops:
+        raise ValueError(
+            f"{os.fspath(path)}: no 'rank:<R>:<op>(...)' lines found; is this a CMD trace?"
+        )
     return ops

@@ -1,21 +1,67 @@
 """Statistics and tables over benchmark runs: one row per (system[, model], experts).
 
-Each row pools the steady steps (``bench_log.steady_steps``) of every run with that key and
-gives the median and mean of step, forward and backward time, the log's own summary average
-(mean over the runs that have one) and the speedup against a baseline system:
+Each row pools the steady steps (``steady_steps``) of every run with that key and gives the
+median and mean of step, forward and backward time, the log's own summary average (mean over the
+runs that have one) and the speedup against a baseline system:
 ``baseline median step / this median step`` for the same model and expert count (> 1 = faster).
+
+Steady steps (what statistics use; warm-up steps are never averaged):
+
+- layer logs: the steps the log's own summary averaged, i.e. all steps after the first ``w``
+  for the smallest ``w`` whose step/forward/backward means equal the summary to its printed
+  precision (``mixmoe bench layer`` averages everything after its warm-up). Without a summary,
+  or if no ``w`` matches, drop the first ``max(1, ceil(n / 10))`` steps (STEP-0 and the first
+  10%).
+- model logs: the last ``round(0.6 n)`` steps (the last 60 of 100, as the model benchmarks do).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mixmoe.report.bench_log import BenchRun, steady_steps
+from mixmoe.formats.layer_log import BenchRun, StepRow
 from mixmoe.report.text_table import render_table
 
-__all__ = ["RunStats", "run_stats", "speedups", "stats_table"]
+__all__ = ["RunStats", "run_stats", "speedups", "stats_table", "steady_steps"]
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known and len(known) == len(values) else None
+
+
+def _close(mean: float | None, printed: float | None) -> bool:
+    """``mean`` equals ``printed`` to the precision summaries are printed with (3 decimals,
+    6 significant digits); a side that is missing does not disagree."""
+    if mean is None or printed is None:
+        return True
+    return abs(mean - printed) <= 6e-4 + 1e-5 * abs(printed)
+
+
+def steady_steps(run: BenchRun) -> tuple[tuple[StepRow, ...], str]:
+    """The run's steady steps and the rule that chose them: ``"summary"``, ``"first 10%"`` or
+    ``"last 60%"`` (see the module docstring)."""
+    steps, n = run.steps, len(run.steps)
+    if run.kind == "model":
+        keep = max(1, round(0.6 * n)) if n else 0
+        return steps[n - keep :], "last 60%"
+    if run.summary is not None:
+        s = run.summary
+        wanted = (s.step_ms, s.forward_ms, s.backward_ms)
+        for w in range(n):
+            tail = steps[w:]
+            means = (
+                _mean([r.step_ms for r in tail]),
+                _mean([r.forward_ms for r in tail]),
+                _mean([r.backward_ms for r in tail]),
+            )
+            if all(_close(m, want) for m, want in zip(means, wanted, strict=True)):
+                return tail, "summary"
+    w = min(n, max(1, math.ceil(n / 10)))
+    return steps[w:], "first 10%"
 
 
 @dataclass(frozen=True)

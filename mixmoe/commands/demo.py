@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from mixmoe.bench import layer
+from mixmoe.commands import bench_layer
 
 DEMO_DEFAULTS = {
     "world_size": 2,
@@ -23,9 +23,9 @@ DEMO_DEFAULTS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    layer.add_arguments(p)
+    bench_layer.add_arguments(p)
     p.set_defaults(**DEMO_DEFAULTS)
 
 
 def run(args: argparse.Namespace) -> int:
-    return layer.run(args)
+    return bench_layer.run(args)

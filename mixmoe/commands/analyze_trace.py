@@ -4,7 +4,8 @@ Prints, per rank: phase totals (pipeline send/recv with fused pairs counted once
 data-parallel + expert-data-parallel all-reduce + optimizer), host gaps, the measured pipeline
 bubble against the ideal 1F1B bubble, the MoE communication share of forward and backward,
 per-call statistics of each collective and the expert load where the trace reveals it.
-Definitions: ``mixmoe.report.trace_analysis``. ``--timeline out.png`` draws all ranks.
+Definitions: ``mixmoe.report.trace_summary``; files: ``mixmoe.formats.traces``.
+``--timeline out.png`` draws all ranks.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from mixmoe.report.cmd_trace import read_traces
+from mixmoe.formats.traces import read_traces
 from mixmoe.report.text_table import render_table
-from mixmoe.report.trace_analysis import (
+from mixmoe.report.trace_summary import (
     FINALIZE_PHASES,
     RankSummary,
     cross_rank_load_imbalance,
@@ -31,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="CMD trace files (one per rank) or mixmoe Chrome trace JSON",
     )
-    parser.add_argument("--timeline", metavar="PNG", help="write a timeline plot here")
+    parser.add_argument(
+        "--timeline", metavar="PNG", help="write a timeline plot here (needs matplotlib)"
+    )
     parser.add_argument("--stages", type=int, help="pipeline stages P (default: inferred)")
     parser.add_argument(
         "--microbatches", type=int, help="micro-batches per iteration M (default: inferred)"
@@ -171,6 +174,10 @@ def format_rank(s: RankSummary, markdown: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    for name in ("stages", "microbatches"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
     by_rank = read_traces(args.files)
     summaries = [
         summarize_rank(ops, stages=args.stages, microbatches=args.microbatches)

@@ -1,10 +1,13 @@
-"""What a benchmark ran on: recorded next to every result."""
+"""Benchmark results on disk: JSONL records, each with the environment it was measured in."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ def _git_commit() -> str | None:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
+    """Python, torch, Triton, platform, threads, device (GPU name and CUDA on GPU), git commit."""
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -37,4 +41,28 @@ def environment(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
     return env
+
+
+def append_jsonl(
+    path: str | os.PathLike[str],
+    kind: str,
+    config: Mapping[str, Any],
+    device: torch.device,
+    records: Iterable[Mapping[str, Any]],
+) -> Path:
+    """Append one line per record: ``{"kind", "config", "environment", **record}``."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    with open(out, "a") as f:
+        for r in records:
+            line = {"kind": kind, "config": dict(config), "environment": env, **r}
+            f.write(json.dumps(line) + "\n")
+    return out

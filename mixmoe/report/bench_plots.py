@@ -1,4 +1,4 @@
-"""PNG plots of benchmark statistics (``report_tables.RunStats``); matplotlib loads lazily.
+"""PNG plots of benchmark statistics (``mixmoe.report.run_stats.RunStats``); matplotlib loads lazily.
 
 - ``plot_step_vs_experts``: median step time against experts per rank, one line per system.
 - ``plot_forward_backward``: stacked median forward + backward bars per (system, experts).
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mixmoe.report.matplotlib_agg import pyplot
-from mixmoe.report.report_tables import RunStats
+from mixmoe.report.run_stats import RunStats
 
 __all__ = ["plot_forward_backward", "plot_model_bars", "plot_step_vs_experts"]
 

@@ -2,15 +2,16 @@
 
 Prints gate, dispatch, all-to-all, experts, combine and rest as CPU and device time with their
 shares of the layer, the layer's share of the step, and what the table cannot tell (e.g. async
-collectives not attributed to any label). Definitions: ``mixmoe.report.profile_analysis``.
+collectives not attributed to any label). Definitions: ``mixmoe.report.profile_breakdown``;
+the table is read by ``mixmoe.formats.profiler_table``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from mixmoe.report.profile_analysis import MoEBreakdown, moe_breakdown
-from mixmoe.report.profiler_table import read_profiler_table
+from mixmoe.formats.profiler_table import read_profiler_table
+from mixmoe.report.profile_breakdown import MoEBreakdown, moe_breakdown
 from mixmoe.report.text_table import render_table
 
 __all__ = ["add_arguments", "format_breakdown", "run"]

@@ -1,8 +1,8 @@
 """``mixmoe report LOG...``: tables (and plots) from layer and model benchmark logs.
 
-Each file is read as a layer log (FORMATS.md section 1) or a model log (section 2), detected
+Each file is read as a layer log (docs/formats.md section 1) or a model log (section 2), detected
 from its content; runs with the same key across files are pooled. Prints one table per kind:
-median/mean step, forward and backward over the steady steps (rule: ``bench_log``), the log's
+median/mean step, forward and backward over the steady steps (rule: ``run_stats.steady_steps``), the log's
 own summary average and the speedup against ``--baseline`` (default, or when a table lacks that
 system: the table's first system).
 ``--markdown`` prints Markdown tables; ``--plots DIR`` writes ``layer_step_vs_experts.png``,
@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mixmoe.report.bench_log import BenchRun, detect_log_kind, read_layer_log, read_model_log
-from mixmoe.report.report_tables import RunStats, run_stats, stats_table
+from mixmoe.formats.layer_log import BenchRun, detect_log_kind, read_layer_log
+from mixmoe.formats.model_log import read_model_log
+from mixmoe.report.run_stats import RunStats, run_stats, stats_table
 
 __all__ = ["add_arguments", "run"]
 
@@ -27,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="system (or model variant) to compare against (default: the first one seen)",
     )
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
-    parser.add_argument("--plots", metavar="DIR", help="write PNG plots to this directory")
+    parser.add_argument(
+        "--plots", metavar="DIR", help="write PNG plots to this directory (needs matplotlib)"
+    )
 
 
 def _load(paths: list[str]) -> dict[str, dict[tuple, list[BenchRun]]]:
@@ -54,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         args.baseline in {s.system for s in stats} for stats in tables.values()
     ):
         found = sorted({s.system for stats in tables.values() for s in stats})
-        raise SystemExit(
-            f"mixmoe report: --baseline {args.baseline!r} not found; choose one of {found}"
+        raise ValueError(
+            f"--baseline {args.baseline!r} is not in these logs; choose one of {found}"
         )
     for kind, stats in tables.items():
         title = {"layer": "layer benchmarks", "model": "model benchmarks"}[kind]
@@ -66,26 +69,24 @@ def run(args: argparse.Namespace) -> int:
         print(stats_table(stats, _baseline(stats, args.baseline), markdown=args.markdown))
         print()
     if args.plots:
-        from mixmoe.report import report_plots
+        from mixmoe.report import bench_plots
 
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         if "layer" in tables:
             written.append(
-                report_plots.plot_step_vs_experts(
-                    tables["layer"], out / "layer_step_vs_experts.png"
-                )
+                bench_plots.plot_step_vs_experts(tables["layer"], out / "layer_step_vs_experts.png")
             )
             if any(s.median_forward_ms is not None for s in tables["layer"]):
                 written.append(
-                    report_plots.plot_forward_backward(
+                    bench_plots.plot_forward_backward(
                         tables["layer"], out / "layer_forward_backward.png"
                     )
                 )
         if "model" in tables:
             written.append(
-                report_plots.plot_model_bars(tables["model"], out / "model_step_time.png")
+                bench_plots.plot_model_bars(tables["model"], out / "model_step_time.png")
             )
         print("plots: " + ", ".join(str(p) for p in written))
     return 0

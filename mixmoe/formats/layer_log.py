@@ -1,26 +1,21 @@
-"""Readers of layer and model benchmark logs (FORMATS.md sections 1 and 2), torch-free.
+"""The layer benchmark log (docs/formats.md section 1): records, reader and writer. Torch-free.
 
+Writer: ``header_line``, ``step_line``, ``summary_line`` (typos included on purpose:
+``foward_time``; existing scripts parse exactly this) and ``nominal_tflops`` (the ``perf`` field).
+
+Reader (shared with the model log, ``mixmoe.formats.model_log``, whose STEP lines are the same).
 Runs are delimited by a ``[Benchmark]`` header (layer logs), a ``[Summary]`` line (which closes
 the run before it) or a ``STEP-0`` after steps. A summary's prefix names the run:
 ``<system> <num_local_experts>`` (layer) or ``<variant> <model> <num_local_experts>`` (model);
 without a prefix the system is the file's stem and the expert count comes from the header.
 Lines the reader does not know (device names, ``rank: 2, nranks: 4``, module printouts, tables)
 are skipped; a ``STEP-`` line that does not parse (truncated file) raises ValueError naming
-``path:line``.
-
-Steady steps (what statistics use; warm-up steps are never averaged):
-
-- layer logs: the steps the log's own summary averaged, i.e. all steps after the first ``w``
-  for the smallest ``w`` whose step/forward/backward means equal the summary to its printed
-  precision (``mixmoe bench layer`` averages everything after its warm-up). Without a summary,
-  or if no ``w`` matches, drop the first ``max(1, ceil(n / 10))`` steps (STEP-0 and the first
-  10%).
-- model logs: the last ``round(0.6 n)`` steps (the last 60 of 100, as the model benchmarks do).
+``path:line``. Which steps are steady (warm-up excluded) is analysis, not format:
+``mixmoe.report.run_stats.steady_steps``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -32,9 +27,12 @@ __all__ = [
     "StepRow",
     "Summary",
     "detect_log_kind",
+    "header_line",
+    "nominal_tflops",
+    "parse_runs",
     "read_layer_log",
-    "read_model_log",
-    "steady_steps",
+    "step_line",
+    "summary_line",
 ]
 
 _NUM = r"(-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
@@ -105,7 +103,9 @@ def _f(x: str | None) -> float | None:
     return None if x is None else float(x)
 
 
-def _parse(path: str | os.PathLike[str], kind: str) -> list[BenchRun]:
+def parse_runs(path: str | os.PathLike[str], kind: str) -> list[BenchRun]:
+    """Every run of the file in file order; ``kind`` (``"layer"`` / ``"model"``) decides how a
+    summary prefix names the run (module docstring)."""
     source = os.fspath(path)
     stem = Path(source).stem
     runs: list[BenchRun] = []
@@ -172,7 +172,8 @@ def _parse(path: str | os.PathLike[str], kind: str) -> list[BenchRun]:
     return runs
 
 
-def _grouped(runs: list[BenchRun]) -> dict[tuple, tuple[BenchRun, ...]]:
+def group_runs(runs: list[BenchRun]) -> dict[tuple, tuple[BenchRun, ...]]:
+    """``runs`` grouped by ``BenchRun.key``, keys in order of first appearance."""
     groups: dict[tuple, list[BenchRun]] = {}
     for run in runs:
         groups.setdefault(run.key, []).append(run)
@@ -181,19 +182,11 @@ def _grouped(runs: list[BenchRun]) -> dict[tuple, tuple[BenchRun, ...]]:
 
 def read_layer_log(path: str | os.PathLike[str]) -> dict[tuple, tuple[BenchRun, ...]]:
     """Layer runs grouped by ``(system, num_local_experts)`` in order of first appearance (a
-    key may repeat: its runs are kept in file order)."""
-    runs = _parse(path, "layer")
+    key may repeat: its runs are kept in file order). Raises ValueError if the file has none."""
+    runs = parse_runs(path, "layer")
     if not runs:
         raise ValueError(f"{os.fspath(path)}: no benchmark steps or summaries found")
-    return _grouped(runs)
-
-
-def read_model_log(path: str | os.PathLike[str]) -> dict[tuple, tuple[BenchRun, ...]]:
-    """Model runs grouped by ``(variant, model, num_local_experts)``; see ``read_layer_log``."""
-    runs = _parse(path, "model")
-    if not runs:
-        raise ValueError(f"{os.fspath(path)}: no benchmark steps or summaries found")
-    return _grouped(runs)
+    return group_runs(runs)
 
 
 def detect_log_kind(path: str | os.PathLike[str]) -> str:
@@ -204,37 +197,50 @@ def detect_log_kind(path: str | os.PathLike[str]) -> str:
     return "layer" if "[Benchmark]" in text or re.search(r"perf\s*=", text) else "model"
 
 
-def _mean(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known and len(known) == len(values) else None
+# ----------------------------------------------------------------------------- writer
 
 
-def _close(mean: float | None, printed: float | None) -> bool:
-    """``mean`` equals ``printed`` to the precision summaries are printed with (3 decimals,
-    6 significant digits); a side that is missing does not disagree."""
-    if mean is None or printed is None:
-        return True
-    return abs(mean - printed) <= 6e-4 + 1e-5 * abs(printed)
+def header_line(
+    *,
+    world_size: int,
+    dtype: str,
+    model_dim: int,
+    hidden_size: int,
+    samples: int,
+    num_local_experts: int,
+    top_k: int,
+    device: str,
+    overlap_degree: int = 1,
+) -> str:
+    return (
+        f"[Benchmark] world_size = {world_size}, dtype = {dtype}, model_dim = {model_dim}, "
+        f"hidden_size = {hidden_size}, samples = {samples}, num_local_experts = "
+        f"{num_local_experts}, topK = {top_k}, a2a_ffn_overlap_degree = {overlap_degree}, "
+        f"device = `{device}`"
+    )
 
 
-def steady_steps(run: BenchRun) -> tuple[tuple[StepRow, ...], str]:
-    """The run's steady steps and the rule that chose them: ``"summary"``, ``"first 10%"`` or
-    ``"last 60%"`` (see the module docstring)."""
-    steps, n = run.steps, len(run.steps)
-    if run.kind == "model":
-        keep = max(1, round(0.6 * n)) if n else 0
-        return steps[n - keep :], "last 60%"
-    if run.summary is not None:
-        s = run.summary
-        wanted = (s.step_ms, s.forward_ms, s.backward_ms)
-        for w in range(n):
-            tail = steps[w:]
-            means = (
-                _mean([r.step_ms for r in tail]),
-                _mean([r.forward_ms for r in tail]),
-                _mean([r.backward_ms for r in tail]),
-            )
-            if all(_close(m, want) for m, want in zip(means, wanted, strict=True)):
-                return tail, "summary"
-    w = min(n, max(1, math.ceil(n / 10)))
-    return steps[w:], "first 10%"
+def step_line(step: int, step_ms: float, fwd_ms: float, bwd_ms: float, tflops: float) -> str:
+    return (
+        f"STEP-{step}: step_time = {step_ms:.6f} ms, foward_time = {fwd_ms:.6f}, "
+        f"backward_time = {bwd_ms:.6f}, perf = {tflops:.2f} tflops."
+    )
+
+
+def summary_line(
+    system: str, num_local_experts: int, step_ms: float, fwd_ms: float, bwd_ms: float
+) -> str:
+    """Starts with a newline (the blank line) and a space, as in the wild."""
+    return (
+        f"\n {system} {num_local_experts} [Summary] Average synchronized step_time = "
+        f"{step_ms:g} ms, forward = {fwd_ms:g} , backward = {bwd_ms:g} ."
+    )
+
+
+def nominal_tflops(
+    samples: int, model_dim: int, hidden_size: int, top_k: int, step_ms: float
+) -> float:
+    """samples * D * F * 4 * K * 3 / step time: two GEMMs at 2 FLOPs per MAC, fwd + bwd = 3x fwd."""
+    if step_ms <= 0:
+        return 0.0
+    return samples * model_dim * hidden_size * 4 * top_k * 3 / (step_ms * 1e-3) / 1e12

@@ -1,0 +1,126 @@
+"""``mixmoe bench layer``: time one MoE layer per strategy on identical inputs.
+
+Writes, per strategy, the docs/formats.md section 1 log (system name ``mixmoe-<strategy>``) to
+stdout, a progress bar to stderr, then one comparison table of medians and a JSONL record per
+strategy (config, environment, per-step times). The engine is ``mixmoe.bench.layer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict
+
+from mixmoe.bench.layer import (
+    LayerBenchConfig,
+    StrategyResult,
+    jsonl_records,
+    run_rank,
+    summary_rows,
+    write_logs,
+)
+from mixmoe.bench.results import append_jsonl
+from mixmoe.report.text_table import render_table
+from mixmoe.validation import DTYPE_NAMES
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = LayerBenchConfig()
+    p.add_argument("--model-dim", type=int, default=d.model_dim, help="D, the model dimension")
+    p.add_argument(
+        "--hidden-size", type=int, default=d.hidden_size, help="F, the expert hidden size"
+    )
+    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank (samples)")
+    p.add_argument(
+        "--num-local-experts", type=int, default=d.num_local_experts, help="experts per rank"
+    )
+    p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token")
+    p.add_argument(
+        "--dtype", default=d.dtype, choices=list(DTYPE_NAMES), help="parameter and input dtype"
+    )
+    p.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
+    p.add_argument("--steps", type=int, default=d.steps, help="measured steps")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (not measured)")
+    p.add_argument("--routing", default=d.routing, help="gate | uniform | zipf:S | hot:P")
+    p.add_argument(
+        "--strategy",
+        default=None,
+        help="comma list of local, a2a, shadow, mix (default: local, or mix,a2a,shadow with >1 rank)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks; on CPU spawns gloo processes (default: torchrun's WORLD_SIZE or 1)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: leave as is)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of parameters and inputs")
+    p.add_argument(
+        "--jsonl", default="runs/bench-layer.jsonl", help="append JSONL records here ('' for none)"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    default = "local" if world == 1 else "mix,a2a,shadow"
+    strategies = tuple(s.strip() for s in (args.strategy or default).split(",") if s.strip())
+    return LayerBenchConfig(
+        model_dim=args.model_dim,
+        hidden_size=args.hidden_size,
+        tokens=args.tokens,
+        num_local_experts=args.num_local_experts,
+        top_k=args.top_k,
+        dtype=args.dtype,
+        device=args.device,
+        steps=args.steps,
+        warmup=args.warmup,
+        routing=args.routing,
+        strategies=strategies,
+        world_size=world,
+        threads=args.threads,
+        seed=args.seed,
+        jsonl=args.jsonl or None,
+    )
+
+
+def report(cfg: LayerBenchConfig, results: list[StrategyResult]) -> None:
+    """Logs, the table of medians and the JSONL records of one benchmark."""
+    write_logs(cfg, results)
+    print(f"routing = {cfg.routing}; medians over {cfg.steps} steps after {cfg.warmup} warm-up")
+    rows = summary_rows(cfg, results)
+    headers = list(dict.fromkeys(k for row in rows for k in row))
+    cells = [
+        [f"{v:.3f}" if isinstance(v, float) else v for v in (row.get(k) for k in headers)]
+        for row in rows
+    ]
+    print(render_table(headers, cells))
+    if cfg.jsonl:
+        import torch
+
+        append_jsonl(
+            cfg.jsonl,
+            "bench_layer",
+            asdict(cfg),
+            torch.device(cfg.device),
+            jsonl_records(cfg, results),
+        )
+        print(f"JSONL appended to {cfg.jsonl}")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    if cfg.world_size > 1:
+        from mixmoe.bench.multiprocess import run_distributed
+
+        results = run_distributed(cfg)
+        if results is not None:
+            report(cfg, results)
+        return 0
+    report(cfg, run_rank(cfg))
+    return 0

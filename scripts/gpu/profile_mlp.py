@@ -11,7 +11,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mixmoe.bench.kernels import KernelBenchConfig, Point, Problem, _forward_fn, _leaves, _step_fn
+from mixmoe.bench.kernel_providers import Problem, forward_fn, leaves, step_fn
 
 
 def main() -> None:
@@ -23,21 +23,14 @@ def main() -> None:
     p.add_argument("--providers", default="mixmoe,torch-grouped")
     p.add_argument("--rows", type=int, default=25)
     a = p.parse_args()
-    cfg = KernelBenchConfig(
-        rows_per_expert=(a.rows_per_expert,),
-        experts=(a.experts,),
-        skews=("uniform",),
-        dtypes=("bf16",),
-        model_dim=1024,
-        hidden_size=4096,
-        activation=a.activation,
-        block_size=a.block_size,
-        device="cuda",
+    prob = Problem(
+        dtype="bf16", experts=a.experts, rows_per_expert=a.rows_per_expert, skew="uniform",
+        top_k=2, model_dim=1024, hidden_size=4096, activation=a.activation,
+        block_size=a.block_size, device="cuda", seed=0,
     )
-    prob = Problem(cfg, Point("bf16", a.experts, a.rows_per_expert, "uniform"))
     for provider in a.providers.split(","):
-        t = _leaves(provider, prob)
-        step = _step_fn(_forward_fn(provider, prob, cfg, t), t, prob.dy_TD, "fwd+bwd")
+        t = leaves(provider, prob)
+        step = step_fn(forward_fn(provider, prob, a.activation, t), t, prob.dy_TD, "fwd+bwd")
         for _ in range(3):
             step()
         torch.cuda.synchronize()

@@ -1,34 +1,31 @@
-"""Step timers: CUDA events on GPU (no sync inside the step), perf_counter after a sync on CPU."""
+"""Stage timers for benchmarks, on the trace recorder's clocks (``mixmoe.tracing.clocks``): CUDA
+events on GPU (no sync inside the step), ``perf_counter`` on CPU. One clock abstraction serves
+both the traces and the benchmark timings."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from mixmoe.tracing.clocks import clock_for
+
 
 class StageTimer:
-    """``mark()`` after each stage; ``elapsed_ms()`` returns the stage durations in ms."""
+    """``mark()`` after each stage; ``elapsed_ms()`` returns the stage durations in ms (it waits
+    for the last mark on CUDA)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.clock = clock_for(device)
         self.marks: list = []
 
     def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(self.clock.mark())
 
     def elapsed_ms(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:], strict=False)]
-        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        ms = [self.clock.to_ms(m) for m in self.marks]
+        return [b - a for a, b in zip(ms, ms[1:], strict=False)]
 
 
 def median(values: list[float]) -> float:

@@ -13,8 +13,10 @@ import math
 import torch
 from torch import nn
 
-from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
-from mixmoe.schedule.blocks import BlockSchedule
+from mixmoe.dispatch.step import DispatchedRows, ExpertLayout, ExpertOutputs
+from mixmoe.ops.expert_mlp import ExpertWeights
+from mixmoe.ops.token_expert_mlp import token_expert_mlp
+from mixmoe.tracing import trace_span
 
 EXPERT_PARAM_NAMES = ("w1", "b1", "w2", "b2", "w3", "b3")
 
@@ -64,8 +66,33 @@ class Experts(nn.Module):
     def named_expert_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, getattr(self, n)) for n in EXPERT_PARAM_NAMES if getattr(self, n) is not None]
 
-    def forward(self, x_PD: torch.Tensor, schedule: BlockSchedule) -> torch.Tensor:
-        return expert_mlp(x_PD, self.weights(), schedule, self.activation)
+    def forward(self, rows: DispatchedRows, layout: ExpertLayout) -> ExpertOutputs:
+        """Run every work item of the step in order: one fused expert MLP call each, reading its
+        source rows by index and writing token order (local rows, weighted and K-summed) or
+        return order (received rows, unweighted). Local outputs are summed in work order."""
+        local_TD = received_RD = None
+        for work in layout.work:
+            source = rows.local_TD if work.source == "local" else rows.received()
+            weights = self.weights() if work.weights == "owned" else rows.replicas
+            if weights is None:
+                raise ValueError(f"work item {work.span!r} needs replicas but none were fetched")
+            with trace_span(work.span, kind="compute"):
+                out = token_expert_mlp(
+                    source,
+                    work.token_P,
+                    work.pos_TK,
+                    work.weights_TK,
+                    weights,
+                    work.schedule,
+                    self.activation,
+                )
+            if work.source == "received":
+                received_RD = out if received_RD is None else received_RD + out
+            else:
+                local_TD = out if local_TD is None else local_TD + out
+        if local_TD is None:
+            raise ValueError("an expert layout needs at least one local work item")
+        return ExpertOutputs(local_TD, received_RD)
 
     def extra_repr(self) -> str:
         return (

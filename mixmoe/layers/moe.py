@@ -83,13 +83,17 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, cfg.model_dim)
         with trace_span("moe.gate", kind="compute"):
             routing, balance, z = self.gate(x_TD)
-        out = self.dispatcher(x_TD, routing, self.experts.weights(), self.experts.activation)
+        # dispatch -> experts -> combine: the strategy decides where rows go and which replicas
+        # exist; the experts own the compute (the same fused ops on every path)
+        rows, layout, meta = self.dispatcher.dispatch(x_TD, routing, self.experts.weights())
+        out = self.experts(rows, layout)
+        y_TD = self.dispatcher.combine(out, meta)
         loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
         aux = MoEAux(
             balance_loss=balance,
             z_loss=z,
             loss=loss,
-            counts_N=out.counts_N,
-            stats=out.stats or None,
+            counts_N=meta.counts_N,
+            stats=meta.stats or None,
         )
-        return out.y_TD.to(x.dtype).reshape(x.shape), aux
+        return y_TD.to(x.dtype).reshape(x.shape), aux

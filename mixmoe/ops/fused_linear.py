@@ -252,10 +252,11 @@ def grouped_linear_combine(
     block_rows_Nb: torch.Tensor,
     block_size: int,
     pos_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
 ) -> torch.Tensor:
     """``y_TO[t] = sum_k weights_TK[t, k] * (h_PI @ w[slot] + b[slot])[pos_TK[t, k]]``, summed
     over k = 0..K-1 in order (dropped choices, ``pos_TK == P``, contribute nothing).
+    ``weights_TK=None``: unit weights (with K = 1, the output rows in the order ``pos_TK`` names).
     Differentiable in ``h_PI``, ``w_SIO``, ``b_SO`` and ``weights_TK``; dtype ``promote(h, w)``."""
     y_TO, _ = _grouped_linear_combine(
         h_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size, pos_TK, weights_TK

@@ -25,7 +25,7 @@ def token_expert_mlp(
     x_TD: torch.Tensor,
     token_P: torch.Tensor,
     pos_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
     weights: ExpertWeights,
     schedule: BlockSchedule,
     activation: str,
@@ -34,7 +34,7 @@ def token_expert_mlp(
 ) -> torch.Tensor:
     """``y_TD[t] = sum_k weights_TK[t, k] * mlp_{slot}(x_TD[t])`` over the row layout
     (``token_P``: token of each padded row, T for padding; ``pos_TK``: padded row of each choice,
-    P for a dropped one). Output dtype: ``promote(x, w)``.
+    P for a dropped one; ``weights_TK=None``: unit weights). Output dtype: ``promote(x, w)``.
 
     ``fused``: None (default) fuses on CUDA and keeps the reference composition elsewhere; True
     uses the fused ops on any device (on CPU their torch implementations: same forward, backward

@@ -390,15 +390,21 @@ def gathered_weight_grad_triton(
 def combine_weights_grad(
     dy_TO: torch.Tensor, rows_RO: torch.Tensor, pos_TK: torch.Tensor, num_padded_rows: int
 ) -> torch.Tensor:
-    """``dweights_TK`` (float32): ``dy_TO[t] . rows_RO[t * K + k]``, 0 for dropped choices."""
+    """``dweights_TK``: ``dy_TO[t] . rows_RO[t * K + k]``, 0 for dropped choices; accumulated and
+    returned in float32 (float64 for float64 inputs: no precision lost below the inputs')."""
     T, K = pos_TK.shape
-    dots_TK = (rows_RO.view(T, K, -1).float() * dy_TO.float().unsqueeze(1)).sum(dim=-1)
+    acc = _weights_grad_dtype(dy_TO.dtype)
+    dots_TK = torch.bmm(rows_RO.view(T, K, -1).to(acc), dy_TO.to(acc).unsqueeze(-1)).squeeze(-1)
     return torch.where(pos_TK < num_padded_rows, dots_TK, 0.0)
+
+
+def _weights_grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @combine_weights_grad.register_fake
 def _(dy_TO, rows_RO, pos_TK, num_padded_rows):
-    return dy_TO.new_empty(pos_TK.shape, dtype=torch.float32)
+    return dy_TO.new_empty(pos_TK.shape, dtype=_weights_grad_dtype(dy_TO.dtype))
 
 
 @combine_weights_grad.register_kernel("cuda")

@@ -69,6 +69,10 @@ class LayerBenchConfig:
             raise ValueError(
                 "strategy 'local' runs on one rank; use a2a, shadow or mix with --world-size > 1"
             )
+        if self.world_size == 1 and set(self.strategies) != {"local"}:
+            raise ValueError(
+                f"strategies {list(self.strategies)} need --world-size > 1; use 'local' on one rank"
+            )
 
     def moe_config(self, strategy: str) -> MoEConfig:
         return MoEConfig(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mixmoe.config import MoEConfig
 from mixmoe.dispatch.layout import expert_row_layout
 from mixmoe.dispatch.step import (
     DispatchedRows,
@@ -29,12 +30,29 @@ class LocalDispatcher:
 
     name = "local"
 
-    def __init__(self, block_size: int = 64) -> None:
-        self.block_size = block_size
+    def __init__(self, config: MoEConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+
+    def _check(self, weights: ExpertWeights) -> None:
+        cfg = self.config
+        if cfg.strategy != "local":
+            raise ValueError(
+                f"MoEConfig(strategy={cfg.strategy!r}) but this layer was never parallelized, so "
+                "it would silently run 'local'; call mixmoe.parallel.parallelize_moe(layer, comm) "
+                "on every rank, or use strategy='local'"
+            )
+        if weights.num_slots != cfg.num_experts:
+            raise ValueError(
+                f"this layer holds {weights.num_slots} of the {cfg.num_experts} experts (built "
+                "for one expert-parallel rank); call mixmoe.parallel.parallelize_moe(layer, comm) "
+                "on every rank before the first forward"
+            )
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights
     ) -> tuple[DispatchedRows, ExpertLayout, LocalStepMeta]:
+        self._check(weights)
         with trace_span("moe.count", kind="host"):
             layout = expert_row_layout(routing.ids_TK, weights.num_slots, self.block_size)
         work = ExpertWork(

@@ -20,6 +20,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "benchmark one MoE layer (FORMATS.md section 1 log)",
     ),
     ("bench", "kernels"): ("mixmoe.bench.kernels", "benchmark grouped-GEMM providers"),
+    ("bench", "peers"): (
+        "mixmoe.bench.peers",
+        "mixmoe vs transformers' Mixtral block (hf-eager/batched_mm/grouped_mm), CPU",
+    ),
     ("analyze", "trace"): ("mixmoe.report.analyze_trace", "analyse CMD operation traces"),
     ("analyze", "profile"): ("mixmoe.report.analyze_profile", "analyse a torch.profiler table"),
     ("report",): ("mixmoe.report.report_cli", "tables and plots from benchmark logs"),

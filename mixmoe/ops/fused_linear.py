@@ -60,7 +60,8 @@ def _choice_rows(out_PO: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
     T, K = pos_TK.shape
     if P == 0:
         return out_PO.new_zeros(T, K, out_PO.shape[1])
-    rows = out_PO.index_select(0, pos_TK.reshape(-1).clamp(max=P - 1)).view(T, K, -1)
+    rows = out_PO.index_select(0, pos_TK.reshape(-1).clamp(max=P - 1))
+    rows = rows.view(T, K, out_PO.shape[1])
     return rows.masked_fill_((pos_TK == P).unsqueeze(-1), 0.0)
 
 
@@ -416,7 +417,9 @@ def combine_weights_grad(
     returned in float32 (float64 for float64 inputs: no precision lost below the inputs')."""
     T, K = pos_TK.shape
     acc = _weights_grad_dtype(dy_TO.dtype)
-    dots_TK = torch.bmm(rows_RO.view(T, K, -1).to(acc), dy_TO.to(acc).unsqueeze(-1)).squeeze(-1)
+    dots_TK = torch.bmm(
+        rows_RO.view(T, K, rows_RO.shape[1]).to(acc), dy_TO.to(acc).unsqueeze(-1)
+    ).squeeze(-1)
     return torch.where(pos_TK < num_padded_rows, dots_TK, 0.0)
 
 

@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[dev,plot,triton]"
+	$(BIN)/pip install -q -e ".[dev,plot,triton,models]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -66,6 +66,10 @@ class LayerBenchConfig:
             raise ValueError(
                 "strategy 'local' runs on one rank; use a2a, shadow or mix with --world-size > 1"
             )
+        if self.world_size == 1 and set(self.strategies) != {"local"}:
+            raise ValueError(
+                f"strategies {list(self.strategies)} need --world-size > 1; use 'local' on one rank"
+            )
         self.moe_config(self.strategies[0])  # the layer's own checks (top_k <= experts, ...)
 
     def moe_config(self, strategy: str) -> MoEConfig:

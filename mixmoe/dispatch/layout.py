@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mixmoe.schedule.blocks import BlockSchedule, build_block_schedule
+from mixmoe.schedule.sort import num_blocks, sort_by_expert
 
 
 def counts_to_host(counts: torch.Tensor) -> list[int]:
@@ -42,15 +43,13 @@ def expert_row_layout(ids_TK: torch.Tensor, num_experts: int, block_size: int) -
     row. One host sync (``counts_to_host``)."""
     T, K = ids_TK.shape
     device = ids_TK.device
-    key_R = torch.where(ids_TK >= 0, ids_TK, num_experts).reshape(-1)
-    order_R = torch.argsort(key_R, stable=True)
-    counts_N = torch.bincount(key_R, minlength=num_experts + 1)[:num_experts]
+    rows = sort_by_expert(ids_TK, num_experts)
+    order_R, counts_N = rows.order_R, rows.counts_N
     counts_host = counts_to_host(counts_N)
-    num_blocks = sum(-(-c // block_size) for c in counts_host)
     schedule = build_block_schedule(
         counts_N,
         torch.arange(num_experts, device=device),
-        num_blocks,
+        num_blocks(counts_host, block_size),
         block_size,
         num_rows=sum(counts_host),
     )

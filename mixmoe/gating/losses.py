@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from mixmoe.gating.precision import widen
+from mixmoe.schedule.sort import expert_counts
 
 
 def load_balancing_loss(
@@ -28,9 +29,8 @@ def load_balancing_loss(
         return widen(logits_TN).sum() * 0.0
     probs_N = torch.softmax(widen(logits_TN), dim=-1).mean(dim=0)
     chosen = ids_TK[:, :1] if first_choice_only else ids_TK
-    # dropped choices (-1) land in an extra bin that is cut off; no boolean indexing, no host sync
-    binned = torch.where(chosen >= 0, chosen, num_experts).reshape(-1)
-    counts_N = torch.bincount(binned, minlength=num_experts + 1)[:num_experts].to(probs_N.dtype)
+    # dropped choices (-1) are not counted; no boolean indexing, no host sync
+    counts_N = expert_counts(chosen, num_experts).to(probs_N.dtype)
     f_N = counts_N / counts_N.sum().clamp(min=1)
     return num_experts * (f_N * probs_N).sum()
 

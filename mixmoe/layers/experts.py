@@ -1,9 +1,16 @@
-"""``Experts``: the parameters of E experts, stacked.
+"""``Experts``: the parameters of E experts, stacked, and the compute over them.
 
-Legend: E experts held by this module, D model dim, F hidden dim.
+Legend: E experts held by this module, N global experts, D model dim, F hidden dim.
 
 w1 [E, D, F], b1 [E, F], w2 [E, F, D], b2 [E, D]; SwiGLU adds w3 [E, D, F] (and b3 [E, F]).
-Initialisation matches ``nn.Linear`` per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+The module holds global experts ``first_expert .. first_expert + E - 1`` of ``num_global_experts``
+(all of them on one device; one rank's shard under expert parallelism, built directly: never
+the full set first).
+
+Initialisation matches ``nn.Linear`` per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), drawn for
+expert g from its own generator seeded with ``base_seed + g``; ``base_seed`` is one draw from the
+global RNG (or given). So a shard built after ``torch.manual_seed(s)`` holds exactly the weights
+the single-device layer built after ``torch.manual_seed(s)`` holds for the same experts.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ import math
 import torch
 from torch import nn
 
-from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
-from mixmoe.schedule.blocks import BlockSchedule
+from mixmoe.dispatch.step import DispatchedRows, ExpertLayout, ExpertOutputs
+from mixmoe.ops.expert_mlp import ExpertWeights
+from mixmoe.ops.token_expert_mlp import token_expert_mlp
+from mixmoe.tracing import trace_span
 
 EXPERT_PARAM_NAMES = ("w1", "b1", "w2", "b2", "w3", "b3")
 
@@ -28,15 +37,24 @@ class Experts(nn.Module):
         activation: str = "gelu",
         bias: bool = True,
         *,
+        first_expert: int = 0,
+        num_global_experts: int | None = None,
+        base_seed: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        num_global_experts = num_experts if num_global_experts is None else num_global_experts
+        if not 0 <= first_expert <= num_global_experts - num_experts:
+            raise ValueError(
+                f"experts {first_expert}..{first_expert + num_experts - 1} do not fit in "
+                f"num_global_experts={num_global_experts}; use 0 <= first_expert <= "
+                f"{num_global_experts - num_experts}"
+            )
         self.num_experts, self.model_dim, self.hidden_dim = num_experts, model_dim, hidden_dim
         self.activation = activation
-        # which global experts these are (set by mixmoe.parallel when sharding): first_expert ..
-        # first_expert + num_experts - 1 of num_global_experts
-        self.first_expert, self.num_global_experts = 0, num_experts
+        # which global experts these are: first_expert .. first_expert + num_experts - 1
+        self.first_expert, self.num_global_experts = first_expert, num_global_experts
         E, D, F = num_experts, model_dim, hidden_dim
         kw = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(E, D, F, **kw))
@@ -46,17 +64,24 @@ class Experts(nn.Module):
         swiglu = activation == "swiglu"
         self.w3 = nn.Parameter(torch.empty(E, D, F, **kw)) if swiglu else None
         self.b3 = nn.Parameter(torch.empty(E, F, **kw)) if swiglu and bias else None
-        self.reset_parameters()
+        self.reset_parameters(base_seed)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        for name in EXPERT_PARAM_NAMES:
-            p = getattr(self, name)
-            if p is None:
-                continue
-            fan_in = self.hidden_dim if name in ("w2", "b2") else self.model_dim
-            bound = 1.0 / math.sqrt(fan_in)
-            p.uniform_(-bound, bound)
+    def reset_parameters(self, base_seed: int | None = None) -> None:
+        """Per-expert seeded init (see the module docstring); ``base_seed`` None draws one from
+        the global RNG. Nothing is drawn for parameters on the meta device."""
+        if base_seed is None:
+            base_seed = int(torch.randint(0, 2**62, (1,)))
+        params = self.named_expert_parameters()
+        if not params or params[0][1].is_meta:
+            return
+        device = params[0][1].device
+        for e in range(self.num_experts):
+            gen = torch.Generator(device=device).manual_seed(base_seed + self.first_expert + e)
+            for name, p in params:
+                fan_in = self.hidden_dim if name in ("w2", "b2") else self.model_dim
+                bound = 1.0 / math.sqrt(fan_in)
+                p[e].uniform_(-bound, bound, generator=gen)
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(self.w1, self.w2, self.b1, self.b2, self.w3, self.b3)
@@ -64,8 +89,33 @@ class Experts(nn.Module):
     def named_expert_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, getattr(self, n)) for n in EXPERT_PARAM_NAMES if getattr(self, n) is not None]
 
-    def forward(self, x_PD: torch.Tensor, schedule: BlockSchedule) -> torch.Tensor:
-        return expert_mlp(x_PD, self.weights(), schedule, self.activation)
+    def forward(self, rows: DispatchedRows, layout: ExpertLayout) -> ExpertOutputs:
+        """Run every work item of the step in order: one fused expert MLP call each, reading its
+        source rows by index and writing token order (local rows, weighted and K-summed) or
+        return order (received rows, unweighted). Local outputs are summed in work order."""
+        local_TD = received_RD = None
+        for work in layout.work:
+            source = rows.local_TD if work.source == "local" else rows.received()
+            weights = self.weights() if work.weights == "owned" else rows.replicas
+            if weights is None:
+                raise ValueError(f"work item {work.span!r} needs replicas but none were fetched")
+            with trace_span(work.span, kind="compute"):
+                out = token_expert_mlp(
+                    source,
+                    work.token_P,
+                    work.pos_TK,
+                    work.weights_TK,
+                    weights,
+                    work.schedule,
+                    self.activation,
+                )
+            if work.source == "received":
+                received_RD = out if received_RD is None else received_RD + out
+            else:
+                local_TD = out if local_TD is None else local_TD + out
+        if local_TD is None:
+            raise ValueError("an expert layout needs at least one local work item")
+        return ExpertOutputs(local_TD, received_RD)
 
     def extra_repr(self) -> str:
         return (

@@ -28,6 +28,11 @@ class MoE(nn.Module):
 
     ``gate`` replaces the router module (it must return ``(Routing, balance_loss, z_loss)``);
     benchmarks use it to impose synthetic routing.
+
+    ``ep_rank`` / ``ep_size``: build only the experts rank ``ep_rank`` of an expert-parallel group
+    of ``ep_size`` ranks owns (``N / ep_size`` of them, the same weights the single-device layer
+    built from the same seed holds), so no rank ever allocates all N experts. Such a layer runs
+    after ``mixmoe.parallel.parallelize_moe(layer, comm)`` installed its strategy.
     """
 
     def __init__(
@@ -35,24 +40,41 @@ class MoE(nn.Module):
         config: MoEConfig,
         *,
         gate: nn.Module | None = None,
+        ep_rank: int = 0,
+        ep_size: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if ep_size < 1 or not 0 <= ep_rank < ep_size:
+            raise ValueError(
+                f"need ep_size >= 1 and 0 <= ep_rank < ep_size, got {ep_rank}, {ep_size}"
+            )
+        if config.num_experts % ep_size:
+            raise ValueError(
+                f"num_experts={config.num_experts} is not divisible by ep_size={ep_size}; use a "
+                f"multiple of {ep_size}"
+            )
         self.config = config
         self.gate = gate if gate is not None else Gate(config, device=device, dtype=dtype)
+        E = config.num_experts // ep_size
         self.experts = Experts(
-            config.num_experts,
+            E,
             config.model_dim,
             config.hidden_dim,
             config.activation,
             config.bias,
+            first_expert=ep_rank * E,
+            num_global_experts=config.num_experts,
             device=device,
             dtype=dtype,
         )
-        self.dispatcher = LocalDispatcher(config.block_size)
+        self.dispatcher = LocalDispatcher(config)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -83,13 +105,17 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, cfg.model_dim)
         with trace_span("moe.gate", kind="compute"):
             routing, balance, z = self.gate(x_TD)
-        out = self.dispatcher(x_TD, routing, self.experts.weights(), self.experts.activation)
+        # dispatch -> experts -> combine: the strategy decides where rows go and which replicas
+        # exist; the experts own the compute (the same fused ops on every path)
+        rows, layout, meta = self.dispatcher.dispatch(x_TD, routing, self.experts.weights())
+        out = self.experts(rows, layout)
+        y_TD = self.dispatcher.combine(out, meta)
         loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
         aux = MoEAux(
             balance_loss=balance,
             z_loss=z,
             loss=loss,
-            counts_N=out.counts_N,
-            stats=out.stats or None,
+            counts_N=meta.counts_N,
+            stats=meta.stats or None,
         )
-        return out.y_TD.to(x.dtype).reshape(x.shape), aux
+        return y_TD.to(x.dtype).reshape(x.shape), aux

@@ -83,10 +83,11 @@ class MixMOETransformerMLP(nn.Module):
 
     Legacy arguments: ``scan_expert_func(name, param)`` is called on every expert parameter
     (e.g. to mark it ``skip_allreduce``); ``world_size``/``expert_rank`` describe the expert-parallel
-    group (experts are ``num_local_expert`` per rank, so N = E * world_size): the module is built
-    with all N experts and must be sharded before its first forward with
-    ``mixmoe.parallel.parallelize_moe(module.moe, comm)`` on every rank (checked against
-    ``expert_rank``); ``total_batch_size`` is accepted and checked but unused (mixmoe sizes its
+    group (experts are ``num_local_expert`` per rank, so N = E * world_size): the module builds only
+    the experts of ``expert_rank`` (the weights a single-device module built from the same seed
+    holds for them) and runs once ``mixmoe.parallel.parallelize_moe(module.moe, comm)`` installed
+    the strategy on every rank (which checks ``expert_rank == comm.rank``); ``total_batch_size``
+    is accepted and checked but unused (mixmoe sizes its
     buffers per step from the counts).
     """
 
@@ -174,7 +175,10 @@ class MixMOETransformerMLP(nn.Module):
             expert_rank,
             total_batch_size,
         )
-        self.moe = MoE(self.config, device=device, dtype=dtype)
+        # built for its rank: only the num_local_expert experts of expert_rank are allocated
+        self.moe = MoE(
+            self.config, ep_rank=expert_rank, ep_size=world_size, device=device, dtype=dtype
+        )
         self.aux: MoEAux | None = None
         if scan_expert_func is not None:
             for name, param in self.moe.experts.named_expert_parameters():
@@ -185,25 +189,7 @@ class MixMOETransformerMLP(nn.Module):
         """The scaled auxiliary loss of the last forward (None before the first)."""
         return None if self.aux is None else self.aux.loss
 
-    def _check_sharding(self) -> None:
-        experts = self.moe.experts
-        if self.world_size == 1:
-            return
-        if experts.num_experts == experts.num_global_experts:
-            raise ValueError(
-                f"world_size={self.world_size}: shard the experts before the first forward with "
-                "mixmoe.parallel.parallelize_moe(module.moe, comm) on every rank"
-            )
-        local = experts.num_global_experts // self.world_size
-        if experts.first_expert != self.expert_rank * local:
-            raise ValueError(
-                f"expert_rank={self.expert_rank} but this rank holds experts "
-                f"{experts.first_expert}..{experts.first_expert + local - 1}; pass "
-                "expert_rank=comm.rank of the expert-parallel group"
-            )
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_sharding()
         y, self.aux = self.moe(x)
         return y
 

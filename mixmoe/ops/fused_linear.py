@@ -29,8 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixmoe.ops.grouped_linear import grouped_linear, grouped_weight_grad
-from mixmoe.ops.rows import combine_rows, gather_rows
+from mixmoe.ops.grouped_linear import grouped_linear, slot_weight_grad
 
 
 def choice_of_row_P(pos_TK: torch.Tensor, num_padded_rows: int) -> torch.Tensor:
@@ -41,6 +40,29 @@ def choice_of_row_P(pos_TK: torch.Tensor, num_padded_rows: int) -> torch.Tensor:
     # dropped choices all land on the extra entry P, which is cut off
     tk_P.scatter_(0, pos_TK.reshape(-1).to(torch.int64), torch.arange(R, device=pos_TK.device))
     return tk_P[:num_padded_rows]
+
+
+def _gather_any_pad(x_TI: torch.Tensor, index_P: torch.Tensor) -> torch.Tensor:
+    """CPU: ``x_TI[index_P]`` where padding entries (``index == T``) read SOME row of ``x_TI``
+    instead of a zero row: one copy of the gathered rows, no padded copy of ``x_TI``. Only for
+    consumers that mask padding (``grouped_linear`` fills masked rows, the weight gradient zeroes
+    them)."""
+    T = x_TI.shape[0]
+    if T == 0:
+        return x_TI.new_zeros(index_P.shape[0], x_TI.shape[1])
+    return x_TI.index_select(0, index_P.clamp(max=T - 1))
+
+
+def _choice_rows(out_PO: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
+    """``rows_TKO``: ``out_PO[pos_TK]``, zero where ``pos_TK == P`` (dropped), without a padded
+    copy of ``out_PO``."""
+    P = out_PO.shape[0]
+    T, K = pos_TK.shape
+    if P == 0:
+        return out_PO.new_zeros(T, K, out_PO.shape[1])
+    rows = out_PO.index_select(0, pos_TK.reshape(-1).clamp(max=P - 1))
+    rows = rows.view(T, K, out_PO.shape[1])
+    return rows.masked_fill_((pos_TK == P).unsqueeze(-1), 0.0)
 
 
 def _row_weights_P(weights_TK: torch.Tensor | None, tk_P: torch.Tensor) -> torch.Tensor | None:
@@ -67,7 +89,7 @@ def gather_grouped_linear(
     zero). ``pos_TK`` (the inverse map) is only used by the backward pass, to sum each token's
     K row gradients in a fixed order."""
     return grouped_linear(
-        gather_rows(x_TI, token_P), w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size
+        _gather_any_pad(x_TI, token_P), w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size
     )
 
 
@@ -150,11 +172,11 @@ def _grouped_linear_combine(
     ``out[pos_TK[t, k]]`` in token-choice order (zero for dropped choices; saved for the weight
     gradient). ``weights_TK=None`` means unit weights."""
     out_PO = grouped_linear(h_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size)
-    rows_TKO = F.pad(out_PO, (0, 0, 0, 1))[pos_TK]
+    rows_TKO = _choice_rows(out_PO, pos_TK)
     if weights_TK is None:
         y_TO = rows_TKO.sum(dim=1)
-    else:
-        y_TO = combine_rows(out_PO, pos_TK, weights_TK)
+    else:  # combine_rows' arithmetic, on the rows gathered once
+        y_TO = (rows_TKO * weights_TK.unsqueeze(-1).to(rows_TKO.dtype)).sum(dim=1)
     return y_TO, rows_TKO.reshape(-1, out_PO.shape[1])
 
 
@@ -252,10 +274,11 @@ def grouped_linear_combine(
     block_rows_Nb: torch.Tensor,
     block_size: int,
     pos_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
 ) -> torch.Tensor:
     """``y_TO[t] = sum_k weights_TK[t, k] * (h_PI @ w[slot] + b[slot])[pos_TK[t, k]]``, summed
     over k = 0..K-1 in order (dropped choices, ``pos_TK == P``, contribute nothing).
+    ``weights_TK=None``: unit weights (with K = 1, the output rows in the order ``pos_TK`` names).
     Differentiable in ``h_PI``, ``w_SIO``, ``b_SO`` and ``weights_TK``; dtype ``promote(h, w)``."""
     y_TO, _ = _grouped_linear_combine(
         h_PI, w_SIO, b_SO, block_slot_Nb, block_rows_Nb, block_size, pos_TK, weights_TK
@@ -278,9 +301,9 @@ def scaled_gather_grouped_linear(
 ) -> torch.Tensor:
     """``y_PO = (scale_P * x_TI[token_P]) @ w[slot]`` (no bias, masked rows zero). Not
     differentiable: backward passes only."""
-    x_PI = gather_rows(x_TI, token_P)
+    x_PI = _gather_any_pad(x_TI, token_P)
     if scale_P is not None:
-        x_PI = x_PI * scale_P.unsqueeze(-1).to(x_PI.dtype)
+        x_PI.mul_(scale_P.unsqueeze(-1).to(x_PI.dtype))
     return grouped_linear(x_PI, w_SIO, None, block_slot_Nb, block_rows_Nb, block_size)
 
 
@@ -324,14 +347,15 @@ def gathered_weight_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mixmoe::grouped_weight_grad`` of ``x[x_index_P]`` and ``dy_scale_P * dy[dy_index_P]``
     (each index optional: without it the operand is already padded)."""
-    x_PI = x if x_index_P is None else gather_rows(x, x_index_P)
-    dy_PO = dy if dy_index_P is None else gather_rows(dy, dy_index_P)
+    # the CPU weight gradient reads valid rows only: padding rows need no zeroing
+    x_PI = x if x_index_P is None else _gather_any_pad(x, x_index_P)
+    dy_PO = dy if dy_index_P is None else _gather_any_pad(dy, dy_index_P)
     if dy_scale_P is not None:
-        dy_PO = dy_PO * dy_scale_P.unsqueeze(-1).to(dy_PO.dtype)
-    dw, db = grouped_weight_grad(
+        scale = dy_scale_P.unsqueeze(-1).to(dy_PO.dtype)
+        dy_PO = dy_PO.mul_(scale) if dy_index_P is not None else dy_PO * scale
+    return slot_weight_grad(
         x_PI, dy_PO, block_slot_Nb, block_rows_Nb, num_slots, block_size, with_bias
     )
-    return dw, db
 
 
 @gathered_weight_grad.register_fake
@@ -389,15 +413,23 @@ def gathered_weight_grad_triton(
 def combine_weights_grad(
     dy_TO: torch.Tensor, rows_RO: torch.Tensor, pos_TK: torch.Tensor, num_padded_rows: int
 ) -> torch.Tensor:
-    """``dweights_TK`` (float32): ``dy_TO[t] . rows_RO[t * K + k]``, 0 for dropped choices."""
+    """``dweights_TK``: ``dy_TO[t] . rows_RO[t * K + k]``, 0 for dropped choices; accumulated and
+    returned in float32 (float64 for float64 inputs: no precision lost below the inputs')."""
     T, K = pos_TK.shape
-    dots_TK = (rows_RO.view(T, K, -1).float() * dy_TO.float().unsqueeze(1)).sum(dim=-1)
+    acc = _weights_grad_dtype(dy_TO.dtype)
+    dots_TK = torch.bmm(
+        rows_RO.view(T, K, rows_RO.shape[1]).to(acc), dy_TO.to(acc).unsqueeze(-1)
+    ).squeeze(-1)
     return torch.where(pos_TK < num_padded_rows, dots_TK, 0.0)
+
+
+def _weights_grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @combine_weights_grad.register_fake
 def _(dy_TO, rows_RO, pos_TK, num_padded_rows):
-    return dy_TO.new_empty(pos_TK.shape, dtype=torch.float32)
+    return dy_TO.new_empty(pos_TK.shape, dtype=_weights_grad_dtype(dy_TO.dtype))
 
 
 @combine_weights_grad.register_kernel("cuda")

@@ -10,8 +10,8 @@ Backward: dx = grouped_linear(dy, w^T) (no bias), dw[s] = sum over blocks of slo
 x_block^T @ dy_block, db[s] = column sums of dy over the same rows. Masked rows contribute nothing
 and receive zero gradient.
 
-The CPU implementation below is the torch reference path; it loops over *runs* of consecutive
-blocks that share a slot (at most a few per slot), never over rows or blocks. The CUDA
+The CPU implementation below loops over *pieces* of valid rows (consecutive blocks of one slot up
+to a partial block; about one per segment), never over rows, and its GEMMs never touch padding. The CUDA
 implementations (``*_triton``) launch the Triton kernels of ``mixmoe.kernels``, imported lazily.
 """
 
@@ -27,14 +27,27 @@ def _padding_rows(block_rows_Nb: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.nonzero((lane_B[None, :] >= block_rows_Nb[:, None]).reshape(-1)).reshape(-1)
 
 
-def _slot_runs(block_slot_Nb: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(slot, first block, end block) of every run of equal consecutive slots."""
-    slots, lengths = torch.unique_consecutive(block_slot_Nb, return_counts=True)
-    runs, start = [], 0
-    for slot, length in zip(slots.tolist(), lengths.tolist(), strict=True):
-        runs.append((slot, start, start + length))
-        start += length
-    return runs
+def _row_pieces(
+    block_slot_Nb: torch.Tensor, block_rows_Nb: torch.Tensor, block_size: int
+) -> list[tuple[int, int, int]]:
+    """(slot, first padded row, valid rows) of every maximal run of VALID rows that are
+    contiguous in the padded layout and share a slot: consecutive full blocks of one slot, up to
+    and including a partial block. The CPU GEMMs read only these rows: padding costs nothing."""
+    pieces: list[tuple[int, int, int]] = []
+    slot, start, n = -1, 0, 0
+    for b, (s, rows) in enumerate(zip(block_slot_Nb.tolist(), block_rows_Nb.tolist(), strict=True)):
+        if n and s == slot and start + n == b * block_size:
+            n += rows
+        else:
+            if n:
+                pieces.append((slot, start, n))
+            slot, start, n = s, b * block_size, rows
+        if rows < block_size:  # a partial block ends the contiguous run
+            pieces.append((slot, start, n))
+            n = 0
+    if n:
+        pieces.append((slot, start, n))
+    return pieces
 
 
 @torch.library.custom_op("mixmoe::grouped_linear", mutates_args=())
@@ -48,9 +61,9 @@ def grouped_linear(
 ) -> torch.Tensor:
     """``y_PO``: each block of ``x_PI`` times its slot's weight (+ bias), masked rows zero."""
     out_dtype = torch.promote_types(x_PI.dtype, w_SIO.dtype)
-    y_PO = x_PI.new_empty(x_PI.shape[0], w_SIO.shape[2], dtype=out_dtype)  # every block is written
-    for slot, b0, b1 in _slot_runs(block_slot_Nb):
-        rows = slice(b0 * block_size, b1 * block_size)
+    y_PO = x_PI.new_empty(x_PI.shape[0], w_SIO.shape[2], dtype=out_dtype)  # valid rows written
+    for slot, first, n in _row_pieces(block_slot_Nb, block_rows_Nb, block_size):
+        rows = slice(first, first + n)
         if b_SO is None:
             torch.matmul(x_PI[rows], w_SIO[slot], out=y_PO[rows])
         else:
@@ -87,16 +100,37 @@ def grouped_weight_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dw_SIO, db_SO): per-slot reductions over that slot's blocks (masked rows excluded).
     ``db_SO`` is an empty [S, 0] tensor when ``with_bias`` is False."""
-    pad_rows = _padding_rows(block_rows_Nb, block_size)
-    dy_PO = dy_PO.index_fill(0, pad_rows, 0.0)
-    x_PI = x_PI.index_fill(0, pad_rows, 0.0)
-    dw_SIO = x_PI.new_zeros(num_slots, x_PI.shape[1], dy_PO.shape[1])
+    return slot_weight_grad(
+        x_PI, dy_PO, block_slot_Nb, block_rows_Nb, num_slots, block_size, with_bias
+    )
+
+
+def slot_weight_grad(
+    x_PI: torch.Tensor,
+    dy_PO: torch.Tensor,
+    block_slot_Nb: torch.Tensor,
+    block_rows_Nb: torch.Tensor,
+    num_slots: int,
+    block_size: int,
+    with_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU body of the weight gradient: one GEMM per piece of valid rows (``_row_pieces``), so
+    padding rows are never read (whatever they hold); a slot's first piece writes, later pieces
+    accumulate, slots without rows get zeros."""
+    dw_SIO = x_PI.new_empty(num_slots, x_PI.shape[1], dy_PO.shape[1])
     db_SO = dy_PO.new_zeros(num_slots, dy_PO.shape[1] if with_bias else 0)
-    for slot, b0, b1 in _slot_runs(block_slot_Nb):
-        rows = slice(b0 * block_size, b1 * block_size)
-        dw_SIO[slot].addmm_(x_PI[rows].t(), dy_PO[rows])
+    written = set()
+    for slot, first, n in _row_pieces(block_slot_Nb, block_rows_Nb, block_size):
+        rows = slice(first, first + n)
+        if slot in written:
+            dw_SIO[slot].addmm_(x_PI[rows].t(), dy_PO[rows])
+        else:
+            torch.mm(x_PI[rows].t(), dy_PO[rows], out=dw_SIO[slot])
+            written.add(slot)
         if with_bias:
             db_SO[slot] += dy_PO[rows].sum(dim=0)
+    for slot in set(range(num_slots)) - written:
+        dw_SIO[slot].zero_()
     return dw_SIO, db_SO
 
 

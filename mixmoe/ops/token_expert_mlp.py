@@ -1,14 +1,16 @@
-"""The expert MLP from token order back to token order: gather, MLP over blocks, weighted combine.
+"""The expert MLP from a row source back to token (or return) order: gather, MLP over blocks,
+weighted combine, on the fused ops on every device.
 
 Legend: T tokens, K top-k, D model dim, F hidden dim, P padded rows.
 
     y_TD = combine_rows(expert_mlp(gather_rows(x_TD, token_P), ...), pos_TK, weights_TK)
 
-On CPU it is exactly that composition of the reference ops (so CPU numbers do not change when a
-strategy switches to this entry point). On CUDA the row movement is fused into the grouped GEMMs
-(``mixmoe.ops.fused_linear``): the first GEMM reads ``x_TD`` through ``token_P`` (no permuted copy
-of the input), the second writes straight to token-choice order and the K choices are summed in
-a fixed order. Same numbers up to float rounding, same autograd (dx, dW, db, d weights_TK).
+is what it computes (``fused=False`` runs exactly that composition of the reference ops: the
+tests' twin). The default runs the fused ops (``mixmoe.ops.fused_linear``): the first GEMM reads
+``x_TD`` through ``token_P`` (no permuted copy of the input), the second writes straight to
+token-choice order and the K choices are summed in a fixed order. On CUDA they are Triton kernels;
+on CPU their torch implementations. Same numbers up to float rounding, same autograd (dx, dW, db,
+d weights_TK).
 """
 
 from __future__ import annotations
@@ -25,22 +27,19 @@ def token_expert_mlp(
     x_TD: torch.Tensor,
     token_P: torch.Tensor,
     pos_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
     weights: ExpertWeights,
     schedule: BlockSchedule,
     activation: str,
     *,
-    fused: bool | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """``y_TD[t] = sum_k weights_TK[t, k] * mlp_{slot}(x_TD[t])`` over the row layout
     (``token_P``: token of each padded row, T for padding; ``pos_TK``: padded row of each choice,
-    P for a dropped one). Output dtype: ``promote(x, w)``.
+    P for a dropped one; ``weights_TK=None``: unit weights). Output dtype: ``promote(x, w)``.
 
-    ``fused``: None (default) fuses on CUDA and keeps the reference composition elsewhere; True
-    uses the fused ops on any device (on CPU their torch implementations: same forward, backward
-    equal up to float rounding); False always uses the reference composition."""
-    if fused is None:
-        fused = x_TD.is_cuda
+    ``fused``: True (default) runs the fused ops on every device; False the reference
+    composition (same forward on CPU, backward equal up to float rounding)."""
     if not fused:
         x_PD = gather_rows(x_TD, token_P)
         return combine_rows(expert_mlp(x_PD, weights, schedule, activation), pos_TK, weights_TK)

@@ -13,18 +13,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from mixmoe.dispatch.expert_parallel import STRATEGY_SPECS, ExpertParallelDispatcher
+from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
+from mixmoe.dispatch.local import LocalDispatcher
+from mixmoe.dispatch.strategies import strategy_spec
 from mixmoe.layers.experts import Experts
 from mixmoe.layers.moe import MoE
 from mixmoe.placement.profile import HardwareProfile
 
 
 def _shard_experts(full: Experts, rank: int, world_size: int) -> Experts:
-    if full.num_experts % world_size:
-        raise ValueError(
-            f"num_experts={full.num_experts} is not divisible by world size {world_size}; use a "
-            f"multiple of {world_size}"
-        )
+    """This rank's slice of a full ``Experts`` (built on the meta device, then filled: the
+    slice is the only new allocation)."""
     E = full.num_experts // world_size
     w = full.w1
     local = Experts(
@@ -33,34 +32,53 @@ def _shard_experts(full: Experts, rank: int, world_size: int) -> Experts:
         full.hidden_dim,
         full.activation,
         full.b1 is not None,
-        device=w.device,
+        first_expert=rank * E,
+        num_global_experts=full.num_experts,
+        device="meta",
         dtype=w.dtype,
-    )
+    ).to_empty(device=w.device)
     with torch.no_grad():
         for name, p in local.named_expert_parameters():
             source = getattr(full, name)
             p.copy_(source[rank * E : (rank + 1) * E])
             p.__dict__.update(source.__dict__)  # marks set by the user (scan_expert_func) survive
-    local.first_expert, local.num_global_experts = rank * E, full.num_experts
     return local
 
 
 def parallelize_moe(
     layer: MoE, comm, strategy: str | None = None, profile: HardwareProfile | None = None
 ) -> MoE:
-    """In place: keep this rank's experts and install the strategy (default: ``layer.config.strategy``,
-    which must then be a2a, shadow or mix). Every rank must call it with the same arguments and a
-    layer built with the same seed (or load a checkpoint afterwards). Returns ``layer``."""
+    """In place: install the expert-parallel strategy (default: ``layer.config.strategy``, which
+    must then be a2a, shadow or mix) and make the layer hold this rank's experts
+    rank*E .. rank*E+E-1 (E = N / W).
+
+    A layer built for this rank (``MoE(config, ep_rank=comm.rank, ep_size=comm.world_size)``,
+    the memory-frugal way) is checked and kept; a full single-device layer (all N experts, same
+    seed on every rank, or a checkpoint loaded afterwards) is sliced. Every rank must call it with
+    the same arguments: the strategy is part of the agreement checked at the first forward.
+    Returns ``layer``."""
     if not isinstance(layer, MoE):
         raise TypeError(f"parallelize_moe expects a mixmoe.MoE, got {type(layer).__name__}")
     strategy = strategy or layer.config.strategy
-    if strategy not in STRATEGY_SPECS:
+    strategy_spec(strategy)  # a clear error for 'local' or an unknown name
+    if not isinstance(layer.dispatcher, LocalDispatcher):
+        raise ValueError(f"this layer is already parallelized ({layer.dispatcher.name!r})")
+    W, r = comm.world_size, comm.rank
+    experts = layer.experts
+    N = experts.num_global_experts
+    if N % W:
         raise ValueError(
-            f"strategy {strategy!r} is not expert-parallel; use one of {sorted(STRATEGY_SPECS)}"
+            f"num_experts={N} is not divisible by world size {W}; use a multiple of {W}"
         )
-    if layer.experts.num_global_experts != layer.experts.num_experts:
-        raise ValueError("this layer is already sharded")
-    layer.experts = _shard_experts(layer.experts, comm.rank, comm.world_size)
+    E = N // W
+    if experts.num_experts == N:
+        layer.experts = _shard_experts(experts, r, W)
+    elif experts.num_experts != E or experts.first_expert != r * E:
+        raise ValueError(
+            f"this layer holds experts {experts.first_expert}..{experts.first_expert + experts.num_experts - 1} "
+            f"of {N}, but rank {r} of {W} owns {r * E}..{r * E + E - 1}; build it with "
+            f"MoE(config, ep_rank={r}, ep_size={W}) (the expert-parallel group's rank and size)"
+        )
     layer.dispatcher = ExpertParallelDispatcher(comm, layer.config, strategy, profile)
     mark_expert_parameters(layer)
     return layer

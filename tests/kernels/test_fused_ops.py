@@ -2,7 +2,7 @@
 
 CPU (no Triton needed): their forward is the reference composition bit for bit, their autograd
 matches the composition's, they pass ``torch.library.opcheck`` and ``torch.compile``, and
-``token_expert_mlp`` leaves the CPU path unchanged.
+``token_expert_mlp`` runs them by default (``fused=False`` is the reference composition).
 Triton path (interpreter on CPU, compiled on CUDA): every op's Triton implementation against its
 torch implementation, and whole forward/backward passes (fused expert MLP, MoE layer) run through
 the Triton implementations against the plain CPU path.
@@ -197,7 +197,9 @@ def test_torch_compile(make_layout, gen):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_token_expert_mlp_keeps_the_cpu_path(activation, make_layout, gen):
+def test_token_expert_mlp_fused_by_default_reference_on_request(activation, make_layout, gen):
+    """One compute path: by default ``token_expert_mlp`` runs the fused ops on every device
+    (CPU too); ``fused=False`` is exactly the reference composition, forward and gradients."""
     c = _setup(make_layout, ([5, 0, 17, 1], [2, 0, 2, 1], 12, 2, 16), gen)
     S, D, F_ = c["w"].shape
     weights = ExpertWeights(
@@ -208,23 +210,24 @@ def test_token_expert_mlp_keeps_the_cpu_path(activation, make_layout, gen):
         torch.randn(S, D, F_, generator=gen).requires_grad_() if activation == "swiglu" else None,
     )
     args = (c["x"], c["token_P"], c["pos_TK"], c["weights"], weights, c["schedule"], activation)
-    y = token_expert_mlp(*args)
     ref = combine_rows(
         expert_mlp(gather_rows(c["x"], c["token_P"]), weights, c["schedule"], activation),
         c["pos_TK"],
         c["weights"],
     )
-    assert torch.equal(y, ref)
     params = [c["x"], c["weights"], weights.w1_SDF, weights.w2_SFD, weights.b1_SF, weights.b2_SD]
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     ref_grads = _grads(ref, params, torch.Generator().manual_seed(seed))
-    for a, r in zip(_grads(y, params, torch.Generator().manual_seed(seed)), ref_grads, strict=True):
-        assert torch.equal(a, r)
-    fused = token_expert_mlp(*args, fused=True)  # fused ops' torch implementations
-    torch.testing.assert_close(fused, ref.detach())
+    slow = token_expert_mlp(*args, fused=False)
+    assert torch.equal(slow, ref)
     for a, r in zip(
-        _grads(fused, params, torch.Generator().manual_seed(seed)), ref_grads, strict=True
+        _grads(slow, params, torch.Generator().manual_seed(seed)), ref_grads, strict=True
     ):
+        assert torch.equal(a, r)
+    y = token_expert_mlp(*args)
+    assert torch.equal(y, token_expert_mlp(*args, fused=True))
+    torch.testing.assert_close(y, ref.detach())
+    for a, r in zip(_grads(y, params, torch.Generator().manual_seed(seed)), ref_grads, strict=True):
         torch.testing.assert_close(a, r)
 
 

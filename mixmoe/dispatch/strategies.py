@@ -1,0 +1,72 @@
+"""The expert-parallel strategies, one registry: each spec carries its planner and its flags.
+
+Legend: W ranks, N experts, C the count matrix [W, N].
+
+    a2a     nothing replicated (FastMoE / Megatron style), synchronous exchange.
+    shadow  FasterMoE's shadowing rule, hot experts broadcast to every rank, synchronous exchange.
+    mix     the cost-model planner; local blocks overlap the exchange; replicas cached while the
+            owners' weights are unchanged.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mixmoe.config import MoEConfig
+from mixmoe.placement.cost_model import LayerShape
+from mixmoe.placement.planner import Plan, plan_mix, plan_none, plan_shadow
+from mixmoe.placement.profile import HardwareProfile
+
+Planner = Callable[[list[list[int]], LayerShape, HardwareProfile, MoEConfig], Plan]
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """name; planner(C, shape, profile, config) -> Plan (deterministic: the same on every rank);
+    overlap: local blocks computed while the token all_to_all is in flight;
+    cache_replicas: reuse fetched replicas while their owners' weights are unchanged."""
+
+    name: str
+    planner: Planner
+    overlap: bool
+    cache_replicas: bool
+
+
+STRATEGY_SPECS: dict[str, StrategySpec] = {
+    "a2a": StrategySpec("a2a", lambda C, shape, prof, cfg: plan_none(C, shape, prof), False, False),
+    "shadow": StrategySpec(
+        "shadow", lambda C, shape, prof, cfg: plan_shadow(C, shape, prof), False, False
+    ),
+    "mix": StrategySpec(
+        "mix", lambda C, shape, prof, cfg: plan_mix(C, shape, prof, cfg.max_replicas), True, True
+    ),
+}
+
+
+def strategy_spec(name: str) -> StrategySpec:
+    """The spec of an expert-parallel strategy; a clear error for anything else."""
+    if name not in STRATEGY_SPECS:
+        raise ValueError(
+            f"strategy {name!r} is not expert-parallel; use one of {sorted(STRATEGY_SPECS)}"
+        )
+    return STRATEGY_SPECS[name]
+
+
+def config_fingerprint(config: MoEConfig, world_size: int, strategy: str) -> int:
+    """A stable 31-bit digest of everything all ranks must agree on, including the strategy the
+    dispatcher RUNS (not ``config.strategy``: ``parallelize_moe(layer, comm, name)`` overrides it)."""
+    key = (
+        config.num_experts,
+        config.top_k,
+        config.model_dim,
+        config.hidden_dim,
+        config.activation,
+        config.bias,
+        config.block_size,
+        config.max_replicas,
+        strategy,
+        world_size,
+    )
+    return zlib.crc32(repr(key).encode()) & 0x7FFFFFFF

@@ -31,6 +31,6 @@ def run_distributed(cfg: LayerBenchConfig) -> list[StrategyResult] | None:
         return results if comm.rank == 0 else None
     if cfg.device != "cpu":
         raise ValueError("spawning ranks is for --device cpu; launch GPU runs with torchrun")
-    from mixmoe.comm.spawn import spawn_gloo
+    from mixmoe.bench.spawn import spawn_gloo
 
     return spawn_gloo(_rank_main, cfg.world_size, cfg, threads=cfg.threads or 1, timeout_s=3600)[0]

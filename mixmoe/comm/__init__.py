@@ -5,6 +5,19 @@ world-size-1 stand-in; ``autograd`` holds the differentiable all-to-alls.
 """
 
 from mixmoe.comm.communicator import Communicator, LocalCommunicator, Work
-from mixmoe.comm.process_group import init_distributed, new_expert_groups
+from mixmoe.comm.process_group import (
+    init_distributed,
+    init_file_store,
+    new_expert_groups,
+    shutdown_distributed,
+)
 
-__all__ = ["Communicator", "LocalCommunicator", "Work", "init_distributed", "new_expert_groups"]
+__all__ = [
+    "Communicator",
+    "LocalCommunicator",
+    "Work",
+    "init_distributed",
+    "init_file_store",
+    "new_expert_groups",
+    "shutdown_distributed",
+]

@@ -1,5 +1,5 @@
-"""Process-group set-up: ``init_distributed`` (torchrun environment or an explicit store) and
-expert-parallel subgroups."""
+"""Process-group set-up: ``init_distributed`` (torchrun environment or an explicit store),
+``init_file_store`` / ``shutdown_distributed`` for local processes, and expert-parallel subgroups."""
 
 from __future__ import annotations
 
@@ -61,6 +61,27 @@ def init_distributed(
                 int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             )
     return Communicator()
+
+
+def init_file_store(
+    path: str, *, rank: int, world_size: int, backend: str = "gloo", timeout_s: float | None = None
+) -> Communicator:
+    """``init_distributed`` over a ``FileStore`` at ``path`` (a file in a directory all ranks of
+    this host can reach, fresh for each run): W local processes without torchrun."""
+    store = dist.FileStore(path, world_size)
+    return init_distributed(
+        backend, rank=rank, world_size=world_size, store=store, timeout_s=timeout_s
+    )
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if one is initialised (errors while tearing down a
+    failed group are ignored: the process is ending anyway)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def new_expert_groups(ep_size: int) -> tuple[Communicator, Communicator]:

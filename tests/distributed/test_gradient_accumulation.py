@@ -69,7 +69,7 @@ def _single_rank(world: int) -> dict:
 
 
 def test_accumulated_gradients_through_cached_replicas() -> None:
-    from mixmoe.comm.spawn import spawn_gloo
+    from mixmoe.bench.spawn import spawn_gloo
 
     world = 2
     out = spawn_gloo(_worker, world)

@@ -105,7 +105,7 @@ TRITON_IMPLS = {
 @pytest.mark.parametrize("strategy", ["mix", "a2a"])
 def test_fused_expert_parallel_matches_single_rank(strategy: str) -> None:
     pytest.importorskip("triton", reason="the kernel tier needs triton")
-    from mixmoe.comm.spawn import spawn_gloo
+    from mixmoe.bench.spawn import spawn_gloo
 
     seed = {"mix": 11, "a2a": 12}[strategy]
     got = spawn_gloo(_worker, 2, strategy, seed, timeout_s=600)

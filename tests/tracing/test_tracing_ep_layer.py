@@ -40,7 +40,7 @@ def _worker(comm, tmp: str) -> dict:
 
 
 def test_mix_layer_trace_round_trips(tmp_path) -> None:
-    from mixmoe.comm.spawn import spawn_gloo
+    from mixmoe.bench.spawn import spawn_gloo
 
     out = spawn_gloo(_worker, 2, str(tmp_path))
     by_rank = read_traces([o["path"] for o in out])

@@ -1,4 +1,5 @@
-"""Run a function on W local gloo processes (CPU tests, benchmarks, the demo).
+"""Run a function on W local gloo processes (CPU tests, benchmarks, the demo): a launcher for
+benchmarks and tests, built on ``mixmoe.comm`` (which stays the only ``torch.distributed`` code).
 
 Each child initialises gloo over a ``FileStore`` in a fresh temporary directory, sets one torch
 thread (unless told otherwise), calls ``fn(comm, *args)`` and sends back its return value or its
@@ -18,19 +19,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from mixmoe.comm import init_file_store, shutdown_distributed
 
 
 def _child(rank, world_size, store_path, threads, pg_timeout_s, fn, args, results) -> None:
     try:
         torch.set_num_threads(threads)
-        from mixmoe.comm.process_group import init_distributed
-
-        store = dist.FileStore(store_path, world_size)
-        comm = init_distributed(
-            "gloo", rank=rank, world_size=world_size, store=store, timeout_s=pg_timeout_s
-        )
+        comm = init_file_store(store_path, rank=rank, world_size=world_size, timeout_s=pg_timeout_s)
         out = fn(comm, *args)
         buf = io.BytesIO()  # plain bytes: tensors must not outlive this process as shared memory
         torch.save(out, buf)
@@ -38,11 +35,7 @@ def _child(rank, world_size, store_path, threads, pg_timeout_s, fn, args, result
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        shutdown_distributed()
 
 
 def spawn_gloo(

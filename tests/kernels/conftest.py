@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import os
 import sys
 
@@ -133,34 +132,16 @@ def layout_case(request) -> tuple:
     return LAYOUTS[request.param]
 
 
-# op name -> (module, name of its Triton implementation, takes a tile config)
-TRITON_IMPLS = {
-    "grouped_linear": ("mixmoe.ops.grouped_linear", "grouped_linear_triton", True),
-    "grouped_weight_grad": ("mixmoe.ops.grouped_linear", "grouped_weight_grad_triton", True),
-    "gather_grouped_linear": ("mixmoe.ops.fused_linear", "gather_grouped_linear_triton", True),
-    "grouped_linear_combine": ("mixmoe.ops.fused_linear", "grouped_linear_combine_triton", True),
-    "scaled_gather_grouped_linear": (
-        "mixmoe.ops.fused_linear",
-        "scaled_gather_grouped_linear_triton",
-        True,
-    ),
-    "gathered_weight_grad": ("mixmoe.ops.fused_linear", "gathered_weight_grad_triton", True),
-    "combine_weights_grad": ("mixmoe.ops.fused_linear", "combine_weights_grad_triton", False),
-}
-
-
 @contextlib.contextmanager
 def triton_ops_on_cpu(config):
     """Within the block, every ``mixmoe::`` op runs its CUDA (Triton) implementation on CPU
     tensors too (interpreted), so whole forward/backward passes exercise the GPU code path on a
     machine without one. The CPU kernels come back on exit."""
-    scoped = getattr(torch.library, "_scoped_library", None)
-    if scoped is None:
+    if getattr(torch.library, "_scoped_library", None) is None:
         pytest.skip("this torch has no torch.library._scoped_library to swap CPU kernels")
-    with scoped("mixmoe", "IMPL") as lib:
-        for op, (module, name, takes_config) in TRITON_IMPLS.items():
-            fn = getattr(importlib.import_module(module), name)
-            lib.impl(op, functools.partial(fn, config=config) if takes_config else fn, "CPU")
+    from _triton_swap import triton_impls_on_cpu
+
+    with triton_impls_on_cpu(config):
         yield
 
 

@@ -54,8 +54,6 @@ def _grads(layer, x, dy) -> dict:
 
 
 def _worker(comm, strategy: str, seed: int) -> dict:
-    import functools
-    import importlib
 
     from mixmoe.kernels import TileConfig
     from mixmoe.parallel import parallelize_moe
@@ -66,8 +64,7 @@ def _worker(comm, strategy: str, seed: int) -> dict:
     layer = parallelize_moe(_layer(seed), comm, strategy, profile=replicate)
     x, dy = _inputs(comm.rank, seed)
     tiny = TileConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
-    # every mixmoe:: op runs its Triton implementation on CPU tensors (as conftest's
-    # triton_ops_on_cpu; a spawned child cannot import the conftest module reliably)
+    # every mixmoe:: op runs its Triton implementation on CPU tensors (tests/kernels/_triton_swap)
     calls: dict[str, int] = {}
 
     def counted(op, fn):
@@ -77,29 +74,11 @@ def _worker(comm, strategy: str, seed: int) -> dict:
 
         return run
 
-    with torch.library._scoped_library("mixmoe", "IMPL") as lib:
-        for op, (module, name, takes_config) in TRITON_IMPLS.items():
-            fn = getattr(importlib.import_module(module), name)
-            fn = functools.partial(fn, config=tiny) if takes_config else fn
-            lib.impl(op, counted(op, fn), "CPU")
+    from _triton_swap import triton_impls_on_cpu
+
+    with triton_impls_on_cpu(tiny, wrap=counted):
         out = _grads(layer, x, dy)
     return {**out, "triton_calls": calls}
-
-
-# op name -> (module, Triton implementation, takes a tile config); as tests/kernels/conftest.py
-TRITON_IMPLS = {
-    "grouped_linear": ("mixmoe.ops.grouped_linear", "grouped_linear_triton", True),
-    "grouped_weight_grad": ("mixmoe.ops.grouped_linear", "grouped_weight_grad_triton", True),
-    "gather_grouped_linear": ("mixmoe.ops.fused_linear", "gather_grouped_linear_triton", True),
-    "grouped_linear_combine": ("mixmoe.ops.fused_linear", "grouped_linear_combine_triton", True),
-    "scaled_gather_grouped_linear": (
-        "mixmoe.ops.fused_linear",
-        "scaled_gather_grouped_linear_triton",
-        True,
-    ),
-    "gathered_weight_grad": ("mixmoe.ops.fused_linear", "gathered_weight_grad_triton", True),
-    "combine_weights_grad": ("mixmoe.ops.fused_linear", "combine_weights_grad_triton", False),
-}
 
 
 @pytest.mark.parametrize("strategy", ["mix", "a2a"])

@@ -37,6 +37,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "benchmark one MoE layer (docs/formats.md section 1 log)",
     ),
     ("bench", "kernels"): ("mixmoe.commands.bench_kernels", "benchmark grouped-GEMM providers"),
+    ("bench", "planner"): (
+        "mixmoe.commands.bench_planner",
+        "time the mixed strategy's planner against the step it plans",
+    ),
     ("analyze", "trace"): ("mixmoe.commands.analyze_trace", "analyse CMD operation traces"),
     ("analyze", "profile"): ("mixmoe.commands.analyze_profile", "analyse a torch.profiler table"),
     ("report",): ("mixmoe.commands.report", "tables and plots from benchmark logs"),

@@ -32,7 +32,10 @@ def parse_cases(text: str) -> tuple[tuple[int, int], ...]:
             continue
         W, sep, N = item.lower().partition("x")
         if not sep or not W.isdigit() or not N.isdigit():
-            raise ValueError(f"case {item!r} is not understood; write WxN, e.g. 64x512")
+            # argparse shows an ArgumentTypeError's message (a ValueError's only as "invalid")
+            raise argparse.ArgumentTypeError(
+                f"case {item!r} is not understood; write WxN, e.g. 64x512"
+            )
         cases.append((int(W), int(N)))
     return tuple(cases)
 

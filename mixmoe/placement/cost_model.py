@@ -37,11 +37,11 @@ Per rank r, with rb = D * bytes_per_element (one row) and P = params_bytes_per_e
 
 The planner (``mixmoe.placement.planner``) and the what-if simulator both use this model.
 The arithmetic is written twice, side by side in ``StepModel``: ``rank_seconds`` for one rank
-(Python ints and floats) and ``seconds_W`` for all ranks at once (float64 tensors holding
-the integer aggregates). Both evaluate the same expressions in the same order on exact integer aggregates, so
-they agree bit for bit (a test checks it) and the same inputs give bit-identical predictions on
-every rank (the planner relies on it). Vector names carry their length: ``rows_W`` (one entry per
-rank), ``colsum_N`` (one per expert).
+(Python ints and floats) and ``seconds_W`` for many ranks at once (float64 tensors holding the
+integer aggregates, stacked in ``LOADS`` order). Both evaluate the same expressions in the same
+order on exact integer aggregates, so they agree bit for bit (a test checks it) and the same
+inputs give bit-identical predictions on every rank (the planner relies on it). Vector names
+carry their length: ``rows_W`` (one entry per rank), ``colsum_N`` (one per expert).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import torch
 
 from mixmoe.placement.profile import HardwareProfile
 
+LOADS = ("rows", "local", "remote", "replica")  # the order of the stacked aggregates [4, W]
 TOKEN_COLLECTIVES = 4  # dispatch + return, forward + backward
 WEIGHT_COLLECTIVES = 2  # replica fetch (forward) + replica gradient return (backward)
 
@@ -211,12 +212,13 @@ def counts_as_tensor(counts_WN: object, shape: LayerShape) -> torch.Tensor:
 
 def baseline_loads(
     C_WN: torch.Tensor, experts_per_rank: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rank_loads`` with nothing replicated, vectorized over a validated int64 ``C_WN``:
-    (rows_W, local_W, remote_W, colsum_N, own_N), all int64. colsum_N[g] = rows routed to g by
-    every rank; own_N[g] = C[g // E][g], the rows of g that its owner routes to it.
+    (loads_4W, colsum_N, own_N). loads_4W: float64 [4, W], the aggregates in ``LOADS`` order
+    (replica all 0); colsum_N[g] = rows routed to g by every rank; own_N[g] = C[g // E][g], the
+    rows of g its owner routes to it (both int64).
 
-    Cost: two reductions over C (column and row sums), ~3-4 ms for [1024, 4096] int64 on one core.
+    Cost: two reductions over C (column and row sums), ~2-3 ms for [1024, 4096] int64 on one core.
     """
     W, N = C_WN.shape
     E = experts_per_rank
@@ -226,7 +228,8 @@ def baseline_loads(
     local_W = own_N.view(W, E).sum(1)
     rows_W = colsum_N.view(W, E).sum(1)
     remote_W = (sent_all_W - local_W) + (rows_W - local_W)
-    return rows_W, local_W, remote_W, colsum_N, own_N
+    loads_4W = torch.stack([rows_W, local_W, remote_W, torch.zeros_like(rows_W)])
+    return loads_4W.to(torch.float64), colsum_N, own_N
 
 
 def _column_sums(C_WN: torch.Tensor) -> torch.Tensor:
@@ -314,6 +317,8 @@ class StepModel:
         "bw",
         "lat",
         "overlap",
+        "_factor_41",
+        "_divisor_41",
     )
 
     def __init__(self, shape: LayerShape, profile: HardwareProfile, overlap: bool) -> None:
@@ -326,6 +331,14 @@ class StepModel:
         self.bw = profile.link_bandwidth
         self.lat = profile.link_latency
         self.overlap = overlap
+        f64 = torch.float64
+        self._factor_41 = torch.tensor(
+            [self.flops_per_row, self.flops_per_row, self.token_bytes_per_row, self.params_bytes],
+            dtype=f64,
+        ).view(4, 1)
+        self._divisor_41 = torch.tensor(
+            [self.gemm_flops, self.gemm_flops, self.bw, self.bw], dtype=f64
+        ).view(4, 1)
 
     def rank_seconds(
         self, rows: int, local: int, remote: int, replica: int, any_remote: bool, any_hot: bool
@@ -344,39 +357,30 @@ class StepModel:
         return compute, token + weight
 
     def seconds_W(
-        self,
-        rows_W: torch.Tensor,
-        local_W: torch.Tensor,
-        remote_W: torch.Tensor,
-        replica_W: torch.Tensor,
-        any_remote: bool | torch.Tensor,
-        any_hot: bool,
+        self, loads_4W: torch.Tensor, any_remote: bool | torch.Tensor, any_hot: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rank_seconds`` for a batch: aggregates of any shape (int64, or float64 holding
-        integers) -> (compute_s, comm_s), float64 of that shape.
+        """``rank_seconds`` for a batch. ``loads_4W``: float64 [..., 4, M] holding the integer
+        aggregates (rows, local, remote, replica) of M ranks (``LOADS`` order) ->
+        (compute_s, comm_s), float64 [..., M].
 
-        Same expressions in the same order as ``rank_seconds``; every aggregate and every product
-        ``aggregate * factor`` is an integer that float64 holds exactly or rounds once, exactly as
-        Python's int -> float does (``check_exact`` bounds them), so each entry equals
+        Same expressions in the same order as ``rank_seconds``: each ``aggregate * factor /
+        divisor`` multiplies two float64-exact integers (rounded once, as Python's int -> float
+        rounds the exact product; ``check_exact`` bounds them) and divides, so each entry equals
         ``rank_seconds`` of that entry bit for bit. ``any_remote`` may be a bool tensor that
-        broadcasts against the aggregates (one flag per candidate in the planner).
+        broadcasts against [..., M] (one flag per candidate in the planner).
         """
-        f64 = torch.float64
-        rows_W, local_W, remote_W, replica_W = (
-            x if x.dtype == f64 else x.to(f64) for x in (rows_W, local_W, remote_W, replica_W)
-        )
-        compute = rows_W * self.flops_per_row / self.gemm_flops
-        token = TOKEN_COLLECTIVES * self.lat + self.token_bytes_per_row * remote_W / self.bw
+        q = loads_4W * self._factor_41 / self._divisor_41  # rows, local, remote, replica terms
+        compute = q[..., 0, :]
+        token = TOKEN_COLLECTIVES * self.lat + q[..., 2, :]
         if self.overlap:
-            token = (token - local_W * self.flops_per_row / self.gemm_flops).clamp_min(0.0)
+            token = (token - q[..., 1, :]).clamp_min(0.0)
         if isinstance(any_remote, torch.Tensor):
             token = torch.where(any_remote, token, 0.0)
         elif not any_remote:
             token = torch.zeros_like(compute)
         if not any_hot:
             return compute, token + 0.0
-        weight = WEIGHT_COLLECTIVES * self.lat + self.params_bytes * replica_W / self.bw
-        return compute, token + weight
+        return compute, token + (WEIGHT_COLLECTIVES * self.lat + q[..., 3, :])
 
     def check_exact(self, max_count: int) -> None:
         """Raise ``ValueError`` unless aggregates up to ``max_count`` (rows or replicas) and the
@@ -390,36 +394,23 @@ class StepModel:
                 f"{factors}); use smaller counts or layer sizes"
             )
 
-    def prediction_W(
-        self,
-        rows_W: torch.Tensor,
-        local_W: torch.Tensor,
-        remote_W: torch.Tensor,
-        replica_W: torch.Tensor,
-    ) -> Prediction:
-        """The ``Prediction`` of per-rank aggregates [W] (int64, or float64 holding integers)."""
-        any_remote, any_hot = bool(remote_W.any()), bool(replica_W.any())
-        compute_W, comm_W = self.seconds_W(
-            rows_W, local_W, remote_W, replica_W, any_remote, any_hot
-        )
-        return self.pack(compute_W, comm_W, rows_W, remote_W, replica_W)
+    def prediction_W(self, loads_4W: torch.Tensor) -> Prediction:
+        """The ``Prediction`` of per-rank aggregates ``loads_4W`` (float64 [4, W], ``LOADS``)."""
+        any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
+        compute_W, comm_W = self.seconds_W(loads_4W, any_remote, any_hot)
+        return self.pack(compute_W, comm_W, loads_4W)
 
     def pack(
-        self,
-        compute_W: torch.Tensor,
-        comm_W: torch.Tensor,
-        rows_W: torch.Tensor,
-        remote_W: torch.Tensor,
-        replica_W: torch.Tensor,
+        self, compute_W: torch.Tensor, comm_W: torch.Tensor, loads_4W: torch.Tensor
     ) -> Prediction:
         """The ``Prediction`` of ``seconds_W``'s output and the aggregates it came from."""
-        i64 = torch.int64
+        rows, _, remote, replica = loads_4W.to(torch.int64)
         return Prediction(
             compute_s=tuple(compute_W.tolist()),
             comm_s=tuple(comm_W.tolist()),
-            token_bytes=tuple((2 * self.token_bytes_per_row * remote_W.to(i64)).tolist()),
-            weight_bytes=tuple((2 * self.params_bytes * replica_W.to(i64)).tolist()),
-            rows=tuple(rows_W.to(i64).tolist()),
+            token_bytes=tuple((2 * self.token_bytes_per_row * remote).tolist()),
+            weight_bytes=tuple((2 * self.params_bytes * replica).tolist()),
+            rows=tuple(rows.tolist()),
             step_s=float((compute_W + comm_W).max()),
         )
 
@@ -429,8 +420,7 @@ class StepModel:
         """The ``Prediction`` of per-rank aggregates (``rank_loads`` output): ``prediction_W``
         of them, so a prediction never depends on which form the aggregates came in."""
         self.check_exact(max(*rows, *remote, *replica))
-        as_W = [torch.tensor(x, dtype=torch.int64) for x in (rows, local, remote, replica)]
-        return self.prediction_W(*as_W)
+        return self.prediction_W(torch.tensor([rows, local, remote, replica], dtype=torch.float64))
 
 
 def predict(

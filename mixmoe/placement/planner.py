@@ -142,33 +142,37 @@ def plan_mix(
             raise ValueError(f"{name} must be >= {lo}, got {value}")
     C_WN = counts_as_tensor(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
-    rows_W, local_W, remote_W, colsum_N, own_N = baseline_loads(C_WN, E)
+    loads_4W, colsum_N, own_N = baseline_loads(C_WN, E)
     model.check_exact(max(2 * int(colsum_N.sum()), W * shape.num_experts))
-    f64 = torch.float64
-    loads = (rows_W.to(f64), local_W.to(f64), remote_W.to(f64), torch.zeros(W, dtype=f64))
     moved_N = colsum_N - own_N
     total_remote = int(moved_N.sum())
-    compute_W, comm_W = model.seconds_W(*loads, total_remote > 0, False)
-    baseline = model.pack(compute_W, comm_W, rows_W, remote_W, loads[3])
+    compute_W, comm_W = model.seconds_W(loads_4W, total_remote > 0, False)
+    baseline = model.pack(compute_W, comm_W, loads_4W)
     if max_replicas == 0 or W == 1 or total_remote == 0:
         return Plan((), (), baseline, baseline)
     search = _MixSearch(model, C_WN, E, max_replicas, search_width)
-    search.start(loads, compute_W + comm_W, moved_N, total_remote)
+    search.start(loads_4W, compute_W + comm_W, moved_N, total_remote)
     while search.round():
         pass
     if not search.accepted:
         return Plan((), (), baseline, baseline)
-    prediction = model.prediction_W(*search.loads)
+    prediction = model.prediction_W(search.loads_4W)
     assert prediction.step_s < baseline.step_s, (prediction.step_s, baseline.step_s)
     hot = tuple(sorted(search.accepted))
     return Plan(hot, tuple((g, search.accepted[g]) for g in hot), prediction, baseline)
 
 
+# how one replicated expert changes the loads (LOADS order: rows, local, remote, replica) of a
+# rank that sends it c rows: c * _PER_ROW + _PER_REPLICA; its owner's change is patched in apart
+_PER_ROW_41 = torch.tensor([1.0, 1.0, -1.0, 0.0], dtype=torch.float64).view(4, 1)
+_PER_REPLICA_41 = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64).view(4, 1)
+
+
 class _MixSearch:
-    """``plan_mix``'s search state. loads = (rows_W, local_W, remote_W, replica_W): the per-rank
-    aggregates of the experts accepted so far (float64 holding integers, exact), totals_W their
-    predicted seconds, held_W the replicas each rank holds, moved_N each expert's remote rows,
-    open_N whether it is still a candidate, total_remote the remote rows left in the group, accepted {g: holders}."""
+    """``plan_mix``'s search state. loads_4W: the per-rank aggregates with the experts accepted
+    so far (float64 [4, W] holding integers, ``LOADS`` order), totals_W their predicted seconds,
+    held_W the replicas each rank holds, moved_N each expert's remote rows, open_N whether it is
+    still a candidate, total_remote the remote rows left in the group, accepted {g: holders}."""
 
     def __init__(
         self, model: StepModel, C_WN: torch.Tensor, E: int, max_replicas: int, width: int
@@ -179,42 +183,37 @@ class _MixSearch:
 
     def start(
         self,
-        loads: tuple[torch.Tensor, ...],
+        loads_4W: torch.Tensor,
         totals_W: torch.Tensor,
         moved_N: torch.Tensor,
         total_remote: int,
     ) -> None:
-        self.loads, self.totals_W, self.total_remote = loads, totals_W, total_remote
+        self.loads_4W, self.totals_W, self.total_remote = loads_4W, totals_W, total_remote
         self.held_W = torch.zeros(len(totals_W), dtype=torch.int64)
         self.moved_N = moved_N.to(torch.float64)
         self.open_N = moved_N > 0
 
-    def _totals(self, rows, local, remote, replica, any_remote) -> torch.Tensor:
-        compute, comm = self.model.seconds_W(rows, local, remote, replica, any_remote, True)
+    def _totals(self, loads: torch.Tensor, any_remote: torch.Tensor) -> torch.Tensor:
+        compute, comm = self.model.seconds_W(loads, any_remote, True)
         return compute + comm
 
     def shortlist(self, b: int, best: float) -> torch.Tensor:
         """Open candidates that would bring rank b's total below ``best``, in priority order."""
-        E, moved_N = self.E, self.moved_N
-        rows, local, remote, replica = (x[b] for x in self.loads)
+        C_WN, E, moved_N = self.C_WN, self.E, self.moved_N
         own = slice(b * E, (b + 1) * E)
-        c_N = self.C_WN[b].to(torch.float64)
         # b as a source of g: b computes its c rows of g itself and fetches one replica
-        rows_N, local_N, remote_N = rows + c_N, local + c_N, remote - c_N
-        replica_N = (replica + 1).expand_as(c_N).clone()
-        # b as the owner of g: b no longer computes nor exchanges g's remote rows and serves one
-        # replica to each of g's sources
-        n_E = (self.C_WN[:, own] > 0).sum(0) - (self.C_WN[b, own] > 0).to(torch.int64)
-        rows_N[own] = rows - moved_N[own]
-        local_N[own] = local
-        remote_N[own] = remote - moved_N[own]
-        replica_N[own] = replica + n_E
-        new_N = self._totals(rows_N, local_N, remote_N, replica_N, moved_N < self.total_remote)
-        lowers_N = self.open_N & (new_N < best)
-        src_N = c_N > 0
-        src_N[own] = True
-        lowers_N &= src_N
-        g = lowers_N.nonzero().squeeze(1)  # expert id ascending, then (stable) rows descending:
+        c_N = C_WN[b].to(torch.float64)
+        delta_4N = c_N * _PER_ROW_41 + _PER_REPLICA_41
+        # b as the owner of g: b no longer computes nor exchanges g's m remote rows and serves
+        # one replica to each of g's n sources
+        n_E = (C_WN[:, own] > 0).sum(0) - (C_WN[b, own] > 0).to(torch.int64)
+        m_E = moved_N[own]
+        delta_4N[:, own] = torch.stack([-m_E, torch.zeros_like(m_E), -m_E, n_E.to(m_E.dtype)])
+        new_N = self._totals(self.loads_4W[:, b : b + 1] + delta_4N, moved_N < self.total_remote)
+        touches_N = c_N > 0
+        touches_N[own] = True
+        g = (self.open_N & touches_N & (new_N < best)).nonzero().squeeze(1)
+        # expert id ascending (nonzero), then (stable) remote rows descending
         return g[torch.sort(moved_N[g], descending=True, stable=True).indices]
 
     def round(self) -> bool:
@@ -224,41 +223,43 @@ class _MixSearch:
         shortlist, budget = self.shortlist(b, best), self.width
         while budget > 0 and len(shortlist):
             batch, shortlist = shortlist[:budget], shortlist[budget:]
-            trial, blocked = self._evaluate(batch)
-            passes = (trial[4].amax(1) < best).tolist()
-            for i, (g, full) in enumerate(zip(batch.tolist(), blocked.tolist(), strict=True)):
-                if full:
+            trial_k4W, totals_kW, src_kW, blocked_k = self._evaluate(batch)
+            passes = (totals_kW.amax(1) < best).tolist()
+            blocked = blocked_k.tolist()
+            for i, g in enumerate(batch.tolist()):
+                if blocked[i]:
                     self.open_N[g] = False  # a holder is full: g can never fit again
                 elif passes[i]:
-                    self._accept(g, [x[i] for x in trial])
+                    self._accept(g, trial_k4W[i], totals_kW[i], src_kW[i])
                     return True
-            budget -= len(batch) - sum(blocked.tolist())
+            budget -= len(blocked) - sum(blocked)
         return False
 
-    def _evaluate(self, g_k: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The per-rank aggregates and totals [k, W] with each candidate of ``g_k`` accepted
-        (rows, local, remote, replica, totals, holder mask), and which candidates are blocked."""
+    def _evaluate(
+        self, g_k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each candidate of ``g_k`` accepted on its own: the loads [k, 4, W], totals [k, W],
+        holders (bool [k, W]) and whether a holder is full (bool [k])."""
         k, ar = len(g_k), torch.arange(len(g_k))
         o_k = torch.div(g_k, self.E, rounding_mode="floor")
         c_kW = self.C_WN[:, g_k].t().to(torch.float64)
         src_kW = c_kW > 0
         src_kW[ar, o_k] = False
         blocked_k = (src_kW & (self.held_W >= self.max_replicas)).any(1)
-        d_kW = c_kW * src_kW
+        delta_k4W = (c_kW * src_kW).unsqueeze(1) * _PER_ROW_41 + src_kW.unsqueeze(
+            1
+        ) * _PER_REPLICA_41
         m_k = self.moved_N[g_k]
-        rows_W, local_W, remote_W, replica_W = self.loads
-        rows, local = rows_W + d_kW, local_W + d_kW
-        remote, replica = remote_W - d_kW, replica_W + src_kW
-        rows[ar, o_k] -= m_k
-        remote[ar, o_k] -= m_k
-        replica[ar, o_k] += src_kW.sum(1).to(torch.float64)
-        any_remote = (m_k < self.total_remote).view(k, 1)
-        totals = self._totals(rows, local, remote, replica, any_remote)
-        return [rows, local, remote, replica, totals, src_kW], blocked_k
+        n_k = src_kW.sum(1).to(torch.float64)
+        delta_k4W[ar, :, o_k] += torch.stack([-m_k, torch.zeros_like(m_k), -m_k, n_k], dim=1)
+        trial_k4W = self.loads_4W + delta_k4W
+        totals_kW = self._totals(trial_k4W, (m_k < self.total_remote).view(k, 1))
+        return trial_k4W, totals_kW, src_kW, blocked_k
 
-    def _accept(self, g: int, trial: list[torch.Tensor]) -> None:
-        rows, local, remote, replica, totals, src_W = trial
-        self.loads, self.totals_W = (rows, local, remote, replica), totals
+    def _accept(
+        self, g: int, loads_4W: torch.Tensor, totals_W: torch.Tensor, src_W: torch.Tensor
+    ) -> None:
+        self.loads_4W, self.totals_W = loads_4W, totals_W
         self.held_W += src_W
         self.total_remote -= int(self.moved_N[g])
         self.open_N[g] = False

@@ -41,6 +41,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "mixmoe.commands.bench_peers",
         "mixmoe vs transformers' Mixtral block (hf-eager/batched_mm/grouped_mm), CPU",
     ),
+    ("bench", "planner"): (
+        "mixmoe.commands.bench_planner",
+        "time the mixed strategy's planner against the step it plans",
+    ),
     ("analyze", "trace"): ("mixmoe.commands.analyze_trace", "analyse CMD operation traces"),
     ("analyze", "profile"): ("mixmoe.commands.analyze_profile", "analyse a torch.profiler table"),
     ("report",): ("mixmoe.commands.report", "tables and plots from benchmark logs"),

@@ -103,3 +103,66 @@ class SyntheticGate(nn.Module):
         weights_TK = torch.softmax(logits_TN.float().gather(1, self.ids_TK), dim=-1)
         routing = Routing(self.ids_TK, weights_TK.to(logits_TN.dtype), logits_TN)
         return routing, load_balancing_loss(logits_TN, self.ids_TK), router_z_loss(logits_TN)
+
+
+def synthetic_counts(
+    spec: RoutingSpec,
+    world_size: int,
+    tokens: int,
+    top_k: int,
+    num_experts: int,
+    generator: torch.Generator,
+    *,
+    shuffle_experts: bool = True,
+) -> torch.Tensor:
+    """counts_WN (int64 [W, N]): the rows each of W ranks routes to each expert when each rank's
+    ``tokens`` tokens pick ``top_k`` distinct experts by ``spec`` (uniform, zipf:S or hot:P, the
+    marginals of ``synthetic_ids``), without materialising ids for every token at once.
+
+    ``shuffle_experts``: the popularity order (zipf's rank i, hot's expert) is a seeded random
+    permutation of the experts, the same on every rank, so the hottest experts have different
+    owners as a trained gate's would; False keeps ``synthetic_ids``' order (expert 0 hottest, so
+    the E hottest all sit on rank 0).
+
+    zipf: every choice is drawn with weight 1/(i+1)^S and redrawn while it repeats an earlier
+    choice of its token (sequential sampling without replacement, as ``torch.multinomial``).
+    uniform / hot: drawn with replacement, which leaves the per-expert expectation unchanged (by
+    symmetry); hot: min(T, round(P * T * K)) rows of every rank go to the hot expert.
+    """
+    if spec.kind not in ("uniform", "zipf", "hot"):
+        raise ValueError(f"synthetic_counts needs uniform, zipf or hot routing, got {spec}")
+    W, T, K, N = world_size, tokens, top_k, num_experts
+    if K > N:
+        raise ValueError(f"top_k={K} exceeds num_experts={N}; use top_k <= num_experts")
+    order_N = torch.randperm(N, generator=generator) if shuffle_experts else torch.arange(N)
+    counts_WN = torch.zeros(W, N, dtype=torch.int64)
+    if spec.kind == "hot":
+        hot_rows = min(T, round(spec.value * T * K))
+        rest = T * K - hot_rows
+        hot, others_M = order_N[0], order_N[1:]
+        counts_WN[:, hot] = hot_rows if N > 1 else T * K
+        if N > 1 and rest:
+            draws = torch.randint(0, N - 1, (W, rest), generator=generator)
+            per_W = torch.zeros(W, N - 1, dtype=torch.int64).scatter_add_(
+                1, draws, torch.ones_like(draws)
+            )
+            counts_WN[:, others_M] += per_W
+        return counts_WN
+    probs_N = torch.ones(N, dtype=torch.float64)
+    if spec.kind == "zipf":
+        probs_N = (torch.arange(N, dtype=torch.float64) + 1) ** -spec.value
+    chunk = max(1, (1 << 22) // max(T * K, 1))  # ranks per chunk: ~4M draws at a time
+    for w0 in range(0, W, chunk):
+        M = min(W, w0 + chunk) - w0
+        ids_MK = torch.empty(M * T, K, dtype=torch.int64)
+        for k in range(K):
+            ids_MK[:, k] = torch.multinomial(probs_N, M * T, True, generator=generator)
+            while k and spec.kind == "zipf":
+                again = (ids_MK[:, k : k + 1] == ids_MK[:, :k]).any(1).nonzero().squeeze(1)
+                if not len(again):
+                    break
+                ids_MK[again, k] = torch.multinomial(probs_N, len(again), True, generator=generator)
+        rank_MT = torch.arange(w0, w0 + M).repeat_interleave(T)
+        flat = (rank_MT[:, None] * N + order_N[ids_MK]).reshape(-1)
+        counts_WN.view(-1).index_add_(0, flat, torch.ones_like(flat))
+    return counts_WN

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mixmoe.bench.routing import RoutingSpec, synthetic_counts
 from mixmoe.placement import (
     CPU_PROFILE,
     GPU_PROFILE,
@@ -22,6 +23,8 @@ from mixmoe.placement import (
     plan_shadow,
     predict,
 )
+from mixmoe.placement.cost_model import StepModel
+from mixmoe.reference.planner import plan_mix_rescan
 
 COMPUTE_BOUND = HardwareProfile(
     "compute-bound", gemm_flops=1e9, link_bandwidth=1e11, link_latency=1e-6
@@ -103,7 +106,10 @@ def test_mix_properties(
         assert slots == tuple(g for g in plan.hot if r in plan.holders(g))
     _check_segments(plan, counts_WN, E)
 
-    # the greedy stopped for a reason: no single further expert that fits would strictly help
+    # with a width that fits every shortlist the search stops only where an exhaustive greedy
+    # would: no single further expert that fits strictly helps
+    plan = plan_mix(counts_WN, shape, profile, max_replicas, overlap=overlap, search_width=10**6)
+    assert plan.prediction.step_s <= plan.baseline.step_s
     held = [len(plan.replica_slots(r)) for r in range(W)]
     for g in range(N):
         holders = tuple(s for s in range(W) if s != g // E and counts_WN[s][g] > 0)
@@ -114,7 +120,7 @@ def test_mix_properties(
 
 
 def _reference_mix_hot(counts_WN, shape, profile, max_replicas, overlap) -> tuple[int, ...]:
-    """The greedy of ``plan_mix`` spelled out with ``predict`` only: full passes over the
+    """The greedy of ``plan_mix_rescan`` (today's planner) spelled out with ``predict`` only: full passes over the
     rejected candidates until a pass accepts nothing."""
     W, E = shape.world_size, shape.experts_per_rank
     candidates = []
@@ -152,15 +158,16 @@ def _reference_mix_hot(counts_WN, shape, profile, max_replicas, overlap) -> tupl
     overlap=st.booleans(),
     data=st.data(),
 )
-def test_mix_matches_reference_greedy(
+def test_rescan_planner_matches_its_spelled_out_greedy(
     W: int, E: int, max_replicas: int, profile: HardwareProfile, overlap: bool, data: st.DataObject
 ) -> None:
     N = W * E
     cell = st.one_of(st.just(0), st.integers(1, 8), st.integers(0, 2000))
     counts_WN = data.draw(st.lists(st.lists(cell, min_size=N, max_size=N), min_size=W, max_size=W))
     shape = LayerShape(64, 256, E, W, 4)
-    plan = plan_mix(counts_WN, shape, profile, max_replicas, overlap=overlap)
+    plan = plan_mix_rescan(counts_WN, shape, profile, max_replicas, overlap=overlap)
     assert plan.hot == _reference_mix_hot(counts_WN, shape, profile, max_replicas, overlap)
+    assert plan.prediction == predict(counts_WN, plan.replicas, shape, profile, overlap)
 
 
 def test_plan_none() -> None:
@@ -278,3 +285,136 @@ def test_bad_planner_inputs() -> None:
             plan_fn(torch.ones(2, 3, dtype=torch.int64), shape, CPU_PROFILE)
         with pytest.raises(ValueError, match=r"counts_WN\[1\]\[2\] = -2"):
             plan_fn([[1, 2, 3, 4], [4, 3, -2, 1]], shape, CPU_PROFILE)
+
+
+# -- plan_mix at scale: agreement with today's planner, determinism, the vector cost model ------
+
+GRID = [
+    (routing, W, N, profile, max_replicas)
+    for routing in ("uniform", "zipf:1.2", "hot:0.3")
+    for W, N in ((4, 16), (8, 64), (16, 64))
+    for profile in (GPU_PROFILE, CPU_PROFILE)
+    for max_replicas in (1, 4)
+]
+
+
+@pytest.mark.parametrize("contiguous", [False, True], ids=["shuffled", "contiguous"])
+def test_mix_within_tolerance_of_todays_planner(contiguous: bool) -> None:
+    """The stated tolerance: predicted mix / a2a at most 0.02 above today's planner's on every
+    case of a grid of routings, sizes, profiles and replica caps (768 tokens/rank, top-2)."""
+    gaps = []
+    for routing, W, N, profile, max_replicas in GRID:
+        gen = torch.Generator().manual_seed(W * N)
+        counts_WN = synthetic_counts(
+            RoutingSpec.parse(routing), W, 768, 2, N, gen, shuffle_experts=not contiguous
+        )
+        shape = LayerShape(1024, 4096, N // W, W, 2)
+        a2a = plan_none(counts_WN, shape, profile).prediction.step_s
+        new = plan_mix(counts_WN, shape, profile, max_replicas).prediction.step_s / a2a
+        old = plan_mix_rescan(counts_WN, shape, profile, max_replicas).prediction.step_s / a2a
+        gaps.append((new - old, routing, W, N, profile.name, max_replicas))
+    assert max(gaps)[0] <= 0.02, max(gaps)
+
+
+def _layouts(counts_WN: torch.Tensor):
+    """The same counts in every form a caller may hand over."""
+    W, N = counts_WN.shape
+    g = torch.Generator().manual_seed(1)
+    rows, cols = torch.randperm(W, generator=g), torch.randperm(N, generator=g)
+    shuffled = counts_WN[rows][:, cols]
+    restored = torch.empty_like(shuffled)
+    restored[rows] = shuffled[:, cols.argsort()]
+    assert torch.equal(restored, counts_WN) and not torch.equal(shuffled, counts_WN)
+    yield counts_WN
+    yield restored  # shuffled, then restored: other memory, same counts
+    yield counts_WN.t().contiguous().t()  # non-contiguous
+    yield counts_WN.to(torch.int32)
+    yield counts_WN.tolist()
+
+
+def test_mix_same_plan_from_every_layout_and_thread() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    counts_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 16, 512, 2, 64, torch.Generator())
+    shape = LayerShape(1024, 4096, 4, 16, 2)
+    ref = plan_mix(counts_WN, shape, COMPUTE_BOUND, 4)
+    assert ref.hot  # the case replicates something
+    for counts in _layouts(counts_WN):
+        assert plan_mix(counts, shape, COMPUTE_BOUND, 4) == ref
+    # background threads (how the layer may run it off the critical path) give the same plan
+    with ThreadPoolExecutor(4) as pool:
+        plans = list(pool.map(lambda _: plan_mix(counts_WN, shape, COMPUTE_BOUND, 4), range(8)))
+    assert all(p == ref for p in plans)
+
+
+def test_mix_same_plan_in_another_process() -> None:
+    """Every rank is another process: the plan (and every float of its prediction) must match."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mixmoe
+
+    code = (
+        "import torch, pickle, sys\n"
+        "from mixmoe.bench.routing import RoutingSpec, synthetic_counts\n"
+        "from mixmoe.placement import HardwareProfile, LayerShape, plan_mix\n"
+        "COMPUTE_BOUND = HardwareProfile('compute-bound', 1e9, 1e11, 1e-6)\n"
+        "torch.set_num_threads(1)\n"
+        "c = synthetic_counts(RoutingSpec.parse('hot:0.3'), 32, 256, 2, 128, "
+        "torch.Generator().manual_seed(5))\n"
+        "p = plan_mix(c, LayerShape(1024, 4096, 4, 32, 2), COMPUTE_BOUND, 4)\n"
+        "sys.stdout.write(repr((p.replicas, p.prediction, p.baseline)))\n"
+    )
+    counts_WN = synthetic_counts(
+        RoutingSpec.parse("hot:0.3"), 32, 256, 2, 128, torch.Generator().manual_seed(5)
+    )
+    plan = plan_mix(counts_WN, LayerShape(1024, 4096, 4, 32, 2), COMPUTE_BOUND, 4)
+    assert plan.hot
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(mixmoe.__file__).resolve().parent.parent)},
+    ).stdout
+    assert out == repr((plan.replicas, plan.prediction, plan.baseline))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    profile=st.sampled_from(PROFILES),
+    overlap=st.booleans(),
+    any_remote=st.booleans(),
+    any_hot=st.booleans(),
+    data=st.data(),
+)
+def test_vector_seconds_equal_scalar_seconds_bit_for_bit(
+    profile: HardwareProfile, overlap: bool, any_remote: bool, any_hot: bool, data: st.DataObject
+) -> None:
+    shape = LayerShape(data.draw(st.integers(1, 8192)), data.draw(st.integers(1, 32768)), 4, 8, 2)
+    model = StepModel(shape, profile, overlap)
+    loads = data.draw(
+        st.lists(st.lists(st.integers(0, 10**8), min_size=4, max_size=4), min_size=1, max_size=9)
+    )
+    compute_W, comm_W = model.seconds_W(
+        torch.tensor(loads, dtype=torch.float64).t(), any_remote, any_hot
+    )
+    for r, (rows, local, remote, replica) in enumerate(loads):
+        compute, comm = model.rank_seconds(rows, local, remote, replica, any_remote, any_hot)
+        assert (compute_W[r].item(), comm_W[r].item()) == (compute, comm)
+
+
+def test_mix_bounded_search_and_bad_width() -> None:
+    counts_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 8, 512, 2, 32, torch.Generator())
+    shape = LayerShape(1024, 4096, 4, 8, 2)
+    for width in (1, 2, 8):
+        plan = plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=width)
+        assert plan.prediction.step_s <= plan.baseline.step_s
+        assert all(len(plan.replica_slots(r)) <= 2 for r in range(8))
+    with pytest.raises(ValueError, match="search_width must be >= 1, got 0"):
+        plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=0)
+    with pytest.raises(TypeError, match="search_width"):
+        plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=2.0)

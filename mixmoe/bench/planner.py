@@ -1,0 +1,171 @@
+"""The planner benchmark engine (``mixmoe bench planner``, CLI in ``mixmoe.commands.bench_planner``):
+what planning the mixed strategy costs next to the step it plans, for today's planner
+(``mixmoe.reference.planner.plan_mix_rescan``) and the restructured one
+(``mixmoe.placement.plan_mix``), on the same counts.
+
+Legend: W ranks, N experts, E = N / W experts per rank, T tokens per rank, K top-k.
+
+One case = (routing, W, N): counts_WN drawn once by ``synthetic_counts`` (T tokens per rank, K
+distinct experts each, expert popularity shuffled), given to both planners as the int64 tensor
+the layer all-gathers. Each planner is timed on one CPU thread (``torch.set_num_threads(1)``):
+median of ``repeats`` calls after one untimed call (today's planner: ``old_repeats`` calls, and
+skipped above ``old_max_world`` ranks). The predicted steps come from the cost model: mix = the
+plan's prediction, a2a = ``plan_none`` (no overlap, as the a2a strategy runs). Target (issue 15):
+planner <= max(2% of the predicted mix step, 0.25 ms) for W <= 64, <= 5 ms above.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixmoe.bench.routing import RoutingSpec, synthetic_counts
+from mixmoe.bench.timing import median
+from mixmoe.placement import (
+    CPU_PROFILE,
+    GPU_PROFILE,
+    HardwareProfile,
+    LayerShape,
+    Plan,
+    plan_mix,
+    plan_none,
+)
+from mixmoe.placement.planner import SEARCH_WIDTH
+from mixmoe.reference.planner import plan_mix_rescan
+from mixmoe.validation import DTYPE_NAMES, check_choice, check_int, torch_dtype
+
+__all__ = ["PROFILES", "PlannerBenchConfig", "run_case", "target_ms"]
+
+PROFILES: dict[str, HardwareProfile] = {"gpu": GPU_PROFILE, "cpu": CPU_PROFILE}
+
+
+@dataclass(frozen=True)
+class PlannerBenchConfig:
+    """cases: (W, N) pairs, N a multiple of W; routings: uniform, zipf:S, hot:P."""
+
+    cases: tuple[tuple[int, int], ...] = ((8, 64), (64, 512), (256, 2048), (1024, 4096))
+    routings: tuple[str, ...] = ("uniform", "zipf:1.2", "hot:0.3")
+    tokens: int = 8192
+    top_k: int = 2
+    model_dim: int = 1024
+    hidden_size: int = 4096
+    dtype: str = "fp16"
+    profile: str = "gpu"
+    max_replicas: int = 4
+    search_width: int = SEARCH_WIDTH
+    repeats: int = 21
+    old_repeats: int = 3
+    old_max_world: int = 1024
+    shuffle_experts: bool = True
+    seed: int = 0
+    jsonl: str | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, DTYPE_NAMES)
+        check_choice("profile", self.profile, PROFILES)
+        for name, value, lo in (
+            ("tokens", self.tokens, 0),
+            ("top_k", self.top_k, 1),
+            ("model_dim", self.model_dim, 1),
+            ("hidden_size", self.hidden_size, 1),
+            ("max_replicas", self.max_replicas, 0),
+            ("search_width", self.search_width, 1),
+            ("repeats", self.repeats, 1),
+            ("old_repeats", self.old_repeats, 1),
+            ("old_max_world", self.old_max_world, 0),
+            ("seed", self.seed, 0),
+        ):
+            check_int(name, value, lo)
+        if not self.cases:
+            raise ValueError("cases must name at least one WxN pair, e.g. 8x64")
+        for W, N in self.cases:
+            check_int("world size W", W, 1)
+            check_int("experts N", N, 1)
+            if N % W:
+                raise ValueError(f"case {W}x{N}: N={N} must be a multiple of W={W}")
+            if self.top_k > N:
+                raise ValueError(f"case {W}x{N}: top_k={self.top_k} exceeds N={N}")
+        if not self.routings:
+            raise ValueError("routings must name at least one of uniform, zipf:S, hot:P")
+        for text in self.routings:
+            if RoutingSpec.parse(text).kind == "gate":
+                raise ValueError(
+                    "routing 'gate' needs a learned gate; use uniform, zipf:S or hot:P"
+                )
+
+
+def target_ms(world_size: int, step_ms: float) -> float:
+    """Issue 15's budget for one plan: max(2% of the step, 0.25 ms) up to 64 ranks, else 5 ms."""
+    return max(0.02 * step_ms, 0.25) if world_size <= 64 else 5.0
+
+
+def _time_ms(fn, repeats: int) -> tuple[float, Plan]:
+    plan = fn()  # untimed: first-call effects
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan = fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return median(times), plan
+
+
+def run_case(
+    cfg: PlannerBenchConfig, routing: str, world_size: int, num_experts: int
+) -> dict[str, Any]:
+    """One record: the case, both planners' times (ms), predicted steps (ms) and ratios."""
+    W, N = world_size, num_experts
+    spec = RoutingSpec.parse(routing)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    counts_WN = synthetic_counts(
+        spec, W, cfg.tokens, cfg.top_k, N, gen, shuffle_experts=cfg.shuffle_experts
+    )
+    shape = LayerShape(
+        model_dim=cfg.model_dim,
+        hidden_dim=cfg.hidden_size,
+        experts_per_rank=N // W,
+        world_size=W,
+        bytes_per_element=torch.finfo(torch_dtype(cfg.dtype)).bits // 8,
+    )
+    profile = PROFILES[cfg.profile]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        new_ms, new = _time_ms(
+            lambda: plan_mix(
+                counts_WN, shape, profile, cfg.max_replicas, search_width=cfg.search_width
+            ),
+            cfg.repeats,
+        )
+        old_ms, old = None, None
+        if W <= cfg.old_max_world:
+            old_ms, old = _time_ms(
+                lambda: plan_mix_rescan(counts_WN, shape, profile, cfg.max_replicas),
+                cfg.old_repeats,
+            )
+    finally:
+        torch.set_num_threads(threads)
+    a2a_ms = plan_none(counts_WN, shape, profile).prediction.step_s * 1e3
+    step_ms = new.prediction.step_s * 1e3
+    record: dict[str, Any] = {
+        "routing": str(spec),
+        "world_size": W,
+        "num_experts": N,
+        "planner_ms": new_ms,
+        "step_ms": step_ms,
+        "planner_over_step": new_ms / step_ms if step_ms else None,
+        "target_ms": target_ms(W, step_ms),
+        "meets_target": new_ms <= target_ms(W, step_ms),
+        "a2a_step_ms": a2a_ms,
+        "mix_over_a2a": step_ms / a2a_ms if a2a_ms else None,
+        "hot": len(new.hot),
+        "old_planner_ms": old_ms,
+        "old_step_ms": old.prediction.step_s * 1e3 if old else None,
+        "old_mix_over_a2a": old.prediction.step_s * 1e3 / a2a_ms if old and a2a_ms else None,
+        "old_hot": len(old.hot) if old else None,
+    }
+    if old is not None and a2a_ms:
+        record["quality_gap"] = record["mix_over_a2a"] - record["old_mix_over_a2a"]
+    return record

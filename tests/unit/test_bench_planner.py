@@ -1,0 +1,84 @@
+"""``mixmoe bench planner`` end to end on tiny cases (not a timing test: times are only printed),
+and the synthetic counts it plans on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mixmoe import cli
+from mixmoe.bench.planner import PlannerBenchConfig, target_ms
+from mixmoe.bench.routing import RoutingSpec, synthetic_counts
+
+
+def test_bench_planner_table_and_jsonl(tmp_path, capsys) -> None:
+    out = tmp_path / "planner.jsonl"
+    argv = ["bench", "planner", "--cases", "4x16,8x32", "--routing", "uniform,zipf:1.2"]
+    argv += ["--tokens", "256", "--repeats", "2", "--old-repeats", "1", "--jsonl", str(out)]
+    assert cli.main([*argv, "--markdown"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| routing | W | N | planner ms |")
+    assert len(table.strip().splitlines()) == 2 + 4
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["routing"], r["world_size"], r["num_experts"]) for r in records] == [
+        ("uniform", 4, 16),
+        ("uniform", 8, 32),
+        ("zipf:1.2", 4, 16),
+        ("zipf:1.2", 8, 32),
+    ]
+    for r in records:
+        assert r["kind"] == "bench_planner" and r["environment"]["torch"] == torch.__version__
+        assert r["planner_ms"] > 0 and r["old_planner_ms"] > 0
+        assert 0 < r["mix_over_a2a"] <= 1.5 and r["old_mix_over_a2a"] is not None
+        assert r["target_ms"] == target_ms(r["world_size"], r["step_ms"])
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--cases", "8x60"], "N=60 must be a multiple of W=8"),
+        (["--cases", "8by64"], "case '8by64' is not understood"),
+        (["--routing", "gate"], "routing 'gate' needs a learned gate"),
+        (["--routing", "zipf:-1"], "routing 'zipf:-1' is not understood"),
+        (["--search-width", "0"], "search_width must be >= 1"),
+        (["--repeats", "0"], "repeats must be >= 1"),
+        (["--top-k", "80", "--cases", "8x64"], "top_k=80 exceeds N=64"),
+    ],
+)
+def test_bench_planner_bad_input(argv, expected, capsys) -> None:
+    assert cli.main(["bench", "planner", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf:1.2", "hot:0.3"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_synthetic_counts(routing: str, shuffle: bool) -> None:
+    W, T, K, N = 6, 500, 2, 24
+    spec = RoutingSpec.parse(routing)
+    counts_WN = synthetic_counts(
+        spec, W, T, K, N, torch.Generator().manual_seed(3), shuffle_experts=shuffle
+    )
+    assert counts_WN.dtype == torch.int64 and counts_WN.shape == (W, N)
+    assert counts_WN.sum(1).tolist() == [T * K] * W
+    assert int(counts_WN.max()) <= T  # K distinct experts per token: at most one row each
+    again = synthetic_counts(
+        spec, W, T, K, N, torch.Generator().manual_seed(3), shuffle_experts=shuffle
+    )
+    assert torch.equal(counts_WN, again)
+    total_N = counts_WN.sum(0)
+    if spec.kind == "hot":
+        hot = int(total_N.argmax())
+        assert counts_WN[:, hot].tolist() == [round(0.3 * T * K)] * W
+        assert hot == 0 or shuffle  # unshuffled: expert 0 is the hot one
+    if spec.kind == "zipf" and not shuffle:
+        assert total_N[0] > total_N[5] > total_N[20]  # popularity follows the expert id
+
+
+def test_config_defaults_are_the_issue_table() -> None:
+    cfg = PlannerBenchConfig()
+    assert cfg.cases[0] == (8, 64) and cfg.cases[-1] == (1024, 4096)
+    assert (cfg.tokens, cfg.top_k, cfg.model_dim, cfg.hidden_size) == (8192, 2, 1024, 4096)
+    assert (cfg.dtype, cfg.profile, cfg.max_replicas) == ("fp16", "gpu", 4)

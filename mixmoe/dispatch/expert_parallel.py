@@ -32,7 +32,7 @@ import torch
 
 from mixmoe.comm.autograd import all_to_all, all_to_all_start, all_to_all_wait
 from mixmoe.config import MoEConfig
-from mixmoe.dispatch.layout import counts_to_host
+from mixmoe.dispatch.layout import count_matrix_to_host
 from mixmoe.dispatch.replicas import FetchPlan, fetch_replicas, unpack_experts, weights_version
 from mixmoe.dispatch.step import DispatchedRows, ExpertLayout, ExpertOutputs
 from mixmoe.dispatch.step_layout import StepLayout, build_step_layout
@@ -136,8 +136,9 @@ class ExpertParallelDispatcher:
 
     def exchange_counts(
         self, counts_N: torch.Tensor, version: int
-    ) -> tuple[list[list[int]], list[int]]:
-        """THE host sync: all_gather [fingerprint, version, counts] and bring C to the host."""
+    ) -> tuple[torch.Tensor, list[int]]:
+        """THE host sync: all_gather [fingerprint, version, counts] and bring C to the host.
+        Returns ``C_WN`` (int64 CPU tensor) and every rank's weights version."""
         header = torch.tensor(
             [self.fingerprint, version], dtype=torch.int64, device=counts_N.device
         )
@@ -149,14 +150,14 @@ class ExpertParallelDispatcher:
             shape=(counts_N.numel() + _HEADER,),
             dtype=torch.int64,
         ):
-            every = counts_to_host(self.comm.all_gather_rows(torch.cat([header, counts_N])))
-        fingerprints = {row[0] for row in every}
-        if len(fingerprints) != 1:
+            every = count_matrix_to_host(self.comm.all_gather_rows(torch.cat([header, counts_N])))
+        fingerprints_W = every[:, 0]
+        if bool((fingerprints_W != fingerprints_W[0]).any()):
             raise ValueError(
                 "MoE config fingerprints differ across ranks in the count exchange "
-                f"({[row[0] for row in every]}); use the same MoEConfig and strategy everywhere"
+                f"({fingerprints_W.tolist()}); use the same MoEConfig and strategy everywhere"
             )
-        return [row[_HEADER:] for row in every], [row[1] for row in every]
+        return every[:, _HEADER:].contiguous(), every[:, 1].tolist()
 
     def invalidate_replicas(self) -> None:
         """Forget cached replicas (needed only after writing expert weights through ``.data``).
@@ -164,7 +165,7 @@ class ExpertParallelDispatcher:
         self._cache_key, self._cache_HQ = None, None
 
     # -- planning ------------------------------------------------------------------------------
-    def _plan(self, C: list[list[int]], dtype: torch.dtype, device: torch.device) -> Plan:
+    def _plan(self, C: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Plan:
         cfg = self.config
         shape = LayerShape(
             model_dim=cfg.model_dim,
@@ -252,7 +253,12 @@ class ExpertParallelDispatcher:
         # a rank holding no replica still runs the (empty) replica work when any replica exists:
         # the fetch must be in its graph so that its backward joins the gradient all_to_all
         layout = build_step_layout(
-            routing, C[r], step, N, self.config.block_size, with_replicas=replicas is not None
+            routing,
+            C[r].tolist(),
+            step,
+            N,
+            self.config.block_size,
+            with_replicas=replicas is not None,
         )
         recv_RD, pending = self._exchange(
             "moe.dispatch", x_TD[layout.send_token_S], step.out_splits, step.in_splits, moving

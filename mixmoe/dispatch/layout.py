@@ -23,6 +23,13 @@ def counts_to_host(counts: torch.Tensor) -> list[int]:
     return counts.tolist()
 
 
+def count_matrix_to_host(counts: torch.Tensor) -> torch.Tensor:
+    """THE host synchronisation of an expert-parallel layer's forward: the all-gathered count
+    matrix comes to the CPU once, as an int64 tensor (no Python lists: at W = 1024 ranks and
+    N = 4096 experts a list copy alone costs ~75 ms)."""
+    return counts.to("cpu", torch.int64).contiguous()
+
+
 @dataclass(frozen=True)
 class RowLayout:
     """schedule: the block layout (slot = expert).

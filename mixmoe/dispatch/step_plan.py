@@ -1,6 +1,6 @@
 """Host-side bookkeeping of one expert-parallel step on one rank, derived from the count matrix
-and the placement plan (no tensors, no communication; identical on every rank for the shared
-parts).
+and the placement plan (CPU tensors only, no communication; identical on every rank for the
+shared parts).
 
 Legend: W ranks, E experts per rank, N = W*E experts, C the count matrix [W, N].
 """
@@ -8,6 +8,8 @@ Legend: W ranks, E experts per rank, N = W*E experts, C the count matrix [W, N].
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from mixmoe.dispatch.replicas import FetchPlan
 from mixmoe.placement.planner import Plan
@@ -37,24 +39,32 @@ class StepPlan:
     rows_moved: int
 
 
-def build_step_plan(C: list[list[int]], plan: Plan, rank: int, experts_per_rank: int) -> StepPlan:
-    W, E, r = len(C), experts_per_rank, rank
+def build_step_plan(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int) -> StepPlan:
+    """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
+    plan; vectorised over ranks and experts (only the replicas, at most a few per rank, are
+    visited one by one)."""
+    W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
     rep = plan.replica_slots(r)
-    rep_set = set(rep)
-    send = tuple(g for g in range(N) if g // E != r and g not in rep_set)
-    in_splits = [0] * W
-    for g in send:
-        in_splits[g // E] += C[r][g]
-    recv_counts, recv_slots, out_splits = [], [], [0] * W
-    for s in range(W):
-        for e in range(E):
-            g = r * E + e
-            n = C[s][g] if plan.computed_at(s, g, E) == r and s != r else 0
-            recv_counts.append(n)
-            recv_slots.append(e)
-            out_splits[s] += n
-    rows_moved = sum(C[s][g] for s in range(W) for g in range(N) if plan.computed_at(s, g, E) != s)
+    # rows of (source s, expert g) that stay at s although g is owned elsewhere: s holds a replica
+    replicated_WN = torch.zeros(W, N, dtype=torch.bool)
+    for g, holders in plan.replicas:
+        replicated_WN[list(holders), g] = True
+    owner_N = torch.arange(N) // E
+    own_WN = owner_N[None, :] == torch.arange(W)[:, None]
+    stays_WN = own_WN | replicated_WN
+    # rows this rank sends, by owner: its row of C over the experts neither owned nor replicated
+    sent_N = torch.where(stays_WN[r], 0, C_WN[r])
+    in_splits = sent_N.view(W, E).sum(1).tolist()
+    send = tuple(torch.nonzero(~stays_WN[r]).flatten().tolist())
+    # rows this rank receives: every other source's rows for its own experts, unless replicated
+    mine_WE = C_WN[:, r * E : (r + 1) * E]
+    recv_WE = torch.where(replicated_WN[:, r * E : (r + 1) * E], 0, mine_WE)
+    recv_WE[r] = 0
+    recv_counts = recv_WE.reshape(-1).tolist()  # source-major, then own expert
+    recv_slots = list(range(E)) * W
+    out_splits = recv_WE.sum(1).tolist()
+    rows_moved = int(torch.where(stays_WN, 0, C_WN).sum())
     fetch = FetchPlan.build(plan.replicas, r, W, E)
     assert fetch.recv_experts == tuple(rep), "replica slot order must match the fetch order"
     return StepPlan(

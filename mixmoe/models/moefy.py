@@ -139,6 +139,8 @@ def moefy(
     layers: LayerSpec = "all",
     *,
     init: Literal["random", "dense"] = "random",
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> nn.Module:
     """In place: the FFN of the blocks ``layers`` selects (``"all"``, ``"every:N"``, or a list of
     block indices; see ``mixmoe.models.layer_selection``) becomes a mixmoe ``MoE(config)`` with
@@ -146,6 +148,9 @@ def moefy(
 
     ``config.model_dim`` must equal the model's hidden size. ``init="dense"`` copies the dense FFN
     into every expert and needs ``hidden_dim``, ``activation`` and ``bias`` to match it.
+    ``ep_rank`` / ``ep_size``: build only the experts this rank of an expert-parallel group owns
+    (``MoE(config, ep_rank=..., ep_size=...)``: the weights the full build from the same seed
+    holds for them), then ``parallelize_moe`` each layer of ``moe_layers(model)``.
     Blocks already holding a MoE FFN are refused. BERT with ``chunk_size_feed_forward > 0`` is
     refused (the FFN would run once per chunk, and the aux loss would count only one chunk).
     """
@@ -156,7 +161,12 @@ def moefy(
     if init not in ("random", "dense"):
         raise ValueError(f"init={init!r} is unknown; use 'random' or 'dense'")
     family, blocks = _blocks(model)
-    hf_config = model.config
+    hf_config = getattr(model, "config", None)
+    if hf_config is None:
+        raise TypeError(
+            f"{type(model).__name__} has no .config; pass the Hugging Face model itself "
+            f"(e.g. the GPT2LMHeadModel / BertModel), not a container around it"
+        )
     chosen = select_layers(layers, len(blocks))
     if config.model_dim != hf_config.hidden_size:
         raise ValueError(
@@ -179,7 +189,13 @@ def moefy(
         dense = _gpt2_dense(block, hf_config) if family == "gpt2" else _bert_dense(block, hf_config)
         if init == "dense":
             _check_dense_init(config, dense, family)
-        moe = MoE(config, device=dense.w1_DF.device, dtype=dense.w1_DF.dtype)
+        moe = MoE(
+            config,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            device=dense.w1_DF.device,
+            dtype=dense.w1_DF.dtype,
+        )
         if init == "dense":
             _copy_dense(moe, dense)
         prefix = f"{name}." if name else ""

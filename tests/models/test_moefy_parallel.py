@@ -26,12 +26,19 @@ NUM_EXPERTS = 4
 REPLICATE = HardwareProfile(
     "test-replicate", gemm_flops=1e6, link_bandwidth=1e12, link_latency=1e-9
 )
-CASES = [(f, s) for f in ("gpt2", "bert") for s in ("a2a", "mix")]
+# "a2a-built": each rank builds only its own experts (moefy(..., ep_rank, ep_size)), no slicing
+CASES = [(f, s) for f in ("gpt2", "bert") for s in ("a2a", "mix")] + [("gpt2", "a2a-built")]
 
 
-def _build(family: str):
+def _build(family: str, ep_rank: int = 0, ep_size: int = 1):
     torch.manual_seed(11)
-    model = moefy(BUILDERS[family](torch.float64), moe_config(NUM_EXPERTS, 2), layers="every:2")
+    model = moefy(
+        BUILDERS[family](torch.float64),
+        moe_config(NUM_EXPERTS, 2),
+        layers="every:2",
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+    )
     # skew the router so that experts of rank 0 are hot (mix then replicates them)
     for _, moe in moe_layers(model):
         with torch.no_grad():
@@ -50,9 +57,12 @@ def _step(model, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _worker(comm) -> dict:
     results = {}
     for family, strategy in CASES:
-        model = _build(family)
+        built = strategy.endswith("-built")
+        model = _build(family, comm.rank, comm.world_size) if built else _build(family)
+        if built:
+            assert all(m.experts.num_experts == NUM_EXPERTS // WORLD for _, m in moe_layers(model))
         for _, moe in moe_layers(model):
-            parallelize_moe(moe, comm, strategy, profile=REPLICATE)
+            parallelize_moe(moe, comm, strategy.removesuffix("-built"), profile=REPLICATE)
         logits, loss = _step(model, comm.rank)
         grads = {}
         for name, p in model.named_parameters():
@@ -78,7 +88,7 @@ def test_moefied_models_train_under_a2a_and_mix_like_one_rank():
         ref = _build(family)
         ref_steps = [_step(ref, r) for r in range(WORLD)]
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        for strategy in ("a2a", "mix"):
+        for strategy in [s for f, s in CASES if f == family]:
             for r in range(WORLD):
                 got = out[r][family, strategy]
                 what = f"{family} {strategy} rank {r}"

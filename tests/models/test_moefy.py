@@ -131,6 +131,20 @@ def test_bert_moe_output_enters_the_same_dropout_residual_and_layernorm():
     assert_close(y, norm(y_moe + x))
 
 
+def test_gpt2_moe_output_goes_through_the_mlps_own_dropout():
+    model = gpt2()
+    drop = model.transformer.h[0].mlp.dropout
+    moefy(model, moe_config(2, 1), layers=[0])
+    assert model.transformer.h[0].mlp.dropout is drop
+    drop.p = 0.5
+    ffn, x = model.transformer.h[0].mlp.train(), torch.randn(3, 4, 16, dtype=torch.float64)
+    y_moe, _ = ffn.moe(x)
+    y = ffn(x)
+    kept = y != 0
+    assert 0 < kept.sum() < y.numel()
+    assert_close(y[kept], 2 * y_moe[kept])
+
+
 @pytest.mark.parametrize(
     "layers,expected",
     [

@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "parallel": 5,
     "bench": 5,
     "report": 5,
+    "models": 5,
     "commands": 5,
     "cli": 5,
     "__main__": 5,

@@ -38,6 +38,8 @@ LAYERS: dict[str, int] = {
     "dispatch": 3,
     "layers": 4,
     "parallel": 5,
+    "models": 5,
+    "hf": 5,
     "bench": 5,
     "report": 5,
     "commands": 5,

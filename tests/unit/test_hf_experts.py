@@ -89,3 +89,36 @@ def test_summary(capsys):
     if len(RESULTS) == len(FAMILIES):
         missing = [f for f in MUST_BE_EQUAL if f in FAMILIES and f not in equal]
         assert not missing, f"{missing} must build and equal eager: {skipped}"
+
+
+def test_sentinel_ids_are_dropped_choices_and_register_is_idempotent():
+    """Ids >= num_experts (transformers' EP sentinels) contribute nothing, as in batched_mm
+    under expert parallelism; registering again changes nothing."""
+    from transformers import MixtralConfig
+    from transformers.integrations.moe import ExpertsInterface, batched_mm_experts_forward
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    mixmoe.hf.register()
+    assert ExpertsInterface._global_mapping["mixmoe"] is hf_experts.mixmoe_experts_forward
+    torch.manual_seed(5)
+    experts = MixtralExperts(
+        MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4)
+    )
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    experts._is_expert_parallel = True
+    x = torch.randn(9, 16)
+    ids = torch.randint(0, 4, (9, 2))
+    ids[::3, 1] = 4  # sentinel
+    w = torch.rand(9, 2)
+    outs = []
+    for fn in (batched_mm_experts_forward, hf_experts.mixmoe_experts_forward):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        experts.zero_grad()
+        y = fn(experts, xi, ids, wi)
+        y.square().sum().backward()
+        outs.append((y, xi.grad, wi.grad, experts.gate_up_proj.grad.clone()))
+    for got, ref in zip(outs[1], outs[0], strict=True):
+        assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert bool((outs[1][2][::3, 1] == 0).all())

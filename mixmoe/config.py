@@ -12,7 +12,7 @@ from mixmoe.validation import check_block_size, check_float, check_int
 
 GATE_TYPES = ("topk", "switch", "gshard")
 ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
-TOPK_NORMALIZE = ("topk_softmax", "softmax_renorm")
+TOPK_NORMALIZE = ("topk_softmax", "softmax_renorm", "softmax")
 STRATEGIES = ("local", "a2a", "shadow", "mix")
 
 
@@ -23,7 +23,11 @@ class GateConfig:
     type:
         ``topk``   FastMoE NaiveGate: top-k of the logits, softmax over the k selected logits
                    (``normalize="topk_softmax"``) or softmax over all experts then the k selected
-                   probabilities renormalised to sum to one (``normalize="softmax_renorm"``).
+                   probabilities renormalised to sum to one (``normalize="softmax_renorm"``;
+                   the same numbers as ``topk_softmax`` up to rounding), or softmax over all
+                   experts and the k selected probabilities NOT renormalised
+                   (``normalize="softmax"``: they sum to less than one; Qwen-MoE with
+                   ``norm_topk_prob=False``).
         ``switch`` Switch Transformer: top-1, weight = softmax probability of the chosen expert;
                    ``jitter_eps > 0`` multiplies the input by U(1-eps, 1+eps) noise in training.
         ``gshard`` GShard: top-2 of the softmax, weights renormalised over the two; with

@@ -27,6 +27,7 @@ def topk_route(logits_TN: torch.Tensor, k: int, normalize: str = "topk_softmax")
 
     ``topk_softmax``: weights = softmax over the k selected logits.
     ``softmax_renorm``: weights = softmax over all N, the k selected ones divided by their sum.
+    ``softmax``: weights = softmax over all N, the k selected ones as they are (sum <= 1).
     """
     top_TK, ids_TK = _top_k_stable(logits_TN, k)
     if normalize == "topk_softmax":
@@ -34,7 +35,8 @@ def topk_route(logits_TN: torch.Tensor, k: int, normalize: str = "topk_softmax")
     else:
         probs_TN = torch.softmax(widen(logits_TN), dim=-1)
         picked_TK = probs_TN.gather(1, ids_TK)
-        weights_TK = picked_TK / picked_TK.sum(dim=-1, keepdim=True)
+        renorm = normalize == "softmax_renorm"
+        weights_TK = picked_TK / picked_TK.sum(dim=-1, keepdim=True) if renorm else picked_TK
     return Routing(ids_TK, weights_TK.to(logits_TN.dtype), logits_TN)
 
 

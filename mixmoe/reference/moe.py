@@ -76,7 +76,8 @@ def reference_moe(
         else:
             probs = _softmax(logits)
             picked = torch.stack([probs[g] for g in chosen])
-            weights = picked if gate_type == "switch" else picked / picked.sum()
+            keep = gate_type == "switch" or (gate_type == "topk" and normalize == "softmax")
+            weights = picked if keep else picked / picked.sum()
         y = torch.zeros_like(xs[t])
         for c, g in enumerate(chosen):
             if (t, c) in dropped:

@@ -101,8 +101,8 @@ def test_gate_must_be_gateconfig():
 
 
 def test_unknown_normalize():
-    with pytest.raises(ValueError, match=r"gate normalize 'softmax' is unknown; use one of"):
-        GateConfig(normalize="softmax")
+    with pytest.raises(ValueError, match=r"gate normalize 'sigmoid' is unknown; use one of"):
+        GateConfig(normalize="sigmoid")
 
 
 @pytest.mark.parametrize("eps", [1.0, 1.5])

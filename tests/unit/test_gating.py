@@ -59,6 +59,15 @@ def test_topk_default_normalisation_is_topk_softmax():
     assert_close(renorm.weights_TK, explicit.weights_TK)  # same values up to rounding
 
 
+def test_topk_softmax_without_renormalisation_by_hand():
+    # probs 3/6, 1/6, 2/6: top-2 = experts 0 and 2 with their probabilities as they are
+    # (sum 5/6, Qwen-MoE's norm_topk_prob=False); top-1 keeps 1/2, not 1
+    r = topk_route(t64([[LN3, 0.0, LN2]]), 2, "softmax")
+    assert r.ids_TK.tolist() == [[0, 2]]
+    assert_close(r.weights_TK, t64([[0.5, 1 / 3]]), rtol=0, atol=1e-6)
+    assert_close(topk_route(t64([[LN3, 0.0, LN2]]), 1, "softmax").weights_TK, t64([[0.5]]))
+
+
 def test_switch_weight_is_softmax_probability():
     # probs 3/6, 1/6, 2/6 -> top-1 expert 0 with weight 1/2 (NOT renormalised to 1)
     r = switch_route(t64([[LN3, 0.0, LN2], [0.0, LN2, LN3]]))

@@ -18,10 +18,11 @@ from mixmoe.reference.moe import reference_moe
 GATES = [
     ("topk", "topk_softmax"),
     ("topk", "softmax_renorm"),
+    ("topk", "softmax"),
     ("switch", "topk_softmax"),
     ("gshard", "topk_softmax"),
 ]
-GATE_IDS = ["topk-topk_softmax", "topk-softmax_renorm", "switch", "gshard"]
+GATE_IDS = ["topk-topk_softmax", "topk-softmax_renorm", "topk-softmax", "switch", "gshard"]
 ACTIVATIONS = ["gelu", "relu", "silu", "swiglu"]
 DTYPES = [torch.float64, torch.float32]
 

@@ -1,0 +1,80 @@
+"""mixmoe as a transformers experts implementation: ``ExpertsInterface`` entry ``"mixmoe"``.
+
+Legend: T tokens, K top-k, D model dim, F hidden dim, S experts (weight slots), P padded rows.
+
+transformers calls ``fn(self, hidden_states, top_k_index, top_k_weights)`` on an experts module
+decorated with ``@use_experts_implementation`` once a model ran
+``model.set_experts_implementation("mixmoe")`` (after ``import mixmoe.hf``). The module's
+weights are read through the layout adapter (``hf_layout``: views, gradients reach the module's
+own parameters), the rows are laid out by ``expert_row_layout`` (the one host sync), and the
+experts run on mixmoe's fused ops:
+
+    activation a mixmoe one, no post-norm:  token_expert_mlp (gather-GEMM, act, GEMM-combine)
+    otherwise:  gather_grouped_linear -> the module's _apply_gate / act_fn -> GEMM
+                -> [post_expert_norm, combine_rows] or grouped_linear_combine
+
+Ids outside ``[0, num_experts)`` (transformers' expert-parallel sentinels, ``>= num_experts``)
+are dropped choices: no compute, no output, no gradient to their routing weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mixmoe.dispatch.layout import expert_row_layout
+from mixmoe.models.hf_layout import hf_experts_layout
+from mixmoe.ops import (
+    combine_rows,
+    gather_grouped_linear,
+    grouped_linear,
+    grouped_linear_combine,
+    token_expert_mlp,
+)
+from mixmoe.ops.expert_mlp import activate
+
+BLOCK_SIZE = 64
+
+
+def mixmoe_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """``y_TD[t] = sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden_states[t])``,
+    the transformers experts contract, computed by mixmoe. Output dtype: ``hidden_states``'."""
+    if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape:
+        raise ValueError(
+            f"expected hidden_states [T, D] and top_k_index / top_k_weights [T, K], got "
+            f"{tuple(hidden_states.shape)}, {tuple(top_k_index.shape)}, "
+            f"{tuple(top_k_weights.shape)}"
+        )
+    spec = hf_experts_layout(self)
+    S = spec.num_experts
+    ids_TK = top_k_index.to(torch.int64)
+    ids_TK = torch.where((ids_TK >= 0) & (ids_TK < S), ids_TK, -1)
+    layout = expert_row_layout(ids_TK, S, BLOCK_SIZE)
+    w = spec.weights
+    x_TD = hidden_states
+    weights_TK = top_k_weights.to(torch.promote_types(x_TD.dtype, w.w1_SDF.dtype))
+    token_P, pos_TK, sched = layout.token_P, layout.pos_TK, layout.schedule
+    if spec.activation is not None and spec.post_norm is None:
+        y_TD = token_expert_mlp(x_TD, token_P, pos_TK, weights_TK, w, sched, spec.activation)
+        return y_TD.to(hidden_states.dtype)
+    meta = (sched.block_slot_Nb, sched.block_rows_Nb, sched.block_size)
+    h_PF = gather_grouped_linear(x_TD, token_P, pos_TK, w.w1_SDF, w.b1_SF, *meta)
+    if spec.activation is not None:  # a mixmoe activation, but a post-norm follows
+        h_PF = activate(h_PF, "silu" if spec.activation == "swiglu" else spec.activation)
+        if spec.activation == "swiglu":
+            h_PF = h_PF * gather_grouped_linear(x_TD, token_P, pos_TK, w.w3_SDF, w.b3_SF, *meta)
+    else:
+        # padding rows are zero here; whatever the function makes of them is masked by the
+        # next GEMM, which reads only valid rows
+        h_PF = spec.elementwise(h_PF)
+    if spec.post_norm is None:
+        y_TD = grouped_linear_combine(h_PF, w.w2_SFD, w.b2_SD, *meta, pos_TK, weights_TK)
+    else:
+        out_PD = spec.post_norm(grouped_linear(h_PF, w.w2_SFD, w.b2_SD, *meta))
+        y_TD = combine_rows(out_PD, pos_TK, weights_TK)
+    return y_TD.to(hidden_states.dtype)

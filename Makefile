@@ -33,4 +33,4 @@ mutation: $(STAMP)
 	$(BIN)/python tests/mutation/run_mutation.py $(MUTATION_GROUPS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mutmut-cache
+	rm -rf $(VENV) build *.egg-info .mutmut-cache .mutmut-logs

@@ -12,6 +12,11 @@ log/trace text) are skipped by ``mutmut_config.py``; known equivalent survivors 
     python tests/mutation/run_mutation.py gating ops    # some groups
     python tests/mutation/run_mutation.py --report      # kill rates and survivors, no run
 
+mutmut's own progress goes to ``.mutmut-logs/GROUP.log`` (``tail -f`` it to watch); the driver
+prints one summary line per group when the group ends (``gating: 98 mutants: 82 killed,
+16 survived, 0 timeout, 0 suspicious, 0 skipped, 0 untested; kill rate 83.7%``), then a table
+of all the groups asked for and the survivors.
+
 While a run is in progress, read its results only with ``--report --no-diffs``: the diffs come
 from ``mutmut show``, which re-syncs the cache with the (mutated) sources and breaks the run.
 """
@@ -26,15 +31,24 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+LOGS = ROOT / ".mutmut-logs"
 
-# group -> (packages to mutate, tests that guard them; fastest first)
+# group -> (packages to mutate, tests that guard them). Order matters for speed only: with ``-x``
+# a killed mutant costs the tests up to its first failure, so the package's own fast tests come
+# first and the wide nets (the unit tier, the distributed tier) last; a survivor pays for all.
+# Packages the expert-parallel path uses end with the distributed tests that exercise them
+# (test_strategies: every strategy vs the single-rank layer; test_gradient_accumulation: cached
+# replica gradients), since a unit test alone cannot see, e.g., a plan accessor mixing up ranks.
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "gating": (
         ["mixmoe/gating"],
         ["tests/unit/test_gating.py", "tests/unit/test_layer_vs_reference.py"],
     ),
     "schedule": (["mixmoe/schedule"], ["tests/unit/test_schedule.py", "tests/unit"]),
-    "placement": (["mixmoe/placement"], ["tests/placement", "tests/unit"]),
+    "placement": (
+        ["mixmoe/placement"],
+        ["tests/placement", "tests/unit", "tests/distributed/test_strategies.py"],
+    ),
     "ops": (
         ["mixmoe/ops"],
         ["tests/unit/test_ops.py", "tests/unit", "tests/kernels/test_fused_ops.py"],
@@ -45,10 +59,28 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
             "tests/distributed/test_checkpoint_and_failures.py",
             "tests/distributed/test_dropin_parallel.py",
             "tests/distributed/test_ddp_and_expert_data_parallel.py",
+            "tests/distributed/test_strategies.py",
         ],
     ),
-    "comm": (["mixmoe/comm"], ["tests/distributed"]),
-    "dispatch": (["mixmoe/dispatch"], ["tests/unit", "tests/distributed"]),
+    "comm": (
+        ["mixmoe/comm"],
+        [
+            "tests/distributed/test_strategies.py",
+            "tests/distributed/test_gradient_accumulation.py",
+            "tests/distributed",
+        ],
+    ),
+    "dispatch": (
+        ["mixmoe/dispatch"],
+        [
+            "tests/unit/test_schedule.py",  # expert_row_layout
+            "tests/unit/test_layer_vs_reference.py",  # the local dispatcher
+            "tests/unit",
+            "tests/distributed/test_strategies.py",
+            "tests/distributed/test_gradient_accumulation.py",
+            "tests/distributed",
+        ],
+    ),
 }
 
 KILLED, SURVIVED, TIMEOUT, SUSPICIOUS, SKIPPED, UNTESTED = (
@@ -62,7 +94,7 @@ KILLED, SURVIVED, TIMEOUT, SUSPICIOUS, SKIPPED, UNTESTED = (
 
 
 def _runner(tests: list[str]) -> str:
-    seen = list(dict.fromkeys(tests))  # pytest runs a path given twice twice
+    seen = list(dict.fromkeys(tests))  # a file named before its folder is collected once
     return f"{sys.executable} -m pytest -x -q -p no:cacheprovider " + " ".join(seen)
 
 
@@ -81,14 +113,48 @@ def run_group(name: str) -> int:
         "tests",
         "--simple-output",
     ]
+    log = LOGS / f"{name}.log"
+    log.parent.mkdir(exist_ok=True)
     print(f"== {name}: mutating {', '.join(paths)}; tests: {_runner(tests)}", flush=True)
+    print(f"   progress: tail -f {log.relative_to(ROOT)}", flush=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
-    return code & 1  # mutmut: 1 fatal; 2/4/8 survivors, timeouts, suspicious
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    fatal = code.returncode & 1  # mutmut: 1 fatal; 2/4/8 survivors, timeouts, suspicious
+    if fatal:
+        tail = log.read_text(errors="replace")[-2000:]
+        print(f"   mutmut failed (exit {code.returncode}); end of {log.name}:\n{tail}", flush=True)
+    print(summary(name), flush=True)
+    return fatal
+
+
+def _counts(rows: list[tuple[int, str, int, str, str]]) -> dict[str, int]:
+    return {
+        s: sum(r[4] == s for r in rows)
+        for s in (KILLED, SURVIVED, TIMEOUT, SUSPICIOUS, SKIPPED, UNTESTED)
+    }
+
+
+def _rate(c: dict[str, int]) -> str:
+    # mutmut's "suspicious" is a mutant the tests DID kill, only slowly (ok_suspicious)
+    caught = c[KILLED] + c[TIMEOUT] + c[SUSPICIOUS]
+    judged = caught + c[SURVIVED]
+    return f"{100 * caught / judged:.1f}%" if judged else "-"
+
+
+def summary(name: str) -> str:
+    """One line: the cached results of group ``name``."""
+    rows = _mutants(GROUPS[name][0])
+    c = _counts(rows)
+    return (
+        f"{name}: {len(rows)} mutants: {c[KILLED]} killed, {c[SURVIVED]} survived, "
+        f"{c[TIMEOUT]} timeout, {c[SUSPICIOUS]} suspicious, {c[SKIPPED]} skipped, "
+        f"{c[UNTESTED]} untested; kill rate {_rate(c)}"
+    )
 
 
 def _mutants(paths: list[str]) -> list[tuple[int, str, int, str, str]]:
-    """(id, file, line number, source line, status) of every cached mutant under ``paths``."""
+    """(id, file, 0-based line number, source line, status) of every cached mutant under ``paths``."""
     cache = ROOT / ".mutmut-cache"
     if not cache.exists():
         return []
@@ -106,28 +172,25 @@ def report(names: list[str], show_diffs: bool) -> None:
     total: dict[str, int] = {}
     print(
         f"\n{'group':<10} {'mutants':>8} {'killed':>7} {'survived':>9} {'timeout':>8} "
-        f"{'skipped':>8} {'untested':>9} {'kill rate':>10}"
+        f"{'suspicious':>11} {'skipped':>8} {'untested':>9} {'kill rate':>10}"
     )
     survivors = []
     for name in names:
         rows = _mutants(GROUPS[name][0])
-        counts = {
-            s: sum(r[4] == s for r in rows)
-            for s in (KILLED, SURVIVED, TIMEOUT, SUSPICIOUS, SKIPPED, UNTESTED)
-        }
+        counts = _counts(rows)
         for s, n in counts.items():
             total[s] = total.get(s, 0) + n
         survivors += [r for r in rows if r[4] == SURVIVED]
         print(_line(name, len(rows), counts))
     print(_line("all", sum(total.values()), total))
     print(
-        "kill rate = (killed + timeout) / (killed + timeout + survived + suspicious); "
-        "skipped = message/log text (mutmut_config.py)"
+        "kill rate = (killed + timeout + suspicious) / (those + survived); suspicious = killed, "
+        "slowly; skipped = message/log text (mutmut_config.py)"
     )
     if survivors:
         print(f"\nsurvivors ({len(survivors)}):")
         for mid, filename, line_no, line, _ in survivors:
-            print(f"  #{mid} {filename}:{line_no}: {line.strip()}")
+            print(f"  #{mid} {filename}:{line_no + 1}: {line.strip()}")  # mutmut counts from 0
             if show_diffs:
                 diff = subprocess.run(
                     [sys.executable, "-m", "mutmut", "show", str(mid)],
@@ -139,12 +202,9 @@ def report(names: list[str], show_diffs: bool) -> None:
 
 
 def _line(name: str, n: int, c: dict[str, int]) -> str:
-    caught = c[KILLED] + c[TIMEOUT]
-    judged = caught + c[SURVIVED] + c[SUSPICIOUS]
-    rate = f"{100 * caught / judged:.1f}%" if judged else "-"
     return (
         f"{name:<10} {n:>8} {c[KILLED]:>7} {c[SURVIVED]:>9} {c[TIMEOUT]:>8} "
-        f"{c[SKIPPED]:>8} {c[UNTESTED]:>9} {rate:>10}"
+        f"{c[SUSPICIOUS]:>11} {c[SKIPPED]:>8} {c[UNTESTED]:>9} {_rate(c):>10}"
     )
 
 

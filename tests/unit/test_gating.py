@@ -114,6 +114,22 @@ def test_ties_choose_lower_id(gate, k, normalize):
     assert r.ids_TK.tolist() == [row[: r.ids_TK.shape[1]] for row in expected]
 
 
+@pytest.mark.parametrize("num_experts", [64, 256])
+@pytest.mark.parametrize("gate,k", [("topk", 8), ("switch", 1), ("gshard", 2)])
+def test_ties_choose_lower_id_with_many_experts(gate, k, num_experts):
+    """Tie-heavy logits at DeepSeek/OLMoE expert counts against a per-row loop. torch's CPU
+    ``sort(stable=False)`` keeps index order only for short rows (< 32 here), so the 4-expert
+    cases above cannot tell the stable sort from an unstable one; these can."""
+    torch.manual_seed(seed_for("ties-many", gate, k, num_experts))
+    logits = torch.randint(0, 3, (16, num_experts)).float()  # each row: ~N/3 tied maxima
+    r = route(logits, k, GateConfig(type=gate), training=False)
+    expected = [
+        sorted(range(num_experts), key=lambda i, row=row: (-row[i], i))[:k]
+        for row in logits.tolist()
+    ]
+    assert r.ids_TK.tolist() == expected
+
+
 @pytest.mark.parametrize("gate", ["topk", "switch", "gshard"])
 def test_ties_choose_lower_id_through_the_layer(gate):
     """A gate whose logits are all equal (weight 0, bias constant) picks experts 0..K-1."""

@@ -6,6 +6,8 @@ Legend: G segments, Nb blocks, B block size, R valid rows, P padded rows, T toke
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -90,6 +92,49 @@ def test_hand_example():
     assert s.src_P.tolist() == [0, 1, 2, 3, 4, -1, -1, -1, 5, 6, 7, -1]
     assert s.padded_position_R().tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
     assert s.num_rows == 8
+
+
+def test_default_block_size_is_64():
+    # DESIGN: "fixed 64-row blocks"; callers that pass no block size get exactly that layout
+    counts, slots = [5, 0, 64, 65, 130], [3, 0, 1, 2, 4]
+    s = build_block_schedule(torch.tensor(counts), torch.tensor(slots))
+    ref = reference_block_schedule(counts, slots, 64)
+    assert s.block_size == 64
+    assert s.block_rows_Nb.tolist() == ref["block_rows"] == [5, 64, 64, 1, 64, 64, 2]
+    assert s.src_P.tolist() == ref["src"]
+
+
+def test_schedule_is_frozen():
+    # a schedule is shared by the forward, the backward and the step's metadata: immutable
+    s = build_block_schedule(torch.tensor([3, 1]), torch.tensor([0, 1]), block_size=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.num_rows = 0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.src_P = torch.zeros(4, dtype=torch.int64)  # type: ignore[misc]
+
+
+def test_built_on_the_input_device_without_host_sync():
+    """With ``num_blocks`` and ``num_rows`` given, nothing is read back from the device: on the
+    meta device (no data, so any ``.item()`` / ``int()`` / ``.tolist()`` raises) every tensor of
+    the schedule is built, on the inputs' device, with the shapes of the CPU schedule."""
+    counts, slots = [5, 0, 70, 64], [2, 0, 1, 3]
+    cpu = build_block_schedule(torch.tensor(counts), torch.tensor(slots), block_size=16)
+    meta = build_block_schedule(
+        torch.tensor(counts, device="meta"),
+        torch.tensor(slots, device="meta"),
+        num_blocks=cpu.num_blocks,
+        block_size=16,
+        num_rows=sum(counts),
+    )
+    assert meta.num_rows == cpu.num_rows and meta.num_blocks == cpu.num_blocks
+    for field in dataclasses.fields(cpu):
+        want = getattr(cpu, field.name)
+        if isinstance(want, torch.Tensor):
+            got = getattr(meta, field.name)
+            assert got.device.type == "meta", field.name
+            assert (got.shape, got.dtype) == (want.shape, want.dtype), field.name
+    pos_R = meta.padded_position_R()
+    assert pos_R.device.type == "meta" and pos_R.shape == (sum(counts),)
 
 
 def test_all_empty_segments():

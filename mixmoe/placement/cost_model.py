@@ -137,35 +137,16 @@ def counts_as_lists(counts_WN: object, shape: LayerShape) -> list[list[int]]:
     against ``shape`` and return it as a list of W lists of N non-negative Python ints."""
     W, N = shape.world_size, shape.num_experts
     if isinstance(counts_WN, torch.Tensor):
-        if (
-            counts_WN.dtype.is_floating_point
-            or counts_WN.dtype.is_complex
-            or (counts_WN.dtype == torch.bool)
-        ):
-            raise TypeError(f"counts_WN must hold integers, got dtype {counts_WN.dtype}")
-        if counts_WN.device.type != "cpu":
-            raise ValueError(
-                f"counts_WN must be a CPU tensor (the plan runs on the host), got device "
-                f"{counts_WN.device}; bring the counts to the host once and pass them here"
-            )
-        if tuple(counts_WN.shape) != (W, N):
-            raise ValueError(
-                f"counts_WN has shape {tuple(counts_WN.shape)}, expected (world_size, num_experts)"
-                f" = ({W}, {N})"
-            )
-        C = counts_WN.tolist()
-    else:
-        try:
-            C = [[operator.index(c) for c in row] for row in counts_WN]  # type: ignore[union-attr]
-        except TypeError as exc:
-            raise TypeError(
-                f"counts_WN must be a [W][N] nested sequence of ints or an integer tensor: {exc}"
-            ) from None
-        if len(C) != W or any(len(row) != N for row in C):
-            got = f"{len(C)} rows of lengths {sorted({len(row) for row in C})}"
-            raise ValueError(
-                f"counts_WN has {got}, expected (world_size, num_experts) = ({W}, {N})"
-            )
+        return counts_as_tensor(counts_WN, shape).tolist()  # validated, signs included
+    try:
+        C = [[operator.index(c) for c in row] for row in counts_WN]  # type: ignore[union-attr]
+    except TypeError as exc:
+        raise TypeError(
+            f"counts_WN must be a [W][N] nested sequence of ints or an integer tensor: {exc}"
+        ) from None
+    if len(C) != W or any(len(row) != N for row in C):
+        got = f"{len(C)} rows of lengths {sorted({len(row) for row in C})}"
+        raise ValueError(f"counts_WN has {got}, expected (world_size, num_experts) = ({W}, {N})")
     for s, row in enumerate(C):
         if min(row, default=0) < 0:
             g = min(range(N), key=row.__getitem__)

@@ -86,8 +86,10 @@ def plan_none(
     dispatcher does not overlap the exchange with local compute). prediction == baseline.
     """
     model = StepModel(shape, profile, overlap)
-    C = counts_as_lists(counts_WN, shape)
-    baseline = model.prediction(*rank_loads(C, {}, shape.experts_per_rank))
+    C_WN = counts_as_tensor(counts_WN, shape)  # vectorised: no W x N Python lists at scale
+    loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank)
+    model.check_exact(max(2 * int(colsum_N.sum()), shape.world_size * shape.num_experts))
+    baseline = model.prediction_W(loads_4W)
     return Plan((), (), baseline, baseline)
 
 

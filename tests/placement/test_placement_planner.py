@@ -170,12 +170,17 @@ def test_rescan_planner_matches_its_spelled_out_greedy(
     assert plan.prediction == predict(counts_WN, plan.replicas, shape, profile, overlap)
 
 
-def test_plan_none() -> None:
-    counts_WN = _random_counts(3, 6, seed=3)
-    shape = LayerShape(64, 256, 2, 3, 2)
-    plan = plan_none(counts_WN, shape, CPU_PROFILE)
-    assert plan.hot == () and plan.replicas == () and plan.replica_slots(0) == ()
-    assert plan.prediction == plan.baseline == predict(counts_WN, {}, shape, CPU_PROFILE, False)
+@pytest.mark.parametrize("W,E,seed", [(3, 2, 3), (1, 4, 0), (5, 3, 1), (8, 1, 2)])
+def test_plan_none(W: int, E: int, seed: int) -> None:
+    """The vectorised a2a plan equals the per-rank cost model (``predict`` on lists) exactly,
+    from lists and from int64 / int32 tensors."""
+    counts_WN = _random_counts(W, W * E, seed=seed)
+    shape = LayerShape(64, 256, E, W, 2)
+    want = predict(counts_WN.tolist(), {}, shape, CPU_PROFILE, False)
+    for counts in (counts_WN.tolist(), counts_WN, counts_WN.to(torch.int32)):
+        plan = plan_none(counts, shape, CPU_PROFILE)
+        assert plan.hot == () and plan.replicas == () and plan.replica_slots(0) == ()
+        assert plan.prediction == plan.baseline == want
     with_overlap = plan_none(counts_WN, shape, CPU_PROFILE, overlap=True)
     assert with_overlap.prediction == predict(counts_WN, {}, shape, CPU_PROFILE)
 

@@ -112,7 +112,7 @@ def save_checkpoint(
     os.replace(tmp, path)
 
 
-def _read(path: str, spec: ModelSpec) -> dict[str, Any]:
+def check_checkpoint(path: str, spec: ModelSpec) -> dict[str, Any]:
     """The checkpoint at ``path`` checked against ``spec`` (ValueError naming the problem)."""
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path!r} does not exist; pass the file --save wrote")
@@ -152,7 +152,7 @@ def read_checkpoint(path: str, spec: ModelSpec, world) -> dict[str, Any]:
     error: ValueError | None = None
     ckpt: dict[str, Any] = {}
     try:
-        ckpt = _read(path, spec)
+        ckpt = check_checkpoint(path, spec)
     except ValueError as e:
         error = e
     ok = torch.tensor([0.0 if error else 1.0])

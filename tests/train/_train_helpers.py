@@ -39,3 +39,8 @@ def error_of(comm, config: TrainConfig) -> str:
     except ValueError as e:
         return f"ValueError: {e}"
     return "no error"
+
+
+def checkpoint_jobs(comm, configs: list[TrainConfig], failing: TrainConfig) -> dict:
+    """Train every config in turn, then the one that must fail (its ValueError text)."""
+    return {"results": run_many(comm, configs), "error": error_of(comm, failing)}

@@ -40,6 +40,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "mixmoe.commands.bench_layer",
         "benchmark one MoE layer (docs/formats.md section 1 log)",
     ),
+    ("bench", "model"): (
+        "mixmoe.commands.bench_model",
+        "benchmark whole-model training steps per variant (docs/formats.md section 2 log)",
+    ),
     ("bench", "kernels"): ("mixmoe.commands.bench_kernels", "benchmark grouped-GEMM providers"),
     ("bench", "peers"): (
         "mixmoe.commands.bench_peers",

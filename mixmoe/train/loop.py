@@ -83,6 +83,7 @@ class TrainConfig:
     out: str | None = None
     progress: bool = True
     profile: HardwareProfile | None = None
+    dense: bool = False  # the dense FFN model of the same dims (no experts; strategy local)
     router_skew: float = 0.0  # added to the router bias of experts 0 .. N/2 - 1 (hot experts)
 
     def __post_init__(self) -> None:
@@ -133,6 +134,7 @@ class TrainConfig:
             num_experts=n,
             top_k=self.top_k,
             aux_loss_coef=self.aux_loss_coef,
+            dense=self.dense,
             **extra,
         )
 
@@ -152,6 +154,8 @@ class StepRecord:
     tokens_per_s: float
     step_ms: float
     replicas: int
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
     eval_loss: float | None = None
 
 
@@ -172,7 +176,12 @@ def check_world(config: TrainConfig, world_size: int) -> tuple[ModelSpec, int]:
     """(model spec, EP size) of ``config`` on ``world_size`` ranks; ValueError naming the fix
     when they do not fit (no collective: the CLI calls it before spawning ranks)."""
     W = world_size
-    ep_size = config.ep_size or W
+    ep_size = config.ep_size or (1 if config.dense else W)
+    if config.dense and (config.strategy != "local" or ep_size != 1):
+        raise ValueError(
+            "a dense model has no experts to distribute; use strategy 'local' (ep_size 1: "
+            "plain data parallelism)"
+        )
     if W % ep_size:
         raise ValueError(f"ep_size={ep_size} does not divide the world size {W}; use a divisor")
     if ep_size == 1 and config.strategy != "local":
@@ -274,109 +283,153 @@ def _autocast(config: TrainConfig, device: torch.device):
     return contextlib.nullcontext()
 
 
-def evaluate(config: TrainConfig, spec: ModelSpec, model, world, data, device) -> float:
-    """Mean task loss over ``eval_batches`` held-out global batches (collective)."""
-    objective = OBJECTIVES[spec.model]
-    M, W, r = config.micro_batches, world.world_size, world.rank
-    G, L = config.batch_size, spec.seq_len
-    was_training = model.training
-    model.eval()
-    ce_total, targets_total = 0.0, 0
-    mems: list = [None] * M
-    with torch.no_grad(), _autocast(config, device):
-        for i in range(config.eval_batches):
-            inputs, targets = global_batch(objective, data, i, G, L, config.seed, salt=1)
-            for m in range(M):
-                b = shard(inputs, targets, r * M + m, W * M)
-                ce, _, mems[m] = loss_sums(
-                    spec, model, b.inputs_BL.to(device), b.targets_BL.to(device), mems[m]
+class Trainer:
+    """One rank's training state (model, optimizer, data position, memory) and THE training
+    step: ``step(i) -> StepRecord`` (``mixmoe train`` and ``mixmoe bench model`` both run it).
+    Building it is collective (expert groups, checkpoint verdict): every rank builds one."""
+
+    def __init__(self, config: TrainConfig, comm=None) -> None:
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+        from mixmoe.comm import LocalCommunicator
+
+        self.config = config
+        self.world = world = comm if comm is not None else LocalCommunicator()
+        self.spec, self.ep_size, self.ep, self.edp = _resolve_groups(config, world)
+        self.device = device = _device(config)
+        self.model = build_parallel_model(
+            replace(config, ep_size=self.ep_size), self.spec, self.ep, device
+        )
+        self.dense, self.experts = split_parameters(self.model)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.objective = OBJECTIVES[self.spec.model]
+        self.train_data, self.eval_data = split_corpus()
+        M = config.micro_batches
+        self.num_shards = world.world_size * M
+        self.mems: list = [None] * M
+        self.start_step = 0
+        self.clock = _Clock(device)
+        if config.resume:
+            ckpt = ckpt_io.read_checkpoint(config.resume, self.spec, world)
+            ckpt_io.load_into(ckpt, self.model, self.opt)
+            self.start_step = int(ckpt["step"])
+            dtype = next(self.model.parameters()).dtype
+            self.mems = [
+                ckpt_io.mems_for_shard(ckpt, self._shard(m), self.num_shards, device, dtype)
+                for m in range(M)
+            ]
+
+    def _shard(self, m: int) -> int:
+        return self.world.rank * self.config.micro_batches + m
+
+    def step(self, step: int) -> StepRecord:
+        """Forward + backward of this rank's shards of global batch ``step``, gradient sums,
+        global-norm clipping, one AdamW step. Collective. ``fwd_ms``: the forwards (loss
+        included); ``bwd_ms``: the rest (backward, gradient reduction, clipping, optimizer);
+        each the slowest rank's, as ``step_ms``."""
+        cfg, spec, model, device = self.config, self.spec, self.model, self.device
+        G, L, S = cfg.batch_size, spec.seq_len, self.num_shards
+        t_start = self.clock.now()
+        inputs, targets = global_batch(self.objective, self.train_data, step, G, L, cfg.seed)
+        if self.objective == "stream" and starts_stream(self.train_data, step, G, L):
+            self.mems = [None] * cfg.micro_batches
+        ce_local, aux_local, replicas, fwd_s = 0.0, 0.0, 0, 0.0
+        for m in range(cfg.micro_batches):
+            b = shard(inputs, targets, self._shard(m), S)
+            t_fwd = self.clock.now()
+            with _autocast(cfg, device):
+                ce, aux, self.mems[m] = loss_sums(
+                    spec, model, b.inputs_BL.to(device), b.targets_BL.to(device), self.mems[m]
                 )
-                ce_total += float(ce)
-            targets_total += b.num_targets
-    model.train(was_training)
-    (ce_sum,) = _reduce(world, [ce_total], "sum", device)
-    return ce_sum / targets_total
+                objective_s = ce / b.num_targets + aux / S
+            fwd_s += self.clock.now() - t_fwd
+            objective_s.backward()
+            ce_local += float(ce.detach()) / b.num_targets
+            aux_local += float(aux.detach()) / S
+            replicas += sum(int((a.stats or {}).get("replicas", 0)) for a in moe_auxes(model))
+        sync_gradients(self.dense, self.experts, self.world, self.edp)
+        norm = float(clip_global_norm(self.dense, self.experts, self.ep, cfg.clip))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        step_s = self.clock.now() - t_start
+        loss, aux_loss, replicas_all = _reduce(
+            self.world, [ce_local, aux_local, replicas], "sum", device
+        )
+        step_s, fwd_s, bwd_s = _reduce(self.world, [step_s, fwd_s, step_s - fwd_s], "max", device)
+        return StepRecord(
+            step=step,
+            loss=loss,
+            aux_loss=aux_loss,
+            lr=self.opt.param_groups[0]["lr"],
+            grad_norm=norm,
+            tokens_per_s=G * L / step_s if step_s > 0 else math.inf,
+            step_ms=step_s * 1e3,
+            replicas=int(replicas_all),
+            fwd_ms=fwd_s * 1e3,
+            bwd_ms=bwd_s * 1e3,
+        )
+
+    def evaluate(self) -> float:
+        """Mean task loss over ``eval_batches`` held-out global batches (collective)."""
+        cfg, spec, model, device = self.config, self.spec, self.model, self.device
+        M, G, L = cfg.micro_batches, cfg.batch_size, spec.seq_len
+        was_training = model.training
+        model.eval()
+        ce_total, targets_total = 0.0, 0
+        mems: list = [None] * M
+        with torch.no_grad(), _autocast(cfg, device):
+            for i in range(cfg.eval_batches):
+                inputs, targets = global_batch(
+                    self.objective, self.eval_data, i, G, L, cfg.seed, salt=1
+                )
+                for m in range(M):
+                    b = shard(inputs, targets, self._shard(m), self.num_shards)
+                    ce, _, mems[m] = loss_sums(
+                        spec, model, b.inputs_BL.to(device), b.targets_BL.to(device), mems[m]
+                    )
+                    ce_total += float(ce)
+                targets_total += b.num_targets
+        model.train(was_training)
+        (ce_sum,) = _reduce(self.world, [ce_total], "sum", device)
+        return ce_sum / targets_total
+
+    def save(self, path: str, steps_done: int) -> None:
+        """Checkpoint after ``steps_done`` steps (collective; world rank 0 writes)."""
+        ckpt_io.save_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.opt,
+            spec=self.spec,
+            step=steps_done,
+            mems_shards=self.mems if self.objective == "stream" else None,
+            config=_plain(self.config),
+            world=self.world,
+            ep=self.ep,
+        )
 
 
 def train(config: TrainConfig, comm=None) -> TrainResult:
     """Train on this rank (``comm``: the world communicator; None = one process). Every rank of
     the world calls it with the same config; all return the same ``TrainResult``. Rank 0
     writes the outputs (``out``: JSONL + loss-curve PNG; ``save``: the checkpoint)."""
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    from mixmoe.comm import LocalCommunicator
-
-    world = comm if comm is not None else LocalCommunicator()
-    spec, ep_size, ep, edp = _resolve_groups(config, world)
-    device = _device(config)
-    model = build_parallel_model(replace(config, ep_size=ep_size), spec, ep, device)
-    dense, experts = split_parameters(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    W, r, M = world.world_size, world.rank, config.micro_batches
-    S = W * M
-    objective = OBJECTIVES[spec.model]
-    train_data, eval_data = split_corpus()
-    G, L = config.batch_size, spec.seq_len
-    mems: list = [None] * M
-    start = 0
-    if config.resume:
-        ckpt = ckpt_io.read_checkpoint(config.resume, spec, world)
-        ckpt_io.load_into(ckpt, model, opt)
-        start = int(ckpt["step"])
-        act_dtype = next(model.parameters()).dtype
-        mems = [ckpt_io.mems_for_shard(ckpt, r * M + m, S, device, act_dtype) for m in range(M)]
-        del ckpt
-    clock = _Clock(device)
+    trainer = Trainer(config, comm)
+    world, clock = trainer.world, trainer.clock
     t0 = clock.now()
     records: list[StepRecord] = []
     stopped_by = "max_steps"
-    show = config.progress and r == 0
-    for step in range(start, config.max_steps):
+    show = config.progress and world.rank == 0
+    for step in range(trainer.start_step, config.max_steps):
         if config.time_budget_s is not None:
             over = 1.0 if clock.now() - t0 > config.time_budget_s else 0.0
-            if _reduce(world, [over], "max", device)[0] > 0:
+            if _reduce(world, [over], "max", trainer.device)[0] > 0:
                 stopped_by = "time_budget"
                 break
-        t_start = clock.now()
-        inputs, targets = global_batch(objective, train_data, step, G, L, config.seed)
-        if objective == "stream" and starts_stream(train_data, step, G, L):
-            mems = [None] * M
-        ce_local, aux_local, replicas = 0.0, 0.0, 0
-        for m in range(M):
-            b = shard(inputs, targets, r * M + m, S)
-            with _autocast(config, device):
-                ce, aux, mems[m] = loss_sums(
-                    spec, model, b.inputs_BL.to(device), b.targets_BL.to(device), mems[m]
-                )
-                objective_s = ce / b.num_targets + aux / S
-            objective_s.backward()
-            ce_local += float(ce.detach()) / b.num_targets
-            aux_local += float(aux.detach()) / S
-            replicas += sum(int((a.stats or {}).get("replicas", 0)) for a in moe_auxes(model))
-        sync_gradients(dense, experts, world, edp)
-        norm = float(clip_global_norm(dense, experts, ep, config.clip))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step_s = clock.now() - t_start
-        loss, aux_loss, replicas_all = _reduce(
-            world, [ce_local, aux_local, replicas], "sum", device
-        )
-        (step_s,) = _reduce(world, [step_s], "max", device)
-        eval_loss = None
+        rec = trainer.step(step)
         last = step == config.max_steps - 1
         if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
-            eval_loss = evaluate(config, spec, model, world, eval_data, device)
-        rec = StepRecord(
-            step=step,
-            loss=loss,
-            aux_loss=aux_loss,
-            lr=opt.param_groups[0]["lr"],
-            grad_norm=norm,
-            tokens_per_s=G * L / step_s if step_s > 0 else math.inf,
-            step_ms=step_s * 1e3,
-            replicas=int(replicas_all),
-            eval_loss=eval_loss,
-        )
+            rec = replace(rec, eval_loss=trainer.evaluate())
         records.append(rec)
         if show:
             _progress(rec, config.max_steps)
@@ -384,35 +437,24 @@ def train(config: TrainConfig, comm=None) -> TrainResult:
         sys.stderr.write("\n")
     final_eval = records[-1].eval_loss if records and records[-1].eval_loss is not None else None
     if final_eval is None and config.eval_every:
-        final_eval = evaluate(config, spec, model, world, eval_data, device)
-    done = records[-1].step + 1 if records else start
+        final_eval = trainer.evaluate()
     if config.save:
-        ckpt_io.save_checkpoint(
-            config.save,
-            model=model,
-            optimizer=opt,
-            spec=spec,
-            step=done,
-            mems_shards=mems if objective == "stream" else None,
-            config=_plain(config),
-            world=world,
-            ep=ep,
-        )
+        trainer.save(config.save, records[-1].step + 1 if records else trainer.start_step)
     result = TrainResult(
         steps=tuple(records),
         final_eval_loss=final_eval,
         stopped_by=stopped_by,
-        world_size=W,
-        ep_size=ep_size,
+        world_size=world.world_size,
+        ep_size=trainer.ep_size,
         strategy=config.strategy,
-        spec=spec,
-        start_step=start,
+        spec=trainer.spec,
+        start_step=trainer.start_step,
         config=_plain(config),
     )
-    if config.out and r == 0:
+    if config.out and world.rank == 0:
         from mixmoe.train.outputs import write_outputs
 
-        write_outputs(result, config.out, device)
+        write_outputs(result, config.out, trainer.device)
     return result
 
 

@@ -50,6 +50,7 @@ class ModelSpec:
     top_k: int = 2
     moe_layers: str = "all"
     aux_loss_coef: float = 0.01
+    dense: bool = False  # no MoE at all: the dense FFN model of the same dims (bench "naive")
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -74,6 +75,8 @@ class ModelSpec:
                 f"moe_layers={self.moe_layers!r}: every Mixtral block is a MoE block; "
                 "use --moe-layers all with --model mixtral"
             )
+        if self.dense and self.model == "mixtral":
+            raise ValueError("mixtral has no dense twin here; use gpt2, bert or transformer-xl")
 
     @property
     def vocab_size(self) -> int:
@@ -132,7 +135,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
             dropout=spec.dropout,
             tgt_len=spec.seq_len,
             mem_len=spec.seq_len,
-            moe=spec.moe_config(),
+            moe=None if spec.dense else spec.moe_config(),
             moe_layers=spec.moe_layers,
         )
         return TransformerXL(cfg)
@@ -189,6 +192,8 @@ def build_model(spec: ModelSpec) -> nn.Module:
             max_position_embeddings=spec.seq_len,
         )
         model = tf.BertForMaskedLM(cfg)
+    if spec.dense:
+        return model
     return moefy(model, spec.moe_config(), layers=spec.moe_layers)
 
 

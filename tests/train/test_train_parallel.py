@@ -66,3 +66,17 @@ def test_expert_data_parallel_groups_equal_one_rank():
     out = spawn_gloo(run_many, 4, [replace(cfg, strategy="a2a", ep_size=2)])
     for rank in range(4):
         assert_close(_curve(out[rank][0]), _curve(ref), **TOL, msg=lambda m, r=rank: f"{r}: {m}")
+
+
+def test_plain_data_parallel_equals_one_rank():
+    """ep_size 1: every expert on every rank (strategy local), and the dense twin (naive)."""
+    configs = [
+        tiny(model="transformer-xl", max_steps=2, strategy="local", ep_size=1),
+        tiny(model="transformer-xl", max_steps=2, dense=True),
+    ]
+    out = spawn_gloo(run_many, 2, configs)
+    for i, cfg in enumerate(configs):
+        ref = train(replace(cfg, micro_batches=2, ep_size=None))
+        for rank in range(2):
+            assert_close(_curve(out[rank][i]), _curve(ref), **TOL)
+    assert out[0][1].steps[0].aux_loss == 0.0 and out[0][0].steps[0].aux_loss > 0

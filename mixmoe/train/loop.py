@@ -161,6 +161,10 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class TrainResult:
+    """What ``train`` returns on every rank: the records of the steps run (from ``start_step``,
+    the resumed position), the final eval loss (None without eval), why it stopped, the world
+    and EP sizes, the strategy, the model spec and the config as plain values."""
+
     steps: tuple[StepRecord, ...]
     final_eval_loss: float | None
     stopped_by: str  # "max_steps" or "time_budget"

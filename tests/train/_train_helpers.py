@@ -41,6 +41,18 @@ def error_of(comm, config: TrainConfig) -> str:
     return "no error"
 
 
-def checkpoint_jobs(comm, configs: list[TrainConfig], failing: TrainConfig) -> dict:
-    """Train every config in turn, then the one that must fail (its ValueError text)."""
-    return {"results": run_many(comm, configs), "error": error_of(comm, failing)}
+def checkpoint_jobs(
+    comm, configs: list[TrainConfig], failing: TrainConfig, split: tuple[str, ...]
+) -> dict:
+    """Train every config in turn, then the one that must fail (its ValueError text), then read
+    ``split[rank]`` (a good file on one rank, a corrupt one on the other): every rank must
+    raise, none may wait."""
+    from mixmoe.train.checkpoint import read_checkpoint
+
+    out = {"results": run_many(comm, configs), "error": error_of(comm, failing)}
+    try:
+        read_checkpoint(split[comm.rank], failing.model_spec(comm.world_size), comm)
+        out["split_error"] = "no error"
+    except ValueError as e:
+        out["split_error"] = f"ValueError: {e}"
+    return out

@@ -29,6 +29,8 @@ def test_resume_at_another_world_size_continues_the_run(tmp_path):
     corrupt.write_bytes(b"not a checkpoint at all" * 10)
     # Transformer-XL saved at W=1 (micro-batches 2: the twin of 2 ranks), resumed below at W=2
     train(tiny(model="transformer-xl", micro_batches=2, max_steps=2, save=txl_ckpt))
+    gpt2_good = str(tmp_path / "gpt2-w1.pt")  # readable at W=2 (N = 4 experts)
+    train(tiny(model="gpt2", max_steps=1, save=gpt2_good))
     out = spawn_gloo(
         checkpoint_jobs,
         2,
@@ -37,6 +39,7 @@ def test_resume_at_another_world_size_continues_the_run(tmp_path):
             tiny(model="transformer-xl", strategy="mix", max_steps=4, resume=txl_ckpt),
         ],
         tiny(model="gpt2", strategy="a2a", max_steps=4, resume=str(corrupt)),
+        (gpt2_good, str(corrupt)),
     )
     # GPT-2 saved at W=2, resumed at W=1
     resumed = train(tiny(model="gpt2", micro_batches=2, max_steps=4, resume=gpt2_ckpt))
@@ -47,6 +50,9 @@ def test_resume_at_another_world_size_continues_the_run(tmp_path):
     for rank in range(2):
         error = out[rank]["error"]
         assert error.startswith("ValueError") and "corrupt" in error, (rank, error)
+    # rank 0 read a good file, rank 1 a corrupt one: both raise (the verdict is agreed)
+    assert "could not be read on another rank" in out[0]["split_error"], out[0]["split_error"]
+    assert "corrupt" in out[1]["split_error"], out[1]["split_error"]
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):

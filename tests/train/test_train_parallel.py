@@ -23,6 +23,10 @@ pytestmark = pytest.mark.dist
 
 STEPS = 3
 TOL = {"rtol": 1e-10, "atol": 1e-12}
+# float32: the ranks sum gradients in another order than one rank (all_reduce vs accumulation,
+# grouped GEMM rows split over ranks); measured: 5e-8 relative over 3 AdamW steps (loss, aux,
+# grad norm); the tolerance leaves room for other BLAS builds
+F32_TOL = {"rtol": 1e-4, "atol": 1e-5}
 MODELS = ("gpt2", "transformer-xl", "mixtral")
 
 
@@ -46,6 +50,8 @@ CONFIGS = {
         for model in MODELS
         for strategy in ("a2a", "mix")
     },
+    # float32: the same run within F32_TOL
+    "f32": tiny(model="gpt2", strategy="mix", dtype="float32", max_steps=STEPS),
     # every rank stops at the same step when the time budget runs out
     "budget": tiny(model="gpt2", strategy="a2a", max_steps=10_000, time_budget_s=1.0),
     # ep_size 1: every expert on every rank (strategy local), and the dense twin (naive)
@@ -60,10 +66,10 @@ def two_ranks() -> list[dict]:
     return [dict(zip(CONFIGS, results, strict=True)) for results in out]
 
 
-def _assert_like_one_rank(results: list, ref) -> None:
+def _assert_like_one_rank(results: list, ref, tol: dict = TOL) -> None:
     for rank, result in enumerate(results):
         what = f"{result.strategy} rank {rank}"
-        assert_close(_curve(result), _curve(ref), **TOL, msg=lambda m, w=what: f"{w}: {m}")
+        assert_close(_curve(result), _curve(ref), **tol, msg=lambda m, w=what: f"{w}: {m}")
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -77,6 +83,12 @@ def test_a2a_and_mix_equal_one_rank(model, two_ranks):
     if _skew(model):
         mix = two_ranks[0][model, "mix"]
         assert all(s.replicas > 0 for s in mix.steps), [s.replicas for s in mix.steps]
+
+
+def test_float32_within_tolerance(two_ranks):
+    ref = train(replace(CONFIGS["f32"], strategy="local", micro_batches=2))
+    _assert_like_one_rank([two_ranks[r]["f32"] for r in range(2)], ref, F32_TOL)
+    assert two_ranks[0]["f32"].steps[0].replicas > 0
 
 
 def test_time_budget_stops_every_rank_at_the_same_step(two_ranks):

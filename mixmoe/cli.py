@@ -32,9 +32,17 @@ __all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "main"]
 # command words -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("demo",): ("mixmoe.commands.demo", "run the default CPU demo (strategy comparison benchmark)"),
+    ("train",): (
+        "mixmoe.commands.train",
+        "train GPT-2 / BERT / Transformer-XL / Mixtral with MoE FFNs on the pydoc corpus",
+    ),
     ("bench", "layer"): (
         "mixmoe.commands.bench_layer",
         "benchmark one MoE layer (docs/formats.md section 1 log)",
+    ),
+    ("bench", "model"): (
+        "mixmoe.commands.bench_model",
+        "benchmark whole-model training steps per variant (docs/formats.md section 2 log)",
     ),
     ("bench", "kernels"): ("mixmoe.commands.bench_kernels", "benchmark grouped-GEMM providers"),
     ("bench", "peers"): (

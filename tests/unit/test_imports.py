@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "layers": 4,
     "parallel": 5,
     "models": 5,
+    "train": 5,
     "hf": 5,
     "bench": 5,
     "report": 5,

@@ -1,0 +1,166 @@
+"""``mixmoe train``: train a GPT-2 / BERT / Transformer-XL / Mixtral model with mixmoe MoE FFNs on
+the byte-level pydoc corpus, on one process, ``--world-size N`` gloo CPU processes, or the
+``torchrun`` group. The engine is ``mixmoe.train`` (``TrainConfig``, ``train``).
+
+Writes a progress line to stderr, ``<out>/train.jsonl`` (one record per step, with the config
+and the environment) and ``<out>/loss.png``, and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from mixmoe.config import STRATEGIES
+from mixmoe.train.loop import DTYPES, TrainConfig, TrainResult, check_world
+from mixmoe.train.presets import MODELS, PRESETS
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--preset", default=d.preset, help=f"size: {' | '.join(PRESETS)}")
+    p.add_argument(
+        "--moe-layers", default=d.moe_layers, help="blocks with MoE FFNs: all | every:N | 0,2,..."
+    )
+    p.add_argument("--num-experts", type=int, default=None, help="global number of experts N")
+    p.add_argument(
+        "--num-local-experts",
+        type=int,
+        default=None,
+        help="experts per EP rank (N = this x EP size; default 2 when --num-experts is not given)",
+    )
+    p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: preset's)")
+    p.add_argument(
+        "--strategy",
+        default=None,
+        help=f"one of {', '.join(STRATEGIES)} (default: local on one rank, mix on several)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks; spawns gloo CPU processes (default: torchrun's WORLD_SIZE or 1)",
+    )
+    p.add_argument(
+        "--ep-size", type=int, default=None, help="ranks per expert-parallel group (default: all)"
+    )
+    p.add_argument(
+        "--max-steps", "--steps", dest="max_steps", type=int, default=d.max_steps, help="steps"
+    )
+    p.add_argument(
+        "--time-budget", type=float, default=None, help="stop after this many seconds (all ranks)"
+    )
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (rows)")
+    p.add_argument(
+        "--micro-batches", type=int, default=d.micro_batches, help="gradient accumulation per rank"
+    )
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
+    p.add_argument("--clip", type=float, default=d.clip, help="global gradient norm (0: off)")
+    p.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="balance loss")
+    p.add_argument("--eval-every", type=int, default=10, help="eval every N steps (0: never)")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="eval batches")
+    p.add_argument(
+        "--dtype", default=d.dtype, choices=list(DTYPES), help="bfloat16: autocast on CUDA"
+    )
+    p.add_argument("--device", default=d.device, help="cpu or cuda")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data")
+    p.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    p.add_argument("--resume", default=None, help="resume from this checkpoint (any world size)")
+    p.add_argument("--out", default="runs/train", help="directory of train.jsonl and loss.png")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def _world(args: argparse.Namespace) -> int:
+    return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    world = _world(args)
+    ep_size = args.ep_size or world
+    strategy = args.strategy or ("local" if ep_size == 1 else "mix")
+    return TrainConfig(
+        model=args.model,
+        preset=args.preset,
+        moe_layers=args.moe_layers,
+        num_experts=args.num_experts,
+        num_local_experts=args.num_local_experts,
+        top_k=args.top_k,
+        seq_len=args.seq_len,
+        strategy=strategy,
+        ep_size=args.ep_size,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        max_steps=args.max_steps,
+        time_budget_s=args.time_budget,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        clip=args.clip,
+        aux_loss_coef=args.aux_loss_coef,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        save=args.save,
+        resume=args.resume,
+        out=args.out or None,
+        progress=not args.no_progress,
+    )
+
+
+def summary(result: TrainResult) -> str:
+    """A one-row table: steps, first and last loss, eval loss, median tokens/s and step time
+    (the first step of the run, warm-up, excluded when there are more)."""
+    from mixmoe.bench.timing import median
+    from mixmoe.report.text_table import render_table
+
+    steps = result.steps
+    if not steps:
+        return "no step was run (max_steps reached already or time budget 0)"
+    steady = steps[1:] if len(steps) > 1 else steps
+    row = [
+        result.spec.model,
+        result.strategy,
+        result.world_size,
+        len(steps),
+        f"{steps[0].loss:.4f}",
+        f"{steps[-1].loss:.4f}",
+        None if result.final_eval_loss is None else f"{result.final_eval_loss:.4f}",
+        f"{median([s.tokens_per_s for s in steady]):,.0f}",
+        f"{median([s.step_ms for s in steady]):.1f}",
+    ]
+    headers = ["model", "strategy", "W", "steps", "first loss", "last loss", "eval loss"]
+    headers += ["tokens/s", "step ms"]
+    return render_table(headers, [row])
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixmoe.train.launch import run_training, under_torchrun
+
+    config = config_from_args(args)
+    world = _world(args)
+    spec, _ = check_world(config, world)  # before any rank starts: one-line errors
+    if config.resume and not under_torchrun():
+        from mixmoe.train.checkpoint import check_checkpoint
+
+        check_checkpoint(config.resume, spec)
+    result = run_training(config, args.world_size, threads=args.threads)
+    if result is None:
+        return 0
+    print(summary(result))
+    if result.stopped_by == "time_budget":
+        print(f"stopped by the time budget ({config.time_budget_s} s)")
+    if config.out:
+        print(
+            f"per-step JSONL appended to {os.path.join(config.out, 'train.jsonl')}; "
+            f"loss curve {os.path.join(config.out, 'loss.png')}"
+        )
+    if config.save:
+        print(f"checkpoint written to {config.save}")
+    return 0

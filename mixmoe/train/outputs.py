@@ -1,0 +1,57 @@
+"""What a training run leaves on disk: a JSONL record per step (with the config and the
+environment, ``mixmoe.bench.results``) and a loss-curve PNG (matplotlib, imported lazily)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from mixmoe.bench.results import append_jsonl
+
+JSONL_NAME = "train.jsonl"
+PNG_NAME = "loss.png"
+
+
+def step_records(result) -> list[dict]:
+    """One dict per step: the ``StepRecord`` fields plus strategy, world and EP size, model."""
+    common = {
+        "model": result.spec.model,
+        "strategy": result.strategy,
+        "world_size": result.world_size,
+        "ep_size": result.ep_size,
+    }
+    return [{**common, **asdict(rec)} for rec in result.steps]
+
+
+def plot_losses(result, path: str | Path) -> Path:
+    """Train loss per step (and eval loss where measured) to a PNG."""
+    from mixmoe.report.matplotlib_agg import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = [r.step for r in result.steps]
+    ax.plot(steps, [r.loss for r in result.steps], label="train")
+    evals = [(r.step, r.eval_loss) for r in result.steps if r.eval_loss is not None]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / byte)")
+    ax.set_title(
+        f"{result.spec.model} {result.strategy} W={result.world_size} N={result.spec.num_experts}"
+    )
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_outputs(result, out_dir: str | Path, device: torch.device) -> tuple[Path, Path]:
+    """``out_dir/train.jsonl`` (appended) and ``out_dir/loss.png``."""
+    out = Path(out_dir)
+    jsonl = append_jsonl(out / JSONL_NAME, "train", result.config, device, step_records(result))
+    return jsonl, plot_losses(result, out / PNG_NAME)

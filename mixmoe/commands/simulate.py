@@ -87,6 +87,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compare with the bench layer measurements stored in this JSONL file",
     )
     p.add_argument(
+        "--replay",
+        default="",
+        help="replay this CMD trace with its MoE all_to_alls re-predicted under --profile",
+    )
+    p.add_argument("--ep-size", type=int, default=2, help="--replay: expert-parallel group size")
+    p.add_argument(
+        "--trace-rank", type=int, default=None, help="--replay: the rank to replay (first)"
+    )
+    p.add_argument(
         "--remeasure",
         action="store_true",
         help="with --validate: first calibrate and measure on this machine (appends; minutes)",
@@ -247,12 +256,33 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from mixmoe.placement.profile_io import describe, load_profile
+    from mixmoe.simulate.replay import replay_trace
+
+    profile = load_profile(args.profile)
+    r = replay_trace(args.replay, profile, args.ep_size, args.trace_rank)
+    print(f"replay of {args.replay} under {profile.name} ({describe(args.profile)[0]})")
+    print(
+        render_table(
+            ["iteration ms", "MoE a2a measured ms", "MoE a2a predicted ms", "replayed ms",
+             "a2a calls", "skipped"],
+            [[f"{r.iteration_ms:.3f}", f"{r.a2a_measured_ms:.3f}", f"{r.a2a_predicted_ms:.3f}",
+              f"{r.replayed_ms:.3f}", r.a2a_calls, r.skipped]],
+            markdown=args.markdown,
+        )
+    )  # fmt: skip
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from mixmoe.placement.profile_io import describe, load_profile
     from mixmoe.validation import check_int
 
     if args.validate:
         return _validate(args)
+    if args.replay:
+        return _replay(args)
     for name in ("world_size", "tokens", "top_k", "model_dim", "hidden_size"):
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1)
     check_int("--max-replicas", args.max_replicas, 0)

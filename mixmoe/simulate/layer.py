@@ -20,6 +20,14 @@ apportioned, not modelled apart: forward = compute / 3 + exposed / 2 (a third of
 of the collectives), backward = the rest; fwd_s and bwd_s are maxima over ranks, so
 fwd_s + bwd_s >= step_s when different ranks are the bottleneck.
 
+``shared=True`` models ranks that share processors (W gloo ranks on fewer free cores than
+ranks, as on a busy CPU host) instead of owning one each: with every core saturated, the step
+follows the total work, so step_s (fwd_s, bwd_s) is the MEAN over ranks of compute + exposed
+(the calibrated per-rank rate being the all-ranks-busy share) instead of the max. The plan is
+unchanged (the planners assume a processor per rank); on such a host balancing ranks buys
+nothing and replication only adds work, which is what the measurements show (README,
+"Simulator validation").
+
 ``fixed_s`` (optional) adds a measured per-step cost that does not depend on the placement
 (gate, sort, combine, optimizer, framework overhead) to every strategy's step: it changes the
 absolute prediction and the ratios, never the plan.
@@ -73,6 +81,7 @@ def predict_layer(
     max_replicas: int = 4,
     strategies: tuple[str, ...] = STRATEGIES,
     fixed_s: float = 0.0,
+    shared: bool = False,
 ) -> dict[str, StrategyPrediction]:
     """Predictions per strategy for one step's counts (int CPU tensor [W, N] or nested lists).
 
@@ -110,6 +119,11 @@ def predict_layer(
             step,
             plan.prediction.step_s,
         )
+        fwd_W, bwd_W = compute_W / 3 + exposed_W / 2, compute_W * 2 / 3 + exposed_W / 2
+        if shared:
+            step, fwd, bwd = (float(v.mean()) for v in (total_W, fwd_W, bwd_W))
+        else:
+            fwd, bwd = float(fwd_W.max()), float(bwd_W.max())
         out[name] = StrategyPrediction(
             strategy=name,
             compute_W=_tuple(compute_W),
@@ -118,8 +132,8 @@ def predict_layer(
             hidden_W=_tuple(hidden_W),
             exposed_W=_tuple(exposed_W),
             rows_W=tuple(int(r) for r in loads_4W[0].tolist()),
-            fwd_s=float((compute_W / 3 + exposed_W / 2).max()) + fixed_s / 2,
-            bwd_s=float((compute_W * 2 / 3 + exposed_W / 2).max()) + fixed_s / 2,
+            fwd_s=fwd + fixed_s / 2,
+            bwd_s=bwd + fixed_s / 2,
             step_s=step + fixed_s,
             hot=plan.hot,
             replicas=sum(len(h) for _, h in plan.replicas),

@@ -11,7 +11,9 @@ after. Run it on a quiet machine: the records say how busy it was.
 
 ``compare`` re-predicts every record from its stored counts and profile (no timing) and returns
 one row per (case, strategy) with the relative error of the step time and, per case, the error
-of the predicted speedup ratios mix/a2a and shadow/a2a in points (100 x |pred - meas|).
+of the predicted speedup ratios mix/a2a and shadow/a2a in points (100 x |pred - meas|), under
+the cost model's own aggregation (max over ranks: a processor per rank) and under ``shared``
+(mean over ranks: ranks sharing saturated cores; ``mixmoe.simulate.layer``).
 """
 
 from __future__ import annotations
@@ -196,17 +198,17 @@ def compare(records: list[dict[str, Any]], fixed_ms: float = 0.0) -> list[dict[s
             bytes_per_element=4,
         )
         profile = HardwareProfile(**first["profile"])
-        preds = predict_layer(
-            first["counts_WN"],
-            shape,
-            profile,
+        kw: dict[str, Any] = dict(
             top_k=case.top_k,
             max_replicas=case.max_replicas,
             strategies=tuple(recs),
             fixed_s=fixed_ms / 1e3,
         )
+        preds = predict_layer(first["counts_WN"], shape, profile, **kw)
+        shared = predict_layer(first["counts_WN"], shape, profile, shared=True, **kw)
         meas = {s: r["step_ms"] for s, r in recs.items()}
         pred = {s: p.step_s * 1e3 for s, p in preds.items()}
+        pred_sh = {s: p.step_s * 1e3 for s, p in shared.items()}
         for s, r in recs.items():
             row = {
                 "case": case.label(),
@@ -214,6 +216,8 @@ def compare(records: list[dict[str, Any]], fixed_ms: float = 0.0) -> list[dict[s
                 "measured_ms": meas[s],
                 "predicted_ms": pred[s],
                 "error": abs(pred[s] - meas[s]) / meas[s],
+                "predicted_shared_ms": pred_sh[s],
+                "error_shared": abs(pred_sh[s] - meas[s]) / meas[s],
                 "replicas_measured": r["replicas"],
                 "replicas_predicted": preds[s].replicas,
             }
@@ -222,6 +226,10 @@ def compare(records: list[dict[str, Any]], fixed_ms: float = 0.0) -> list[dict[s
                 row["ratio_predicted"] = pred[s] / pred["a2a"]
                 row["ratio_error_points"] = 100 * abs(
                     row["ratio_predicted"] - row["ratio_measured"]
+                )
+                row["ratio_shared"] = pred_sh[s] / pred_sh["a2a"]
+                row["ratio_error_shared_points"] = 100 * abs(
+                    row["ratio_shared"] - row["ratio_measured"]
                 )
             rows.append(row)
     return rows
@@ -233,7 +241,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
 
     errs = [r["error"] for r in rows]
     ratio = [r["ratio_error_points"] for r in rows if "ratio_error_points" in r]
+    errs_sh = [r["error_shared"] for r in rows]
+    ratio_sh = [r["ratio_error_shared_points"] for r in rows if "ratio_error_shared_points" in r]
     return {
+        "shared_step_error_median": statistics.median(errs_sh),
+        "shared_within_10pct": sum(e <= 0.10 for e in errs_sh),
+        "shared_ratio_error_median_points": statistics.median(ratio_sh) if ratio_sh else 0.0,
+        "shared_ratios_within_5_points": sum(e <= 5 for e in ratio_sh),
         "cases": len(rows),
         "step_error_median": statistics.median(errs),
         "step_error_max": max(errs),

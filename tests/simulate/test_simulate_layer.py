@@ -38,6 +38,11 @@ def test_hand_computed_example() -> None:
     assert mix.step_s == 17.0
     assert mix.fwd_s == pytest.approx(5 / 3 + 4.5) and mix.bwd_s == pytest.approx(32 / 3 + 0.5)
     assert speedups(p) == {"a2a": 1.0, "shadow": 27 / 26.5, "mix": 27 / 17}
+    # ranks sharing saturated processors: the mean over ranks, same plans
+    shared = predict_layer(C, SHAPE, UNIT, top_k=2, shared=True)
+    assert [shared[s].step_s for s in p] == [21.5, 26.0, 15.5]
+    assert [shared[s].hot for s in p] == [p[s].hot for s in p]
+    assert shared["a2a"].fwd_s == pytest.approx((16 / 3 + 5.5 + 5 / 3 + 5.5) / 2)
     fixed = predict_layer(C, SHAPE, UNIT, top_k=2, fixed_s=3.0)
     assert [fixed[s].step_s - p[s].step_s for s in p] == [3.0, 3.0, 3.0]
 

@@ -53,6 +53,14 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "mixmoe.commands.bench_planner",
         "time the mixed strategy's planner against the step it plans",
     ),
+    ("calibrate",): (
+        "mixmoe.commands.calibrate",
+        "measure this machine's hardware profile (GEMM rate, all_to_all) as JSON",
+    ),
+    ("simulate",): (
+        "mixmoe.commands.simulate",
+        "predict a2a / shadow / mix step times for a layer shape, routing and profile",
+    ),
     ("analyze", "trace"): ("mixmoe.commands.analyze_trace", "analyse CMD operation traces"),
     ("analyze", "profile"): ("mixmoe.commands.analyze_profile", "analyse a torch.profiler table"),
     ("report",): ("mixmoe.commands.report", "tables and plots from benchmark logs"),

@@ -24,6 +24,7 @@ from mixmoe.bench.timing import StageTimer, median
 from mixmoe.config import STRATEGIES, MoEConfig
 from mixmoe.formats import layer_log
 from mixmoe.layers.moe import MoE
+from mixmoe.placement.profile_io import load_profile
 from mixmoe.validation import check_choice, check_device, check_dtype, check_int, torch_dtype
 
 
@@ -45,6 +46,7 @@ class LayerBenchConfig:
     seed: int = 0
     lr: float = 1e-3
     jsonl: str | None = None
+    profile: str = ""  # preset name or calibrate JSON for the planners ('' = the device default)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -71,6 +73,8 @@ class LayerBenchConfig:
                 f"strategies {list(self.strategies)} need --world-size > 1; use 'local' on one rank"
             )
         self.moe_config(self.strategies[0])  # the layer's own checks (top_k <= experts, ...)
+        if self.profile:
+            load_profile(self.profile)  # fails early: unknown preset, missing file
 
     def moe_config(self, strategy: str) -> MoEConfig:
         return MoEConfig(
@@ -89,6 +93,9 @@ class StrategyResult:
     fwd_ms: list[float] = field(default_factory=list)
     bwd_ms: list[float] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    # rows each rank routed to each expert in the first forward ([W][N]; the same for every
+    # strategy: identical inputs and gate), for ``--save-counts`` and the simulator
+    counts_WN: list[list[int]] | None = None
 
 
 class _Progress:
@@ -123,7 +130,8 @@ def build_layer(
     if comm is not None and comm.world_size > 1:
         from mixmoe.parallel import parallelize_moe
 
-        layer = parallelize_moe(layer, comm, strategy)
+        profile = load_profile(cfg.profile) if cfg.profile else None
+        layer = parallelize_moe(layer, comm, strategy, profile=profile)
     return layer
 
 
@@ -165,7 +173,14 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
     opts = {s: torch.optim.SGD(layer.parameters(), lr=cfg.lr) for s, layer in layers.items()}
     results = {s: StrategyResult(s) for s in cfg.strategies}
     with torch.no_grad():
-        _check_agreement({s: layer(x_TD)[0] for s, layer in layers.items()}, torch_dtype(cfg.dtype))
+        first = {s: layer(x_TD) for s, layer in layers.items()}
+        _check_agreement({s: y for s, (y, _) in first.items()}, torch_dtype(cfg.dtype))
+    counts_N = next(iter(first.values()))[1].counts_N.to(torch.int64)
+    if comm is not None and comm.world_size > 1:
+        counts_WN = comm.all_gather_rows(counts_N).cpu().tolist()
+    else:
+        counts_WN = [counts_N.cpu().tolist()]
+    del first
     total = cfg.warmup + cfg.steps
     progress = _Progress(total * len(layers), "bench layer") if rank == 0 else None
     for _ in range(total):
@@ -195,6 +210,8 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
             times = torch.tensor([r.step_ms, r.fwd_ms, r.bwd_ms], dtype=torch.float64)
             times = comm.all_reduce_max(times)
             r.step_ms, r.fwd_ms, r.bwd_ms = (row.tolist() for row in times)
+    for r in results.values():
+        r.counts_WN = counts_WN
     return list(results.values())
 
 

@@ -34,6 +34,7 @@ from mixmoe.placement import (
     plan_none,
 )
 from mixmoe.placement.planner import SEARCH_WIDTH
+from mixmoe.placement.profile_io import load_profile
 from mixmoe.reference.planner import plan_mix_rescan
 from mixmoe.validation import DTYPE_NAMES, check_choice, check_int, torch_dtype
 
@@ -65,7 +66,7 @@ class PlannerBenchConfig:
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPE_NAMES)
-        check_choice("profile", self.profile, PROFILES)
+        load_profile(self.profile)  # a preset name or a calibrate JSON; clear error otherwise
         for name, value, lo in (
             ("tokens", self.tokens, 0),
             ("top_k", self.top_k, 1),
@@ -129,7 +130,7 @@ def run_case(
         world_size=W,
         bytes_per_element=torch.finfo(torch_dtype(cfg.dtype)).bits // 8,
     )
-    profile = PROFILES[cfg.profile]
+    profile = load_profile(cfg.profile)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -60,6 +60,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--jsonl", default="runs/bench-layer.jsonl", help="append JSONL records here ('' for none)"
     )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="hardware profile for the planners: a preset (cpu, gpu, h100-nvlink, ...) or the "
+        "JSON of `mixmoe calibrate` ('' for the device's default)",
+    )
+    p.add_argument(
+        "--save-counts",
+        default="",
+        help="write the first forward's count matrix [W][N] here (for `mixmoe simulate "
+        "--routing counts:PATH`; '' for none)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
@@ -82,10 +94,11 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
         threads=args.threads,
         seed=args.seed,
         jsonl=args.jsonl or None,
+        profile=args.profile,
     )
 
 
-def report(cfg: LayerBenchConfig, results: list[StrategyResult]) -> None:
+def report(cfg: LayerBenchConfig, results: list[StrategyResult], save_counts: str = "") -> None:
     """Logs, the table of medians and the JSONL records of one benchmark."""
     write_logs(cfg, results)
     print(f"routing = {cfg.routing}; medians over {cfg.steps} steps after {cfg.warmup} warm-up")
@@ -96,6 +109,16 @@ def report(cfg: LayerBenchConfig, results: list[StrategyResult]) -> None:
         for row in rows
     ]
     print(render_table(headers, cells))
+    if save_counts and results and results[0].counts_WN is not None:
+        from mixmoe.formats.counts import write_counts
+
+        out = write_counts(
+            save_counts,
+            [results[0].counts_WN],
+            source="mixmoe bench layer, first forward",
+            config=asdict(cfg),
+        )
+        print(f"counts written to {out}")
     if cfg.jsonl:
         import torch
 
@@ -120,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
         results = run_distributed(cfg)
         if results is not None:
-            report(cfg, results)
+            report(cfg, results, args.save_counts)
         return 0
-    report(cfg, run_rank(cfg))
+    report(cfg, run_rank(cfg), args.save_counts)
     return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixmoe.bench.planner import PROFILES, PlannerBenchConfig, run_case
+from mixmoe.bench.planner import PlannerBenchConfig, run_case
 from mixmoe.bench.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
@@ -64,7 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden-size", type=int, default=d.hidden_size, help="F")
     p.add_argument("--dtype", default=d.dtype, choices=list(DTYPE_NAMES), help="wire dtype")
     p.add_argument(
-        "--profile", default=d.profile, choices=list(PROFILES), help="cost model hardware profile"
+        "--profile",
+        default=d.profile,
+        help="cost model hardware profile: a preset (gpu, cpu, h100-nvlink, ...) or the JSON of "
+        "`mixmoe calibrate`",
     )
     p.add_argument("--max-replicas", type=int, default=d.max_replicas, help="replicas per rank")
     p.add_argument(

@@ -8,6 +8,7 @@ data-parallel parameters.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -19,6 +20,7 @@ from mixmoe.dispatch.strategies import strategy_spec
 from mixmoe.layers.experts import Experts
 from mixmoe.layers.moe import MoE
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.profile_io import load_profile
 
 
 def _shard_experts(full: Experts, rank: int, world_size: int) -> Experts:
@@ -46,7 +48,10 @@ def _shard_experts(full: Experts, rank: int, world_size: int) -> Experts:
 
 
 def parallelize_moe(
-    layer: MoE, comm, strategy: str | None = None, profile: HardwareProfile | None = None
+    layer: MoE,
+    comm,
+    strategy: str | None = None,
+    profile: HardwareProfile | str | os.PathLike[str] | None = None,
 ) -> MoE:
     """In place: install the expert-parallel strategy (default: ``layer.config.strategy``, which
     must then be a2a, shadow or mix) and make the layer hold this rank's experts
@@ -56,11 +61,15 @@ def parallelize_moe(
     the memory-frugal way) is checked and kept; a full single-device layer (all N experts, same
     seed on every rank, or a checkpoint loaded afterwards) is sliced. Every rank must call it with
     the same arguments: the strategy is part of the agreement checked at the first forward.
-    Returns ``layer``."""
+    ``profile``: the planners' hardware profile, a ``HardwareProfile``, a preset name or the JSON
+    written by ``mixmoe calibrate`` (``mixmoe.placement.profile_io.load_profile``); None: the
+    device's default. Returns ``layer``."""
     if not isinstance(layer, MoE):
         raise TypeError(f"parallelize_moe expects a mixmoe.MoE, got {type(layer).__name__}")
     strategy = strategy or layer.config.strategy
     strategy_spec(strategy)  # a clear error for 'local' or an unknown name
+    if profile is not None:
+        profile = load_profile(profile)
     if not isinstance(layer.dispatcher, LocalDispatcher):
         raise ValueError(f"this layer is already parallelized ({layer.dispatcher.name!r})")
     W, r = comm.world_size, comm.rank

@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "hf": 5,
     "bench": 5,
     "report": 5,
+    "simulate": 5,
     "commands": 5,
     "cli": 5,
     "__main__": 5,

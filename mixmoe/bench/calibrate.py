@@ -1,0 +1,236 @@
+"""The calibration engine (``mixmoe calibrate``, CLI in ``mixmoe.commands.calibrate``): measure
+the three numbers of a ``HardwareProfile`` on this machine.
+
+Legend: E experts, R rows per expert, D model dim, F expert hidden dim, W ranks.
+
+1. Expert MLP rate, measured on every rank at once (W processes sharing the machine as in a
+   W-rank benchmark; each point is the slowest rank's median). E experts' two-GEMM MLPs (``x_ERD @ w1_EDF -> gelu -> @ w2_EFD``, batched
+   matmuls: the grouped GEMM of equal segments) at several R, forward and backward timed apart
+   (medians over ``repeats`` after ``warmup``). Forward FLOPs = 4 * E * R * D * F, backward 2x.
+   ``gemm_flops`` is the slope of a least-squares line of forward + backward seconds against
+   FLOPs over the sweep (the intercept, a fixed cost per call, is reported, not used by the cost
+   model); on a machine too noisy for a positive slope, the mean rate over the sweep.
+2. all_to_all. ``all_to_all_single`` with equal splits on W ranks (gloo over ``spawn_gloo`` on
+   CPU, NCCL on GPU when launched by torchrun: the same ``_a2a_rank`` code), each rank sending
+   S bytes in all (S (W-1)/W of them to other ranks) for a sweep of S. A step's time is the max
+   over ranks (all-reduced), its median over repeats is the point. ``link_latency`` and
+   ``link_bandwidth`` are the intercept and 1 / slope of a least-squares line of seconds against
+   the bytes a rank sends to others (the cost model's ``latency + bytes / bandwidth``); the
+   intercept is floored at the smallest measured time / 2 when the fit makes it negative. Too
+   noisy for a positive slope: latency = the fastest call, bandwidth from the largest size.
+   ``measurements`` records which method gave the numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mixmoe.bench.timing import median
+from mixmoe.placement.profile import HardwareProfile
+from mixmoe.validation import check_int
+
+__all__ = [
+    "CalibrateConfig",
+    "calibrate",
+    "fit_line",
+    "measure_a2a",
+    "measure_gemm",
+    "measure_ranks",
+]
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """rows: rows per expert of the GEMM sweep; a2a_bytes: bytes each rank sends per all_to_all."""
+
+    model_dim: int = 256
+    hidden_size: int = 1024
+    experts: int = 4
+    rows: tuple[int, ...] = (64, 256, 1024)
+    world_size: int = 2
+    a2a_bytes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20)
+    repeats: int = 10
+    warmup: int = 3
+    threads: int = 1
+    device: str = "cpu"
+    name: str = "calibrated"
+
+    def __post_init__(self) -> None:
+        for name, lo in (
+            ("model_dim", 1),
+            ("hidden_size", 1),
+            ("experts", 1),
+            ("world_size", 2),
+            ("repeats", 1),
+            ("warmup", 0),
+            ("threads", 1),
+        ):
+            check_int(name, getattr(self, name), lo)
+        for name in ("rows", "a2a_bytes"):
+            values = getattr(self, name)
+            if len(values) < 2 or any(
+                isinstance(v, bool) or not isinstance(v, int) for v in values
+            ):
+                raise ValueError(f"{name} needs at least two integer sizes, got {values!r}")
+            if min(values) < 1:
+                raise ValueError(f"{name} must be positive, got {values!r}")
+        if not self.name:
+            raise ValueError("name must be a non-empty string")
+
+
+def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y against x (at least two distinct x)."""
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((a - mx) ** 2 for a in x)
+    if sxx == 0:
+        raise ValueError(f"a line fit needs at least two distinct sizes, got {x}")
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sxx
+    return my - slope * mx, slope
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_gemm(cfg: CalibrateConfig) -> list[dict[str, float]]:
+    """One record per rows-per-expert R: fwd_s, bwd_s (medians) and the FLOP/s of each."""
+    device = torch.device(cfg.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    E, D, Fh = cfg.experts, cfg.model_dim, cfg.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    w1_EDF = (torch.randn(E, D, Fh, generator=gen) / D**0.5).to(device, dtype).requires_grad_()
+    w2_EFD = (torch.randn(E, Fh, D, generator=gen) / Fh**0.5).to(device, dtype).requires_grad_()
+    out = []
+    for R in cfg.rows:
+        x_ERD = torch.randn(E, R, D, generator=gen).to(device, dtype).requires_grad_()
+        dy_ERD = torch.randn(E, R, D, generator=gen).to(device, dtype)
+        fwd, bwd = [], []
+        for i in range(cfg.warmup + cfg.repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            y_ERD = torch.bmm(F.gelu(torch.bmm(x_ERD, w1_EDF)), w2_EFD)
+            _sync(device)
+            t1 = time.perf_counter()
+            torch.autograd.backward(y_ERD, dy_ERD)
+            _sync(device)
+            t2 = time.perf_counter()
+            x_ERD.grad = w1_EDF.grad = w2_EFD.grad = None
+            if i >= cfg.warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        flops = 4.0 * E * R * D * Fh
+        f, b = median(fwd), median(bwd)
+        out.append(
+            {
+                "rows_per_expert": R,
+                "fwd_s": f,
+                "bwd_s": b,
+                "fwd_flops": flops / f,
+                "bwd_flops": 2 * flops / b,
+                "flops_fwd_bwd": 3 * flops,
+            }
+        )
+    return out
+
+
+def _rank_sweeps(comm, cfg: CalibrateConfig) -> tuple[list[dict[str, float]], list[dict]]:
+    """Every rank at once: the expert MLP sweep (each rank's times all-reduced to the slowest:
+    the per-rank rate while W ranks share the machine, as in a W-rank benchmark), then the
+    all_to_all sweep; every rank returns the same figures."""
+    gemm = measure_gemm(cfg)
+    device = torch.device(cfg.device)
+    times = torch.tensor([[p["fwd_s"], p["bwd_s"]] for p in gemm], dtype=torch.float64)
+    slowest = comm.all_reduce_max(times.to(device)).cpu().tolist()
+    for p, (f, b) in zip(gemm, slowest, strict=True):
+        p.update(fwd_s=f, bwd_s=b, fwd_flops=p["flops_fwd_bwd"] / 3 / f)
+        p["bwd_flops"] = p["flops_fwd_bwd"] * 2 / 3 / b
+    return gemm, _a2a_rank(comm, cfg)
+
+
+def _a2a_rank(comm, cfg: CalibrateConfig) -> list[dict[str, float]]:
+    """Every rank: the all_to_all sweep; every rank returns the same (all-reduced) medians."""
+    W = comm.world_size
+    device = torch.device(cfg.device)
+    out = []
+    for nbytes in cfg.a2a_bytes:
+        per = max(1, nbytes // (4 * W))  # fp32 elements per destination
+        x = torch.randn(per * W, device=device)
+        y = torch.empty_like(x)
+        splits = [per] * W
+        times = []
+        for i in range(cfg.warmup + cfg.repeats):
+            comm.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            comm.all_to_all(y, x, splits, splits)
+            _sync(device)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            if i >= cfg.warmup:
+                times.append(float(comm.all_reduce_max(dt)))
+        sent = 4 * per * W
+        out.append(
+            {"bytes_per_rank": sent, "bytes_to_others": sent * (W - 1) // W, "s": median(times)}
+        )
+    return out
+
+
+def measure_ranks(cfg: CalibrateConfig, comm=None) -> tuple[list[dict], list[dict]]:
+    """(expert MLP sweep, all_to_all sweep) measured on ``comm`` (torchrun's group) or on W
+    spawned gloo ranks (CPU), all ranks at once."""
+    if comm is not None:
+        return _rank_sweeps(comm, cfg)
+    if cfg.device != "cpu":
+        raise ValueError("spawning ranks is for --device cpu; launch GPU calibration with torchrun")
+    from mixmoe.bench.spawn import spawn_gloo
+
+    return spawn_gloo(_rank_sweeps, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
+
+
+def measure_a2a(cfg: CalibrateConfig, comm=None) -> list[dict[str, float]]:
+    """The all_to_all sweep alone (see ``measure_ranks``)."""
+    if comm is not None:
+        return _a2a_rank(comm, cfg)
+    from mixmoe.bench.spawn import spawn_gloo
+
+    return spawn_gloo(_a2a_rank, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
+
+
+def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[str, Any]]:
+    """(the measured profile, the raw measurements and the fits)."""
+    gemm, a2a = measure_ranks(cfg, comm)
+    flops = [p["flops_fwd_bwd"] for p in gemm]
+    secs = [p["fwd_s"] + p["bwd_s"] for p in gemm]
+    icpt_g, slope_g = fit_line(flops, secs)
+    gemm_method = "least-squares slope"
+    if slope_g <= 0:  # a noisy machine: fall back to the mean rate over the sweep
+        slope_g, gemm_method = sum(secs) / sum(flops), "mean rate (the fit's slope was <= 0)"
+    sent = [p["bytes_to_others"] for p in a2a]
+    a2a_s = [p["s"] for p in a2a]
+    lat, slope_a = fit_line(sent, a2a_s)
+    a2a_method = "least-squares intercept and slope"
+    if slope_a <= 0:  # noisy: latency = the fastest call, bandwidth from the largest size
+        i = max(range(len(sent)), key=sent.__getitem__)
+        lat = min(a2a_s)
+        slope_a = max(a2a_s[i] - lat, a2a_s[i] / 2) / sent[i]
+        a2a_method = "fallback: latency = fastest call, bandwidth at the largest size"
+    lat_floor = min(a2a_s) / 2
+    profile = HardwareProfile(cfg.name, 1.0 / slope_g, 1.0 / slope_a, max(lat, lat_floor))
+    measurements = {
+        "gemm": gemm,
+        "gemm_fit": {"intercept_s": icpt_g, "flops": 1.0 / slope_g, "method": gemm_method},
+        "all_to_all": a2a,
+        "a2a_fit": {
+            "intercept_s": lat,
+            "bandwidth": 1.0 / slope_a,
+            "latency_floor_s": lat_floor,
+            "method": a2a_method,
+        },
+    }
+    return profile, measurements

@@ -1,0 +1,129 @@
+"""``mixmoe calibrate``: measure this machine's hardware profile and write it as JSON.
+
+The JSON (``mixmoe.placement.profile_io``) is what every ``--profile`` flag and
+``parallelize_moe(profile=load_profile(path))`` accept. Prints the sweeps and the fitted profile;
+the engine is ``mixmoe.bench.calibrate``. Under torchrun (NCCL on GPUs) the all_to_all sweep runs
+on the launched group, otherwise on ``--world-size`` spawned gloo CPU ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+from mixmoe.bench.calibrate import CalibrateConfig, calibrate
+from mixmoe.placement.profile_io import profile_record, save_profile
+from mixmoe.report.text_table import render_table
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma list of integers, e.g. 64,256,1024"
+        ) from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = CalibrateConfig()
+    p.add_argument("--model-dim", type=int, default=d.model_dim, help="D of the GEMM sweep")
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size, help="F of the GEMM sweep")
+    p.add_argument("--experts", type=int, default=d.experts, help="experts in the GEMM sweep")
+    p.add_argument(
+        "--rows", type=_ints, default=d.rows, help="rows per expert of the GEMM sweep (comma list)"
+    )
+    p.add_argument(
+        "--world-size", type=int, default=d.world_size, help="ranks of the all_to_all sweep"
+    )
+    p.add_argument(
+        "--a2a-bytes",
+        type=_ints,
+        default=d.a2a_bytes,
+        help="bytes each rank sends per all_to_all (comma list)",
+    )
+    p.add_argument("--repeats", type=int, default=d.repeats, help="timed repeats (median)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed repeats first")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument("--device", default=d.device, help="cpu, or cuda under torchrun")
+    p.add_argument("--name", default=d.name, help="the profile's name")
+    p.add_argument("--out", default="runs/profile.json", help="write the profile JSON here")
+
+
+def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
+    return CalibrateConfig(
+        model_dim=args.model_dim,
+        hidden_size=args.hidden_size,
+        experts=args.experts,
+        rows=args.rows,
+        world_size=args.world_size,
+        a2a_bytes=args.a2a_bytes,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        device=args.device,
+        name=args.name,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    comm = None
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: its group
+        from mixmoe.comm import init_distributed
+
+        comm = init_distributed("auto")
+    profile, measurements = calibrate(cfg, comm)
+    if comm is not None and comm.rank != 0:
+        return 0
+    print(f"expert MLP (E={cfg.experts}, D={cfg.model_dim}, F={cfg.hidden_size}, {cfg.device})")
+    print(
+        render_table(
+            ["rows/expert", "fwd ms", "bwd ms", "fwd GFLOP/s", "bwd GFLOP/s"],
+            [
+                [
+                    p["rows_per_expert"],
+                    f"{p['fwd_s'] * 1e3:.3f}",
+                    f"{p['bwd_s'] * 1e3:.3f}",
+                    f"{p['fwd_flops'] / 1e9:.1f}",
+                    f"{p['bwd_flops'] / 1e9:.1f}",
+                ]
+                for p in measurements["gemm"]
+            ],
+        )
+    )
+    world = comm.world_size if comm is not None else cfg.world_size
+    print(f"\nall_to_all_single on {world} ranks")
+    print(
+        render_table(
+            ["bytes/rank", "to others", "ms", "GB/s"],
+            [
+                [
+                    p["bytes_per_rank"],
+                    p["bytes_to_others"],
+                    f"{p['s'] * 1e3:.3f}",
+                    f"{p['bytes_to_others'] / p['s'] / 1e9:.3f}",
+                ]
+                for p in measurements["all_to_all"]
+            ],
+        )
+    )
+    source = (
+        f"measured by `mixmoe calibrate` on {platform.node() or 'this host'} ({cfg.device}, "
+        f"{world} ranks, {cfg.threads} thread(s) per rank, torch {torch.__version__})"
+    )
+    record = profile_record(profile, source=source, measured=True, measurements=measurements)
+    record["config"] = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    out = save_profile(args.out, record)
+    print(
+        f"\nprofile {profile.name}: gemm_flops = {profile.gemm_flops / 1e9:.2f} GFLOP/s, "
+        f"link_bandwidth = {profile.link_bandwidth / 1e9:.3f} GB/s, "
+        f"link_latency = {profile.link_latency * 1e6:.1f} us -> {out}"
+    )
+    return 0

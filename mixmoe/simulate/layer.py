@@ -1,0 +1,149 @@
+"""What-if prediction of one MoE layer step per strategy, on the planner's own cost model.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN [W, N] (C[s, g] = rows rank s
+routes to expert g).
+
+For each strategy (``a2a``, ``shadow``, ``mix``) the plan is the one the layer would run: the
+strategy's planner and overlap flag from ``mixmoe.dispatch.strategies.STRATEGY_SPECS``. Every
+second comes from ``StepModel.seconds_W`` (``mixmoe.placement.cost_model``); nothing is
+re-derived here. The per-rank breakdown is read off the same function with the terms switched on
+one at a time:
+
+- compute_W: expert GEMMs, forward + backward;
+- token_W:   the token all-to-alls (4 per step) before any overlap (``overlap=False``, no replica);
+- weight_W:  the replica fetch and gradient return (2 collectives; never overlapped);
+- exposed_W: the communication left after overlap (the cost model's comm) = token + weight - hidden;
+- hidden_W:  token time hidden under source-local compute (``mix`` only).
+
+step_s = max over ranks of compute + exposed (the cost model's step). Forward / backward are
+apportioned, not modelled apart: forward = compute / 3 + exposed / 2 (a third of the FLOPs, half
+of the collectives), backward = the rest; fwd_s and bwd_s are maxima over ranks, so
+fwd_s + bwd_s >= step_s when different ranks are the bottleneck.
+
+``shared=True`` models ranks that share processors (W gloo ranks on fewer free cores than
+ranks, as on a busy CPU host) instead of owning one each: with every core saturated, the step
+follows the total work, so step_s (fwd_s, bwd_s) is the MEAN over ranks of compute + exposed
+(the calibrated per-rank rate being the all-ranks-busy share) instead of the max. The plan is
+unchanged (the planners assume a processor per rank); on such a host balancing ranks buys
+nothing and replication only adds work, which is what the measurements show (README,
+"Simulator validation").
+
+``fixed_s`` (optional) adds a measured per-step cost that does not depend on the placement
+(gate, sort, combine, optimizer, framework overhead) to every strategy's step: it changes the
+absolute prediction and the ratios, never the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixmoe.config import MoEConfig
+from mixmoe.dispatch.strategies import strategy_spec
+from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
+from mixmoe.placement.profile import HardwareProfile
+
+__all__ = ["STRATEGIES", "StrategyPrediction", "predict_layer", "speedups"]
+
+STRATEGIES = ("a2a", "shadow", "mix")
+
+
+@dataclass(frozen=True)
+class StrategyPrediction:
+    """One strategy's predicted layer step (seconds; tuples have one entry per rank)."""
+
+    strategy: str
+    compute_W: tuple[float, ...]
+    token_W: tuple[float, ...]
+    weight_W: tuple[float, ...]
+    hidden_W: tuple[float, ...]
+    exposed_W: tuple[float, ...]
+    rows_W: tuple[int, ...]
+    fwd_s: float
+    bwd_s: float
+    step_s: float
+    hot: tuple[int, ...]
+    replicas: int  # replica copies in all (sum of holders over hot experts)
+    bottleneck: int  # the lowest rank at the max
+
+
+def _tuple(x: torch.Tensor) -> tuple[float, ...]:
+    return tuple(x.tolist())
+
+
+def predict_layer(
+    counts_WN: object,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    *,
+    top_k: int,
+    max_replicas: int = 4,
+    strategies: tuple[str, ...] = STRATEGIES,
+    fixed_s: float = 0.0,
+    shared: bool = False,
+) -> dict[str, StrategyPrediction]:
+    """Predictions per strategy for one step's counts (int CPU tensor [W, N] or nested lists).
+
+    ``top_k`` and ``max_replicas`` complete the layer configuration the planners see."""
+    if not strategies:
+        raise ValueError("no strategy given; use one or more of a2a, shadow, mix")
+    if isinstance(fixed_s, bool) or not isinstance(fixed_s, (int, float)) or not fixed_s >= 0:
+        raise ValueError(f"fixed_s must be a number >= 0, got {fixed_s!r}")
+    C_WN = counts_as_tensor(counts_WN, shape)
+    config = MoEConfig(
+        model_dim=shape.model_dim,
+        hidden_dim=shape.hidden_dim,
+        num_experts=shape.num_experts,
+        top_k=min(top_k, shape.num_experts),
+        activation="swiglu" if shape.gemms_per_expert == 3 else "gelu",
+        max_replicas=max_replicas,
+    )
+    out = {}
+    for name in strategies:
+        spec = strategy_spec(name)
+        plan = spec.planner(C_WN, shape, profile, config)
+        loads_4W = plan_loads(C_WN, plan.replicas, shape.experts_per_rank)
+        any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
+        compute_W, exposed_W = StepModel(shape, profile, spec.overlap).seconds_W(
+            loads_4W, any_remote, any_hot
+        )
+        plain = StepModel(shape, profile, False)
+        token_W = plain.seconds_W(loads_4W, any_remote, False)[1]
+        weight_W = plain.seconds_W(loads_4W, False, any_hot)[1]
+        hidden_W = token_W + weight_W - exposed_W
+        total_W = compute_W + exposed_W
+        step = float(total_W.max())
+        # the planner's own prediction must be this one: one cost model
+        assert abs(step - plan.prediction.step_s) <= 1e-12 * max(step, 1e-30), (
+            step,
+            plan.prediction.step_s,
+        )
+        fwd_W, bwd_W = compute_W / 3 + exposed_W / 2, compute_W * 2 / 3 + exposed_W / 2
+        if shared:
+            step, fwd, bwd = (float(v.mean()) for v in (total_W, fwd_W, bwd_W))
+        else:
+            fwd, bwd = float(fwd_W.max()), float(bwd_W.max())
+        out[name] = StrategyPrediction(
+            strategy=name,
+            compute_W=_tuple(compute_W),
+            token_W=_tuple(token_W),
+            weight_W=_tuple(weight_W),
+            hidden_W=_tuple(hidden_W),
+            exposed_W=_tuple(exposed_W),
+            rows_W=tuple(int(r) for r in loads_4W[0].tolist()),
+            fwd_s=fwd + fixed_s / 2,
+            bwd_s=bwd + fixed_s / 2,
+            step_s=step + fixed_s,
+            hot=plan.hot,
+            replicas=sum(len(h) for _, h in plan.replicas),
+            bottleneck=int(total_W.argmax()),
+        )
+    return out
+
+
+def speedups(preds: dict[str, StrategyPrediction], base: str = "a2a") -> dict[str, float]:
+    """step(base) / step(strategy) for every strategy (> 1: faster than the base)."""
+    if base not in preds:
+        raise ValueError(f"speedups need the base strategy {base!r} among {sorted(preds)}")
+    return {k: preds[base].step_s / p.step_s for k, p in preds.items()}

@@ -1,0 +1,62 @@
+"""Routing sources for the simulator: where the count matrices C [W, N] come from.
+
+Legend: W ranks, N experts, T tokens per rank, K top-k.
+
+- ``uniform``, ``zipf:S``, ``hot:P``: ``mixmoe.bench.routing.synthetic_counts`` (the planner
+  benchmark's generator; expert popularity shuffled across owners unless ``contiguous``, which
+  puts the hottest experts on rank 0 as ``bench layer``'s synthetic ids do);
+- ``counts:PATH``: the recorded matrices of a counts file (``mixmoe.formats.counts``, written by
+  ``mixmoe bench layer --save-counts``); W and N must match the simulated shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixmoe.bench.routing import RoutingSpec, synthetic_counts
+from mixmoe.formats.counts import read_counts
+
+__all__ = ["counts_source"]
+
+
+def counts_source(
+    source: str,
+    world_size: int,
+    num_experts: int,
+    tokens: int,
+    top_k: int,
+    *,
+    seed: int = 0,
+    contiguous: bool = False,
+) -> list[torch.Tensor]:
+    """The count matrices (int64 [W, N], one per step) of ``source`` (see the module doc)."""
+    if not isinstance(source, str):
+        raise TypeError(f"routing must be a string, got {source!r}")
+    if source.startswith("counts:"):
+        path = source.removeprefix("counts:")
+        record = read_counts(path)
+        W, N = record["world_size"], record["num_experts"]
+        if (W, N) != (world_size, num_experts):
+            raise ValueError(
+                f"counts file {path!r} holds W={W}, N={N} but the simulated layer has "
+                f"W={world_size}, N={num_experts}; pass --world-size {W} and experts matching N"
+            )
+        return [torch.tensor(C, dtype=torch.int64) for C in record["steps"]]
+    try:
+        spec = RoutingSpec.parse(source)
+    except ValueError:
+        raise ValueError(
+            f"routing {source!r} is not understood; use uniform, zipf:S (S > 0), hot:P "
+            "(0 <= P <= 1) or counts:PATH (a file from `mixmoe bench layer --save-counts`)"
+        ) from None
+    if spec.kind == "gate":
+        raise ValueError(
+            "routing 'gate' needs a trained gate; record its counts with `mixmoe bench layer "
+            "--routing gate --save-counts FILE` and simulate with --routing counts:FILE"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        synthetic_counts(
+            spec, world_size, tokens, top_k, num_experts, gen, shuffle_experts=not contiguous
+        )
+    ]

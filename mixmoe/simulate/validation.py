@@ -1,0 +1,260 @@
+"""The simulator against measured ``bench layer`` runs: regenerate the measurements, compare.
+
+Legend: W ranks, D model dim, F expert hidden dim, T tokens per rank, E experts per rank.
+
+``measure`` (``mixmoe simulate --validate FILE --remeasure``): for each case, calibrate this
+machine on the case's W gloo ranks and D, F (``mixmoe.bench.calibrate``), then run ``bench layer``
+(a2a, shadow, mix interleaved, one thread per rank, the calibrated profile given to the
+planners) and append one JSON line per (case, strategy): the case, the measured medians, the
+first forward's count matrix, the replicas the run used, the profile, ``uptime`` before and
+after. Run it on a quiet machine: the records say how busy it was.
+
+``compare`` re-predicts every record from its stored counts and profile (no timing) and returns
+one row per (case, strategy) with the relative error of the step time and, per case, the error
+of the predicted speedup ratios mix/a2a and shadow/a2a in points (100 x |pred - meas|), under
+the cost model's own aggregation (max over ranks: a processor per rank) and under ``shared``
+(mean over ranks: ranks sharing saturated cores; ``mixmoe.simulate.layer``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mixmoe.placement.cost_model import LayerShape
+from mixmoe.placement.profile import HardwareProfile
+from mixmoe.simulate.layer import STRATEGIES, predict_layer
+
+__all__ = ["DEFAULT_CASES", "ValidationCase", "compare", "measure", "read_records", "summarize"]
+
+KIND = "simulator_validation"
+
+
+@dataclass(frozen=True)
+class ValidationCase:
+    world_size: int
+    model_dim: int
+    hidden_size: int
+    tokens: int
+    experts_per_rank: int
+    routing: str
+    top_k: int = 2
+    max_replicas: int = 4
+
+    def label(self) -> str:
+        return (
+            f"W={self.world_size} D={self.model_dim} F={self.hidden_size} T={self.tokens} "
+            f"E={self.experts_per_rank} {self.routing}"
+        )
+
+
+SHAPES = ((128, 512, 1024, 4), (256, 1024, 512, 2))  # (D, F, T, E): two small shapes
+ROUTINGS = ("uniform", "zipf:1.2", "hot:0.4", "hot:0.8")
+DEFAULT_CASES = tuple(
+    ValidationCase(W, D, F, T, E, routing)
+    for W in (2, 4)
+    for D, F, T, E in SHAPES
+    for routing in ROUTINGS
+)
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def measure(
+    out_path: str | os.PathLike[str],
+    cases: Iterable[ValidationCase] = DEFAULT_CASES,
+    *,
+    steps: int = 8,
+    warmup: int = 3,
+    calibrate_repeats: int = 8,
+    log=print,
+) -> Path:
+    """Calibrate per W, then run every case; appends records to ``out_path`` (see module doc)."""
+    from mixmoe.bench.calibrate import CalibrateConfig, calibrate
+    from mixmoe.bench.layer import LayerBenchConfig
+    from mixmoe.bench.multiprocess import run_distributed
+    from mixmoe.bench.timing import median
+    from mixmoe.placement.profile_io import profile_record, save_profile
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mixmoe-validate-") as tmp:
+        for i, case in enumerate(cases):
+            # calibrate right before the case, on its W ranks and its D, F: the machine is shared,
+            # so the profile must describe the load the benchmark is about to run under
+            cal = CalibrateConfig(
+                model_dim=case.model_dim,
+                hidden_size=case.hidden_size,
+                experts=case.experts_per_rank,
+                rows=(64, 256, 1024),
+                world_size=case.world_size,
+                repeats=calibrate_repeats,
+                warmup=2,
+                name=f"calibrated-gloo-w{case.world_size}",
+            )
+            cal_uptime = _uptime()
+            profile, _ = calibrate(cal)
+            path = os.path.join(tmp, f"case{i}.json")
+            save_profile(path, profile_record(profile, source=cal_uptime, measured=True))
+            bench = LayerBenchConfig(
+                model_dim=case.model_dim,
+                hidden_size=case.hidden_size,
+                tokens=case.tokens,
+                num_local_experts=case.experts_per_rank,
+                top_k=case.top_k,
+                steps=steps,
+                warmup=warmup,
+                routing=case.routing,
+                strategies=STRATEGIES,
+                world_size=case.world_size,
+                threads=1,
+                profile=path,
+            )
+            before = _uptime()
+            results = run_distributed(bench)
+            after = _uptime()
+            m = slice(warmup, None)
+            with open(out, "a") as f:
+                for r in results:
+                    rec = {
+                        "kind": KIND,
+                        "case": asdict(case),
+                        "strategy": r.strategy,
+                        "step_ms": median(r.step_ms[m]),
+                        "fwd_ms": median(r.fwd_ms[m]),
+                        "bwd_ms": median(r.bwd_ms[m]),
+                        "step_ms_all": r.step_ms,
+                        "warmup": warmup,
+                        "replicas": int(r.stats.get("replicas", 0)),
+                        "counts_WN": r.counts_WN,
+                        "profile": asdict(profile),
+                        "uptime_calibrate": cal_uptime,
+                        "uptime_before": before,
+                        "uptime_after": after,
+                        "command": "mixmoe simulate --validate FILE --remeasure",
+                    }
+                    f.write(json.dumps(rec) + "\n")
+            log(
+                f"{case.label()} ({profile.gemm_flops / 1e9:.1f} GFLOP/s, "
+                f"{profile.link_bandwidth / 1e9:.2f} GB/s, {profile.link_latency * 1e6:.0f} us): "
+                + ", ".join(f"{r.strategy} {median(r.step_ms[m]):.1f} ms" for r in results)
+                + f" | {after}"
+            )
+    return out
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The validation records of a JSONL file (other lines are skipped)."""
+    where = os.fspath(path)
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"validation file {where!r} does not exist; create it with `mixmoe simulate "
+            f"--validate {where} --remeasure`"
+        ) from None
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}:{i}: not JSON ({exc})") from None
+        if isinstance(rec, dict) and rec.get("kind") == KIND:
+            records.append(rec)
+    if not records:
+        raise ValueError(f"{where} holds no {KIND} records")
+    return records
+
+
+def compare(records: list[dict[str, Any]], fixed_ms: float = 0.0) -> list[dict[str, Any]]:
+    """One row per record: measured and predicted step (ms), relative error, replicas (measured
+    by the run, predicted by the planner), and the case's ratio errors (points)."""
+    rows = []
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for rec in records:
+        case = ValidationCase(**rec["case"])
+        by_case.setdefault(json.dumps(rec["case"], sort_keys=True), {})[rec["strategy"]] = rec
+    for key, recs in by_case.items():
+        case = ValidationCase(**json.loads(key))
+        first = next(iter(recs.values()))
+        shape = LayerShape(
+            model_dim=case.model_dim,
+            hidden_dim=case.hidden_size,
+            experts_per_rank=case.experts_per_rank,
+            world_size=case.world_size,
+            bytes_per_element=4,
+        )
+        profile = HardwareProfile(**first["profile"])
+        kw: dict[str, Any] = dict(
+            top_k=case.top_k,
+            max_replicas=case.max_replicas,
+            strategies=tuple(recs),
+            fixed_s=fixed_ms / 1e3,
+        )
+        preds = predict_layer(first["counts_WN"], shape, profile, **kw)
+        shared = predict_layer(first["counts_WN"], shape, profile, shared=True, **kw)
+        meas = {s: r["step_ms"] for s, r in recs.items()}
+        pred = {s: p.step_s * 1e3 for s, p in preds.items()}
+        pred_sh = {s: p.step_s * 1e3 for s, p in shared.items()}
+        for s, r in recs.items():
+            row = {
+                "case": case.label(),
+                "strategy": s,
+                "measured_ms": meas[s],
+                "predicted_ms": pred[s],
+                "error": abs(pred[s] - meas[s]) / meas[s],
+                "predicted_shared_ms": pred_sh[s],
+                "error_shared": abs(pred_sh[s] - meas[s]) / meas[s],
+                "replicas_measured": r["replicas"],
+                "replicas_predicted": preds[s].replicas,
+            }
+            if s != "a2a" and "a2a" in recs:
+                row["ratio_measured"] = meas[s] / meas["a2a"]
+                row["ratio_predicted"] = pred[s] / pred["a2a"]
+                row["ratio_error_points"] = 100 * abs(
+                    row["ratio_predicted"] - row["ratio_measured"]
+                )
+                row["ratio_shared"] = pred_sh[s] / pred_sh["a2a"]
+                row["ratio_error_shared_points"] = 100 * abs(
+                    row["ratio_shared"] - row["ratio_measured"]
+                )
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Median / max step error, median / max ratio error (points), replica agreement."""
+    import statistics
+
+    errs = [r["error"] for r in rows]
+    ratio = [r["ratio_error_points"] for r in rows if "ratio_error_points" in r]
+    errs_sh = [r["error_shared"] for r in rows]
+    ratio_sh = [r["ratio_error_shared_points"] for r in rows if "ratio_error_shared_points" in r]
+    return {
+        "shared_step_error_median": statistics.median(errs_sh),
+        "shared_within_10pct": sum(e <= 0.10 for e in errs_sh),
+        "shared_ratio_error_median_points": statistics.median(ratio_sh) if ratio_sh else 0.0,
+        "shared_ratios_within_5_points": sum(e <= 5 for e in ratio_sh),
+        "cases": len(rows),
+        "step_error_median": statistics.median(errs),
+        "step_error_max": max(errs),
+        "within_10pct": sum(e <= 0.10 for e in errs),
+        "ratio_error_median_points": statistics.median(ratio) if ratio else float("nan"),
+        "ratio_error_max_points": max(ratio) if ratio else float("nan"),
+        "ratios_within_5_points": sum(e <= 5 for e in ratio),
+        "ratios": len(ratio),
+        "replicas_agree": sum(r["replicas_measured"] == r["replicas_predicted"] for r in rows),
+    }

@@ -1,0 +1,79 @@
+"""The simulator against the ``bench layer`` measurements stored in the repository (not timed).
+
+``tests/data/simulator_validation.jsonl`` was written by ``mixmoe simulate --validate
+tests/data/simulator_validation.jsonl --remeasure`` (calibrate + bench layer per case, gloo CPU
+ranks, one thread each; every record keeps the ``uptime`` it ran under). This test re-predicts
+every record from its stored counts and calibrated profile and checks:
+
+- the planner, given the counts and profile of the run, chooses the replicas the run used
+  (exactly: the plan is deterministic);
+- the error table equals the figures stated in the README ("Simulator validation"): a change of
+  the cost model or planner that moves them must update the stated figures with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mixmoe import cli
+from mixmoe.simulate.validation import DEFAULT_CASES, compare, read_records, summarize
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "simulator_validation.jsonl"
+
+# the README's figures for the stored file (python -m mixmoe simulate --validate DATA)
+STATED = {
+    "cases": 48,
+    "within_10pct": 4,
+    "ratios_within_5_points": 3,
+    "step_error_median": 0.331,
+    "ratio_error_median_points": 43.5,
+    "shared_within_10pct": 5,
+    "shared_ratios_within_5_points": 5,
+    "shared_step_error_median": 0.413,
+    "shared_ratio_error_median_points": 12.8,
+}
+
+
+def test_stored_measurements_cover_the_issue_grid() -> None:
+    records = read_records(DATA)
+    cases = {tuple(sorted(r["case"].items())) for r in records}
+    assert cases == {tuple(sorted(vars(c).items())) for c in DEFAULT_CASES}
+    assert {r["strategy"] for r in records} == {"a2a", "shadow", "mix"}
+    assert all(r["uptime_before"] and r["counts_WN"] for r in records)
+
+
+def test_planner_chooses_the_replicas_the_run_used() -> None:
+    rows = compare(read_records(DATA))
+    assert [r["replicas_predicted"] for r in rows] == [r["replicas_measured"] for r in rows]
+    assert any(r["replicas_measured"] for r in rows)
+
+
+def test_error_table_is_the_stated_one() -> None:
+    s = summarize(compare(read_records(DATA)))
+    assert s["cases"] == STATED["cases"]
+    assert s["within_10pct"] == STATED["within_10pct"]
+    assert s["ratios_within_5_points"] == STATED["ratios_within_5_points"]
+    assert s["step_error_median"] == pytest.approx(STATED["step_error_median"], abs=5e-4)
+    assert s["ratio_error_median_points"] == pytest.approx(
+        STATED["ratio_error_median_points"], abs=0.05
+    )
+    assert s["shared_within_10pct"] == STATED["shared_within_10pct"]
+    assert s["shared_ratios_within_5_points"] == STATED["shared_ratios_within_5_points"]
+    assert s["shared_step_error_median"] == pytest.approx(
+        STATED["shared_step_error_median"], abs=5e-4
+    )
+    assert s["shared_ratio_error_median_points"] == pytest.approx(
+        STATED["shared_ratio_error_median_points"], abs=0.05
+    )
+    # the shared-processor aggregation explains the ratios on this host far better than the
+    # per-rank max the planner assumes (see the README): keep it that way
+    assert s["shared_ratio_error_median_points"] < s["ratio_error_median_points"] / 2
+
+
+def test_validate_cli(capsys) -> None:
+    assert cli.main(["simulate", "--validate", str(DATA), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| W=4 D=256 F=1024 T=512 E=2 hot:0.8 | mix |" in out
+    assert "replica sets agree in 48/48" in out

@@ -289,9 +289,15 @@ def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
                     first[impl] = loss
             if step == 0:
                 _check_first_losses(first, routing, comm.rank)
-        every = comm.all_gather_rows(
-            torch.tensor([times[i] for i in cfg.implementations], dtype=torch.float64).reshape(-1)
-        ).reshape(W, len(cfg.implementations), cfg.steps)
+        every = (
+            comm.all_gather_rows(
+                torch.tensor([times[i] for i in cfg.implementations], dtype=torch.float64)
+                .reshape(-1)
+                .to(device)
+            )
+            .reshape(W, len(cfg.implementations), cfg.steps)
+            .cpu()
+        )
         slowest = every.max(dim=0).values  # [impls, steps]
         shares = (
             comm.all_gather_rows(
@@ -311,6 +317,7 @@ def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
                 {
                     "routing": routing,
                     "implementation": impl,
+                    "device": str(device),
                     "median_ms": median(step_ms),
                     "min_ms": min(step_ms),
                     "ratio": median(step_ms) / base,

@@ -23,6 +23,11 @@ replica's gradient flows back by autograd into the owner's local tensor, from th
 DTensor parameter and to FSDP's reduction, like the gradient of any owned expert: nothing is
 added to ``.grad`` by hand, so nothing is lost or counted twice under FSDP.
 
+``register_ep_implementation(name, strategy, profile=..., max_replicas=...)`` registers a strategy
+with a measured ``HardwareProfile`` for the planner (the registered three use the device's
+default profile) or another replica budget. ``ep_implementations(model)`` returns the instances
+transformers built (their ``last_stats`` say what the last step did: rows moved, replicas).
+
 Limits (each raises a ValueError naming it): ``tp_size`` must be 1; a ``post_expert_norm``
 (``has_post_expert_norm=True``) is not expert-sharded by transformers' plan, so it is refused;
 every expert tensor must hold the rank's E experts along dim 0 (transformers' ``grouped_gemm``

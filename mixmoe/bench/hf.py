@@ -13,9 +13,9 @@ turn (forward, backward, AdamW) on the same batches, so every ratio comes from o
 run; a step's time is the slowest rank's. Before timing, the first step's losses of every
 implementation must equal ``all_to_all``'s (a check, not a measurement).
 
-Skewed routing adds a constant to the router's input along its weight row of expert
-``hot_expert`` (``skew_router``): that expert's logit rises by ``hot_bias`` for every token, so
-with top-2 it takes about half of all routed slots. The same hook serves the equivalence tests.
+Skewed routing adds a constant to the router's input (``skew_router``) that raises expert
+``hot_expert``'s logit by ``hot_bias`` for every token and no other: with top-2 it takes about
+half of all routed slots. The same hook serves the equivalence tests.
 
 Launch: W gloo CPU processes are spawned here; under ``torchrun`` the launched group is used
 (NCCL on GPU, by the same code).
@@ -199,13 +199,15 @@ def _sparse_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def skew_router(model: nn.Module, expert: int, bias: float) -> list:
-    """Raise expert ``expert``'s router logit by ``bias`` for every token: a forward pre-hook on
-    each router adds ``bias * w_g / |w_g|^2`` to its input (``w_g``: the router's current weight
-    row, detached). Returns the hook handles."""
+    """Raise expert ``expert``'s router logit by ``bias`` for every token and leave the others
+    as they are: a forward pre-hook on each router adds ``c_D = bias * pinv(W_ND)[:, expert]``
+    to its input (``W_ND``: the router's current weight, detached; N <= D, so ``W c = bias *
+    e_expert``). Returns the hook handles."""
 
     def hook(gate: nn.Module, args):
-        w_g = gate.weight.detach()[expert]
-        return (args[0] + bias * w_g / w_g.pow(2).sum(),) + tuple(args[1:])
+        w_ND = gate.weight.detach()
+        c_D = bias * torch.linalg.pinv(w_ND.double())[:, expert].to(w_ND.dtype)
+        return (args[0] + c_D,) + tuple(args[1:])
 
     blocks = _sparse_blocks(model)
     if not blocks:

@@ -13,7 +13,7 @@ group holds experts r*E .. r*E+E-1, exactly mixmoe's ownership). ``import mixmoe
 
     mixmoe_a2a     dropless all-to-all, no replication
     mixmoe_shadow  FasterMoE shadowing: hot experts broadcast to every rank
-    mixmoe_mix     the mixed strategy: cost-model replicas, cached, local rows overlap the exchange
+    mixmoe_mix     the mixed strategy: cost-model replicas, local rows overlap the exchange
 
 Each runs mixmoe's engine, ``ExpertParallelDispatcher`` (counts exchange, planner, replica fetch,
 64-row blocks, overlap), over the EP mesh's process group, and computes every work item with the
@@ -27,6 +27,10 @@ added to ``.grad`` by hand, so nothing is lost or counted twice under FSDP.
 with a measured ``HardwareProfile`` for the planner (the registered three use the device's
 default profile) or another replica budget. ``ep_implementations(model)`` returns the instances
 transformers built (their ``last_stats`` say what the last step did: rows moved, replicas).
+
+The replica cache of ``mix`` is off here: FSDP2 refills the unsharded expert weights in place
+while preserving their version counters, so the version the cache is keyed on does not see an
+optimizer step (a cached replica would silently go stale); replicas are fetched every forward.
 
 Limits (each raises a ValueError naming it): ``tp_size`` must be 1; a ``post_expert_norm``
 (``has_post_expert_norm=True``) is not expert-sharded by transformers' plan, so it is refused;
@@ -145,6 +149,11 @@ class MixmoeEP:
             self.dispatcher = ExpertParallelDispatcher(
                 self.comm, config, self.strategy, self.profile
             )
+        # FSDP2 copies the all-gathered expert weights in place while PRESERVING their version
+        # counters, so an optimizer step does not change the version the replica cache is keyed
+        # on: a cached replica would silently go stale. Fetch afresh every call (on every rank
+        # alike, so the ranks still agree on the cache).
+        self.dispatcher.invalidate_replicas()
         ids_TK = top_k_index.to(torch.int64)
         weights_TK = top_k_weights.to(combine_dtype(x_TD, spec))
         routing = Routing(ids_TK, weights_TK, x_TD.new_empty((x_TD.shape[0], 0)))

@@ -58,7 +58,8 @@ from mixmoe.validation import check_int
 class MixmoeEP:
     """One mixmoe strategy behind transformers' ``EPImplementation`` contract. transformers builds
     one per experts module when it applies the EP plan; the dispatcher is built at the first
-    call (when top-k is known) and keeps its replica cache across steps.
+    call (when top-k is known). Its replica cache is cleared before every call (see the module
+    docstring).
 
     ``last_stats``: the dispatcher's stats of the last call (rows moved, replicas, ...);
     ``replicas_seen``: replicas summed over every call (tests read both)."""

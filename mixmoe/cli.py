@@ -49,6 +49,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "mixmoe.commands.bench_peers",
         "mixmoe vs transformers' Mixtral block (hf-eager/batched_mm/grouped_mm), CPU",
     ),
+    ("bench", "hf"): (
+        "mixmoe.commands.bench_hf",
+        "transformers MoE training step: all_to_all vs mixmoe EP implementations (FSDP x EP)",
+    ),
     ("bench", "planner"): (
         "mixmoe.commands.bench_planner",
         "time the mixed strategy's planner against the step it plans",

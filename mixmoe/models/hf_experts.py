@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mixmoe.dispatch.layout import expert_row_layout
-from mixmoe.models.hf_layout import hf_experts_layout
+from mixmoe.models.hf_layout import HFExpertsLayout, hf_experts_layout
 from mixmoe.ops import (
     combine_rows,
     gather_grouped_linear,
@@ -31,7 +31,8 @@ from mixmoe.ops import (
     grouped_linear_combine,
     token_expert_mlp,
 )
-from mixmoe.ops.expert_mlp import activate
+from mixmoe.ops.expert_mlp import ExpertWeights, activate
+from mixmoe.schedule.blocks import BlockSchedule
 
 BLOCK_SIZE = 64
 
@@ -55,13 +56,42 @@ def mixmoe_experts_forward(
     ids_TK = top_k_index.to(torch.int64)
     ids_TK = torch.where((ids_TK >= 0) & (ids_TK < S), ids_TK, -1)
     layout = expert_row_layout(ids_TK, S, BLOCK_SIZE)
-    w = spec.weights
-    x_TD = hidden_states
-    weights_TK = top_k_weights.to(torch.promote_types(x_TD.dtype, w.w1_SDF.dtype))
-    token_P, pos_TK, sched = layout.token_P, layout.pos_TK, layout.schedule
+    weights_TK = top_k_weights.to(combine_dtype(hidden_states, spec))
+    y_TD = run_layout_rows(
+        spec,
+        spec.weights,
+        hidden_states,
+        layout.token_P,
+        layout.pos_TK,
+        weights_TK,
+        layout.schedule,
+    )
+    return y_TD.to(hidden_states.dtype)
+
+
+def combine_dtype(hidden_states: torch.Tensor, spec: HFExpertsLayout) -> torch.dtype:
+    """The dtype the routing weights are combined in: ``promote(hidden_states, weights)``."""
+    return torch.promote_types(hidden_states.dtype, spec.weights.w1_SDF.dtype)
+
+
+def run_layout_rows(
+    spec: HFExpertsLayout,
+    w: ExpertWeights,
+    x_TD: torch.Tensor,
+    token_P: torch.Tensor,
+    pos_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    sched: BlockSchedule,
+) -> torch.Tensor:
+    """One pass of a transformers experts layout over mixmoe's row layout: the rows
+    ``x_TD[token_P]`` through the experts of their block's slot in ``w`` (the module's own
+    weights, or replicas shaped like them), written through ``pos_TK`` with ``weights_TK`` (None:
+    unit weights, e.g. received rows returned in order). ``spec`` says how to compute
+    (activation, ``_apply_gate`` / ``act_fn``, post-norm); ``w`` which weights. Used by the
+    single-device experts forward and by every work item of the expert-parallel path
+    (``hf_ep.py``)."""
     if spec.activation is not None and spec.post_norm is None:
-        y_TD = token_expert_mlp(x_TD, token_P, pos_TK, weights_TK, w, sched, spec.activation)
-        return y_TD.to(hidden_states.dtype)
+        return token_expert_mlp(x_TD, token_P, pos_TK, weights_TK, w, sched, spec.activation)
     meta = (sched.block_slot_Nb, sched.block_rows_Nb, sched.block_size)
     h_PF = gather_grouped_linear(x_TD, token_P, pos_TK, w.w1_SDF, w.b1_SF, *meta)
     if spec.activation is not None:  # a mixmoe activation, but a post-norm follows
@@ -73,8 +103,6 @@ def mixmoe_experts_forward(
         # next GEMM, which reads only valid rows
         h_PF = spec.elementwise(h_PF)
     if spec.post_norm is None:
-        y_TD = grouped_linear_combine(h_PF, w.w2_SFD, w.b2_SD, *meta, pos_TK, weights_TK)
-    else:
-        out_PD = spec.post_norm(grouped_linear(h_PF, w.w2_SFD, w.b2_SD, *meta))
-        y_TD = combine_rows(out_PD, pos_TK, weights_TK)
-    return y_TD.to(hidden_states.dtype)
+        return grouped_linear_combine(h_PF, w.w2_SFD, w.b2_SD, *meta, pos_TK, weights_TK)
+    out_PD = spec.post_norm(grouped_linear(h_PF, w.w2_SFD, w.b2_SD, *meta))
+    return combine_rows(out_PD, pos_TK, weights_TK)

@@ -1,0 +1,376 @@
+"""Engine of ``mixmoe bench hf`` (CLI: ``mixmoe.commands.bench_hf``): a transformers MoE model's
+training step under transformers' own expert parallelism, with transformers' ``all_to_all`` and
+each mixmoe EP implementation (``mixmoe_a2a``, ``mixmoe_shadow``, ``mixmoe_mix``), uniform and
+skewed routing.
+
+Legend: W ranks, N experts, K top-k, B sequences per rank, S sequence length.
+
+One random-init model (built from its config class, nothing downloaded) is saved to a temporary
+directory; every rank loads it once per implementation with
+``from_pretrained(path, distributed_config=DistributedConfig(ep_size=W, fsdp_size=W,
+ep_implementation=NAME))`` (FSDP x EP, tp_size=1). The implementations' models are stepped in
+turn (forward, backward, AdamW) on the same batches, so every ratio comes from one interleaved
+run; a step's time is the slowest rank's. Before timing, the first step's losses of every
+implementation must equal ``all_to_all``'s (a check, not a measurement).
+
+Skewed routing adds a constant to the router's input (``skew_router``) that raises expert
+``hot_expert``'s logit by ``hot_bias`` for every token and no other: with top-2 it takes about
+half of all routed slots. The same hook serves the equivalence tests.
+
+Launch: W gloo CPU processes are spawned here; under ``torchrun`` the launched group is used
+(NCCL on GPU, by the same code).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixmoe.bench.timing import StageTimer, median
+from mixmoe.validation import check_int
+
+FAMILIES = ("mixtral", "qwen2_moe")
+IMPLEMENTATIONS = ("all_to_all", "mixmoe_a2a", "mixmoe_shadow", "mixmoe_mix")
+ROUTINGS = ("uniform", "skewed")
+BASELINE = "all_to_all"
+# float32: implementations sum the same products in different orders
+CHECK_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class HFModelShape:
+    """A small MoE model of one family (``qwen2_moe`` adds a shared expert of the same width)."""
+
+    family: str = "mixtral"
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_experts: int = 8
+    top_k: int = 2
+    layers: int = 2
+    vocab_size: int = 1024
+    heads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family {self.family!r} is not supported; use one of {FAMILIES}")
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_experts",
+            "top_k",
+            "layers",
+            "vocab_size",
+            "heads",
+        ):
+            check_int(name, getattr(self, name), 1)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds num_experts={self.num_experts}; use top_k <= "
+                "num_experts"
+            )
+        if self.hidden_size % self.heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by heads={self.heads}"
+            )
+
+
+@dataclass(frozen=True)
+class HFBenchConfig:
+    shape: HFModelShape = HFModelShape()
+    world_size: int = 2
+    batch: int = 4
+    seq_len: int = 128
+    implementations: tuple[str, ...] = IMPLEMENTATIONS
+    routings: tuple[str, ...] = ROUTINGS
+    hot_expert: int = 0
+    hot_bias: float = 10.0
+    steps: int = 10
+    warmup: int = 3
+    lr: float = 1e-4
+    threads: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, lo in (
+            ("world_size", 2),
+            ("batch", 1),
+            ("seq_len", 1),
+            ("steps", 1),
+            ("warmup", 0),
+            ("threads", 0),
+        ):
+            check_int(name, getattr(self, name), lo)
+        unknown = set(self.implementations) - set(IMPLEMENTATIONS)
+        if unknown or not self.implementations:
+            raise ValueError(
+                f"implementations {sorted(unknown) or '(none)'}: use some of {IMPLEMENTATIONS}"
+            )
+        if BASELINE not in self.implementations:
+            raise ValueError(f"implementations must include the baseline {BASELINE!r}")
+        if not self.routings or set(self.routings) - set(ROUTINGS):
+            raise ValueError(f"routings {self.routings}: use some of {ROUTINGS}")
+        if self.shape.num_experts % self.world_size:
+            raise ValueError(
+                f"num_experts={self.shape.num_experts} is not divisible by world_size="
+                f"{self.world_size}; use a multiple of {self.world_size}"
+            )
+        if not 0 <= self.hot_expert < self.shape.num_experts:
+            raise ValueError(
+                f"hot_expert={self.hot_expert} is not an expert id; use 0..{self.shape.num_experts - 1}"
+            )
+
+
+def _transformers():
+    try:
+        import transformers
+        import transformers.distributed  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "mixmoe bench hf needs transformers>=5.23 and accelerate: pip install 'mixmoe[models]'"
+        ) from e
+    return transformers
+
+
+def model_config(shape: HFModelShape):
+    """The transformers config of ``shape`` (dropout and jitter off)."""
+    tf = _transformers()
+    common = {
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.heads,
+        "num_experts_per_tok": shape.top_k,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+    if shape.family == "mixtral":
+        return tf.MixtralConfig(
+            **common,
+            intermediate_size=shape.intermediate_size,
+            num_local_experts=shape.num_experts,
+            router_jitter_noise=0.0,
+        )
+    return tf.Qwen2MoeConfig(
+        **common,
+        intermediate_size=shape.intermediate_size,
+        moe_intermediate_size=shape.intermediate_size,
+        shared_expert_intermediate_size=shape.intermediate_size,
+        num_experts=shape.num_experts,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )
+
+
+def save_random_model(shape: HFModelShape, path: str, seed: int) -> None:
+    """Build ``shape`` from its config class with random init (seeded) and save it to ``path``."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(model_config(shape))
+    model.save_pretrained(path)
+
+
+def load_model(path: str, implementation: str | None, ep_size: int, fsdp_size: int) -> nn.Module:
+    """The saved model in float32: one process (``implementation`` None) or under transformers'
+    FSDP x EP with that EP implementation (every rank of the world calls it)."""
+    tf = _transformers()
+    if implementation is None:
+        return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    import mixmoe.hf  # noqa: F401  registers the mixmoe EP implementations
+
+    dc = tf.DistributedConfig(
+        ep_size=ep_size, fsdp_size=fsdp_size, ep_implementation=implementation
+    )
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=dc)
+
+
+def _sparse_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse MoE blocks: modules with a router ``gate`` and an ``experts`` module."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "gate", None), nn.Module)
+        and isinstance(getattr(m, "experts", None), nn.Module)
+    ]
+
+
+def skew_router(model: nn.Module, expert: int, bias: float) -> list:
+    """Raise expert ``expert``'s router logit by ``bias`` for every token and leave the others
+    as they are: a forward pre-hook on each router adds ``c_D = bias * pinv(W_ND)[:, expert]``
+    to its input (``W_ND``: the router's current weight, detached; N <= D, so ``W c = bias *
+    e_expert``). Returns the hook handles."""
+
+    def hook(gate: nn.Module, args):
+        w_ND = gate.weight.detach()
+        c_D = bias * torch.linalg.pinv(w_ND.double())[:, expert].to(w_ND.dtype)
+        return (args[0] + c_D,) + tuple(args[1:])
+
+    blocks = _sparse_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no sparse MoE block (gate + experts)")
+    return [b.gate.register_forward_pre_hook(hook) for b in blocks]
+
+
+class RoutingCounter:
+    """Counts the routed slots per expert (the routers' top-k indices) while installed."""
+
+    def __init__(self, model: nn.Module, num_experts: int) -> None:
+        self.counts_N = torch.zeros(num_experts, dtype=torch.int64)
+        self.handles = [b.gate.register_forward_hook(self._hook) for b in _sparse_blocks(model)]
+
+    def _hook(self, gate, args, out) -> None:
+        ids = out[-1].detach().reshape(-1).cpu()
+        self.counts_N += torch.bincount(ids, minlength=self.counts_N.numel())
+
+    def hot_share(self) -> float:
+        total = int(self.counts_N.sum())
+        return float(self.counts_N.max()) / total if total else 0.0
+
+
+def batches(cfg: HFBenchConfig, rank: int, count: int) -> list[torch.Tensor]:
+    """``count`` batches of token ids [B, S] for ``rank`` (seeded by seed and rank)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank)
+    return [
+        torch.randint(0, cfg.shape.vocab_size, (cfg.batch, cfg.seq_len), generator=gen)
+        for _ in range(count)
+    ]
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    """One causal-LM step (forward, backward, optimizer step); the loss."""
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(out.loss.detach())
+
+
+def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
+    """This rank's part of the benchmark; every rank returns the same records (times are the
+    slowest rank's)."""
+    from mixmoe.models.hf_ep import ep_implementations
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    W = comm.world_size
+    records = []
+    for routing in cfg.routings:
+        models, opts, counters = {}, {}, {}
+        for impl in cfg.implementations:
+            model = load_model(path, impl, ep_size=W, fsdp_size=W)
+            model.train()
+            if routing == "skewed":
+                skew_router(model, cfg.hot_expert, cfg.hot_bias)
+            counters[impl] = RoutingCounter(model, cfg.shape.num_experts)
+            models[impl] = model
+            opts[impl] = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        device = next(iter(models.values())).device
+        data = [b.to(device) for b in batches(cfg, comm.rank, cfg.warmup + cfg.steps)]
+        times = {impl: [] for impl in cfg.implementations}
+        replicas = {impl: [] for impl in cfg.implementations}
+        for step, ids in enumerate(data):
+            first = {}
+            for impl in cfg.implementations:
+                timer = StageTimer(device)
+                timer.mark()
+                loss = train_step(models[impl], opts[impl], ids)
+                timer.mark()
+                if step >= cfg.warmup:
+                    times[impl].append(timer.elapsed_ms()[0])
+                    replicas[impl].append(
+                        sum(
+                            ep.last_stats.get("replicas", 0)
+                            for ep in ep_implementations(models[impl])
+                        )
+                    )
+                if step == 0:
+                    first[impl] = loss
+            if step == 0:
+                _check_first_losses(first, routing, comm.rank)
+        every = (
+            comm.all_gather_rows(
+                torch.tensor([times[i] for i in cfg.implementations], dtype=torch.float64)
+                .reshape(-1)
+                .to(device)
+            )
+            .reshape(W, len(cfg.implementations), cfg.steps)
+            .cpu()
+        )
+        slowest = every.max(dim=0).values  # [impls, steps]
+        shares = (
+            comm.all_gather_rows(
+                torch.stack([counters[i].counts_N for i in cfg.implementations])
+                .reshape(-1)
+                .to(device)
+            )
+            .reshape(W, len(cfg.implementations), -1)
+            .sum(0)
+            .cpu()
+        )
+        base = median(slowest[cfg.implementations.index(BASELINE)].tolist())
+        for i, impl in enumerate(cfg.implementations):
+            step_ms = slowest[i].tolist()
+            counts_N = shares[i]
+            records.append(
+                {
+                    "routing": routing,
+                    "implementation": impl,
+                    "device": str(device),
+                    "median_ms": median(step_ms),
+                    "min_ms": min(step_ms),
+                    "ratio": median(step_ms) / base,
+                    "hot_share": float(counts_N.max()) / max(int(counts_N.sum()), 1),
+                    "replicas_per_step": sum(replicas[impl]) / len(replicas[impl]),
+                    "step_ms": step_ms,
+                }
+            )
+        del models, opts
+    return records
+
+
+def _check_first_losses(first: dict[str, float], routing: str, rank: int) -> None:
+    base = first[BASELINE]
+    for impl, loss in first.items():
+        if abs(loss - base) > CHECK_RTOL * abs(base):
+            raise RuntimeError(
+                f"{impl} disagrees with {BASELINE} before timing ({routing} routing, rank {rank}):"
+                f" first-step loss {loss!r} vs {base!r}"
+            )
+
+
+def _rank_main(comm, cfg: HFBenchConfig, path: str) -> list[dict]:
+    return run_rank(cfg, comm, path)
+
+
+def run_hf_bench(cfg: HFBenchConfig) -> list[dict] | None:
+    """The records on the reporting process (this one when it spawned the ranks, rank 0 under
+    torchrun); None on the other torchrun ranks."""
+    _transformers()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        from mixmoe.comm import init_distributed
+
+        comm = init_distributed("auto")
+        if comm.world_size != cfg.world_size:
+            raise ValueError(
+                f"--world-size {cfg.world_size} but torchrun launched {comm.world_size} ranks"
+            )
+        # one directory for every rank of this host: rank 0 writes, the others wait
+        path = os.path.join(
+            tempfile.gettempdir(), f"mixmoe-bench-hf-{os.environ.get('MASTER_PORT', '0')}"
+        )
+        if comm.rank == 0:
+            save_random_model(cfg.shape, path, cfg.seed)
+        comm.barrier()
+        records = run_rank(cfg, comm, path)
+        return records if comm.rank == 0 else None
+    from mixmoe.bench.spawn import spawn_gloo
+
+    with tempfile.TemporaryDirectory(prefix="mixmoe-bench-hf-") as path:
+        save_random_model(cfg.shape, path, cfg.seed)
+        return spawn_gloo(
+            _rank_main, cfg.world_size, cfg, path, threads=cfg.threads or 1, timeout_s=3600
+        )[0]

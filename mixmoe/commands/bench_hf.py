@@ -1,0 +1,127 @@
+"""``mixmoe bench hf``: a transformers MoE model's training step under transformers' FSDP x EP
+with ``all_to_all`` and each mixmoe EP implementation, uniform and skewed routing (engine:
+``mixmoe.bench.hf``). Prints median step ms and the ratio to ``all_to_all`` per routing;
+``--jsonl`` appends the records with the environment; ``--markdown`` prints a Markdown table."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+import torch
+
+from mixmoe.bench.hf import (
+    FAMILIES,
+    IMPLEMENTATIONS,
+    ROUTINGS,
+    HFBenchConfig,
+    HFModelShape,
+    run_hf_bench,
+)
+from mixmoe.bench.results import append_jsonl
+from mixmoe.report.text_table import render_table
+
+__all__ = ["add_arguments", "run"]
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d, s = HFBenchConfig(), HFModelShape()
+    p.add_argument("--family", default=s.family, choices=FAMILIES)
+    p.add_argument("--hidden-size", type=int, default=s.hidden_size)
+    p.add_argument("--intermediate-size", type=int, default=s.intermediate_size)
+    p.add_argument("--num-experts", type=int, default=s.num_experts)
+    p.add_argument("--top-k", type=int, default=s.top_k)
+    p.add_argument("--layers", type=int, default=s.layers)
+    p.add_argument("--vocab-size", type=int, default=s.vocab_size)
+    p.add_argument("--heads", type=int, default=s.heads)
+    p.add_argument("--world-size", type=int, default=d.world_size, help="ranks (EP = FSDP size)")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument(
+        "--implementations",
+        default=",".join(d.implementations),
+        help=f"comma list, some of {IMPLEMENTATIONS} (all_to_all is the baseline)",
+    )
+    p.add_argument("--routing", default=",".join(d.routings), help=f"comma list of {ROUTINGS}")
+    p.add_argument("--hot-expert", type=int, default=d.hot_expert, help="skewed: the hot expert")
+    p.add_argument(
+        "--hot-bias", type=float, default=d.hot_bias, help="skewed: its router logit bias"
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="measured steps")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (not measured)")
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    p.add_argument(
+        "--threads", type=int, default=d.threads, help="torch threads per rank (0: leave)"
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument("--jsonl", default=None, help="append the records (with the environment) here")
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = HFModelShape(
+        family=args.family,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        layers=args.layers,
+        vocab_size=args.vocab_size,
+        heads=args.heads,
+    )
+    cfg = HFBenchConfig(
+        shape=shape,
+        world_size=args.world_size,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        implementations=_names(args.implementations),
+        routings=_names(args.routing),
+        hot_expert=args.hot_expert,
+        hot_bias=args.hot_bias,
+        steps=args.steps,
+        warmup=args.warmup,
+        lr=args.lr,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    records = run_hf_bench(cfg)
+    if records is None:  # a torchrun rank other than 0
+        return 0
+    print(
+        f"{shape.family}: hidden {shape.hidden_size}, intermediate {shape.intermediate_size}, "
+        f"{shape.num_experts} experts, top-{shape.top_k}, {shape.layers} layers; "
+        f"{cfg.world_size} ranks (FSDP x EP), {cfg.batch} x {cfg.seq_len} tokens per rank; "
+        f"train step (fwd+bwd+AdamW), median of {cfg.steps} after {cfg.warmup} warm-up, "
+        f"{cfg.threads} thread(s) per rank"
+    )
+    rows = [
+        (
+            r["routing"],
+            r["implementation"],
+            f"{r['median_ms']:.1f}",
+            f"{r['min_ms']:.1f}",
+            f"{r['ratio']:.3f}x",
+            f"{r['hot_share']:.2f}",
+            f"{r['replicas_per_step']:.1f}",
+        )
+        for r in records
+    ]
+    headers = [
+        "routing",
+        "implementation",
+        "median ms",
+        "min ms",
+        "vs all_to_all",
+        "hot share",
+        "replicas/step",
+    ]
+    print(render_table(headers, rows, markdown=args.markdown))
+    if args.jsonl:
+        config = asdict(cfg)
+        append_jsonl(args.jsonl, "bench_hf", config, torch.device(records[0]["device"]), records)
+        print(f"JSONL appended to {args.jsonl}")
+    return 0

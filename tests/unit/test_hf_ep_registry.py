@@ -1,0 +1,121 @@
+"""The mixmoe EP implementations' registration and their clear errors (no process group needed:
+each error is raised before any communication). Training equivalence: tests/distributed/test_hf_ep.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import MixtralConfig  # noqa: E402
+from transformers.distributed.expert_parallel import EPImplementationInterface  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
+
+import mixmoe.hf  # noqa: E402
+from mixmoe import cli  # noqa: E402
+from mixmoe.bench.hf import HFBenchConfig, HFModelShape  # noqa: E402
+from mixmoe.models.hf_ep import (  # noqa: E402
+    EP_CLASSES,
+    ep_implementation_class,
+    register_ep_implementation,
+)
+
+
+class _Mesh:
+    """What the implementations read of a DeviceMesh before communicating: its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def get_group(self):
+        raise AssertionError("no process group may be touched before the checks")
+
+
+def _experts() -> MixtralExperts:
+    cfg = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=4)
+    return MixtralExperts(cfg)
+
+
+def test_import_registers_every_strategy_and_is_idempotent():
+    registry = EPImplementationInterface()
+    assert mixmoe.hf.EP_IMPLEMENTATIONS == ("mixmoe_a2a", "mixmoe_shadow", "mixmoe_mix")
+    before = {name: registry[name] for name in mixmoe.hf.EP_IMPLEMENTATIONS}
+    assert {n: c.strategy for n, c in before.items()} == {
+        "mixmoe_a2a": "a2a",
+        "mixmoe_shadow": "shadow",
+        "mixmoe_mix": "mix",
+    }
+    mixmoe.hf.register()
+    assert {name: registry[name] for name in mixmoe.hf.EP_IMPLEMENTATIONS} == before
+    assert before == EP_CLASSES
+    assert "all_to_all" in registry  # transformers' own entries are untouched
+
+
+def test_tp_size_above_one_is_refused():
+    with pytest.raises(ValueError, match=r"mixmoe_mix.*tp_size=1.*size 2"):
+        EP_CLASSES["mixmoe_mix"](_experts(), _Mesh(2), _Mesh(2))
+
+
+def test_post_expert_norm_is_refused_naming_the_flag():
+    experts = _experts()
+    experts.has_post_expert_norm = True
+    with pytest.raises(ValueError, match="has_post_expert_norm=True"):
+        EP_CLASSES["mixmoe_a2a"](experts, _Mesh(2), _Mesh(1))
+
+
+def test_a_module_without_layout_flags_is_refused():
+    with pytest.raises(TypeError, match="use_experts_implementation"):
+        EP_CLASSES["mixmoe_a2a"](torch.nn.Linear(2, 2), _Mesh(2), _Mesh(1))
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: ep_implementation_class("local"), "not expert-parallel"),
+        (lambda: ep_implementation_class("mix", max_replicas=-1), "max_replicas"),
+        (lambda: register_ep_implementation("", "mix"), "non-empty string"),
+    ],
+)
+def test_bad_registrations(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_register_a_tuned_mix():
+    register_ep_implementation("mixmoe_mix_test_unit", "mix", max_replicas=1)
+    try:
+        cls = EPImplementationInterface()["mixmoe_mix_test_unit"]
+        assert (cls.strategy, cls.max_replicas, cls.profile) == ("mix", 1, None)
+    finally:
+        EPImplementationInterface._global_mapping.pop("mixmoe_mix_test_unit")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"implementations": ("mixmoe_mix",)}, "baseline 'all_to_all'"),
+        ({"implementations": ("all_to_all", "nope")}, "nope"),
+        ({"routings": ("zipf",)}, "routings"),
+        ({"world_size": 3}, "not divisible by world_size=3"),
+        ({"hot_expert": 8}, "hot_expert=8"),
+    ],
+)
+def test_bench_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HFBenchConfig(**kwargs)
+
+
+def test_bench_shape_errors():
+    with pytest.raises(ValueError, match="family 'gpt2'"):
+        HFModelShape(family="gpt2")
+    with pytest.raises(ValueError, match="top_k=9"):
+        HFModelShape(top_k=9)
+
+
+def test_cli_bad_implementation_is_one_line(capsys):
+    assert cli.main(["bench", "hf", "--implementations", "mixmoe_mix"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mixmoe: error: ") and "all_to_all" in err[0]

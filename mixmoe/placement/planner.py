@@ -23,9 +23,7 @@ from mixmoe.placement.cost_model import (
     Prediction,
     StepModel,
     baseline_loads,
-    counts_as_lists,
     counts_as_tensor,
-    rank_loads,
 )
 from mixmoe.placement.profile import HardwareProfile
 
@@ -298,29 +296,61 @@ def plan_shadow(
     ``overlap`` default False) is reported for comparison.
     """
     model = StepModel(shape, profile, overlap)
-    C = counts_as_lists(counts_WN, shape)
-    W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
-    baseline = model.prediction(*rank_loads(C, {}, E))
+    C_WN = counts_as_tensor(counts_WN, shape)
+    W, E = shape.world_size, shape.experts_per_rank
+    loads_4W, load_N, own_N = baseline_loads(C_WN, E)
+    model.check_exact(max(2 * int(load_N.sum()), W * shape.num_experts))
+    baseline = model.prediction_W(loads_4W)
     if W == 1:
         return Plan((), (), baseline, baseline)
     t_row_feat = (
         shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
     )
     t_model = shape.params_bytes_per_expert / profile.link_bandwidth
-    load_N = [sum(C[s][g] for s in range(W)) for g in range(N)]
-    load_W = [sum(load_N[r * E : (r + 1) * E]) for r in range(W)]
+    load_W = load_N.view(W, E).sum(1)  # rows computed at each rank (int64)
+    best = int(load_W.max()) * t_row_feat
+    # load descending, ties by expert id ascending (a stable sort of the ascending ids)
+    order = torch.sort(load_N, descending=True, stable=True).indices.tolist()
+    load, own = load_N.tolist(), own_N.tolist()
     shadowed: list[int] = []
-    best = max(load_W) * t_row_feat
-    for g in sorted(range(N), key=lambda g: (-load_N[g], g)):
+    for g in order:
         o = g // E
-        trial = [load_W[r] + C[r][g] for r in range(W)]
-        trial[o] = load_W[o] - load_N[g] + C[o][g]
-        lat = max(trial) * t_row_feat + (len(shadowed) + 1) * t_model
+        trial_W = load_W + C_WN[:, g]
+        trial_W[o] = int(load_W[o]) - load[g] + own[g]
+        lat = int(trial_W.max()) * t_row_feat + (len(shadowed) + 1) * t_model
         if not lat < best:
             break
-        best, load_W = lat, trial
+        best, load_W = lat, trial_W
         shadowed.append(g)
     hot = tuple(sorted(shadowed))
     replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
-    prediction = model.prediction(*rank_loads(C, dict(replicas), E)) if hot else baseline
-    return Plan(hot, replicas, prediction, baseline)
+    if not hot:
+        return Plan((), (), baseline, baseline)
+    return Plan(hot, replicas, model.prediction_W(_shadow_loads(C_WN, loads_4W, hot, E)), baseline)
+
+
+def _shadow_loads(
+    C_WN: torch.Tensor, loads_4W: torch.Tensor, hot: tuple[int, ...], E: int
+) -> torch.Tensor:
+    """The aggregates (``LOADS`` order, float64 [4, W]) with every g of ``hot`` replicated on
+    every rank but its owner: each source computes its own rows of g (they turn local, and stop
+    being remote at the source and at the owner); the owner serves W - 1 replicas per g, every
+    other rank holds one. Integer arithmetic on the baseline's exact aggregates."""
+    W = C_WN.shape[0]
+    g_S = torch.tensor(hot, dtype=torch.int64)
+    o_S = torch.div(g_S, E, rounding_mode="floor")
+    at_source_WS = C_WN[:, g_S].clone()
+    at_source_WS[o_S, torch.arange(len(hot))] = 0  # the owner's own rows were local already
+    moved_S = at_source_WS.sum(0)  # rows of g that travelled to its owner, now computed at home
+    gained_W = at_source_WS.sum(1)
+    lost_W = torch.zeros(W, dtype=torch.int64).index_add_(0, o_S, moved_S)
+    owned_W = torch.bincount(o_S, minlength=W)
+    delta_4W = torch.stack(
+        [
+            gained_W - lost_W,
+            gained_W,
+            -gained_W - lost_W,
+            (len(hot) - owned_W) + owned_W * (W - 1),
+        ]
+    )
+    return loads_4W + delta_4W.to(torch.float64)

@@ -24,13 +24,17 @@ from mixmoe.placement import (
     predict,
 )
 from mixmoe.placement.cost_model import StepModel
-from mixmoe.reference.planner import plan_mix_rescan
+from mixmoe.reference.planner import plan_mix_rescan, plan_shadow_lists
 
 COMPUTE_BOUND = HardwareProfile(
     "compute-bound", gemm_flops=1e9, link_bandwidth=1e11, link_latency=1e-6
 )
 LINK_BOUND = HardwareProfile("link-bound", gemm_flops=1e9, link_bandwidth=1e6, link_latency=1e-6)
 PROFILES = [CPU_PROFILE, GPU_PROFILE, COMPUTE_BOUND, LINK_BOUND]
+# Shadow toys: D=1, F=1, fp32 -> flops_per_row = 12, row_bytes = 4, P = (2 + 1 + 1) * 4 = 16 B.
+# Profile 12 FLOP/s, 16 B/s: t_row = 1, t_feat = 4 * 4 / 16 = 1, t_model = 16 / 16 = 1, so
+# lat(S) = 2 * max_r B_r(S) + |S|.
+UNIT = HardwareProfile("unit", gemm_flops=12.0, link_bandwidth=16.0, link_latency=1e-3)
 
 
 def _random_counts(W: int, N: int, seed: int) -> torch.Tensor:
@@ -199,6 +203,44 @@ def test_shadow_properties(W: int, E: int, profile: HardwareProfile, data: st.Da
     _check_segments(plan, counts_WN, E)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    W=st.integers(1, 9),
+    E=st.integers(1, 6),
+    top=st.sampled_from([3, 40, 2000]),  # small counts: many tied loads (tie order matters)
+    profile=st.sampled_from([*PROFILES, UNIT]),
+    data=st.data(),
+)
+def test_shadow_on_the_counts_tensor_equals_its_list_twin(
+    W: int, E: int, top: int, profile: HardwareProfile, data: st.DataObject
+) -> None:
+    N = W * E
+    counts_WN = data.draw(
+        st.lists(st.lists(st.integers(0, top), min_size=N, max_size=N), min_size=W, max_size=W)
+    )
+    shape = LayerShape(1, 1, E, W, 4) if profile is UNIT else LayerShape(64, 256, E, W, 2)
+    for overlap in (False, True):
+        want = plan_shadow_lists(counts_WN, shape, profile, overlap=overlap)
+        got = plan_shadow(
+            torch.tensor(counts_WN, dtype=torch.int64), shape, profile, overlap=overlap
+        )
+        assert got == want  # hot set, holders, prediction and baseline, exactly
+
+
+def test_shadow_twin_on_random_skewed_cases_that_shadow() -> None:
+    shadowed = 0
+    for seed in range(30):
+        W, E = 2 + seed % 7, 1 + seed % 4
+        counts_WN = _random_counts(W, W * E, seed) * (1 + seed % 3)
+        counts_WN[:, seed % (W * E)] += 300  # a hot expert
+        shape = LayerShape(64, 256, E, W, 2)
+        for profile in (COMPUTE_BOUND, GPU_PROFILE, UNIT):
+            want = plan_shadow_lists(counts_WN.tolist(), shape, profile)
+            assert plan_shadow(counts_WN, shape, profile) == want, (seed, profile.name)
+            shadowed += len(want.hot)
+    assert shadowed > 30  # the cases really shadow (several experts at a time)
+
+
 def test_extreme_skew() -> None:
     """All rows to expert 0 (owner: rank 0). 64 rows per rank, D=64, F=256, fp32:
     per row 196608 FLOP, 256 B; one expert's parameters P = 132352 B.
@@ -228,12 +270,6 @@ def test_uniform_routing_cheap_compute_replicates_nothing() -> None:
     )
     for profile in (cheap_compute, GPU_PROFILE, CPU_PROFILE):
         assert plan_mix(counts_WN, shape, profile, max_replicas=8).hot == ()
-
-
-# Shadow toys: D=1, F=1, fp32 -> flops_per_row = 12, row_bytes = 4, P = (2 + 1 + 1) * 4 = 16 B.
-# Profile 12 FLOP/s, 16 B/s: t_row = 1, t_feat = 4 * 4 / 16 = 1, t_model = 16 / 16 = 1, so
-# lat(S) = 2 * max_r B_r(S) + |S|.
-UNIT = HardwareProfile("unit", gemm_flops=12.0, link_bandwidth=16.0, link_latency=1e-3)
 
 
 def test_shadow_toy_two_ranks() -> None:

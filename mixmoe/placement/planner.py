@@ -23,7 +23,8 @@ from mixmoe.placement.cost_model import (
     Prediction,
     StepModel,
     baseline_loads,
-    counts_as_tensor,
+    counts_with_sums,
+    step_model,
 )
 from mixmoe.placement.profile import HardwareProfile
 
@@ -83,9 +84,10 @@ def plan_none(
     ``overlap`` is the cost model's overlap setting (default False: the classic all-to-all
     dispatcher does not overlap the exchange with local compute). prediction == baseline.
     """
-    model = StepModel(shape, profile, overlap)
-    C_WN = counts_as_tensor(counts_WN, shape)  # vectorised: no W x N Python lists at scale
-    loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank)
+    model = step_model(shape, profile, overlap)
+    # vectorised: no W x N Python lists at scale; one pass over C
+    C_WN, *sums = counts_with_sums(counts_WN, shape)
+    loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), shape.world_size * shape.num_experts))
     baseline = model.prediction_W(loads_4W)
     return Plan((), (), baseline, baseline)
@@ -130,19 +132,22 @@ def plan_mix(
     A round whose shortlist fits in ``search_width`` stops only where an exhaustive greedy would
     (no single further candidate lowers the step); a longer one may stop earlier.
 
-    Cost: two reductions and a sign check over C (~4 ms at W=1024, N=4096 int64 on one core),
-    then per round a few dozen vector ops over N and [search_width, W]. Everything is torch ops
-    on tensors (their kernels release the GIL): fit to run on a background thread.
+    Cost: one pass over C in cached row blocks (sign check, column and row sums:
+    ``counts_with_sums``), then per round a few dozen vector ops over N and [search_width, W].
+    Small problems (candidates x W <= ``BATCH_LIMIT``) score every candidate at once per round
+    instead (``_BatchedMixSearch``, same decisions), where per-op overhead is the cost.
+    Everything is torch ops on tensors (their kernels release the GIL): fit to run on a
+    background thread.
     """
-    model = StepModel(shape, profile, overlap)
+    model = step_model(shape, profile, overlap)
     for name, value, lo in (("max_replicas", max_replicas, 0), ("search_width", search_width, 1)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < lo:
             raise ValueError(f"{name} must be >= {lo}, got {value}")
-    C_WN = counts_as_tensor(counts_WN, shape)
+    C_WN, *sums = counts_with_sums(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
-    loads_4W, colsum_N, own_N = baseline_loads(C_WN, E)
+    loads_4W, colsum_N, own_N = baseline_loads(C_WN, E, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), W * shape.num_experts))
     moved_N = colsum_N - own_N
     total_remote = int(moved_N.sum())
@@ -150,7 +155,10 @@ def plan_mix(
     baseline = model.pack(compute_W, comm_W, loads_4W)
     if max_replicas == 0 or W == 1 or total_remote == 0:
         return Plan((), (), baseline, baseline)
-    search = _MixSearch(model, C_WN, E, max_replicas, search_width)
+    batched = int((moved_N > 0).sum()) * W <= BATCH_LIMIT
+    search = (_BatchedMixSearch if batched else _MixSearch)(
+        model, C_WN, E, max_replicas, search_width
+    )
     search.start(loads_4W, compute_W + comm_W, moved_N, total_remote)
     while search.round():
         pass
@@ -240,21 +248,27 @@ class _MixSearch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each candidate of ``g_k`` accepted on its own: the loads [k, 4, W], totals [k, W],
         holders (bool [k, W]) and whether a holder is full (bool [k])."""
-        k, ar = len(g_k), torch.arange(len(g_k))
+        delta_k4W, src_kW, m_k = self._deltas(g_k)
+        blocked_k = (src_kW & (self.held_W >= self.max_replicas)).any(1)
+        trial_k4W = self.loads_4W + delta_k4W
+        totals_kW = self._totals(trial_k4W, (m_k < self.total_remote).view(len(g_k), 1))
+        return trial_k4W, totals_kW, src_kW, blocked_k
+
+    def _deltas(self, g_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """How accepting each candidate of ``g_k`` on its own changes every rank's loads
+        (float64 [k, 4, W]), its holders (bool [k, W]) and its remote rows (float64 [k])."""
+        ar = torch.arange(len(g_k))
         o_k = torch.div(g_k, self.E, rounding_mode="floor")
         c_kW = self.C_WN[:, g_k].t().to(torch.float64)
         src_kW = c_kW > 0
         src_kW[ar, o_k] = False
-        blocked_k = (src_kW & (self.held_W >= self.max_replicas)).any(1)
         delta_k4W = (c_kW * src_kW).unsqueeze(1) * _PER_ROW_41 + src_kW.unsqueeze(
             1
         ) * _PER_REPLICA_41
         m_k = self.moved_N[g_k]
         n_k = src_kW.sum(1).to(torch.float64)
         delta_k4W[ar, :, o_k] += torch.stack([-m_k, torch.zeros_like(m_k), -m_k, n_k], dim=1)
-        trial_k4W = self.loads_4W + delta_k4W
-        totals_kW = self._totals(trial_k4W, (m_k < self.total_remote).view(k, 1))
-        return trial_k4W, totals_kW, src_kW, blocked_k
+        return delta_k4W, src_kW, m_k
 
     def _accept(
         self, g: int, loads_4W: torch.Tensor, totals_W: torch.Tensor, src_W: torch.Tensor
@@ -264,6 +278,67 @@ class _MixSearch:
         self.total_remote -= int(self.moved_N[g])
         self.open_N[g] = False
         self.accepted[g] = tuple(src_W.nonzero().squeeze(1).tolist())
+
+
+# _BatchedMixSearch runs where candidates x ranks is at most this: its [P, 4, W] tensors then stay
+# tiny, and a fixed handful of ops per round beats the shortlist's two passes
+BATCH_LIMIT = 2048
+
+
+class _BatchedMixSearch(_MixSearch):
+    """``_MixSearch`` for small problems, where per-op overhead and not arithmetic is the cost:
+    every candidate's effect (``_deltas``) is built once, in priority order (remote rows
+    descending, expert id ascending), and each round scores all open candidates at once with a
+    fixed number of vector ops, instead of a shortlist pass and then an evaluation pass.
+
+    Same decisions as ``_MixSearch.round``, value for value (the same integer loads through the
+    same ``seconds_W``): the shortlist is the open candidates that touch the bottleneck b and
+    lower its total; the first ``width`` of them that no full holder blocks are the evaluated
+    ones; the first of those whose step drops is accepted. Blocked candidates are closed as soon
+    as they are listed (the sequential search closes them when it reaches them: they can never
+    be accepted, and they never count against the width, so no decision differs).
+    """
+
+    def start(
+        self,
+        loads_4W: torch.Tensor,
+        totals_W: torch.Tensor,
+        moved_N: torch.Tensor,
+        total_remote: int,
+    ) -> None:
+        super().start(loads_4W, totals_W, moved_N, total_remote)
+        g = self.open_N.nonzero().squeeze(1)
+        self.g_P = g[torch.sort(self.moved_N[g], descending=True, stable=True).indices]
+        self.delta_P4W, self.src_PW, m_P = self._deltas(self.g_P)
+        self.m_P1 = m_P.view(-1, 1)
+        self.o_P = torch.div(self.g_P, self.E, rounding_mode="floor")
+        self.open_P = torch.ones(len(self.g_P), dtype=torch.bool)
+        self._update()
+
+    def _update(self) -> None:
+        """What changes only when an expert is accepted: which candidates leave remote rows in
+        the group (the token collectives still run), and which have a full holder."""
+        self.any_remote_P1 = self.m_P1 < self.total_remote
+        self.blocked_P = (self.src_PW & (self.held_W >= self.max_replicas)).any(1)
+
+    def round(self) -> bool:
+        b = int(self.totals_W.argmax())  # the first max: the lowest bottleneck rank
+        best = float(self.totals_W[b])
+        trial_P4W = self.loads_4W + self.delta_P4W
+        totals_PW = self._totals(trial_P4W, self.any_remote_P1)
+        touches_P = self.src_PW[:, b] | (self.o_P == b)
+        listed_P = self.open_P & touches_P & (totals_PW[:, b] < best)
+        usable_P = listed_P & ~self.blocked_P
+        evaluated_P = usable_P & (usable_P.cumsum(0) <= self.width)
+        accepted = (evaluated_P & (totals_PW.amax(1) < best)).nonzero()
+        self.open_P &= ~(listed_P & self.blocked_P)
+        if not len(accepted):
+            return False
+        i = int(accepted[0])
+        self.open_P[i] = False
+        self._accept(int(self.g_P[i]), trial_P4W[i], totals_PW[i], self.src_PW[i])
+        self._update()
+        return True
 
 
 def plan_shadow(
@@ -295,10 +370,10 @@ def plan_shadow(
     of FasterMoE's estimate and are left out of the decision; ``prediction`` (full cost model,
     ``overlap`` default False) is reported for comparison.
     """
-    model = StepModel(shape, profile, overlap)
-    C_WN = counts_as_tensor(counts_WN, shape)
+    model = step_model(shape, profile, overlap)
+    C_WN, *sums = counts_with_sums(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
-    loads_4W, load_N, own_N = baseline_loads(C_WN, E)
+    loads_4W, load_N, own_N = baseline_loads(C_WN, E, sums)
     model.check_exact(max(2 * int(load_N.sum()), W * shape.num_experts))
     baseline = model.prediction_W(loads_4W)
     if W == 1:

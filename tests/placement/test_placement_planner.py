@@ -459,3 +459,55 @@ def test_mix_bounded_search_and_bad_width() -> None:
         plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=0)
     with pytest.raises(TypeError, match="search_width"):
         plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=2.0)
+
+
+def test_batched_search_decides_like_the_shortlist_search(monkeypatch) -> None:
+    """Small problems score every candidate per round (``_BatchedMixSearch``); larger ones
+    shortlist then evaluate (``_MixSearch``). Forced either way, they give equal plans, width
+    and replica cap binding included."""
+    import mixmoe.placement.planner as planner
+
+    plans, hot = {}, 0
+    for seed, (W, E) in enumerate(((2, 4), (3, 1), (4, 8), (8, 2), (16, 1), (5, 3))):
+        shape = LayerShape(64, 256, E, W, 2)
+        for routing in ("uniform", "zipf:1.2", "hot:0.3", "zipf:2.0"):
+            gen = torch.Generator().manual_seed(seed)
+            tokens = 300 + 40 * seed
+            counts_WN = synthetic_counts(RoutingSpec.parse(routing), W, tokens, 2, W * E, gen)
+            for profile, max_replicas, width in (
+                (GPU_PROFILE, 4, 8),
+                (COMPUTE_BOUND, 1, 2),
+                (COMPUTE_BOUND, 3, 1),
+                (CPU_PROFILE, 2, 8),
+            ):
+                for limit in (10**9, -1):
+                    monkeypatch.setattr(planner, "BATCH_LIMIT", limit)
+                    plans[limit] = plan_mix(
+                        counts_WN, shape, profile, max_replicas, search_width=width
+                    )
+                assert plans[10**9] == plans[-1], (seed, routing, profile.name, max_replicas)
+                hot += len(plans[-1].hot)
+    assert hot > 50  # the cases replicate, several experts at a time
+
+
+def test_counts_with_sums_is_one_checked_pass() -> None:
+    """Row blocks (forced small) give the plain sums; a negative count in any block is found."""
+    import mixmoe.placement.cost_model as cost_model
+
+    gen = torch.Generator().manual_seed(3)
+    for W, E in ((1, 5), (7, 3), (40, 2), (33, 8)):
+        shape = LayerShape(8, 8, E, W, 2)
+        C_WN = torch.randint(0, 1000, (W, W * E), generator=gen)
+        for block_bytes in (1, 8 * W * E * 3, 1 << 20):  # one row, three rows, one block
+            cost_model._BLOCK_BYTES = block_bytes
+            try:
+                C, colsum_N, rowsum_W = cost_model.counts_with_sums(C_WN, shape)
+                assert torch.equal(C, C_WN) and C.dtype == torch.int64
+                assert torch.equal(colsum_N, C_WN.sum(0)) and torch.equal(rowsum_W, C_WN.sum(1))
+                bad = C_WN.clone()
+                s, g = W - 1, W * E // 2
+                bad[s, g] = -2
+                with pytest.raises(ValueError, match=rf"counts_WN\[{s}\]\[{g}\] = -2 is negative"):
+                    cost_model.counts_with_sums(bad, shape)
+            finally:
+                cost_model._BLOCK_BYTES = 1 << 20

@@ -134,8 +134,11 @@ def plan_mix(
 
     Cost: one pass over C in cached row blocks (sign check, column and row sums:
     ``counts_with_sums``), then per round a few dozen vector ops over N and [search_width, W].
-    Small problems (candidates x W <= ``BATCH_LIMIT``) score every candidate at once per round
-    instead (``_BatchedMixSearch``, same decisions), where per-op overhead is the cost.
+    Where per-op overhead is the cost, the same search runs in other forms, with the same
+    decisions (a test forces each on the same cases): tiny problems (W x N <= ``LIST_LIMIT``)
+    on Python lists (``_ListMixSearch``); small ones (open candidates x W <= ``BATCH_LIMIT``)
+    score every candidate at once in the rounds after the first acceptance
+    (``_BatchedMixSearch``).
     Everything is torch ops on tensors (their kernels release the GIL): fit to run on a
     background thread.
     """
@@ -155,13 +158,16 @@ def plan_mix(
     baseline = model.pack(compute_W, comm_W, loads_4W)
     if max_replicas == 0 or W == 1 or total_remote == 0:
         return Plan((), (), baseline, baseline)
-    batched = int((moved_N > 0).sum()) * W <= BATCH_LIMIT
-    search = (_BatchedMixSearch if batched else _MixSearch)(
-        model, C_WN, E, max_replicas, search_width
-    )
+    tiny = W * shape.num_experts <= LIST_LIMIT
+    search = (_ListMixSearch if tiny else _MixSearch)(model, C_WN, E, max_replicas, search_width)
     search.start(loads_4W, compute_W + comm_W, moved_N, total_remote)
-    while search.round():
-        pass
+    # the first round shortlists (often the only one: nothing pays); once an expert is accepted,
+    # a small problem scores every open candidate per round instead (same decisions)
+    if search.round():
+        if not tiny and int(search.open_N.sum()) * W <= BATCH_LIMIT:
+            search = _BatchedMixSearch.resume(search)
+        while search.round():
+            pass
     if not search.accepted:
         return Plan((), (), baseline, baseline)
     prediction = model.prediction_W(search.loads_4W)
@@ -286,8 +292,9 @@ BATCH_LIMIT = 2048
 
 
 class _BatchedMixSearch(_MixSearch):
-    """``_MixSearch`` for small problems, where per-op overhead and not arithmetic is the cost:
-    every candidate's effect (``_deltas``) is built once, in priority order (remote rows
+    """``_MixSearch`` for small problems, where per-op overhead and not arithmetic is the cost,
+    from the second round on (``resume``): every open candidate's effect (``_deltas``) is built
+    once, in priority order (remote rows
     descending, expert id ascending), and each round scores all open candidates at once with a
     fixed number of vector ops, instead of a shortlist pass and then an evaluation pass.
 
@@ -299,21 +306,19 @@ class _BatchedMixSearch(_MixSearch):
     be accepted, and they never count against the width, so no decision differs).
     """
 
-    def start(
-        self,
-        loads_4W: torch.Tensor,
-        totals_W: torch.Tensor,
-        moved_N: torch.Tensor,
-        total_remote: int,
-    ) -> None:
-        super().start(loads_4W, totals_W, moved_N, total_remote)
-        g = self.open_N.nonzero().squeeze(1)
-        self.g_P = g[torch.sort(self.moved_N[g], descending=True, stable=True).indices]
-        self.delta_P4W, self.src_PW, m_P = self._deltas(self.g_P)
-        self.m_P1 = m_P.view(-1, 1)
-        self.o_P = torch.div(self.g_P, self.E, rounding_mode="floor")
-        self.open_P = torch.ones(len(self.g_P), dtype=torch.bool)
-        self._update()
+    @classmethod
+    def resume(cls, search: _MixSearch) -> _BatchedMixSearch:
+        """Go on from ``search``'s state (its accepted experts, loads and open candidates)."""
+        batched = cls.__new__(cls)
+        batched.__dict__.update(search.__dict__)
+        g = batched.open_N.nonzero().squeeze(1)
+        batched.g_P = g[torch.sort(batched.moved_N[g], descending=True, stable=True).indices]
+        batched.delta_P4W, batched.src_PW, m_P = batched._deltas(batched.g_P)
+        batched.m_P1 = m_P.view(-1, 1)
+        batched.o_P = torch.div(batched.g_P, batched.E, rounding_mode="floor")
+        batched.open_P = torch.ones(len(batched.g_P), dtype=torch.bool)
+        batched._update()
+        return batched
 
     def _update(self) -> None:
         """What changes only when an expert is accepted: which candidates leave remote rows in
@@ -339,6 +344,110 @@ class _BatchedMixSearch(_MixSearch):
         self._accept(int(self.g_P[i]), trial_P4W[i], totals_PW[i], self.src_PW[i])
         self._update()
         return True
+
+
+# _ListMixSearch runs where W x N is at most this: the counts fit in a few small Python lists,
+# and scalar arithmetic beats tensor ops that would each cost more than the work they do
+LIST_LIMIT = 1024
+
+
+class _ListMixSearch:
+    """``_MixSearch`` on Python lists and floats, for tiny problems (W x N <= ``LIST_LIMIT``).
+
+    The same search step for step: the bottleneck b, its shortlist (open candidates touching b
+    whose new total at b drops below the step, by remote rows descending then expert id), the
+    first ``width`` unblocked ones evaluated on every rank, the first whose step drops accepted.
+    Seconds come from ``StepModel.rank_seconds``, which equals ``seconds_W`` bit for bit on the
+    same integer loads, so the decisions and the loads are those of the tensor search (a test
+    forces both on the same cases).
+    """
+
+    def __init__(
+        self, model: StepModel, C_WN: torch.Tensor, E: int, max_replicas: int, width: int
+    ) -> None:
+        self.model, self.C, self.E = model, C_WN.tolist(), E
+        self.max_replicas, self.width = max_replicas, width
+        self.accepted: dict[int, tuple[int, ...]] = {}
+
+    def start(
+        self,
+        loads_4W: torch.Tensor,
+        totals_W: torch.Tensor,
+        moved_N: torch.Tensor,
+        total_remote: int,
+    ) -> None:
+        self.loads = [[int(v) for v in row] for row in loads_4W.tolist()]  # 4 lists of W ints
+        self.totals, self.total_remote = totals_W.tolist(), total_remote
+        self.moved = moved_N.tolist()
+        self.held = [0] * len(self.totals)
+        self.open = [m > 0 for m in self.moved]
+        # candidates in priority order: remote rows descending, expert id ascending
+        self.order = sorted((g for g, m in enumerate(self.moved) if m > 0), key=self._priority)
+
+    def _priority(self, g: int) -> tuple[int, int]:
+        return -self.moved[g], g
+
+    @property
+    def loads_4W(self) -> torch.Tensor:
+        return torch.tensor(self.loads, dtype=torch.float64)
+
+    def _total(self, rows: int, local: int, remote: int, replica: int, any_remote: bool) -> float:
+        compute, comm = self.model.rank_seconds(rows, local, remote, replica, any_remote, True)
+        return compute + comm
+
+    def round(self) -> bool:
+        totals = self.totals
+        best = max(totals)
+        b = totals.index(best)  # the first max: the lowest bottleneck rank
+        rows, local, remote, replica = (load[b] for load in self.loads)
+        C, E, row_b = self.C, self.E, self.C[b]
+        listed = []
+        for g in self.order:
+            if not self.open[g]:
+                continue
+            m, any_remote = self.moved[g], self.moved[g] < self.total_remote
+            if g // E == b:  # b owns g: it computes and exchanges m rows less, serves n replicas
+                n = sum(1 for s in range(len(C)) if s != b and C[s][g] > 0)
+                new = self._total(rows - m, local, remote - m, replica + n, any_remote)
+            else:  # b computes its c rows of g itself and fetches a replica
+                c = row_b[g]
+                if c == 0:
+                    continue
+                new = self._total(rows + c, local + c, remote - c, replica + 1, any_remote)
+            if new < best:
+                listed.append(g)
+        evaluated = 0
+        for g in listed:
+            if evaluated == self.width:
+                break
+            o = g // E
+            src = [s for s in range(len(C)) if s != o and C[s][g] > 0]
+            if any(self.held[s] >= self.max_replicas for s in src):
+                self.open[g] = False  # a holder is full: g can never fit again
+                continue
+            evaluated += 1
+            trial = [list(load) for load in self.loads]
+            for s in src:
+                c = C[s][g]
+                trial[0][s] += c
+                trial[1][s] += c
+                trial[2][s] -= c
+                trial[3][s] += 1
+            m = self.moved[g]
+            trial[0][o] -= m
+            trial[2][o] -= m
+            trial[3][o] += len(src)
+            any_remote = m < self.total_remote
+            new_totals = [self._total(*loads, any_remote) for loads in zip(*trial, strict=True)]
+            if max(new_totals) < best:
+                self.loads, self.totals = trial, new_totals
+                for s in src:
+                    self.held[s] += 1
+                self.total_remote -= m
+                self.open[g] = False
+                self.accepted[g] = tuple(src)
+                return True
+        return False
 
 
 def plan_shadow(

@@ -461,10 +461,14 @@ def test_mix_bounded_search_and_bad_width() -> None:
         plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=2.0)
 
 
-def test_batched_search_decides_like_the_shortlist_search(monkeypatch) -> None:
-    """Small problems score every candidate per round (``_BatchedMixSearch``); larger ones
-    shortlist then evaluate (``_MixSearch``). Forced either way, they give equal plans, width
-    and replica cap binding included."""
+PATHS = {"lists": (10**9, 0), "batched": (-1, 10**9), "shortlist": (-1, -1)}
+
+
+def test_every_search_path_decides_alike(monkeypatch) -> None:
+    """Tiny problems search on Python lists (``_ListMixSearch``), small ones score every
+    candidate per round after the first acceptance (``_BatchedMixSearch``), larger ones
+    shortlist then evaluate (``_MixSearch``). Forced each way, they give equal plans (hot set,
+    holders, prediction, baseline), width and replica cap binding included."""
     import mixmoe.placement.planner as planner
 
     plans, hot = {}, 0
@@ -480,13 +484,15 @@ def test_batched_search_decides_like_the_shortlist_search(monkeypatch) -> None:
                 (COMPUTE_BOUND, 3, 1),
                 (CPU_PROFILE, 2, 8),
             ):
-                for limit in (10**9, -1):
-                    monkeypatch.setattr(planner, "BATCH_LIMIT", limit)
-                    plans[limit] = plan_mix(
+                for path, (list_limit, batch_limit) in PATHS.items():
+                    monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
+                    monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
+                    plans[path] = plan_mix(
                         counts_WN, shape, profile, max_replicas, search_width=width
                     )
-                assert plans[10**9] == plans[-1], (seed, routing, profile.name, max_replicas)
-                hot += len(plans[-1].hot)
+                case = (seed, routing, profile.name, max_replicas)
+                assert plans["lists"] == plans["batched"] == plans["shortlist"], case
+                hot += len(plans["shortlist"].hot)
     assert hot > 50  # the cases replicate, several experts at a time
 
 
@@ -499,7 +505,7 @@ def test_counts_with_sums_is_one_checked_pass() -> None:
         shape = LayerShape(8, 8, E, W, 2)
         C_WN = torch.randint(0, 1000, (W, W * E), generator=gen)
         for block_bytes in (1, 8 * W * E * 3, 1 << 20):  # one row, three rows, one block
-            cost_model._BLOCK_BYTES = block_bytes
+            cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = block_bytes, 0
             try:
                 C, colsum_N, rowsum_W = cost_model.counts_with_sums(C_WN, shape)
                 assert torch.equal(C, C_WN) and C.dtype == torch.int64
@@ -510,4 +516,4 @@ def test_counts_with_sums_is_one_checked_pass() -> None:
                 with pytest.raises(ValueError, match=rf"counts_WN\[{s}\]\[{g}\] = -2 is negative"):
                     cost_model.counts_with_sums(bad, shape)
             finally:
-                cost_model._BLOCK_BYTES = 1 << 20
+                cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = 1 << 20, 8 << 20

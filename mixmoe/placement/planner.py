@@ -357,8 +357,8 @@ class _ListMixSearch:
     The same search step for step: the bottleneck b, its shortlist (open candidates touching b
     whose new total at b drops below the step, by remote rows descending then expert id), the
     first ``width`` unblocked ones evaluated on every rank, the first whose step drops accepted.
-    Seconds come from ``StepModel.rank_seconds``, which equals ``seconds_W`` bit for bit on the
-    same integer loads, so the decisions and the loads are those of the tensor search (a test
+    Seconds come from ``StepModel.rank_total`` (``rank_seconds`` summed), which equals
+    ``seconds_W`` bit for bit on the same integer loads, so the decisions and the loads are those of the tensor search (a test
     forces both on the same cases).
     """
 
@@ -391,16 +391,12 @@ class _ListMixSearch:
     def loads_4W(self) -> torch.Tensor:
         return torch.tensor(self.loads, dtype=torch.float64)
 
-    def _total(self, rows: int, local: int, remote: int, replica: int, any_remote: bool) -> float:
-        compute, comm = self.model.rank_seconds(rows, local, remote, replica, any_remote, True)
-        return compute + comm
-
     def round(self) -> bool:
         totals = self.totals
         best = max(totals)
         b = totals.index(best)  # the first max: the lowest bottleneck rank
         rows, local, remote, replica = (load[b] for load in self.loads)
-        C, E, row_b = self.C, self.E, self.C[b]
+        C, E, row_b, total = self.C, self.E, self.C[b], self.model.rank_total
         listed = []
         for g in self.order:
             if not self.open[g]:
@@ -408,12 +404,12 @@ class _ListMixSearch:
             m, any_remote = self.moved[g], self.moved[g] < self.total_remote
             if g // E == b:  # b owns g: it computes and exchanges m rows less, serves n replicas
                 n = sum(1 for s in range(len(C)) if s != b and C[s][g] > 0)
-                new = self._total(rows - m, local, remote - m, replica + n, any_remote)
+                new = total(rows - m, local, remote - m, replica + n, any_remote, True)
             else:  # b computes its c rows of g itself and fetches a replica
                 c = row_b[g]
                 if c == 0:
                     continue
-                new = self._total(rows + c, local + c, remote - c, replica + 1, any_remote)
+                new = total(rows + c, local + c, remote - c, replica + 1, any_remote, True)
             if new < best:
                 listed.append(g)
         evaluated = 0
@@ -438,7 +434,7 @@ class _ListMixSearch:
             trial[2][o] -= m
             trial[3][o] += len(src)
             any_remote = m < self.total_remote
-            new_totals = [self._total(*loads, any_remote) for loads in zip(*trial, strict=True)]
+            new_totals = [total(*loads, any_remote, True) for loads in zip(*trial, strict=True)]
             if max(new_totals) < best:
                 self.loads, self.totals = trial, new_totals
                 for s in src:

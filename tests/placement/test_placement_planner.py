@@ -446,6 +446,8 @@ def test_vector_seconds_equal_scalar_seconds_bit_for_bit(
     for r, (rows, local, remote, replica) in enumerate(loads):
         compute, comm = model.rank_seconds(rows, local, remote, replica, any_remote, any_hot)
         assert (compute_W[r].item(), comm_W[r].item()) == (compute, comm)
+        total = model.rank_total(rows, local, remote, replica, any_remote, any_hot)
+        assert total == compute + comm == (compute_W[r] + comm_W[r]).item()
 
 
 def test_mix_bounded_search_and_bad_width() -> None:

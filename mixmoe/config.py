@@ -67,6 +67,10 @@ class MoEConfig:
 
     num_experts is the GLOBAL number of experts N; under expert parallelism over W ranks each rank
     owns N // W of them (expert g lives on rank g // (N // W)).
+
+    plan_async: under ``mix``, plan on the dispatcher's background thread while this rank's rows
+    for its own experts are computed (True), or plan first and compute after (False). Both give
+    the same plan and the same numbers; only the overlap differs.
     """
 
     model_dim: int
@@ -81,6 +85,7 @@ class MoEConfig:
     block_size: int = 64
     strategy: str = "local"
     max_replicas: int = 4
+    plan_async: bool = True
 
     def __post_init__(self) -> None:
         check_int("model_dim", self.model_dim, 1)
@@ -88,6 +93,8 @@ class MoEConfig:
         check_int("num_experts", self.num_experts, 1)
         check_int("top_k", self.top_k, 1)
         check_int("max_replicas", self.max_replicas, 0)
+        if not isinstance(self.plan_async, bool):
+            raise TypeError(f"plan_async must be a bool, got {self.plan_async!r}")
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k={self.top_k} exceeds num_experts={self.num_experts}; "

@@ -9,14 +9,17 @@ One step on rank r, as three calls (``MoE.forward`` makes them):
     1. count rows per expert; ``exchange_counts``: one all_gather of [fingerprint, version, c_N]
        -> C on every rank. THE host sync of the layer: every later size and split follows from C.
     2. plan (deterministic, same on every rank) with the strategy's planner (``strategies.py``).
+       Under ``mix`` (``MoEConfig.plan_async``) the plan runs on this dispatcher's background
+       thread while this rank's rows for its own experts (they stay here under every plan) are
+       sorted and computed; the step then waits for the plan.
     3. replica fetch: one all_to_all of packed weights (cached under ``mix`` while the owners'
        versions are unchanged); its backward sends replica gradients home.
     4. one sort of the rows into [own | replica | sent | dropped] and the step's index tensors
        from one upload (``step_layout.py``); rows of experts neither owned nor replicated here go
        to their owner in one all_to_all (async under ``mix``: waited for only by the experts).
   experts(rows, layout)  (``Experts.forward``): fused expert MLP calls, local work first (it
-       overlaps the exchange under ``mix``), then the received rows, read by index and written
-       in return order.
+       overlaps the exchange under ``mix``; the own rows already computed under an async plan),
+       then the received rows, read by index and written in return order.
   combine(out, meta) -> y_TD
     5. received results go back by the reverse all_to_all; y = local output + weighted sum of
        the returned rows.
@@ -26,6 +29,8 @@ reduced into the owner's ``.grad``. Every rank joins every collective, with zero
 
 from __future__ import annotations
 
+import contextvars
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,8 +39,8 @@ from mixmoe.comm.autograd import all_to_all, all_to_all_start, all_to_all_wait
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.layout import count_matrix_to_host
 from mixmoe.dispatch.replicas import FetchPlan, fetch_replicas, unpack_experts, weights_version
-from mixmoe.dispatch.step import DispatchedRows, ExpertLayout, ExpertOutputs
-from mixmoe.dispatch.step_layout import StepLayout, build_step_layout
+from mixmoe.dispatch.step import DispatchedRows, ExpertLayout, ExpertOutputs, run_work
+from mixmoe.dispatch.step_layout import StepLayout, build_own_layout, build_step_layout
 from mixmoe.dispatch.step_plan import StepPlan, build_step_plan
 from mixmoe.dispatch.strategies import STRATEGY_SPECS, config_fingerprint, strategy_spec
 from mixmoe.ops.expert_mlp import ExpertWeights
@@ -100,6 +105,26 @@ class ExpertParallelDispatcher:
         self._cache_key: tuple | None = None
         self._cache_HQ: torch.Tensor | None = None
         self._last_fetch: FetchPlan | None = None
+        self._planner_thread: ThreadPoolExecutor | None = None  # created by the first async plan
+
+    @property
+    def plans_async(self) -> bool:
+        """Whether steps plan on the background thread (the strategy allows it and the config
+        asks for it)."""
+        return self.spec.plan_async and self.config.plan_async
+
+    def close(self) -> None:
+        """Stop the planning thread, if one was started (a later step starts a new one). Also
+        done when the dispatcher is garbage-collected or copied."""
+        if self._planner_thread is not None:
+            self._planner_thread.shutdown(wait=True)
+            self._planner_thread = None
+
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) starts its own thread when it first plans
+        state = dict(self.__dict__)
+        state["_planner_thread"] = None
+        return state
 
     # -- agreement -----------------------------------------------------------------------------
     def _handshake(self, device: torch.device) -> None:
@@ -178,6 +203,22 @@ class ExpertParallelDispatcher:
         profile = self.profile or default_profile(device.type)
         return self.spec.planner(C, shape, profile, cfg)
 
+    def _plan_step(
+        self, C: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Plan, StepPlan]:
+        """The plan and this rank's bookkeeping: host work only, from C alone (any thread)."""
+        with trace_span("moe.plan", kind="host"):
+            plan = self._plan(C, dtype, device)
+            return plan, build_step_plan(C, plan, self.comm.rank, self.experts_per_rank)
+
+    def _submit_plan(self, C: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Future:
+        """Start ``_plan_step`` on the planning thread (one worker: steps plan in order). It runs
+        in a copy of this context, so an active trace recorder records its span."""
+        if self._planner_thread is None:
+            self._planner_thread = ThreadPoolExecutor(1, thread_name_prefix="mixmoe-plan")
+        context = contextvars.copy_context()
+        return self._planner_thread.submit(context.run, self._plan_step, C, dtype, device)
+
     def _exchange(self, name: str, x_RD: torch.Tensor, out_splits, in_splits, moving: bool):
         """Token all_to_all: async under overlap (returns a pending handle), else synchronous;
         skipped on every rank alike when nothing moves."""
@@ -240,25 +281,34 @@ class ExpertParallelDispatcher:
         counts_N = expert_counts(routing.ids_TK, N)
         C, versions = self.exchange_counts(counts_N, weights_version(weights))
 
-        # 2. plan: the same on every rank
-        with trace_span("moe.plan", kind="host"):
-            plan = self._plan(C, x_TD.dtype, x_TD.device)
-            step = build_step_plan(C, plan, r, E)
+        # 2. plan: the same on every rank. Under an async plan, this rank's rows for its own
+        # experts (here under every plan) are sorted and computed while the plan is made
+        counts_r = C[r].tolist()
+        B = self.config.block_size
+        local_done_TD = None
+        if self.plans_async:
+            planned = self._submit_plan(C, x_TD.dtype, x_TD.device)
+            try:
+                own = build_own_layout(routing, counts_r, r, E, B)
+                local_done_TD = run_work(own.own, x_TD, weights, self.config.activation)
+            finally:
+                # wait even if the own rows failed: no plan is left running behind an error.
+                # A planner error is raised here; it is a function of C alone (the planner is
+                # deterministic), so every rank raises it before any further collective
+                plan, step = planned.result()
+        else:
+            plan, step = self._plan_step(C, x_TD.dtype, x_TD.device)
+            own = build_own_layout(routing, counts_r, r, E, B)
         moving = step.rows_moved > 0
 
         # 3. replica fetch (one all_to_all of packed weights, or the cache)
         replicas, cached = self._fetch(weights, plan, step, versions)
 
-        # 4. one sort, one upload; send the rows of experts computed elsewhere
-        # a rank holding no replica still runs the (empty) replica work when any replica exists:
+        # 4. the rest of the layout (one upload); send the rows of experts computed elsewhere.
+        # A rank holding no replica still runs the (empty) replica work when any replica exists:
         # the fetch must be in its graph so that its backward joins the gradient all_to_all
         layout = build_step_layout(
-            routing,
-            C[r].tolist(),
-            step,
-            N,
-            self.config.block_size,
-            with_replicas=replicas is not None,
+            routing, own, counts_r, step, B, with_replicas=replicas is not None
         )
         recv_RD, pending = self._exchange(
             "moe.dispatch", x_TD[layout.send_token_S], step.out_splits, step.in_splits, moving
@@ -270,7 +320,8 @@ class ExpertParallelDispatcher:
                 received.append(recv_RD if pending is None else all_to_all_wait(recv_RD, pending))
             return received[0]
 
-        work = (layout.own,) + ((layout.replica,) if layout.replica else ()) + (layout.received,)
+        work = () if local_done_TD is not None else (layout.own,)
+        work += ((layout.replica,) if layout.replica else ()) + (layout.received,)
         rows_W = plan.prediction.rows
         stats = {
             "rows_moved": step.rows_moved,
@@ -280,7 +331,8 @@ class ExpertParallelDispatcher:
             "replica_cached": cached,
         }
         meta = StepMeta(layout, step, plan, routing.weights_TK, moving, counts_N, stats)
-        return DispatchedRows(x_TD, replicas, receive), ExpertLayout(work), meta
+        rows = DispatchedRows(x_TD, replicas, receive, local_done_TD)
+        return rows, ExpertLayout(work), meta
 
     def combine(self, out: ExpertOutputs, meta: StepMeta) -> torch.Tensor:
         """Send the received rows' results home and add the weighted returned rows to the local

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mixmoe.ops.expert_mlp import ExpertWeights
+from mixmoe.ops.token_expert_mlp import token_expert_mlp
 from mixmoe.schedule.blocks import BlockSchedule
+from mixmoe.tracing import trace_span
 
 SOURCES = ("local", "received")
 WEIGHT_SETS = ("owned", "replica")
@@ -53,6 +55,18 @@ class ExpertWork:
         assert self.source in SOURCES and self.weights in WEIGHT_SETS, (self.source, self.weights)
 
 
+def run_work(
+    work: ExpertWork, source: torch.Tensor, weights: ExpertWeights, activation: str
+) -> torch.Tensor:
+    """One work item's fused expert MLP call, traced under ``work.span``: what the experts run
+    for every item, and what a dispatcher runs for the items it computes itself (the own rows,
+    while the plan is being made)."""
+    with trace_span(work.span, kind="compute"):
+        return token_expert_mlp(
+            source, work.token_P, work.pos_TK, work.weights_TK, weights, work.schedule, activation
+        )
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """The work of one step, in execution order (local work first: it overlaps the receive)."""
@@ -62,12 +76,16 @@ class ExpertLayout:
 
 @dataclass(frozen=True)
 class DispatchedRows:
-    """The experts' inputs: the local tokens, the replicas fetched this step (or None) and, under
-    expert parallelism, the rows received (``received()`` waits for an in-flight exchange)."""
+    """The experts' inputs: the local tokens, the replicas fetched this step (or None), under
+    expert parallelism the rows received (``received()`` waits for an in-flight exchange), and
+    ``local_done_TD``: the output of local work the dispatcher already ran (token order, weighted
+    and K-summed: under ``mix`` the own rows, computed while the plan was made), or None. The
+    experts add the layout's local work to it."""
 
     local_TD: torch.Tensor
     replicas: ExpertWeights | None = None
     receive: Callable[[], torch.Tensor] | None = None
+    local_done_TD: torch.Tensor | None = None
 
     def received(self) -> torch.Tensor:
         if self.receive is None:

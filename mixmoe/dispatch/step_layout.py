@@ -1,12 +1,19 @@
-"""Device index tensors of one expert-parallel step on one rank, built from ONE host -> device
-upload of the step's small integer lists.
+"""Device index tensors of one expert-parallel step on one rank, in two parts.
 
 Legend: T tokens here, K top-k, D model dim, W ranks, E experts per rank, N = W*E experts,
 H replicas held here, R = T*K routed rows, P padded rows of one work item.
 
-Rows are sorted once, by a relabelled expert id that puts this rank's segments in the order
-[own experts | replica experts | experts sent away (ascending, hence grouped by owner) | dropped],
-so every group is a contiguous run of the sorted rows and the send buffer is one gather.
+The rows end in the order [own experts | replica experts | experts sent away (ascending, hence
+grouped by owner) | dropped], so every group is a contiguous run of the sorted rows and the send
+buffer is one gather. It is reached in two stable sorts, so that the first part needs no plan:
+
+1. ``build_own_layout`` (plan-independent: this rank's rows for its own experts stay here under
+   every plan): one stable sort of all rows by the key [own experts | every other expert by id |
+   dropped], and the own work item. No upload: its few sizes are already on the device.
+2. ``build_step_layout`` (needs the plan): a stable partition of the rows after the own ones into
+   [replica experts | the rest]. Replica and sent experts are both ascending in the plan's order,
+   so the result equals one stable sort by the final key. One host -> device upload of the
+   step's small integer lists.
 """
 
 from __future__ import annotations
@@ -20,6 +27,19 @@ from mixmoe.dispatch.step_plan import StepPlan
 from mixmoe.schedule.blocks import BlockSchedule, build_block_schedule
 from mixmoe.schedule.sort import num_blocks, sort_by_expert
 from mixmoe.types import Routing
+
+
+@dataclass(frozen=True)
+class OwnLayout:
+    """The plan-independent part of a step.
+    own:     the work item of this rank's rows for its own experts.
+    order_R: routed rows (``t * K + k``) in [own | other experts ascending | dropped] order.
+    num_own: rows for own experts (host int; the first ``num_own`` of ``order_R``).
+    """
+
+    own: ExpertWork
+    order_R: torch.Tensor
+    num_own: int
 
 
 @dataclass(frozen=True)
@@ -68,56 +88,67 @@ def _source_rows(src_P: torch.Tensor, rows: torch.Tensor, fill: int) -> torch.Te
     return torch.where(src_P >= 0, rows[src_P.clamp(min=0)], fill)
 
 
+def build_own_layout(
+    routing: Routing, counts: list[int], rank: int, experts_per_rank: int, block_size: int
+) -> OwnLayout:
+    """The own work item: ``counts`` are this rank's row counts per global expert (host), the
+    experts owned here are ``rank * E .. rank * E + E - 1``. No plan, no upload, no host sync."""
+    ids_TK = routing.ids_TK
+    T, K = ids_TK.shape
+    R, E, B = T * K, experts_per_rank, block_size
+    first, device = rank * E, ids_TK.device
+    N = len(counts)
+    # own experts -> 0..E-1, experts below them shift up by E, experts above keep their id:
+    # [own | others ascending]; dropped (-1) rows sort last
+    shifted_TK = torch.where(ids_TK < first, ids_TK + E, ids_TK)
+    key_TK = torch.where((ids_TK >= first) & (ids_TK < first + E), ids_TK - first, shifted_TK)
+    order_R = sort_by_expert(torch.where(ids_TK >= 0, key_TK, -1), N).order_R
+    own_c = counts[first : first + E]
+    counts_E = torch.tensor(own_c, dtype=torch.int64).to(device)  # E ints: no sync on a GPU
+    sched = _schedule(counts_E, torch.arange(E, device=device), own_c, B)
+    own = ExpertWork(
+        source="local",
+        weights="owned",
+        token_P=_source_rows(sched.src_P, order_R // max(K, 1), T),
+        pos_TK=_positions(order_R, 0, sched, R).view(T, K),
+        weights_TK=routing.weights_TK,
+        schedule=sched,
+        span="moe.experts_local",
+    )
+    return OwnLayout(own=own, order_R=order_R, num_own=sum(own_c))
+
+
 def build_step_layout(
     routing: Routing,
+    own: OwnLayout,
     counts: list[int],
     step: StepPlan,
-    num_experts: int,
     block_size: int,
     *,
     with_replicas: bool,
 ) -> StepLayout:
-    """``counts``: this rank's row counts per global expert (host). ``with_replicas``: build the
-    replica work item (possibly empty: H = 0 here while other ranks hold replicas). No host
-    sync."""
+    """The rest of the step from the plan's bookkeeping: ``own`` from ``build_own_layout`` (same
+    routing and counts), ``counts`` this rank's row counts per global expert (host).
+    ``with_replicas``: build the replica work item (possibly empty: H = 0 here while other ranks
+    hold replicas). One upload, no host sync."""
     ids_TK = routing.ids_TK
     T, K = ids_TK.shape
-    R, N, B = T * K, num_experts, block_size
+    R, B = T * K, block_size
     device = ids_TK.device
-    order = step.own_experts + step.rep_experts + step.send_experts
-    relabel = [0] * N
-    for i, g in enumerate(order):
-        relabel[g] = i
-    own_c = [counts[g] for g in step.own_experts]
     rep_c = [counts[g] for g in step.rep_experts]
-    E, H = len(own_c), len(rep_c)
-    relabel_N, own_cG, own_sG, rep_cG, rep_sG, recv_cG, recv_sG = _upload(
-        [
-            relabel,
-            own_c,
-            list(range(E)),
-            rep_c,
-            list(range(H)),
-            step.recv_counts,
-            step.recv_slots,
-        ],
+    H = len(rep_c)
+    rep_H, rep_cG, rep_sG, recv_cG, recv_sG = _upload(
+        [list(step.rep_experts), rep_c, list(range(H)), step.recv_counts, step.recv_slots],
         device,
     )
-    relabelled_TK = torch.where(ids_TK >= 0, relabel_N[ids_TK.clamp(min=0)], -1)
-    order_R = sort_by_expert(relabelled_TK, N).order_R
+    n_own = own.num_own
+    order_R = own.order_R
+    if H:  # stable partition of the other rows: [replica experts | sent | dropped]
+        rest_R = order_R[n_own:]
+        away_R = ~torch.isin(ids_TK.reshape(-1)[rest_R], rep_H)
+        order_R = torch.cat([order_R[:n_own], rest_R[torch.argsort(away_R, stable=True)]])
     token_R = order_R // max(K, 1)
-    n_own, n_rep, n_send = sum(own_c), sum(rep_c), sum(counts[g] for g in step.send_experts)
-
-    sched_own = _schedule(own_cG, own_sG, own_c, B)
-    own = ExpertWork(
-        source="local",
-        weights="owned",
-        token_P=_source_rows(sched_own.src_P, token_R, T),
-        pos_TK=_positions(order_R, 0, sched_own, R).view(T, K),
-        weights_TK=routing.weights_TK,
-        schedule=sched_own,
-        span="moe.experts_local",
-    )
+    n_rep, n_send = sum(rep_c), sum(counts[g] for g in step.send_experts)
     replica = None
     if with_replicas:
         sched_rep = _schedule(rep_cG, rep_sG, rep_c, B)
@@ -146,7 +177,7 @@ def build_step_layout(
     pos_back_R = torch.full((R,), n_send, dtype=torch.int64, device=device)
     pos_back_R[send_R] = torch.arange(n_send, device=device)
     return StepLayout(
-        own=own,
+        own=own.own,
         replica=replica,
         received=received,
         order_R=order_R,

@@ -4,8 +4,9 @@ Legend: W ranks, N experts, C the count matrix [W, N].
 
     a2a     nothing replicated (FastMoE / Megatron style), synchronous exchange.
     shadow  FasterMoE's shadowing rule, hot experts broadcast to every rank, synchronous exchange.
-    mix     the cost-model planner; local blocks overlap the exchange; replicas cached while the
-            owners' weights are unchanged.
+    mix     the cost-model planner, run on a background thread while the own rows are computed
+            (``MoEConfig.plan_async``); local blocks overlap the exchange; replicas cached while
+            the owners' weights are unchanged.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ Planner = Callable[[list[list[int]], LayerShape, HardwareProfile, MoEConfig], Pl
 class StrategySpec:
     """name; planner(C, shape, profile, config) -> Plan (deterministic: the same on every rank);
     overlap: local blocks computed while the token all_to_all is in flight;
-    cache_replicas: reuse fetched replicas while their owners' weights are unchanged."""
+    cache_replicas: reuse fetched replicas while their owners' weights are unchanged;
+    plan_async: the plan may run on a background thread while the own rows are computed (when
+    ``MoEConfig.plan_async`` is set too)."""
 
     name: str
     planner: Planner
     overlap: bool
     cache_replicas: bool
+    plan_async: bool = False
 
 
 STRATEGY_SPECS: dict[str, StrategySpec] = {
@@ -40,7 +44,11 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
         "shadow", lambda C, shape, prof, cfg: plan_shadow(C, shape, prof), False, False
     ),
     "mix": StrategySpec(
-        "mix", lambda C, shape, prof, cfg: plan_mix(C, shape, prof, cfg.max_replicas), True, True
+        "mix",
+        lambda C, shape, prof, cfg: plan_mix(C, shape, prof, cfg.max_replicas),
+        True,
+        True,
+        True,
     ),
 }
 

@@ -1,7 +1,9 @@
 """Chrome / Perfetto trace JSON (docs/formats.md section 5): writer and reader of mixmoe's traces.
 
 Layout: one ``pid`` per rank (named ``rank R (stage S)``), one ``tid`` per role:
-``0`` top-level ops, ``1`` compute/host sub-operations, ``2`` communication sub-operations.
+``0`` top-level ops, ``1`` compute sub-operations, ``2`` communication sub-operations, ``3`` host
+sub-operations (span kind ``host``: e.g. the plan, which may run on a background thread while
+the compute track is busy).
 Every op and sub-op is a complete event (``ph: "X"``) with ``ts``/``dur`` in microseconds on the
 recorder's host-monotonic clock; ``args`` keep the CMD fields (``op_index`` ties a sub-op to its
 op, so ``read_chrome_trace`` can load the file back). Untimed ops (short-form lines with
@@ -33,14 +35,20 @@ class HasRecords(Protocol):
 __all__ = [
     "TID_COMM",
     "TID_COMPUTE",
+    "TID_HOST",
     "TID_OPS",
     "chrome_trace_events",
     "read_chrome_trace",
     "write_chrome_trace",
 ]
 
-TID_OPS, TID_COMPUTE, TID_COMM = 0, 1, 2
-_TID_NAMES = {TID_OPS: "ops", TID_COMPUTE: "sub-ops: compute", TID_COMM: "sub-ops: comm"}
+TID_OPS, TID_COMPUTE, TID_COMM, TID_HOST = 0, 1, 2, 3
+_TID_NAMES = {
+    TID_OPS: "ops",
+    TID_COMPUTE: "sub-ops: compute",
+    TID_COMM: "sub-ops: comm",
+    TID_HOST: "sub-ops: host",
+}
 
 
 def _us(ms: float) -> float:
@@ -86,7 +94,7 @@ def chrome_trace_events(ops: Iterable[CmdOp]) -> list[dict[str, Any]]:
             for sub in op.sub_ops:
                 if sub.start_ms is None:
                     continue
-                tid = TID_COMM if sub.is_comm else TID_COMPUTE
+                tid = TID_COMM if sub.is_comm else TID_HOST if sub.kind == "host" else TID_COMPUTE
                 args = _sub_args(sub, index)
                 events.append(
                     _complete(sub.label, "mixmoe.sub", rank, tid, sub.start_ms, sub, args)

@@ -20,10 +20,8 @@ import math
 import torch
 from torch import nn
 
-from mixmoe.dispatch.step import DispatchedRows, ExpertLayout, ExpertOutputs
+from mixmoe.dispatch.step import DispatchedRows, ExpertLayout, ExpertOutputs, run_work
 from mixmoe.ops.expert_mlp import ExpertWeights
-from mixmoe.ops.token_expert_mlp import token_expert_mlp
-from mixmoe.tracing import trace_span
 
 EXPERT_PARAM_NAMES = ("w1", "b1", "w2", "b2", "w3", "b3")
 
@@ -92,23 +90,15 @@ class Experts(nn.Module):
     def forward(self, rows: DispatchedRows, layout: ExpertLayout) -> ExpertOutputs:
         """Run every work item of the step in order: one fused expert MLP call each, reading its
         source rows by index and writing token order (local rows, weighted and K-summed) or
-        return order (received rows, unweighted). Local outputs are summed in work order."""
-        local_TD = received_RD = None
+        return order (received rows, unweighted). Local outputs are summed in work order, after
+        the local output the dispatcher already computed (``rows.local_done_TD``), if any."""
+        local_TD, received_RD = rows.local_done_TD, None
         for work in layout.work:
             source = rows.local_TD if work.source == "local" else rows.received()
             weights = self.weights() if work.weights == "owned" else rows.replicas
             if weights is None:
                 raise ValueError(f"work item {work.span!r} needs replicas but none were fetched")
-            with trace_span(work.span, kind="compute"):
-                out = token_expert_mlp(
-                    source,
-                    work.token_P,
-                    work.pos_TK,
-                    work.weights_TK,
-                    weights,
-                    work.schedule,
-                    self.activation,
-                )
+            out = run_work(work, source, weights, self.activation)
             if work.source == "received":
                 received_RD = out if received_RD is None else received_RD + out
             else:

@@ -23,9 +23,8 @@ from mixmoe.placement.cost_model import (
     Prediction,
     StepModel,
     baseline_loads,
-    counts_as_lists,
-    counts_as_tensor,
-    rank_loads,
+    counts_with_sums,
+    step_model,
 )
 from mixmoe.placement.profile import HardwareProfile
 
@@ -85,9 +84,10 @@ def plan_none(
     ``overlap`` is the cost model's overlap setting (default False: the classic all-to-all
     dispatcher does not overlap the exchange with local compute). prediction == baseline.
     """
-    model = StepModel(shape, profile, overlap)
-    C_WN = counts_as_tensor(counts_WN, shape)  # vectorised: no W x N Python lists at scale
-    loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank)
+    model = step_model(shape, profile, overlap)
+    # vectorised: no W x N Python lists at scale; one pass over C
+    C_WN, *sums = counts_with_sums(counts_WN, shape)
+    loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), shape.world_size * shape.num_experts))
     baseline = model.prediction_W(loads_4W)
     return Plan((), (), baseline, baseline)
@@ -132,19 +132,25 @@ def plan_mix(
     A round whose shortlist fits in ``search_width`` stops only where an exhaustive greedy would
     (no single further candidate lowers the step); a longer one may stop earlier.
 
-    Cost: two reductions and a sign check over C (~4 ms at W=1024, N=4096 int64 on one core),
-    then per round a few dozen vector ops over N and [search_width, W]. Everything is torch ops
-    on tensors (their kernels release the GIL): fit to run on a background thread.
+    Cost: one pass over C in cached row blocks (sign check, column and row sums:
+    ``counts_with_sums``), then per round a few dozen vector ops over N and [search_width, W].
+    Where per-op overhead is the cost, the same search runs in other forms, with the same
+    decisions (a test forces each on the same cases): tiny problems (W x N <= ``LIST_LIMIT``)
+    on Python lists (``_ListMixSearch``); small ones (open candidates x W <= ``BATCH_LIMIT``)
+    score every candidate at once in the rounds after the first acceptance
+    (``_BatchedMixSearch``).
+    Everything is torch ops on tensors (their kernels release the GIL): fit to run on a
+    background thread.
     """
-    model = StepModel(shape, profile, overlap)
+    model = step_model(shape, profile, overlap)
     for name, value, lo in (("max_replicas", max_replicas, 0), ("search_width", search_width, 1)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < lo:
             raise ValueError(f"{name} must be >= {lo}, got {value}")
-    C_WN = counts_as_tensor(counts_WN, shape)
+    C_WN, *sums = counts_with_sums(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
-    loads_4W, colsum_N, own_N = baseline_loads(C_WN, E)
+    loads_4W, colsum_N, own_N = baseline_loads(C_WN, E, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), W * shape.num_experts))
     moved_N = colsum_N - own_N
     total_remote = int(moved_N.sum())
@@ -152,10 +158,16 @@ def plan_mix(
     baseline = model.pack(compute_W, comm_W, loads_4W)
     if max_replicas == 0 or W == 1 or total_remote == 0:
         return Plan((), (), baseline, baseline)
-    search = _MixSearch(model, C_WN, E, max_replicas, search_width)
+    tiny = W * shape.num_experts <= LIST_LIMIT
+    search = (_ListMixSearch if tiny else _MixSearch)(model, C_WN, E, max_replicas, search_width)
     search.start(loads_4W, compute_W + comm_W, moved_N, total_remote)
-    while search.round():
-        pass
+    # the first round shortlists (often the only one: nothing pays); once an expert is accepted,
+    # a small problem scores every open candidate per round instead (same decisions)
+    if search.round():
+        if not tiny and int(search.open_N.sum()) * W <= BATCH_LIMIT:
+            search = _BatchedMixSearch.resume(search)
+        while search.round():
+            pass
     if not search.accepted:
         return Plan((), (), baseline, baseline)
     prediction = model.prediction_W(search.loads_4W)
@@ -242,21 +254,27 @@ class _MixSearch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each candidate of ``g_k`` accepted on its own: the loads [k, 4, W], totals [k, W],
         holders (bool [k, W]) and whether a holder is full (bool [k])."""
-        k, ar = len(g_k), torch.arange(len(g_k))
+        delta_k4W, src_kW, m_k = self._deltas(g_k)
+        blocked_k = (src_kW & (self.held_W >= self.max_replicas)).any(1)
+        trial_k4W = self.loads_4W + delta_k4W
+        totals_kW = self._totals(trial_k4W, (m_k < self.total_remote).view(len(g_k), 1))
+        return trial_k4W, totals_kW, src_kW, blocked_k
+
+    def _deltas(self, g_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """How accepting each candidate of ``g_k`` on its own changes every rank's loads
+        (float64 [k, 4, W]), its holders (bool [k, W]) and its remote rows (float64 [k])."""
+        ar = torch.arange(len(g_k))
         o_k = torch.div(g_k, self.E, rounding_mode="floor")
         c_kW = self.C_WN[:, g_k].t().to(torch.float64)
         src_kW = c_kW > 0
         src_kW[ar, o_k] = False
-        blocked_k = (src_kW & (self.held_W >= self.max_replicas)).any(1)
         delta_k4W = (c_kW * src_kW).unsqueeze(1) * _PER_ROW_41 + src_kW.unsqueeze(
             1
         ) * _PER_REPLICA_41
         m_k = self.moved_N[g_k]
         n_k = src_kW.sum(1).to(torch.float64)
         delta_k4W[ar, :, o_k] += torch.stack([-m_k, torch.zeros_like(m_k), -m_k, n_k], dim=1)
-        trial_k4W = self.loads_4W + delta_k4W
-        totals_kW = self._totals(trial_k4W, (m_k < self.total_remote).view(k, 1))
-        return trial_k4W, totals_kW, src_kW, blocked_k
+        return delta_k4W, src_kW, m_k
 
     def _accept(
         self, g: int, loads_4W: torch.Tensor, totals_W: torch.Tensor, src_W: torch.Tensor
@@ -266,6 +284,166 @@ class _MixSearch:
         self.total_remote -= int(self.moved_N[g])
         self.open_N[g] = False
         self.accepted[g] = tuple(src_W.nonzero().squeeze(1).tolist())
+
+
+# _BatchedMixSearch runs where candidates x ranks is at most this: its [P, 4, W] tensors then stay
+# tiny, and a fixed handful of ops per round beats the shortlist's two passes
+BATCH_LIMIT = 2048
+
+
+class _BatchedMixSearch(_MixSearch):
+    """``_MixSearch`` for small problems, where per-op overhead and not arithmetic is the cost,
+    from the second round on (``resume``): every open candidate's effect (``_deltas``) is built
+    once, in priority order (remote rows
+    descending, expert id ascending), and each round scores all open candidates at once with a
+    fixed number of vector ops, instead of a shortlist pass and then an evaluation pass.
+
+    Same decisions as ``_MixSearch.round``, value for value (the same integer loads through the
+    same ``seconds_W``): the shortlist is the open candidates that touch the bottleneck b and
+    lower its total; the first ``width`` of them that no full holder blocks are the evaluated
+    ones; the first of those whose step drops is accepted. Blocked candidates are closed as soon
+    as they are listed (the sequential search closes them when it reaches them: they can never
+    be accepted, and they never count against the width, so no decision differs).
+    """
+
+    @classmethod
+    def resume(cls, search: _MixSearch) -> _BatchedMixSearch:
+        """Go on from ``search``'s state (its accepted experts, loads and open candidates)."""
+        batched = cls.__new__(cls)
+        batched.__dict__.update(search.__dict__)
+        g = batched.open_N.nonzero().squeeze(1)
+        batched.g_P = g[torch.sort(batched.moved_N[g], descending=True, stable=True).indices]
+        batched.delta_P4W, batched.src_PW, m_P = batched._deltas(batched.g_P)
+        batched.m_P1 = m_P.view(-1, 1)
+        batched.o_P = torch.div(batched.g_P, batched.E, rounding_mode="floor")
+        batched.open_P = torch.ones(len(batched.g_P), dtype=torch.bool)
+        batched._update()
+        return batched
+
+    def _update(self) -> None:
+        """What changes only when an expert is accepted: which candidates leave remote rows in
+        the group (the token collectives still run), and which have a full holder."""
+        self.any_remote_P1 = self.m_P1 < self.total_remote
+        self.blocked_P = (self.src_PW & (self.held_W >= self.max_replicas)).any(1)
+
+    def round(self) -> bool:
+        b = int(self.totals_W.argmax())  # the first max: the lowest bottleneck rank
+        best = float(self.totals_W[b])
+        trial_P4W = self.loads_4W + self.delta_P4W
+        totals_PW = self._totals(trial_P4W, self.any_remote_P1)
+        touches_P = self.src_PW[:, b] | (self.o_P == b)
+        listed_P = self.open_P & touches_P & (totals_PW[:, b] < best)
+        usable_P = listed_P & ~self.blocked_P
+        evaluated_P = usable_P & (usable_P.cumsum(0) <= self.width)
+        accepted = (evaluated_P & (totals_PW.amax(1) < best)).nonzero()
+        self.open_P &= ~(listed_P & self.blocked_P)
+        if not len(accepted):
+            return False
+        i = int(accepted[0])
+        self.open_P[i] = False
+        self._accept(int(self.g_P[i]), trial_P4W[i], totals_PW[i], self.src_PW[i])
+        self._update()
+        return True
+
+
+# _ListMixSearch runs where W x N is at most this: the counts fit in a few small Python lists,
+# and scalar arithmetic beats tensor ops that would each cost more than the work they do
+LIST_LIMIT = 1024
+
+
+class _ListMixSearch:
+    """``_MixSearch`` on Python lists and floats, for tiny problems (W x N <= ``LIST_LIMIT``).
+
+    The same search step for step: the bottleneck b, its shortlist (open candidates touching b
+    whose new total at b drops below the step, by remote rows descending then expert id), the
+    first ``width`` unblocked ones evaluated on every rank, the first whose step drops accepted.
+    Seconds come from ``StepModel.rank_total`` (``rank_seconds`` summed), which equals
+    ``seconds_W`` bit for bit on the same integer loads, so the decisions and the loads are those of the tensor search (a test
+    forces both on the same cases).
+    """
+
+    def __init__(
+        self, model: StepModel, C_WN: torch.Tensor, E: int, max_replicas: int, width: int
+    ) -> None:
+        self.model, self.C, self.E = model, C_WN.tolist(), E
+        self.max_replicas, self.width = max_replicas, width
+        self.accepted: dict[int, tuple[int, ...]] = {}
+
+    def start(
+        self,
+        loads_4W: torch.Tensor,
+        totals_W: torch.Tensor,
+        moved_N: torch.Tensor,
+        total_remote: int,
+    ) -> None:
+        self.loads = [[int(v) for v in row] for row in loads_4W.tolist()]  # 4 lists of W ints
+        self.totals, self.total_remote = totals_W.tolist(), total_remote
+        self.moved = moved_N.tolist()
+        self.held = [0] * len(self.totals)
+        self.open = [m > 0 for m in self.moved]
+        # candidates in priority order: remote rows descending, expert id ascending
+        self.order = sorted((g for g, m in enumerate(self.moved) if m > 0), key=self._priority)
+
+    def _priority(self, g: int) -> tuple[int, int]:
+        return -self.moved[g], g
+
+    @property
+    def loads_4W(self) -> torch.Tensor:
+        return torch.tensor(self.loads, dtype=torch.float64)
+
+    def round(self) -> bool:
+        totals = self.totals
+        best = max(totals)
+        b = totals.index(best)  # the first max: the lowest bottleneck rank
+        rows, local, remote, replica = (load[b] for load in self.loads)
+        C, E, row_b, total = self.C, self.E, self.C[b], self.model.rank_total
+        listed = []
+        for g in self.order:
+            if not self.open[g]:
+                continue
+            m, any_remote = self.moved[g], self.moved[g] < self.total_remote
+            if g // E == b:  # b owns g: it computes and exchanges m rows less, serves n replicas
+                n = sum(1 for s in range(len(C)) if s != b and C[s][g] > 0)
+                new = total(rows - m, local, remote - m, replica + n, any_remote, True)
+            else:  # b computes its c rows of g itself and fetches a replica
+                c = row_b[g]
+                if c == 0:
+                    continue
+                new = total(rows + c, local + c, remote - c, replica + 1, any_remote, True)
+            if new < best:
+                listed.append(g)
+        evaluated = 0
+        for g in listed:
+            if evaluated == self.width:
+                break
+            o = g // E
+            src = [s for s in range(len(C)) if s != o and C[s][g] > 0]
+            if any(self.held[s] >= self.max_replicas for s in src):
+                self.open[g] = False  # a holder is full: g can never fit again
+                continue
+            evaluated += 1
+            trial = [list(load) for load in self.loads]
+            for s in src:
+                c = C[s][g]
+                trial[0][s] += c
+                trial[1][s] += c
+                trial[2][s] -= c
+                trial[3][s] += 1
+            m = self.moved[g]
+            trial[0][o] -= m
+            trial[2][o] -= m
+            trial[3][o] += len(src)
+            any_remote = m < self.total_remote
+            new_totals = [total(*loads, any_remote, True) for loads in zip(*trial, strict=True)]
+            if max(new_totals) < best:
+                self.loads, self.totals = trial, new_totals
+                for s in src:
+                    self.held[s] += 1
+                self.total_remote -= m
+                self.open[g] = False
+                self.accepted[g] = tuple(src)
+                return True
+        return False
 
 
 def plan_shadow(
@@ -297,30 +475,62 @@ def plan_shadow(
     of FasterMoE's estimate and are left out of the decision; ``prediction`` (full cost model,
     ``overlap`` default False) is reported for comparison.
     """
-    model = StepModel(shape, profile, overlap)
-    C = counts_as_lists(counts_WN, shape)
-    W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
-    baseline = model.prediction(*rank_loads(C, {}, E))
+    model = step_model(shape, profile, overlap)
+    C_WN, *sums = counts_with_sums(counts_WN, shape)
+    W, E = shape.world_size, shape.experts_per_rank
+    loads_4W, load_N, own_N = baseline_loads(C_WN, E, sums)
+    model.check_exact(max(2 * int(load_N.sum()), W * shape.num_experts))
+    baseline = model.prediction_W(loads_4W)
     if W == 1:
         return Plan((), (), baseline, baseline)
     t_row_feat = (
         shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
     )
     t_model = shape.params_bytes_per_expert / profile.link_bandwidth
-    load_N = [sum(C[s][g] for s in range(W)) for g in range(N)]
-    load_W = [sum(load_N[r * E : (r + 1) * E]) for r in range(W)]
+    load_W = load_N.view(W, E).sum(1)  # rows computed at each rank (int64)
+    best = int(load_W.max()) * t_row_feat
+    # load descending, ties by expert id ascending (a stable sort of the ascending ids)
+    order = torch.sort(load_N, descending=True, stable=True).indices.tolist()
+    load, own = load_N.tolist(), own_N.tolist()
     shadowed: list[int] = []
-    best = max(load_W) * t_row_feat
-    for g in sorted(range(N), key=lambda g: (-load_N[g], g)):
+    for g in order:
         o = g // E
-        trial = [load_W[r] + C[r][g] for r in range(W)]
-        trial[o] = load_W[o] - load_N[g] + C[o][g]
-        lat = max(trial) * t_row_feat + (len(shadowed) + 1) * t_model
+        trial_W = load_W + C_WN[:, g]
+        trial_W[o] = int(load_W[o]) - load[g] + own[g]
+        lat = int(trial_W.max()) * t_row_feat + (len(shadowed) + 1) * t_model
         if not lat < best:
             break
-        best, load_W = lat, trial
+        best, load_W = lat, trial_W
         shadowed.append(g)
     hot = tuple(sorted(shadowed))
     replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
-    prediction = model.prediction(*rank_loads(C, dict(replicas), E)) if hot else baseline
-    return Plan(hot, replicas, prediction, baseline)
+    if not hot:
+        return Plan((), (), baseline, baseline)
+    return Plan(hot, replicas, model.prediction_W(_shadow_loads(C_WN, loads_4W, hot, E)), baseline)
+
+
+def _shadow_loads(
+    C_WN: torch.Tensor, loads_4W: torch.Tensor, hot: tuple[int, ...], E: int
+) -> torch.Tensor:
+    """The aggregates (``LOADS`` order, float64 [4, W]) with every g of ``hot`` replicated on
+    every rank but its owner: each source computes its own rows of g (they turn local, and stop
+    being remote at the source and at the owner); the owner serves W - 1 replicas per g, every
+    other rank holds one. Integer arithmetic on the baseline's exact aggregates."""
+    W = C_WN.shape[0]
+    g_S = torch.tensor(hot, dtype=torch.int64)
+    o_S = torch.div(g_S, E, rounding_mode="floor")
+    at_source_WS = C_WN[:, g_S].clone()
+    at_source_WS[o_S, torch.arange(len(hot))] = 0  # the owner's own rows were local already
+    moved_S = at_source_WS.sum(0)  # rows of g that travelled to its owner, now computed at home
+    gained_W = at_source_WS.sum(1)
+    lost_W = torch.zeros(W, dtype=torch.int64).index_add_(0, o_S, moved_S)
+    owned_W = torch.bincount(o_S, minlength=W)
+    delta_4W = torch.stack(
+        [
+            gained_W - lost_W,
+            gained_W,
+            -gained_W - lost_W,
+            (len(hot) - owned_W) + owned_W * (W - 1),
+        ]
+    )
+    return loads_4W + delta_4W.to(torch.float64)

@@ -1,5 +1,6 @@
 """Today's greedy mixed-strategy planner, before ``mixmoe.placement.planner.plan_mix`` was
-restructured for scale: the slow twin the tests and ``mixmoe bench planner`` compare it with.
+restructured for scale: the slow twin the tests and ``mixmoe bench planner`` compare it with;
+and FasterMoE's shadowing rule on lists (``plan_shadow_lists``), the twin of ``plan_shadow``.
 
 Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes to
 expert g; expert g is owned by rank g // E).
@@ -16,7 +17,7 @@ from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_lists, 
 from mixmoe.placement.planner import Plan
 from mixmoe.placement.profile import HardwareProfile
 
-__all__ = ["plan_mix_rescan"]
+__all__ = ["plan_mix_rescan", "plan_shadow_lists"]
 
 
 def plan_mix_rescan(
@@ -135,3 +136,38 @@ def _bottleneck_first(totals: list[float], step: float) -> tuple[int, ...]:
     """Ranks in evaluation order: the lowest rank at the max first, then the others ascending."""
     b = totals.index(step)
     return (b, *range(b), *range(b + 1, len(totals)))
+
+
+def plan_shadow_lists(
+    counts_WN: object, shape: LayerShape, profile: HardwareProfile, *, overlap: bool = False
+) -> Plan:
+    """FasterMoE's shadowing rule on Python lists, as written before ``plan_shadow`` moved to
+    the counts tensor: the slow twin it is checked against (same decision, same plan, same
+    prediction). The rule is documented at ``mixmoe.placement.planner.plan_shadow``."""
+    model = StepModel(shape, profile, overlap)
+    C = counts_as_lists(counts_WN, shape)
+    W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
+    baseline = model.prediction(*rank_loads(C, {}, E))
+    if W == 1:
+        return Plan((), (), baseline, baseline)
+    t_row_feat = (
+        shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
+    )
+    t_model = shape.params_bytes_per_expert / profile.link_bandwidth
+    load_N = [sum(C[s][g] for s in range(W)) for g in range(N)]
+    load_W = [sum(load_N[r * E : (r + 1) * E]) for r in range(W)]
+    shadowed: list[int] = []
+    best = max(load_W) * t_row_feat
+    for g in sorted(range(N), key=lambda g: (-load_N[g], g)):
+        o = g // E
+        trial = [load_W[r] + C[r][g] for r in range(W)]
+        trial[o] = load_W[o] - load_N[g] + C[o][g]
+        lat = max(trial) * t_row_feat + (len(shadowed) + 1) * t_model
+        if not lat < best:
+            break
+        best, load_W = lat, trial
+        shadowed.append(g)
+    hot = tuple(sorted(shadowed))
+    replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
+    prediction = model.prediction(*rank_loads(C, dict(replicas), E)) if hot else baseline
+    return Plan(hot, replicas, prediction, baseline)

@@ -20,6 +20,7 @@ def make_config(case: dict) -> MoEConfig:
         gate=GateConfig(type=case.get("gate", "topk")),
         block_size=case.get("block_size", 16),
         max_replicas=case.get("max_replicas", 4),
+        plan_async=case.get("plan_async", True),
     )
 
 

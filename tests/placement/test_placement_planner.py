@@ -24,13 +24,17 @@ from mixmoe.placement import (
     predict,
 )
 from mixmoe.placement.cost_model import StepModel
-from mixmoe.reference.planner import plan_mix_rescan
+from mixmoe.reference.planner import plan_mix_rescan, plan_shadow_lists
 
 COMPUTE_BOUND = HardwareProfile(
     "compute-bound", gemm_flops=1e9, link_bandwidth=1e11, link_latency=1e-6
 )
 LINK_BOUND = HardwareProfile("link-bound", gemm_flops=1e9, link_bandwidth=1e6, link_latency=1e-6)
 PROFILES = [CPU_PROFILE, GPU_PROFILE, COMPUTE_BOUND, LINK_BOUND]
+# Shadow toys: D=1, F=1, fp32 -> flops_per_row = 12, row_bytes = 4, P = (2 + 1 + 1) * 4 = 16 B.
+# Profile 12 FLOP/s, 16 B/s: t_row = 1, t_feat = 4 * 4 / 16 = 1, t_model = 16 / 16 = 1, so
+# lat(S) = 2 * max_r B_r(S) + |S|.
+UNIT = HardwareProfile("unit", gemm_flops=12.0, link_bandwidth=16.0, link_latency=1e-3)
 
 
 def _random_counts(W: int, N: int, seed: int) -> torch.Tensor:
@@ -199,6 +203,44 @@ def test_shadow_properties(W: int, E: int, profile: HardwareProfile, data: st.Da
     _check_segments(plan, counts_WN, E)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    W=st.integers(1, 9),
+    E=st.integers(1, 6),
+    top=st.sampled_from([3, 40, 2000]),  # small counts: many tied loads (tie order matters)
+    profile=st.sampled_from([*PROFILES, UNIT]),
+    data=st.data(),
+)
+def test_shadow_on_the_counts_tensor_equals_its_list_twin(
+    W: int, E: int, top: int, profile: HardwareProfile, data: st.DataObject
+) -> None:
+    N = W * E
+    counts_WN = data.draw(
+        st.lists(st.lists(st.integers(0, top), min_size=N, max_size=N), min_size=W, max_size=W)
+    )
+    shape = LayerShape(1, 1, E, W, 4) if profile is UNIT else LayerShape(64, 256, E, W, 2)
+    for overlap in (False, True):
+        want = plan_shadow_lists(counts_WN, shape, profile, overlap=overlap)
+        got = plan_shadow(
+            torch.tensor(counts_WN, dtype=torch.int64), shape, profile, overlap=overlap
+        )
+        assert got == want  # hot set, holders, prediction and baseline, exactly
+
+
+def test_shadow_twin_on_random_skewed_cases_that_shadow() -> None:
+    shadowed = 0
+    for seed in range(30):
+        W, E = 2 + seed % 7, 1 + seed % 4
+        counts_WN = _random_counts(W, W * E, seed) * (1 + seed % 3)
+        counts_WN[:, seed % (W * E)] += 300  # a hot expert
+        shape = LayerShape(64, 256, E, W, 2)
+        for profile in (COMPUTE_BOUND, GPU_PROFILE, UNIT):
+            want = plan_shadow_lists(counts_WN.tolist(), shape, profile)
+            assert plan_shadow(counts_WN, shape, profile) == want, (seed, profile.name)
+            shadowed += len(want.hot)
+    assert shadowed > 30  # the cases really shadow (several experts at a time)
+
+
 def test_extreme_skew() -> None:
     """All rows to expert 0 (owner: rank 0). 64 rows per rank, D=64, F=256, fp32:
     per row 196608 FLOP, 256 B; one expert's parameters P = 132352 B.
@@ -228,12 +270,6 @@ def test_uniform_routing_cheap_compute_replicates_nothing() -> None:
     )
     for profile in (cheap_compute, GPU_PROFILE, CPU_PROFILE):
         assert plan_mix(counts_WN, shape, profile, max_replicas=8).hot == ()
-
-
-# Shadow toys: D=1, F=1, fp32 -> flops_per_row = 12, row_bytes = 4, P = (2 + 1 + 1) * 4 = 16 B.
-# Profile 12 FLOP/s, 16 B/s: t_row = 1, t_feat = 4 * 4 / 16 = 1, t_model = 16 / 16 = 1, so
-# lat(S) = 2 * max_r B_r(S) + |S|.
-UNIT = HardwareProfile("unit", gemm_flops=12.0, link_bandwidth=16.0, link_latency=1e-3)
 
 
 def test_shadow_toy_two_ranks() -> None:
@@ -410,6 +446,8 @@ def test_vector_seconds_equal_scalar_seconds_bit_for_bit(
     for r, (rows, local, remote, replica) in enumerate(loads):
         compute, comm = model.rank_seconds(rows, local, remote, replica, any_remote, any_hot)
         assert (compute_W[r].item(), comm_W[r].item()) == (compute, comm)
+        total = model.rank_total(rows, local, remote, replica, any_remote, any_hot)
+        assert total == compute + comm == (compute_W[r] + comm_W[r]).item()
 
 
 def test_mix_bounded_search_and_bad_width() -> None:
@@ -423,3 +461,61 @@ def test_mix_bounded_search_and_bad_width() -> None:
         plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=0)
     with pytest.raises(TypeError, match="search_width"):
         plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=2.0)
+
+
+PATHS = {"lists": (10**9, 0), "batched": (-1, 10**9), "shortlist": (-1, -1)}
+
+
+def test_every_search_path_decides_alike(monkeypatch) -> None:
+    """Tiny problems search on Python lists (``_ListMixSearch``), small ones score every
+    candidate per round after the first acceptance (``_BatchedMixSearch``), larger ones
+    shortlist then evaluate (``_MixSearch``). Forced each way, they give equal plans (hot set,
+    holders, prediction, baseline), width and replica cap binding included."""
+    import mixmoe.placement.planner as planner
+
+    plans, hot = {}, 0
+    for seed, (W, E) in enumerate(((2, 4), (3, 1), (4, 8), (8, 2), (16, 1), (5, 3))):
+        shape = LayerShape(64, 256, E, W, 2)
+        for routing in ("uniform", "zipf:1.2", "hot:0.3", "zipf:2.0"):
+            gen = torch.Generator().manual_seed(seed)
+            tokens = 300 + 40 * seed
+            counts_WN = synthetic_counts(RoutingSpec.parse(routing), W, tokens, 2, W * E, gen)
+            for profile, max_replicas, width in (
+                (GPU_PROFILE, 4, 8),
+                (COMPUTE_BOUND, 1, 2),
+                (COMPUTE_BOUND, 3, 1),
+                (CPU_PROFILE, 2, 8),
+            ):
+                for path, (list_limit, batch_limit) in PATHS.items():
+                    monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
+                    monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
+                    plans[path] = plan_mix(
+                        counts_WN, shape, profile, max_replicas, search_width=width
+                    )
+                case = (seed, routing, profile.name, max_replicas)
+                assert plans["lists"] == plans["batched"] == plans["shortlist"], case
+                hot += len(plans["shortlist"].hot)
+    assert hot > 50  # the cases replicate, several experts at a time
+
+
+def test_counts_with_sums_is_one_checked_pass() -> None:
+    """Row blocks (forced small) give the plain sums; a negative count in any block is found."""
+    import mixmoe.placement.cost_model as cost_model
+
+    gen = torch.Generator().manual_seed(3)
+    for W, E in ((1, 5), (7, 3), (40, 2), (33, 8)):
+        shape = LayerShape(8, 8, E, W, 2)
+        C_WN = torch.randint(0, 1000, (W, W * E), generator=gen)
+        for block_bytes in (1, 8 * W * E * 3, 1 << 20):  # one row, three rows, one block
+            cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = block_bytes, 0
+            try:
+                C, colsum_N, rowsum_W = cost_model.counts_with_sums(C_WN, shape)
+                assert torch.equal(C, C_WN) and C.dtype == torch.int64
+                assert torch.equal(colsum_N, C_WN.sum(0)) and torch.equal(rowsum_W, C_WN.sum(1))
+                bad = C_WN.clone()
+                s, g = W - 1, W * E // 2
+                bad[s, g] = -2
+                with pytest.raises(ValueError, match=rf"counts_WN\[{s}\]\[{g}\] = -2 is negative"):
+                    cost_model.counts_with_sums(bad, shape)
+            finally:
+                cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = 1 << 20, 8 << 20

@@ -30,6 +30,7 @@ reduced into the owner's ``.grad``. Every rank joins every collective, with zero
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -39,7 +40,13 @@ from mixmoe.comm.autograd import all_to_all, all_to_all_start, all_to_all_wait
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.layout import count_matrix_to_host
 from mixmoe.dispatch.replicas import FetchPlan, fetch_replicas, unpack_experts, weights_version
-from mixmoe.dispatch.step import DispatchedRows, ExpertLayout, ExpertOutputs, run_work
+from mixmoe.dispatch.step import (
+    DispatchedRows,
+    ExpertLayout,
+    ExpertOutputs,
+    ExpertWork,
+    run_work,
+)
 from mixmoe.dispatch.step_layout import StepLayout, build_own_layout, build_step_layout
 from mixmoe.dispatch.step_plan import StepPlan, build_step_plan
 from mixmoe.dispatch.strategies import STRATEGY_SPECS, config_fingerprint, strategy_spec
@@ -87,9 +94,21 @@ class ExpertParallelDispatcher:
     """
 
     def __init__(
-        self, comm, config: MoEConfig, strategy: str, profile: HardwareProfile | None = None
+        self,
+        comm,
+        config: MoEConfig,
+        strategy: str,
+        profile: HardwareProfile | None = None,
+        *,
+        compute_own: Callable[[ExpertWork, torch.Tensor, ExpertWeights], torch.Tensor]
+        | None = None,
     ) -> None:
+        """``compute_own(work, x_TD, weights) -> y_TD``: how the own rows are computed while an
+        async plan is made (default: mixmoe's fused expert MLP, ``run_work``). A caller whose
+        experts compute differently (a transformers experts layout) passes its own, so the rows
+        the dispatcher computes and the rows the caller computes use the same math."""
         self.spec = strategy_spec(strategy)
+        self._compute_own = compute_own
         W = comm.world_size
         if config.num_experts % W:
             raise ValueError(
@@ -290,7 +309,11 @@ class ExpertParallelDispatcher:
             planned = self._submit_plan(C, x_TD.dtype, x_TD.device)
             try:
                 own = build_own_layout(routing, counts_r, r, E, B)
-                local_done_TD = run_work(own.own, x_TD, weights, self.config.activation)
+                if self._compute_own is None:
+                    local_done_TD = run_work(own.own, x_TD, weights, self.config.activation)
+                else:
+                    with trace_span(own.own.span, kind="compute"):
+                        local_done_TD = self._compute_own(own.own, x_TD, weights)
             finally:
                 # wait even if the own rows failed: no plan is left running behind an error.
                 # A planner error is raised here; it is a function of C alone (the planner is

@@ -46,10 +46,11 @@ from torch import nn
 from mixmoe.comm import Communicator
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
-from mixmoe.dispatch.step import ExpertOutputs
+from mixmoe.dispatch.step import ExpertOutputs, ExpertWork
 from mixmoe.dispatch.strategies import strategy_spec
 from mixmoe.models.hf_experts import BLOCK_SIZE, combine_dtype, run_layout_rows
 from mixmoe.models.hf_layout import HFExpertsLayout, hf_experts_layout, read_flags
+from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.types import Routing
 from mixmoe.validation import check_int
@@ -90,6 +91,7 @@ class MixmoeEP:
         self.num_experts = self.num_local_experts * self.comm.world_size
         self.dispatcher: ExpertParallelDispatcher | None = None
         self.last_stats: dict = {}
+        self._spec: HFExpertsLayout | None = None  # the current call's layout (_compute_own)
         self.replicas_seen = 0
         experts.mixmoe_ep = self  # found again by ``ep_implementations(model)``
 
@@ -133,6 +135,15 @@ class MixmoeEP:
             )
         return spec
 
+    def _compute_own(
+        self, work: ExpertWork, x_TD: torch.Tensor, weights: ExpertWeights
+    ) -> torch.Tensor:
+        """The dispatcher's own-rows compute (while an async plan is made), in this module's
+        weight layout: the same math as every other work item of ``__call__``."""
+        return run_layout_rows(
+            self._spec, weights, x_TD, work.token_P, work.pos_TK, work.weights_TK, work.schedule
+        )
+
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -148,7 +159,7 @@ class MixmoeEP:
         if self.dispatcher is None:
             config = self._config(spec, top_k_index.shape[1])
             self.dispatcher = ExpertParallelDispatcher(
-                self.comm, config, self.strategy, self.profile
+                self.comm, config, self.strategy, self.profile, compute_own=self._compute_own
             )
         # FSDP2 copies the all-gathered expert weights in place while PRESERVING their version
         # counters, so an optimizer step does not change the version the replica cache is keyed
@@ -158,8 +169,10 @@ class MixmoeEP:
         ids_TK = top_k_index.to(torch.int64)
         weights_TK = top_k_weights.to(combine_dtype(x_TD, spec))
         routing = Routing(ids_TK, weights_TK, x_TD.new_empty((x_TD.shape[0], 0)))
+        self._spec = spec  # the layout the dispatcher's own-rows compute uses (_compute_own)
         rows, layout, meta = self.dispatcher.dispatch(x_TD, routing, spec.weights)
-        local_TD = received_RD = None
+        # under an async plan (mix) the dispatcher already ran the own rows, with this module's math
+        local_TD, received_RD = rows.local_done_TD, None
         for work in layout.work:
             source = rows.local_TD if work.source == "local" else rows.received()
             w = spec.weights if work.weights == "owned" else rows.replicas

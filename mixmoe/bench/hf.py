@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mixmoe.bench.spawn import spawn_gloo, under_torchrun
 from mixmoe.bench.timing import StageTimer, median
 from mixmoe.validation import check_int
 
@@ -350,7 +351,7 @@ def run_hf_bench(cfg: HFBenchConfig) -> list[dict] | None:
     """The records on the reporting process (this one when it spawned the ranks, rank 0 under
     torchrun); None on the other torchrun ranks."""
     _transformers()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    if under_torchrun():
         from mixmoe.comm import init_distributed
 
         comm = init_distributed("auto")
@@ -367,8 +368,6 @@ def run_hf_bench(cfg: HFBenchConfig) -> list[dict] | None:
         comm.barrier()
         records = run_rank(cfg, comm, path)
         return records if comm.rank == 0 else None
-    from mixmoe.bench.spawn import spawn_gloo
-
     with tempfile.TemporaryDirectory(prefix="mixmoe-bench-hf-") as path:
         save_random_model(cfg.shape, path, cfg.seed)
         return spawn_gloo(

@@ -227,22 +227,14 @@ def _rank_main(comm, cfg: ModelBenchConfig) -> list[VariantResult]:
 def run_distributed(cfg: ModelBenchConfig) -> list[VariantResult] | None:
     """``world_size`` ranks: torchrun's group when launched by torchrun (results on rank 0,
     None elsewhere), otherwise gloo processes spawned here (CPU)."""
-    import os
+    from mixmoe.bench.spawn import run_on_ranks
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from mixmoe.comm import init_distributed
-
-        comm = init_distributed("auto")
-        if comm.world_size != cfg.world_size:
-            raise ValueError(
-                f"--world-size {cfg.world_size} but torchrun launched {comm.world_size} ranks"
-            )
-        results = run_rank(cfg, comm)
-        return results if comm.rank == 0 else None
-    if cfg.device != "cpu":
-        raise ValueError("spawning ranks is for --device cpu; launch GPU runs with torchrun")
-    from mixmoe.bench.spawn import spawn_gloo
-
-    return spawn_gloo(
-        _rank_main, cfg.world_size, cfg, threads=cfg.threads or 1, timeout_s=24 * 3600
-    )[0]
+    return run_on_ranks(
+        _rank_main,
+        cfg.world_size,
+        cfg,
+        device=cfg.device,
+        threads=cfg.threads or 1,
+        timeout_s=24 * 3600,
+        command="mixmoe bench model",
+    )

@@ -100,3 +100,40 @@ def spawn_gloo(
     if failures:
         raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def under_torchrun() -> bool:
+    """Whether this process was launched by ``torchrun`` (its environment is set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_on_ranks(
+    rank_fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    device: str = "cpu",
+    threads: int = 1,
+    timeout_s: float = 3600.0,
+    command: str = "mixmoe ...",
+) -> Any:
+    """``rank_fn(comm, *args)`` on ``world_size`` ranks, for the commands with ``--world-size``:
+    torchrun's group when launched by torchrun (the result on rank 0, None on the others),
+    otherwise ``world_size`` gloo CPU processes spawned here (rank 0's result). ValueError when
+    torchrun launched another number of ranks, or when spawning is asked for a GPU device."""
+    if under_torchrun():
+        from mixmoe.comm import init_distributed
+
+        comm = init_distributed("auto")
+        if comm.world_size != world_size:
+            raise ValueError(
+                f"--world-size {world_size} but torchrun launched {comm.world_size} ranks; "
+                f"give --world-size {comm.world_size} (or leave it out)"
+            )
+        result = rank_fn(comm, *args)
+        return result if comm.rank == 0 else None
+    if not device.startswith("cpu"):
+        raise ValueError(
+            f"--world-size spawns gloo CPU processes, not {device} ones; launch GPU runs with "
+            f"torchrun (torchrun --nproc-per-node {world_size} -m {command})"
+        )
+    return spawn_gloo(rank_fn, world_size, *args, threads=threads, timeout_s=timeout_s)[0]

@@ -9,7 +9,6 @@ on the launched group, otherwise on ``--world-size`` spawned gloo CPU ranks.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 
 from mixmoe.bench.calibrate import CalibrateConfig, calibrate
@@ -75,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(cfg.threads)
     comm = None
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: its group
+    from mixmoe.bench.spawn import under_torchrun
+
+    if under_torchrun():  # its group
         from mixmoe.comm import init_distributed
 
         comm = init_distributed("auto")

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import os
 
+from mixmoe.bench.spawn import run_on_ranks, under_torchrun
 from mixmoe.train.loop import TrainConfig, TrainResult, train
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _rank_main(comm, config: TrainConfig) -> TrainResult:
@@ -21,24 +18,16 @@ def run_training(
 ) -> TrainResult | None:
     """The result on the reporting process (this one, or torchrun's rank 0); None on the other
     torchrun ranks."""
-    if under_torchrun():
-        from mixmoe.comm import init_distributed
-
-        comm = init_distributed("auto")
-        if world_size not in (None, comm.world_size):
-            raise ValueError(
-                f"--world-size {world_size} but torchrun launched {comm.world_size} ranks; "
-                "leave --world-size out under torchrun"
-            )
-        result = train(config, comm)
-        return result if comm.rank == 0 else None
-    if world_size is None or world_size == 1:
+    if world_size is None:
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+    if world_size == 1 and not under_torchrun():
         return train(config)
-    if not config.device.startswith("cpu"):
-        raise ValueError(
-            "--world-size spawns gloo CPU processes; launch GPU runs with torchrun "
-            "(torchrun --nproc-per-node N -m mixmoe train ...)"
-        )
-    from mixmoe.bench.spawn import spawn_gloo
-
-    return spawn_gloo(_rank_main, world_size, config, threads=threads, timeout_s=24 * 3600)[0]
+    return run_on_ranks(
+        _rank_main,
+        world_size,
+        config,
+        device=config.device,
+        threads=threads,
+        timeout_s=24 * 3600,
+        command="mixmoe train",
+    )

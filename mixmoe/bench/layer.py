@@ -47,6 +47,7 @@ class LayerBenchConfig:
     lr: float = 1e-3
     jsonl: str | None = None
     profile: str = ""  # preset name or calibrate JSON for the planners ('' = the device default)
+    plan_async: bool = True  # MoEConfig.plan_async (mix: plan on the background thread)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -83,6 +84,7 @@ class LayerBenchConfig:
             num_experts=self.num_local_experts * self.world_size,
             top_k=self.top_k,
             strategy=strategy,
+            plan_async=self.plan_async,
         )
 
 

@@ -67,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "JSON of `mixmoe calibrate` ('' for the device's default)",
     )
     p.add_argument(
+        "--sync-plan",
+        action="store_true",
+        help="mix: plan on the calling thread between the counts and the token exchange "
+        "(MoEConfig.plan_async=False) instead of on the background thread (default: off)",
+    )
+    p.add_argument(
         "--save-counts",
         default="",
         help="write the first forward's count matrix [W][N] here (for `mixmoe simulate "
@@ -95,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
         seed=args.seed,
         jsonl=args.jsonl or None,
         profile=args.profile,
+        plan_async=not args.sync_plan,
     )
 
 

@@ -172,3 +172,14 @@ def test_real_process_prints_one_line():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["mixmoe: error: tokens must be >= 1, got 0"]
+
+
+def test_bench_layer_sync_plan_reaches_the_layer_config():
+    from mixmoe.commands import bench_layer
+
+    parser = cli.build_parser()
+    for argv, expected in (([], True), (["--sync-plan"], False)):
+        args = parser.parse_args(["bench", "layer", "--world-size", "2", *argv])
+        cfg = bench_layer.config_from_args(args)
+        assert cfg.plan_async is expected
+        assert cfg.moe_config("mix").plan_async is expected

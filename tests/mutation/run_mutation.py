@@ -115,6 +115,15 @@ def _forget_baseline() -> None:
             db.execute("DELETE FROM MiscData WHERE key = 'baseline_time_elapsed'")
 
 
+def _reset_skipped() -> None:
+    """Retest the mutants a previous run skipped: a ``--defs`` restriction is per run (the text
+    skips of ``mutmut_config.py`` are cheap to redo)."""
+    cache = ROOT / ".mutmut-cache"
+    if cache.exists():
+        with sqlite3.connect(cache) as db:
+            db.execute(f"UPDATE Mutant SET status = '{UNTESTED}' WHERE status = '{SKIPPED}'")
+
+
 def _mutmut_run(args: list[str], tests: list[str], log: Path) -> int:
     """``mutmut run ARGS`` with ``tests`` as the runner, appending to ``log``; its exit code."""
     cmd = [sys.executable, "-m", "mutmut", "run", *args, "--runner", _runner(tests)]
@@ -140,6 +149,7 @@ def run_group(name: str, only: list[str]) -> int:
     print(f"   survivors then: {_runner(wide)}", flush=True)
     print(f"   progress: tail -f {log.relative_to(ROOT)}", flush=True)
     _forget_baseline()
+    _reset_skipped()
     code = _mutmut_run(["--paths-to-mutate", ",".join(paths)], fast, log)
     fatal = code & 1  # mutmut: 1 fatal; 2/4/8 survivors, timeouts, suspicious
     survivors = [r[0] for r in _mutants(paths) if r[4] == SURVIVED]
@@ -249,8 +259,17 @@ def main() -> int:
         metavar="PATH",
         help="mutate only these files or folders of the groups (e.g. mixmoe/placement/profile.py)",
     )
+    parser.add_argument(
+        "--defs",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="mutate only these top-level functions / classes (others are reported as skipped)",
+    )
     args = parser.parse_args()
     names = args.groups or list(GROUPS)
+    if args.defs:
+        os.environ["MUTATION_DEFS"] = ",".join(args.defs)  # read by mutmut_config.py
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
         parser.error(f"unknown group(s) {unknown}; choose from {', '.join(GROUPS)}")

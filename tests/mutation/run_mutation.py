@@ -1,9 +1,12 @@
 """``make mutation``: mutation testing of the core modules with mutmut (pinned in the dev extra).
 
-Each group mutates one core package and runs only the tests that can catch its mutants (fast
-ones first; ``-x`` stops at the first failure, so a killed mutant costs little). mutmut edits
-the source files in place, one mutant at a time, and restores them: do not edit the tree while
-it runs. Results accumulate in ``.mutmut-cache`` (a rerun only tests mutants not yet tested;
+Each group mutates one core package and runs every mutant against the package's fast tests
+(``-x`` stops at the first failure, so a killed mutant costs seconds); a survivor of those is
+re-run against the group's wide tests (the unit or distributed tier), so only survivors pay for
+the slow nets. ``--only FILE`` and ``--defs NAME`` restrict a run to some modules or top-level
+definitions when a whole package would take too long; ``--fast-only`` skips the wide re-run.
+mutmut edits the source files in place, one mutant at a time, and restores them: do not edit
+the tree while it runs (or run it in a copy of the tree). Results accumulate in ``.mutmut-cache`` (a rerun only tests mutants not yet tested;
 delete the file to start over). Mutants that no test can catch by design (error-message and
 log/trace text) are skipped by ``mutmut_config.py``; known equivalent survivors are explained in
 ``tests/MUTATION.md``.
@@ -11,6 +14,8 @@ log/trace text) are skipped by ``mutmut_config.py``; known equivalent survivors 
     python tests/mutation/run_mutation.py               # every group (hours on 2 CPU cores)
     python tests/mutation/run_mutation.py gating ops    # some groups
     python tests/mutation/run_mutation.py --report      # kill rates and survivors, no run
+    python tests/mutation/run_mutation.py placement --only mixmoe/placement/cost_model.py \
+        --defs StepModel rank_loads                     # a module's core
 
 mutmut's own progress goes to ``.mutmut-logs/GROUP.log`` (``tail -f`` it to watch); the driver
 prints one summary line per group when the group ends (``gating: 98 mutants: 82 killed,
@@ -139,9 +144,10 @@ def _mutmut_run(args: list[str], tests: list[str], log: Path) -> int:
         ).returncode
 
 
-def run_group(name: str, only: list[str]) -> int:
+def run_group(name: str, only: list[str], fast_only: bool = False) -> int:
     """Mutate group ``name`` (restricted to the files or folders ``only`` when given) against its
-    fast tests, then re-run each survivor against its wide tests. Returns 1 if mutmut failed."""
+    fast tests, then (unless ``fast_only``) re-run each survivor against its wide tests.
+    Returns 1 if mutmut failed."""
     packages, fast, wide = GROUPS[name]
     paths = [p for p in only if p.startswith(tuple(packages))] if only else packages
     if not paths:
@@ -150,14 +156,15 @@ def run_group(name: str, only: list[str]) -> int:
     log.parent.mkdir(exist_ok=True)
     log.write_text("")
     print(f"== {name}: mutating {', '.join(paths)}; tests: {_runner(fast)}", flush=True)
-    print(f"   survivors then: {_runner(wide)}", flush=True)
+    if not fast_only:
+        print(f"   survivors then: {_runner(wide)}", flush=True)
     print(f"   progress: tail -f {log.relative_to(ROOT)}", flush=True)
     _forget_baseline()
     _reset_skipped()
     code = _mutmut_run(["--paths-to-mutate", ",".join(paths)], fast, log)
     fatal = code & 1  # mutmut: 1 fatal; 2/4/8 survivors, timeouts, suspicious
     survivors = [r[0] for r in _mutants(paths) if r[4] == SURVIVED]
-    if survivors and wide and not fatal:
+    if survivors and wide and not fatal and not fast_only:
         print(f"   {len(survivors)} survivors of the fast tests: re-running them", flush=True)
         _forget_baseline()  # the first survivor's run times the wide tests, the rest reuse it
         for mid in survivors:  # ``mutmut run ID`` retests one mutant, whatever its cached status
@@ -264,6 +271,11 @@ def main() -> int:
         help="mutate only these files or folders of the groups (e.g. mixmoe/placement/profile.py)",
     )
     parser.add_argument(
+        "--fast-only",
+        action="store_true",
+        help="do not re-run the fast tests' survivors against the wide tests",
+    )
+    parser.add_argument(
         "--defs",
         nargs="+",
         default=[],
@@ -280,7 +292,7 @@ def main() -> int:
     failed = 0
     if not args.report:
         for name in names:
-            failed |= run_group(name, args.only)
+            failed |= run_group(name, args.only, args.fast_only)
     report(names, show_diffs=not args.no_diffs)
     return failed
 

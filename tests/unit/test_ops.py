@@ -15,6 +15,7 @@ from torch.testing import assert_close
 
 from mixmoe.ops import combine_rows, gather_rows, grouped_linear
 from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
+from mixmoe.ops.grouped_linear import _row_pieces
 from mixmoe.schedule.blocks import build_block_schedule
 
 # Segments with empty ones (0), partial blocks (3, 6 with B=4), a full block (4), and a slot
@@ -144,6 +145,39 @@ def test_grouped_linear_masked_rows_ignore_nonfinite_garbage(garbage):
     y.backward(torch.randn_like(y))
     assert torch.isfinite(w.grad).all() and torch.isfinite(b.grad).all()
     assert torch.equal(x.grad[masked], torch.zeros_like(x.grad[masked]))
+
+
+def _valid_row_runs(s) -> list[tuple[int, int, int]]:
+    """Row by row: (slot, first row, length) of each maximal run of consecutive valid rows of one
+    slot (padding rows end a run)."""
+    runs: list[tuple[int, int, int]] = []
+    for p in range(s.src_P.shape[0]):
+        if s.src_P[p] < 0:
+            continue
+        slot = int(s.block_slot_Nb[p // s.block_size])
+        if runs and runs[-1][0] == slot and runs[-1][1] + runs[-1][2] == p:
+            runs[-1] = (slot, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((slot, p, 1))
+    return runs
+
+
+def test_cpu_gemms_run_once_per_maximal_run_of_valid_rows():
+    """The CPU ops do one GEMM per maximal run of valid rows (consecutive full blocks of a slot up
+    to a partial block), not one per block: the pieces are exactly those runs."""
+    s = fixed_schedule()  # blocks of 4: slot 1 (3 rows), 2 (4), 2 (2), 1 (4), 0 (2)
+    assert _row_pieces(s.block_slot_Nb, s.block_rows_Nb, 4) == [
+        (1, 0, 3),
+        (2, 4, 6),
+        (1, 12, 4),
+        (0, 16, 2),
+    ]
+    s = build_block_schedule(torch.tensor([4, 5]), torch.tensor([1, 1]), block_size=4)
+    assert _row_pieces(s.block_slot_Nb, s.block_rows_Nb, 4) == [(1, 0, 9)]  # 2 segments, 3 blocks
+    for seed in range(4):
+        for block_size in (2, 4):
+            s = random_schedule(seed, block_size)
+            assert _row_pieces(s.block_slot_Nb, s.block_rows_Nb, block_size) == _valid_row_runs(s)
 
 
 def test_grouped_linear_empty_layout():

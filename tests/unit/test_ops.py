@@ -91,6 +91,31 @@ def test_grouped_linear_gradcheck_fixed_schedule():
     assert gradcheck(lambda x, w, b: gl(x, w, b, s), (x, w, b), eps=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "needs",
+    [(True, False, False), (False, True, False), (False, False, True), (False, True, True)],
+    ids=["x-only", "w-only", "b-only", "frozen-input"],
+)
+def test_grouped_linear_grads_of_some_inputs(needs):
+    """Backward with only some inputs requiring grad (frozen experts, a fixed input): those
+    gradients equal the full backward's, the others stay None."""
+    torch.manual_seed(seed_for("gl-some-grads", *needs))
+    s = fixed_schedule(4)
+    x = torch.randn(s.num_padded_rows, 3, dtype=torch.float64)
+    w = torch.randn(NUM_SLOTS, 3, 4, dtype=torch.float64)
+    b = torch.randn(NUM_SLOTS, 4, dtype=torch.float64)
+    dy = torch.randn(s.num_padded_rows, 4, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (x, w, b)]
+    gl(*full, s).backward(dy)
+    some = [t.clone().requires_grad_(n) for t, n in zip((x, w, b), needs, strict=True)]
+    gl(*some, s).backward(dy)
+    for t, ref, n in zip(some, full, needs, strict=True):
+        if n:
+            assert_close(t.grad, ref.grad)
+        else:
+            assert t.grad is None
+
+
 def test_grouped_linear_grads_of_unused_slot_and_masked_rows_are_zero():
     torch.manual_seed(seed_for("gl-zero-grads"))
     s = fixed_schedule(4)  # slot 3 only has an empty segment

@@ -314,3 +314,17 @@ def test_gather_rows_and_combine_rows():
     assert_close(y, expected)
     assert gradcheck(lambda o, w: combine_rows(o, pos_TK, w), (out_P, w_TK))
     assert gradcheck(lambda x: gather_rows(x, token_P), (x,))
+
+
+def test_combine_rows_without_weights_sums_the_chosen_rows():
+    """``weights_TK=None``: unit weights (K = 2: the sum of the two chosen rows, a dropped choice
+    adds nothing; K = 1: the rows in the order ``pos_TK`` names)."""
+    torch.manual_seed(seed_for("rows-unit"))
+    out_P = torch.randn(6, 3, dtype=torch.float64)
+    pos_TK = torch.tensor([[1, 4], [0, 6], [3, 5], [2, 6]])  # 6 == P: dropped
+    y = combine_rows(out_P, pos_TK, None)
+    expected = torch.stack([out_P[1] + out_P[4], out_P[0], out_P[3] + out_P[5], out_P[2]])
+    assert y.shape == (4, 3)
+    assert_close(y, expected)
+    order_T1 = torch.tensor([[5], [0], [2]])
+    assert torch.equal(combine_rows(out_P, order_T1, None), out_P[[5, 0, 2]])

@@ -5,12 +5,17 @@ Skipped (reported as "skipped", never counted as killed):
   mutated) and of ``assert`` messages;
 - the arguments of ``trace_span(...)`` calls and of ``warnings.warn``/``print`` (trace names, log
   text: FORMATS.md is checked by the tracing/report tiers, not by the core's tests).
+
+With ``MUTATION_DEFS`` set (comma-separated names of top-level functions / classes, set by
+``run_mutation.py --defs``), every mutant outside those definitions is skipped too: a run
+restricted to a module's core when the whole module would take too long.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import os
 
 _TEXT_CALLS = {"trace_span", "warn", "print"}
 
@@ -40,6 +45,24 @@ def _text_lines(filename: str) -> frozenset[int]:
     return frozenset(lines)
 
 
+@functools.cache
+def _def_lines(filename: str, names: str) -> frozenset[int]:
+    """1-based line numbers of the top-level definitions ``names`` (comma-separated) of ``filename``."""
+    with open(filename) as f:
+        tree = ast.parse(f.read())
+    wanted = set(names.split(","))
+    lines: set[int] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            lines.update(range(first, (node.end_lineno or node.lineno) + 1))
+    return frozenset(lines)
+
+
 def pre_mutation(context) -> None:
-    if context.current_line_index + 1 in _text_lines(context.filename):
+    line = context.current_line_index + 1
+    if line in _text_lines(context.filename):
+        context.skip = True
+    defs = os.environ.get("MUTATION_DEFS")
+    if defs and line not in _def_lines(context.filename, defs):
         context.skip = True

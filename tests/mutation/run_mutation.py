@@ -1,9 +1,12 @@
 """``make mutation``: mutation testing of the core modules with mutmut (pinned in the dev extra).
 
-Each group mutates one core package and runs only the tests that can catch its mutants (fast
-ones first; ``-x`` stops at the first failure, so a killed mutant costs little). mutmut edits
-the source files in place, one mutant at a time, and restores them: do not edit the tree while
-it runs. Results accumulate in ``.mutmut-cache`` (a rerun only tests mutants not yet tested;
+Each group mutates one core package and runs every mutant against the package's fast tests
+(``-x`` stops at the first failure, so a killed mutant costs seconds); a survivor of those is
+re-run against the group's wide tests (the unit or distributed tier), so only survivors pay for
+the slow nets. ``--only FILE`` and ``--defs NAME`` restrict a run to some modules or top-level
+definitions when a whole package would take too long; ``--fast-only`` skips the wide re-run.
+mutmut edits the source files in place, one mutant at a time, and restores them: do not edit
+the tree while it runs (or run it in a copy of the tree). Results accumulate in ``.mutmut-cache`` (a rerun only tests mutants not yet tested;
 delete the file to start over). Mutants that no test can catch by design (error-message and
 log/trace text) are skipped by ``mutmut_config.py``; known equivalent survivors are explained in
 ``tests/MUTATION.md``.
@@ -11,6 +14,8 @@ log/trace text) are skipped by ``mutmut_config.py``; known equivalent survivors 
     python tests/mutation/run_mutation.py               # every group (hours on 2 CPU cores)
     python tests/mutation/run_mutation.py gating ops    # some groups
     python tests/mutation/run_mutation.py --report      # kill rates and survivors, no run
+    python tests/mutation/run_mutation.py placement --only mixmoe/placement/cost_model.py \
+        --defs StepModel rank_loads                     # a module's core
 
 mutmut's own progress goes to ``.mutmut-logs/GROUP.log`` (``tail -f`` it to watch); the driver
 prints one summary line per group when the group ends (``gating: 98 mutants: 82 killed,
@@ -33,30 +38,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / ".mutmut-logs"
 
-# group -> (packages to mutate, tests that guard them). Order matters for speed only: with ``-x``
-# a killed mutant costs the tests up to its first failure, so the package's own fast tests come
-# first and the wide nets (the unit tier, the distributed tier) last; a survivor pays for all.
-# Packages the expert-parallel path uses end with the distributed tests that exercise them
-# (test_strategies: every strategy vs the single-rank layer; test_gradient_accumulation: cached
-# replica gradients), since a unit test alone cannot see, e.g., a plan accessor mixing up ranks.
-GROUPS: dict[str, tuple[list[str], list[str]]] = {
+# group -> (packages to mutate, fast tests, wide tests). Every mutant runs the fast tests: the
+# package's own tests, a few seconds with ``-x`` (a killed mutant costs up to its first failure).
+# A mutant that survives them is re-run against the wide tests (the unit tier, the distributed
+# tests that see a wrong plan, split or replica: test_strategies runs every strategy against the
+# single-rank layer, test_gradient_accumulation the cached replica gradients), so only survivors
+# pay for the slow nets and a mutant counts as killed if any test of either list catches it.
+GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "gating": (
         ["mixmoe/gating"],
         ["tests/unit/test_gating.py", "tests/unit/test_layer_vs_reference.py"],
+        ["tests/unit"],
     ),
-    "schedule": (["mixmoe/schedule"], ["tests/unit/test_schedule.py", "tests/unit"]),
-    "placement": (
+    "schedule": (["mixmoe/schedule"], ["tests/unit/test_schedule.py"], ["tests/unit"]),
+    "placement": (  # a wrong cost changes which plan is picked, not the layer's numbers
         ["mixmoe/placement"],
-        ["tests/placement", "tests/unit", "tests/distributed/test_strategies.py"],
+        ["tests/placement"],
+        [
+            "tests/unit/test_step_plan.py",
+            "tests/unit/test_bench_planner.py",
+            "tests/distributed/test_strategies.py",  # the plan accessors the dispatch uses
+        ],
     ),
     "ops": (
         ["mixmoe/ops"],
-        ["tests/unit/test_ops.py", "tests/unit", "tests/kernels/test_fused_ops.py"],
+        ["tests/unit/test_ops.py", "tests/kernels/test_fused_ops.py"],
+        ["tests/unit", "tests/kernels"],
     ),
     "parallel": (
         ["mixmoe/parallel"],
+        ["tests/distributed/test_checkpoint_and_failures.py"],
         [
-            "tests/distributed/test_checkpoint_and_failures.py",
             "tests/distributed/test_dropin_parallel.py",
             "tests/distributed/test_ddp_and_expert_data_parallel.py",
             "tests/distributed/test_strategies.py",
@@ -67,14 +79,17 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
         [
             "tests/distributed/test_strategies.py",
             "tests/distributed/test_gradient_accumulation.py",
-            "tests/distributed",
         ],
+        ["tests/distributed"],
     ),
     "dispatch": (
         ["mixmoe/dispatch"],
         [
             "tests/unit/test_schedule.py",  # expert_row_layout
+            "tests/unit/test_step_plan.py",
             "tests/unit/test_layer_vs_reference.py",  # the local dispatcher
+        ],
+        [
             "tests/unit",
             "tests/distributed/test_strategies.py",
             "tests/distributed/test_gradient_accumulation.py",
@@ -98,32 +113,65 @@ def _runner(tests: list[str]) -> str:
     return f"{sys.executable} -m pytest -x -q -p no:cacheprovider " + " ".join(seen)
 
 
-def run_group(name: str) -> int:
-    paths, tests = GROUPS[name]
-    cmd = [
-        sys.executable,
-        "-m",
-        "mutmut",
-        "run",
-        "--paths-to-mutate",
-        ",".join(paths),
-        "--runner",
-        _runner(tests),
-        "--tests-dir",
-        "tests",
-        "--simple-output",
-    ]
+def _forget_baseline() -> None:
+    """Make the next ``mutmut run`` time its runner on the unmutated tree again. mutmut caches one
+    baseline time per test-file hash, whatever the runner, and stops a mutant's tests at 10 x that
+    time as a "timeout" (counted as caught): a baseline left over from a faster runner would turn
+    slow, passing test runs into false kills. Re-timing also checks that the runner passes."""
+    cache = ROOT / ".mutmut-cache"
+    if cache.exists():
+        with sqlite3.connect(cache) as db:
+            db.execute("DELETE FROM MiscData WHERE key = 'baseline_time_elapsed'")
+
+
+def _reset_skipped() -> None:
+    """Retest the mutants a previous run skipped: a ``--defs`` restriction is per run (the text
+    skips of ``mutmut_config.py`` are cheap to redo)."""
+    cache = ROOT / ".mutmut-cache"
+    if cache.exists():
+        with sqlite3.connect(cache) as db:
+            db.execute(f"UPDATE Mutant SET status = '{UNTESTED}' WHERE status = '{SKIPPED}'")
+
+
+def _mutmut_run(args: list[str], tests: list[str], log: Path) -> int:
+    """``mutmut run ARGS`` with ``tests`` as the runner, appending to ``log``; its exit code."""
+    cmd = [sys.executable, "-m", "mutmut", "run", *args, "--runner", _runner(tests)]
+    cmd += ["--tests-dir", "tests", "--simple-output"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with open(log, "a") as out:
+        return subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        ).returncode
+
+
+def run_group(name: str, only: list[str], fast_only: bool = False) -> int:
+    """Mutate group ``name`` (restricted to the files or folders ``only`` when given) against its
+    fast tests, then (unless ``fast_only``) re-run each survivor against its wide tests.
+    Returns 1 if mutmut failed."""
+    packages, fast, wide = GROUPS[name]
+    paths = [p for p in only if p.startswith(tuple(packages))] if only else packages
+    if not paths:
+        return 0
     log = LOGS / f"{name}.log"
     log.parent.mkdir(exist_ok=True)
-    print(f"== {name}: mutating {', '.join(paths)}; tests: {_runner(tests)}", flush=True)
+    log.write_text("")
+    print(f"== {name}: mutating {', '.join(paths)}; tests: {_runner(fast)}", flush=True)
+    if not fast_only:
+        print(f"   survivors then: {_runner(wide)}", flush=True)
     print(f"   progress: tail -f {log.relative_to(ROOT)}", flush=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with open(log, "w") as out:
-        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    fatal = code.returncode & 1  # mutmut: 1 fatal; 2/4/8 survivors, timeouts, suspicious
+    _forget_baseline()
+    _reset_skipped()
+    code = _mutmut_run(["--paths-to-mutate", ",".join(paths)], fast, log)
+    fatal = code & 1  # mutmut: 1 fatal; 2/4/8 survivors, timeouts, suspicious
+    survivors = [r[0] for r in _mutants(paths) if r[4] == SURVIVED]
+    if survivors and wide and not fatal and not fast_only:
+        print(f"   {len(survivors)} survivors of the fast tests: re-running them", flush=True)
+        _forget_baseline()  # the first survivor's run times the wide tests, the rest reuse it
+        for mid in survivors:  # ``mutmut run ID`` retests one mutant, whatever its cached status
+            fatal |= _mutmut_run([str(mid), "--paths-to-mutate", ",".join(paths)], wide, log) & 1
     if fatal:
         tail = log.read_text(errors="replace")[-2000:]
-        print(f"   mutmut failed (exit {code.returncode}); end of {log.name}:\n{tail}", flush=True)
+        print(f"   mutmut failed; end of {log.name}:\n{tail}", flush=True)
     print(summary(name), flush=True)
     return fatal
 
@@ -154,7 +202,7 @@ def summary(name: str) -> str:
 
 
 def _mutants(paths: list[str]) -> list[tuple[int, str, int, str, str]]:
-    """(id, file, 0-based line number, source line, status) of every cached mutant under ``paths``."""
+    """(id, file, 0-based line number, source line, status) of every cached mutant in ``paths``."""
     cache = ROOT / ".mutmut-cache"
     if not cache.exists():
         return []
@@ -164,8 +212,8 @@ def _mutants(paths: list[str]) -> list[tuple[int, str, int, str, str]]:
             "JOIN line l ON m.line = l.id JOIN sourcefile f ON l.sourcefile = f.id "
             'ORDER BY f.filename, l.line_number, m."index"'
         ).fetchall()
-    prefixes = tuple(p.rstrip("/") + "/" for p in paths)
-    return [r for r in rows if r[1].startswith(prefixes)]
+    paths = [p.rstrip("/") for p in paths]  # folders or files
+    return [r for r in rows if any(r[1] == p or r[1].startswith(p + "/") for p in paths)]
 
 
 def report(names: list[str], show_diffs: bool) -> None:
@@ -215,15 +263,36 @@ def main() -> int:
     )
     parser.add_argument("--report", action="store_true", help="only print the cached results")
     parser.add_argument("--no-diffs", action="store_true", help="survivors without their diffs")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="mutate only these files or folders of the groups (e.g. mixmoe/placement/profile.py)",
+    )
+    parser.add_argument(
+        "--fast-only",
+        action="store_true",
+        help="do not re-run the fast tests' survivors against the wide tests",
+    )
+    parser.add_argument(
+        "--defs",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="mutate only these top-level functions / classes (others are reported as skipped)",
+    )
     args = parser.parse_args()
     names = args.groups or list(GROUPS)
+    if args.defs:
+        os.environ["MUTATION_DEFS"] = ",".join(args.defs)  # read by mutmut_config.py
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
         parser.error(f"unknown group(s) {unknown}; choose from {', '.join(GROUPS)}")
     failed = 0
     if not args.report:
         for name in names:
-            failed |= run_group(name)
+            failed |= run_group(name, args.only, args.fast_only)
     report(names, show_diffs=not args.no_diffs)
     return failed
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixmoe.placement import HardwareProfile, LayerShape, predict
+from mixmoe.placement.cost_model import StepModel, baseline_loads, rank_loads
 
 # Toy: W=2, E=1, D=2, F=4, fp32.
 #   flops_per_row = 6 * 2 * D * F = 96; row_bytes rb = 8; P = (2*D*F + F + D) * 4 = 88 bytes.
@@ -123,3 +124,37 @@ def test_bad_hot() -> None:
         predict(TOY_COUNTS, {1: (0, 0)}, TOY_SHAPE, TOY_PROFILE)
     with pytest.raises(ValueError, match="distinct ranks"):
         predict(TOY_COUNTS, {1: (2,)}, TOY_SHAPE, TOY_PROFILE)
+
+
+@pytest.mark.parametrize("W", [1, 7, 8, 9, 16, 19])
+@pytest.mark.parametrize("E", [1, 3])
+def test_baseline_loads_equal_rank_loads(W: int, E: int) -> None:
+    """The vectorised a2a aggregates (column sums reduced 8 rows at a time, plus the rest) equal
+    the per-rank loop, for W below, at and above multiples of 8."""
+    g = torch.Generator().manual_seed(W * 10 + E)
+    C_WN = torch.randint(0, 1000, (W, W * E), generator=g)
+    loads_4W, colsum_N, own_N = baseline_loads(C_WN, E)
+    rows, local, remote, replica = rank_loads(C_WN.tolist(), {}, E)
+    assert loads_4W.dtype == torch.float64
+    assert loads_4W.tolist() == [rows, local, remote, replica]
+    assert colsum_N.tolist() == [sum(C_WN[s, n].item() for s in range(W)) for n in range(W * E)]
+    assert own_N.tolist() == [C_WN[n // E, n].item() for n in range(W * E)]
+
+
+def test_check_exact_bounds_counts_and_factors() -> None:
+    """Aggregates and per-row factors must stay below 2**53 (exact in float64)."""
+    model = StepModel(TOY_SHAPE, TOY_PROFILE, overlap=True)
+    model.check_exact(2**53 - 1)
+    with pytest.raises(ValueError, match="too large"):
+        model.check_exact(2**53)
+    with pytest.raises(ValueError, match="too large"):
+        predict([[2**53, 0], [0, 0]], {}, TOY_SHAPE, TOY_PROFILE)
+    # the per-replica factor P = (2 D F + F + D) * bytes: with D = 1, 8 bytes, F = (2**50 - 1) / 3
+    # it is exactly 2**53 (too large), one step of F below it is exact
+    F = (2**50 - 1) // 3
+    at = LayerShape(1, F, 1, 2, 8)
+    below = LayerShape(1, F - 1, 1, 2, 8)
+    assert at.params_bytes_per_expert == 2**53 > max(at.flops_per_row, 2 * at.row_bytes)
+    StepModel(below, TOY_PROFILE, overlap=True).check_exact(1)
+    with pytest.raises(ValueError, match="too large"):
+        StepModel(at, TOY_PROFILE, overlap=True).check_exact(1)

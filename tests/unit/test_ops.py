@@ -15,6 +15,7 @@ from torch.testing import assert_close
 
 from mixmoe.ops import combine_rows, gather_rows, grouped_linear
 from mixmoe.ops.expert_mlp import ExpertWeights, expert_mlp
+from mixmoe.ops.grouped_linear import _row_pieces
 from mixmoe.schedule.blocks import build_block_schedule
 
 # Segments with empty ones (0), partial blocks (3, 6 with B=4), a full block (4), and a slot
@@ -90,6 +91,31 @@ def test_grouped_linear_gradcheck_fixed_schedule():
     assert gradcheck(lambda x, w, b: gl(x, w, b, s), (x, w, b), eps=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "needs",
+    [(True, False, False), (False, True, False), (False, False, True), (False, True, True)],
+    ids=["x-only", "w-only", "b-only", "frozen-input"],
+)
+def test_grouped_linear_grads_of_some_inputs(needs):
+    """Backward with only some inputs requiring grad (frozen experts, a fixed input): those
+    gradients equal the full backward's, the others stay None."""
+    torch.manual_seed(seed_for("gl-some-grads", *needs))
+    s = fixed_schedule(4)
+    x = torch.randn(s.num_padded_rows, 3, dtype=torch.float64)
+    w = torch.randn(NUM_SLOTS, 3, 4, dtype=torch.float64)
+    b = torch.randn(NUM_SLOTS, 4, dtype=torch.float64)
+    dy = torch.randn(s.num_padded_rows, 4, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (x, w, b)]
+    gl(*full, s).backward(dy)
+    some = [t.clone().requires_grad_(n) for t, n in zip((x, w, b), needs, strict=True)]
+    gl(*some, s).backward(dy)
+    for t, ref, n in zip(some, full, needs, strict=True):
+        if n:
+            assert_close(t.grad, ref.grad)
+        else:
+            assert t.grad is None
+
+
 def test_grouped_linear_grads_of_unused_slot_and_masked_rows_are_zero():
     torch.manual_seed(seed_for("gl-zero-grads"))
     s = fixed_schedule(4)  # slot 3 only has an empty segment
@@ -144,6 +170,39 @@ def test_grouped_linear_masked_rows_ignore_nonfinite_garbage(garbage):
     y.backward(torch.randn_like(y))
     assert torch.isfinite(w.grad).all() and torch.isfinite(b.grad).all()
     assert torch.equal(x.grad[masked], torch.zeros_like(x.grad[masked]))
+
+
+def _valid_row_runs(s) -> list[tuple[int, int, int]]:
+    """Row by row: (slot, first row, length) of each maximal run of consecutive valid rows of one
+    slot (padding rows end a run)."""
+    runs: list[tuple[int, int, int]] = []
+    for p in range(s.src_P.shape[0]):
+        if s.src_P[p] < 0:
+            continue
+        slot = int(s.block_slot_Nb[p // s.block_size])
+        if runs and runs[-1][0] == slot and runs[-1][1] + runs[-1][2] == p:
+            runs[-1] = (slot, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((slot, p, 1))
+    return runs
+
+
+def test_cpu_gemms_run_once_per_maximal_run_of_valid_rows():
+    """The CPU ops do one GEMM per maximal run of valid rows (consecutive full blocks of a slot up
+    to a partial block), not one per block: the pieces are exactly those runs."""
+    s = fixed_schedule()  # blocks of 4: slot 1 (3 rows), 2 (4), 2 (2), 1 (4), 0 (2)
+    assert _row_pieces(s.block_slot_Nb, s.block_rows_Nb, 4) == [
+        (1, 0, 3),
+        (2, 4, 6),
+        (1, 12, 4),
+        (0, 16, 2),
+    ]
+    s = build_block_schedule(torch.tensor([4, 5]), torch.tensor([1, 1]), block_size=4)
+    assert _row_pieces(s.block_slot_Nb, s.block_rows_Nb, 4) == [(1, 0, 9)]  # 2 segments, 3 blocks
+    for seed in range(4):
+        for block_size in (2, 4):
+            s = random_schedule(seed, block_size)
+            assert _row_pieces(s.block_slot_Nb, s.block_rows_Nb, block_size) == _valid_row_runs(s)
 
 
 def test_grouped_linear_empty_layout():
@@ -255,3 +314,17 @@ def test_gather_rows_and_combine_rows():
     assert_close(y, expected)
     assert gradcheck(lambda o, w: combine_rows(o, pos_TK, w), (out_P, w_TK))
     assert gradcheck(lambda x: gather_rows(x, token_P), (x,))
+
+
+def test_combine_rows_without_weights_sums_the_chosen_rows():
+    """``weights_TK=None``: unit weights (K = 2: the sum of the two chosen rows, a dropped choice
+    adds nothing; K = 1: the rows in the order ``pos_TK`` names)."""
+    torch.manual_seed(seed_for("rows-unit"))
+    out_P = torch.randn(6, 3, dtype=torch.float64)
+    pos_TK = torch.tensor([[1, 4], [0, 6], [3, 5], [2, 6]])  # 6 == P: dropped
+    y = combine_rows(out_P, pos_TK, None)
+    expected = torch.stack([out_P[1] + out_P[4], out_P[0], out_P[3] + out_P[5], out_P[2]])
+    assert y.shape == (4, 3)
+    assert_close(y, expected)
+    order_T1 = torch.tensor([[5], [0], [2]])
+    assert torch.equal(combine_rows(out_P, order_T1, None), out_P[[5, 0, 2]])

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -36,8 +38,13 @@ from mixmoe.validation import check_int
 
 FAMILIES = ("mixtral", "qwen2_moe")
 IMPLEMENTATIONS = ("all_to_all", "mixmoe_a2a", "mixmoe_shadow", "mixmoe_mix")
+# one device (``world_size=1``): transformers' experts implementations and mixmoe's
+EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "mixmoe")
+# batched_mm gathers a weight copy per routed slot: ~50x eager on CPU, so only when asked for
+EXPERTS_DEFAULT = ("eager", "grouped_mm", "mixmoe")
 ROUTINGS = ("uniform", "skewed")
 BASELINE = "all_to_all"
+EXPERTS_BASELINE = "eager"
 # float32: implementations sum the same products in different orders
 CHECK_RTOL = 1e-4
 
@@ -97,7 +104,7 @@ class HFBenchConfig:
 
     def __post_init__(self) -> None:
         for name, lo in (
-            ("world_size", 2),
+            ("world_size", 1),
             ("batch", 1),
             ("seq_len", 1),
             ("steps", 1),
@@ -105,13 +112,15 @@ class HFBenchConfig:
             ("threads", 0),
         ):
             check_int(name, getattr(self, name), lo)
-        unknown = set(self.implementations) - set(IMPLEMENTATIONS)
+        allowed = EXPERTS_IMPLEMENTATIONS if self.world_size == 1 else IMPLEMENTATIONS
+        unknown = set(self.implementations) - set(allowed)
         if unknown or not self.implementations:
+            where = "one device" if self.world_size == 1 else f"{self.world_size} ranks"
             raise ValueError(
-                f"implementations {sorted(unknown) or '(none)'}: use some of {IMPLEMENTATIONS}"
+                f"implementations {sorted(unknown) or '(none)'} on {where}: use some of {allowed}"
             )
-        if BASELINE not in self.implementations:
-            raise ValueError(f"implementations must include the baseline {BASELINE!r}")
+        if self.baseline not in self.implementations:
+            raise ValueError(f"implementations must include the baseline {self.baseline!r}")
         if not self.routings or set(self.routings) - set(ROUTINGS):
             raise ValueError(f"routings {self.routings}: use some of {ROUTINGS}")
         if self.shape.num_experts % self.world_size:
@@ -123,6 +132,11 @@ class HFBenchConfig:
             raise ValueError(
                 f"hot_expert={self.hot_expert} is not an expert id; use 0..{self.shape.num_experts - 1}"
             )
+
+    @property
+    def baseline(self) -> str:
+        """What the ratios are relative to: ``all_to_all`` on ranks, ``eager`` on one device."""
+        return EXPERTS_BASELINE if self.world_size == 1 else BASELINE
 
 
 def _transformers():
@@ -250,6 +264,44 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) 
     return float(out.loss.detach())
 
 
+def interleaved_steps(
+    models: dict[str, nn.Module],
+    opts: dict[str, torch.optim.Optimizer],
+    data: list[torch.Tensor],
+    warmup: int,
+    device: torch.device,
+    check_first: Callable[[dict[str, float]], None],
+    after_measured: Callable[[str, nn.Module], None] | None = None,
+) -> dict[str, list[float]]:
+    """Every model steps on every batch in turn (so each ratio comes from one interleaved run);
+    the step ms of each model after ``warmup``. ``check_first(losses)`` sees the first step's
+    losses; ``after_measured(name, model)`` runs after each measured step."""
+    times: dict[str, list[float]] = {impl: [] for impl in models}
+    for step, ids in enumerate(data):
+        first = {}
+        for impl, model in models.items():
+            timer = StageTimer(device)
+            timer.mark()
+            loss = train_step(model, opts[impl], ids)
+            timer.mark()
+            if step >= warmup:
+                times[impl].append(timer.elapsed_ms()[0])
+                if after_measured is not None:
+                    after_measured(impl, model)
+            if step == 0:
+                first[impl] = loss
+        if step == 0:
+            check_first(first)
+    return times
+
+
+def _count_replicas(
+    replicas: dict[str, list[int]], ep_implementations, impl: str, model: nn.Module
+) -> None:
+    """Record the replicas the model's mixmoe EP layers used in their last forward."""
+    replicas[impl].append(sum(ep.last_stats.get("replicas", 0) for ep in ep_implementations(model)))
+
+
 def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
     """This rank's part of the benchmark; every rank returns the same records (times are the
     slowest rank's)."""
@@ -271,27 +323,16 @@ def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
             opts[impl] = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         device = next(iter(models.values())).device
         data = [b.to(device) for b in batches(cfg, comm.rank, cfg.warmup + cfg.steps)]
-        times = {impl: [] for impl in cfg.implementations}
         replicas = {impl: [] for impl in cfg.implementations}
-        for step, ids in enumerate(data):
-            first = {}
-            for impl in cfg.implementations:
-                timer = StageTimer(device)
-                timer.mark()
-                loss = train_step(models[impl], opts[impl], ids)
-                timer.mark()
-                if step >= cfg.warmup:
-                    times[impl].append(timer.elapsed_ms()[0])
-                    replicas[impl].append(
-                        sum(
-                            ep.last_stats.get("replicas", 0)
-                            for ep in ep_implementations(models[impl])
-                        )
-                    )
-                if step == 0:
-                    first[impl] = loss
-            if step == 0:
-                _check_first_losses(first, routing, comm.rank)
+        times = interleaved_steps(
+            models,
+            opts,
+            data,
+            cfg.warmup,
+            device,
+            partial(_check_first_losses, routing=routing, rank=comm.rank),
+            partial(_count_replicas, replicas, ep_implementations),
+        )
         every = (
             comm.all_gather_rows(
                 torch.tensor([times[i] for i in cfg.implementations], dtype=torch.float64)
@@ -333,14 +374,73 @@ def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
     return records
 
 
-def _check_first_losses(first: dict[str, float], routing: str, rank: int) -> None:
-    base = first[BASELINE]
+def _check_first_losses(
+    first: dict[str, float], routing: str, rank: int, baseline: str = BASELINE
+) -> None:
+    base = first[baseline]
     for impl, loss in first.items():
         if abs(loss - base) > CHECK_RTOL * abs(base):
             raise RuntimeError(
-                f"{impl} disagrees with {BASELINE} before timing ({routing} routing, rank {rank}):"
+                f"{impl} disagrees with {baseline} before timing ({routing} routing, rank {rank}):"
                 f" first-step loss {loss!r} vs {base!r}"
             )
+
+
+def run_single_device(cfg: HFBenchConfig, device: str = "cpu") -> list[dict]:
+    """One device: the same random-init model under each experts implementation
+    (``model.set_experts_implementation(name)``; ``mixmoe`` registered by ``import mixmoe.hf``),
+    stepped in turn on the same batches; ratios to ``eager``, and ``vs_fastest_hf``: the step
+    over the fastest of transformers' implementations in the run."""
+    import copy
+
+    import mixmoe.hf  # noqa: F401  registers the "mixmoe" experts implementation
+
+    tf = _transformers()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    base_model = tf.AutoModelForCausalLM.from_config(model_config(cfg.shape)).to(device)
+    records = []
+    for routing in cfg.routings:
+        models, opts, counters = {}, {}, {}
+        for impl in cfg.implementations:
+            model = copy.deepcopy(base_model)
+            model.set_experts_implementation(impl)
+            model.train()
+            if routing == "skewed":
+                skew_router(model, cfg.hot_expert, cfg.hot_bias)
+            counters[impl] = RoutingCounter(model, cfg.shape.num_experts)
+            models[impl] = model
+            opts[impl] = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        data = [b.to(device) for b in batches(cfg, 0, cfg.warmup + cfg.steps)]
+        times = interleaved_steps(
+            models,
+            opts,
+            data,
+            cfg.warmup,
+            torch.device(device),
+            partial(_check_first_losses, routing=routing, rank=0, baseline=cfg.baseline),
+        )
+        base = median(times[cfg.baseline])
+        hf = [median(times[i]) for i in cfg.implementations if i != "mixmoe"]
+        for impl in cfg.implementations:
+            counts_N = counters[impl].counts_N
+            records.append(
+                {
+                    "routing": routing,
+                    "implementation": impl,
+                    "device": device,
+                    "median_ms": median(times[impl]),
+                    "min_ms": min(times[impl]),
+                    "ratio": median(times[impl]) / base,
+                    "vs_fastest_hf": median(times[impl]) / min(hf),
+                    "hot_share": float(counts_N.max()) / max(int(counts_N.sum()), 1),
+                    "replicas_per_step": 0.0,
+                    "step_ms": times[impl],
+                }
+            )
+        del models, opts
+    return records
 
 
 def _rank_main(comm, cfg: HFBenchConfig, path: str) -> list[dict]:
@@ -351,6 +451,8 @@ def run_hf_bench(cfg: HFBenchConfig) -> list[dict] | None:
     """The records on the reporting process (this one when it spawned the ranks, rank 0 under
     torchrun); None on the other torchrun ranks."""
     _transformers()
+    if cfg.world_size == 1:
+        return run_single_device(cfg)
     if under_torchrun():
         from mixmoe.comm import init_distributed
 

@@ -1,7 +1,10 @@
 """``mixmoe bench hf``: a transformers MoE model's training step under transformers' FSDP x EP
-with ``all_to_all`` and each mixmoe EP implementation, uniform and skewed routing (engine:
-``mixmoe.bench.hf``). Prints median step ms and the ratio to ``all_to_all`` per routing;
-``--jsonl`` appends the records with the environment; ``--markdown`` prints a Markdown table."""
+with ``all_to_all`` and each mixmoe EP implementation, uniform and skewed routing; with
+``--world-size 1``, on one device under each experts implementation (``eager``, ``batched_mm``,
+``grouped_mm``, ``mixmoe``). Engine: ``mixmoe.bench.hf``. Prints median step ms and the ratio to
+the baseline (``all_to_all``; ``eager`` on one device, plus the ratio to the fastest of
+transformers' own) per routing; ``--jsonl`` appends the records with the environment;
+``--markdown`` prints a Markdown table."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from dataclasses import asdict
 import torch
 
 from mixmoe.bench.hf import (
+    EXPERTS_DEFAULT,
+    EXPERTS_IMPLEMENTATIONS,
     FAMILIES,
     IMPLEMENTATIONS,
     ROUTINGS,
@@ -38,13 +43,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=s.layers)
     p.add_argument("--vocab-size", type=int, default=s.vocab_size)
     p.add_argument("--heads", type=int, default=s.heads)
-    p.add_argument("--world-size", type=int, default=d.world_size, help="ranks (EP = FSDP size)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=d.world_size,
+        help="ranks (EP = FSDP size); 1: one device, transformers' experts implementations vs mixmoe",
+    )
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument(
         "--implementations",
-        default=",".join(d.implementations),
-        help=f"comma list, some of {IMPLEMENTATIONS} (all_to_all is the baseline)",
+        default="",
+        help=f"comma list, some of {IMPLEMENTATIONS} (all_to_all is the baseline); on one "
+        f"device some of {EXPERTS_IMPLEMENTATIONS} (eager is the baseline) (default: all on "
+        f"ranks; {','.join(EXPERTS_DEFAULT)} on one device)",
     )
     p.add_argument("--routing", default=",".join(d.routings), help=f"comma list of {ROUTINGS}")
     p.add_argument("--hot-expert", type=int, default=d.hot_expert, help="skewed: the hot expert")
@@ -78,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         batch=args.batch,
         seq_len=args.seq_len,
-        implementations=_names(args.implementations),
+        implementations=_names(args.implementations)
+        or (EXPERTS_DEFAULT if args.world_size == 1 else IMPLEMENTATIONS),
         routings=_names(args.routing),
         hot_expert=args.hot_expert,
         hot_bias=args.hot_bias,
@@ -94,10 +107,16 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{shape.family}: hidden {shape.hidden_size}, intermediate {shape.intermediate_size}, "
         f"{shape.num_experts} experts, top-{shape.top_k}, {shape.layers} layers; "
-        f"{cfg.world_size} ranks (FSDP x EP), {cfg.batch} x {cfg.seq_len} tokens per rank; "
+        + (
+            "one device (experts implementations)"
+            if cfg.world_size == 1
+            else f"{cfg.world_size} ranks (FSDP x EP)"
+        )
+        + f", {cfg.batch} x {cfg.seq_len} tokens per rank; "
         f"train step (fwd+bwd+AdamW), median of {cfg.steps} after {cfg.warmup} warm-up, "
         f"{cfg.threads} thread(s) per rank"
     )
+    single = cfg.world_size == 1
     rows = [
         (
             r["routing"],
@@ -105,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['median_ms']:.1f}",
             f"{r['min_ms']:.1f}",
             f"{r['ratio']:.3f}x",
+            *([f"{r['vs_fastest_hf']:.3f}x"] if single else []),
             f"{r['hot_share']:.2f}",
             f"{r['replicas_per_step']:.1f}",
         )
@@ -115,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         "implementation",
         "median ms",
         "min ms",
-        "vs all_to_all",
+        f"vs {cfg.baseline}",
+        *(["vs fastest hf"] if single else []),
         "hot share",
         "replicas/step",
     ]

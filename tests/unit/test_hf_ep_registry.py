@@ -101,6 +101,8 @@ def test_register_a_tuned_mix():
         ({"routings": ("zipf",)}, "routings"),
         ({"world_size": 3}, "not divisible by world_size=3"),
         ({"hot_expert": 8}, "hot_expert=8"),
+        ({"world_size": 1}, "on one device: use some of"),
+        ({"world_size": 1, "implementations": ("mixmoe",)}, "baseline 'eager'"),
     ],
 )
 def test_bench_config_errors(kwargs, match):
@@ -119,3 +121,20 @@ def test_cli_bad_implementation_is_one_line(capsys):
     assert cli.main(["bench", "hf", "--implementations", "mixmoe_mix"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mixmoe: error: ") and "all_to_all" in err[0]
+
+
+def test_single_device_bench_compares_experts_implementations(capsys):
+    """``--world-size 1``: the same model under eager, grouped_mm and mixmoe; the first step's
+    losses must agree (the engine checks it before timing) and every record carries both ratios."""
+    argv = ["bench", "hf", "--world-size", "1", "--hidden-size", "64", "--intermediate-size"]
+    argv += ["128", "--num-experts", "4", "--layers", "1", "--vocab-size", "128", "--batch", "2"]
+    argv += ["--seq-len", "16", "--steps", "1", "--warmup", "0", "--routing", "uniform,skewed"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "one device (experts implementations)" in out and "vs fastest hf" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("uniform", "skewed"))]
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        (routing, impl)
+        for routing in ("uniform", "skewed")
+        for impl in ("eager", "grouped_mm", "mixmoe")
+    ), out

@@ -90,6 +90,7 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
         x_PD = x_TD.index_select(0, token_P.clamp(max=T - 1))
         a_PF = x_TD.new_empty(P, Fh)
         u_PF = x_TD.new_empty(P, Fh) if swiglu else None
+        s_PF = x_TD.new_empty(P, Fh) if swiglu else None  # silu(a), kept for the backward
         h_PF = x_TD.new_empty(P, Fh)
         out_PD = x_TD.new_empty(P + 1, w2.shape[2])
         out_PD[P].zero_()  # the row every dropped choice (pos_TK == P) reads
@@ -98,7 +99,8 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
             _linear_into(a_PF[rows], x_PD[rows], w1[s], None if b1 is None else b1[s])
             if swiglu:
                 _linear_into(u_PF[rows], x_PD[rows], w3[s], None if b3 is None else b3[s])
-                torch.mul(F.silu(a_PF[rows]), u_PF[rows], out=h_PF[rows])
+                torch.ops.aten.silu.out(a_PF[rows], out=s_PF[rows])
+                torch.mul(s_PF[rows], u_PF[rows], out=h_PF[rows])
             else:
                 h_PF[rows] = _act(a_PF[rows], activation)
             _linear_into(out_PD[rows], h_PF[rows], w2[s], None if b2 is None else b2[s])
@@ -109,7 +111,7 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
             y_TD = (rows_TKD * weights_TK.unsqueeze(-1).to(rows_TKD.dtype)).sum(dim=1)
         keep_rows = rows_TKD if weights_TK is not None else None  # for d weights_TK only
         ctx.save_for_backward(
-            x_PD, token_P, pos_TK, weights_TK, w1, w3, w2, a_PF, u_PF, h_PF, keep_rows
+            x_PD, token_P, pos_TK, weights_TK, w1, w3, w2, a_PF, u_PF, s_PF, h_PF, keep_rows
         )
         ctx.pieces, ctx.activation = pieces, activation
         ctx.has_bias = (b1 is not None, b3 is not None, b2 is not None)
@@ -118,7 +120,7 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_TD):
-        x_PD, token_P, pos_TK, weights_TK, w1, w3, w2, a_PF, u_PF, h_PF, rows_TKD = (
+        x_PD, token_P, pos_TK, weights_TK, w1, w3, w2, a_PF, u_PF, s_PF, h_PF, rows_TKD = (
             ctx.saved_tensors
         )
         need = ctx.needs_input_grad
@@ -169,7 +171,7 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
             dh = torch.mm(g, w2[s].t())
             if swiglu:
                 u = u_PF[rows]
-                du = dh * F.silu(a)
+                du = dh * s_PF[rows]
                 da = torch.ops.aten.silu_backward(dh.mul_(u), a)
             else:
                 du = None

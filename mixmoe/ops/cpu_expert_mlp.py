@@ -79,6 +79,14 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.T
         torch.addmm(b, x, w, out=out)
 
 
+def _weight_grad_into(dw_IO: torch.Tensor, x_RI: torch.Tensor, g_RO: torch.Tensor, first: bool):
+    """dw = x^T g (a slot's first piece) or dw += x^T g (later pieces)."""
+    if first:
+        torch.mm(x_RI.t(), g_RO, out=dw_IO)
+    else:
+        dw_IO.addmm_(x_RI.t(), g_RO)
+
+
 class _CpuTokenExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, token_P, pos_TK, weights_TK, w1, b1, w3, b3, w2, b2, pieces, activation):
@@ -162,10 +170,10 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
         for s, r0, n in ctx.pieces:
             rows = slice(r0, r0 + n)
             g, a = g_PD[rows], a_PF[rows]
-            beta = 1.0 if s in written else 0.0  # beta 0 ignores the empty buffer's garbage
+            first = s not in written
             written.add(s)
             if want_w:
-                grads["w2"][s].addmm_(h_PF[rows].t(), g, beta=beta)
+                _weight_grad_into(grads["w2"][s], h_PF[rows], g, first)
             if grads.get("b2") is not None:
                 grads["b2"][s] += g.sum(dim=0)
             dh = torch.mm(g, w2[s].t())
@@ -178,12 +186,12 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
                 da = _act_backward(dh, a, ctx.activation)
             x = x_PD[rows]
             if want_w:
-                grads["w1"][s].addmm_(x.t(), da, beta=beta)
+                _weight_grad_into(grads["w1"][s], x, da, first)
             if grads.get("b1") is not None:
                 grads["b1"][s] += da.sum(dim=0)
             if du is not None:
                 if want_w:
-                    grads["w3"][s].addmm_(x.t(), du, beta=beta)
+                    _weight_grad_into(grads["w3"][s], x, du, first)
                 if grads.get("b3") is not None:
                     grads["b3"][s] += du.sum(dim=0)
             if dx_PD is not None:

@@ -115,8 +115,11 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
         rows_TKD = out_PD.index_select(0, pos_TK.reshape(-1)).view(T, pos_TK.shape[1], -1)
         if weights_TK is None:
             y_TD = rows_TKD.sum(dim=1)
-        else:
-            y_TD = (rows_TKD * weights_TK.unsqueeze(-1).to(rows_TKD.dtype)).sum(dim=1)
+        else:  # k = 0..K-1 in order, one pass per choice (no weighted [T, K, D] copy)
+            w_TK = weights_TK.to(rows_TKD.dtype)
+            y_TD = rows_TKD[:, 0] * w_TK[:, 0:1]
+            for k in range(1, pos_TK.shape[1]):
+                y_TD.addcmul_(rows_TKD[:, k], w_TK[:, k : k + 1])
         keep_rows = rows_TKD if weights_TK is not None else None  # for d weights_TK only
         ctx.save_for_backward(
             x_PD, token_P, pos_TK, weights_TK, w1, w3, w2, a_PF, u_PF, s_PF, h_PF, keep_rows

@@ -8,15 +8,18 @@ Legend: T tokens, K top-k, D model dim, F hidden dim, P padded rows.
 is what it computes (``fused=False`` runs exactly that composition of the reference ops: the
 tests' twin). The default runs the fused ops (``mixmoe.ops.fused_linear``): the first GEMM reads
 ``x_TD`` through ``token_P`` (no permuted copy of the input), the second writes straight to
-token-choice order and the K choices are summed in a fixed order. On CUDA they are Triton kernels;
-on CPU their torch implementations. Same numbers up to float rounding, same autograd (dx, dW, db,
-d weights_TK).
+token-choice order and the K choices are summed in a fixed order. On CUDA they are Triton kernels.
+On CPU the same computation runs as one autograd function over the pieces of valid rows
+(``mixmoe.ops.cpu_expert_mlp``: each input gathered once, no pass over padding rows), for CPU
+tensors of one dtype; other CPU calls (e.g. zero tokens) run the fused ops' torch
+implementations. Same numbers up to float rounding, same autograd (dx, dW, db, d weights_TK).
 """
 
 from __future__ import annotations
 
 import torch
 
+from mixmoe.ops.cpu_expert_mlp import cpu_path_applies, cpu_token_expert_mlp
 from mixmoe.ops.expert_mlp import ExpertWeights, activate, expert_mlp
 from mixmoe.ops.fused_linear import gather_grouped_linear, grouped_linear_combine
 from mixmoe.ops.rows import combine_rows, gather_rows
@@ -43,6 +46,10 @@ def token_expert_mlp(
     if not fused:
         x_PD = gather_rows(x_TD, token_P)
         return combine_rows(expert_mlp(x_PD, weights, schedule, activation), pos_TK, weights_TK)
+    if cpu_path_applies(x_TD, pos_TK, weights, activation):
+        return cpu_token_expert_mlp(
+            x_TD, token_P, pos_TK, weights_TK, weights, schedule, activation
+        )
     meta = (schedule.block_slot_Nb, schedule.block_rows_Nb, schedule.block_size)
     h_PF = activate(
         gather_grouped_linear(x_TD, token_P, pos_TK, weights.w1_SDF, weights.b1_SF, *meta),

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import importlib
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 
@@ -33,8 +34,15 @@ def triton_impls_on_cpu(
 ) -> Iterator[None]:
     """Within the block every ``mixmoe::`` op runs its Triton implementation (tile ``config``) on
     CPU tensors; ``wrap(op, fn)`` may wrap each (e.g. to count calls). The CPU kernels come back
-    on exit. Needs ``torch.library._scoped_library``."""
-    with torch.library._scoped_library("mixmoe", "IMPL") as lib:
+    on exit. Needs ``torch.library._scoped_library``.
+
+    ``token_expert_mlp``'s CPU body (``mixmoe.ops.cpu_expert_mlp``) bypasses the ops on CPU
+    tensors, so it is switched off inside the block: the ops, hence the Triton kernels, run."""
+    tem = importlib.import_module("mixmoe.ops.token_expert_mlp")
+    with (
+        torch.library._scoped_library("mixmoe", "IMPL") as lib,
+        mock.patch.object(tem, "cpu_path_applies", lambda *args: False),
+    ):
         for op, (module, name, takes_config) in TRITON_IMPLS.items():
             fn = getattr(importlib.import_module(module), name)
             fn = functools.partial(fn, config=config) if takes_config else fn

@@ -1,0 +1,205 @@
+"""The CPU body of ``token_expert_mlp`` (``mixmoe.ops.cpu_expert_mlp``) against a dense
+per-(token, choice) loop that shares no code with it: forward and every gradient (dx, d weights_TK,
+dW1/db1, dW3/db3, dW2/db2), every activation, with and without bias and gate weights, float64,
+float32 and bfloat16, on layouts with repeated / out-of-order slots, slots without rows, partial
+blocks, K = 1 and dropped choices. Calls the path does not take (zero tokens, a weight in another
+dtype) still run the fused ops and match the same loop.
+
+Legend: T tokens, K top-k, D model dim, F hidden dim, P padded rows, S weight slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixmoe.ops.cpu_expert_mlp import cpu_path_applies
+from mixmoe.ops.expert_mlp import ExpertWeights
+from mixmoe.ops.token_expert_mlp import token_expert_mlp
+
+ACTIVATIONS = ["gelu", "relu", "silu", "swiglu"]
+TOL = {
+    torch.float64: {"rtol": 1e-7, "atol": 1e-7},
+    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+    # bf16 rounds every intermediate (h, dh, da): the fused ops show the same error
+    torch.bfloat16: {"rtol": 5e-2, "atol": 2.5e-1},
+}
+
+
+def _dense_mlp(x_D, w, s, activation):
+    a = x_D @ w["w1"][s] + (w["b1"][s] if "b1" in w else 0)
+    if activation == "swiglu":
+        h = F.silu(a) * (x_D @ w["w3"][s] + (w["b3"][s] if "b3" in w else 0))
+    else:
+        h = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[activation](a)
+    return h @ w["w2"][s] + (w["b2"][s] if "b2" in w else 0)
+
+
+def dense_loop(x_TD, pos_TK, weights_TK, w, block_slot, block_size, num_padded, activation):
+    """y[t] = sum_k weights[t, k] * mlp_{slot of row pos[t, k]}(x[t]), one row at a time."""
+    T, K = pos_TK.shape
+    rows = []
+    for t in range(T):
+        y = torch.zeros(w["w2"].shape[2], dtype=x_TD.dtype)
+        for k in range(K):
+            p = int(pos_TK[t, k])
+            if p == num_padded:  # dropped choice
+                continue
+            out = _dense_mlp(x_TD[t], w, int(block_slot[p // block_size]), activation)
+            y = y + (out if weights_TK is None else weights_TK[t, k] * out)
+        rows.append(y)
+    if not rows:
+        return x_TD.new_zeros(0, w["w2"].shape[2]).requires_grad_()
+    return torch.stack(rows)
+
+
+def _case(make_layout, case, gen, activation, bias, dtype, D=12, Fh=20):
+    counts, slots, T, K, B = case
+    schedule, token_P, pos_TK, _ = make_layout(counts, slots, T, K, B, gen)
+    S = max(slots) + 2  # the last slot never has rows
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    w = {"w1": rand(S, D, Fh, scale=D**-0.5), "w2": rand(S, Fh, D, scale=Fh**-0.5)}
+    if activation == "swiglu":
+        w["w3"] = rand(S, D, Fh, scale=D**-0.5)
+    if bias:
+        w.update({"b1": rand(S, Fh), "b2": rand(S, D)})
+        if activation == "swiglu":
+            w["b3"] = rand(S, Fh)
+    for p in w.values():
+        p.requires_grad_()
+    x = rand(T, D).requires_grad_()
+    gate_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    gate = torch.rand(T, K, generator=gen, dtype=gate_dtype).requires_grad_()
+    return schedule, token_P, pos_TK, x, gate, w
+
+
+def _weights(w) -> ExpertWeights:
+    return ExpertWeights(w["w1"], w["w2"], w.get("b1"), w.get("b2"), w.get("w3"), w.get("b3"))
+
+
+def _check(schedule, token_P, pos_TK, x, gate, w, activation, dtype, expect_cpu_path):
+    weights = _weights(w)
+    assert cpu_path_applies(x, pos_TK, weights, activation) is expect_cpu_path
+    y = token_expert_mlp(x, token_P, pos_TK, gate, weights, schedule, activation)
+    on_path = type(y.grad_fn).__name__ == "_CpuTokenExpertMLPBackward"
+    assert on_path is expect_cpu_path
+    # reference in float64 from float64 copies of the same inputs
+    ref_in = {n: p.detach().double().requires_grad_() for n, p in w.items()}
+    ref_x = x.detach().double().requires_grad_()
+    ref_gate = None if gate is None else gate.detach().double().requires_grad_()
+    ref = dense_loop(
+        ref_x,
+        pos_TK,
+        ref_gate,
+        ref_in,
+        schedule.block_slot_Nb,
+        schedule.block_size,
+        schedule.num_padded_rows,
+        activation,
+    )
+    torch.testing.assert_close(y.double(), ref.detach(), **TOL[dtype])
+    dy = torch.randn(ref.shape, dtype=torch.float64)
+    names = sorted(w)
+    ours = torch.autograd.grad(
+        y, [x] + ([gate] if gate is not None else []) + [w[n] for n in names], dy.to(y.dtype)
+    )
+    theirs = torch.autograd.grad(
+        ref,
+        [ref_x] + ([ref_gate] if ref_gate is not None else []) + [ref_in[n] for n in names],
+        dy,
+        allow_unused=True,
+        materialize_grads=True,  # zero tokens: the loop's graph reaches no input
+    )
+    for a, r in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.double(), r, **TOL[dtype])
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpu_path_matches_dense_loop(layout_case, make_layout, activation, bias, gen):
+    args = _case(make_layout, layout_case, gen, activation, bias, torch.float64)
+    _check(*args, activation, torch.float64, expect_cpu_path=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_cpu_path_low_precision(make_layout, dtype, activation, gen):
+    case = ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16)
+    args = _case(make_layout, case, gen, activation, True, dtype)
+    _check(*args, activation, dtype, expect_cpu_path=True)
+
+
+def test_cpu_path_unit_gate_weights(make_layout, gen):
+    """``weights_TK=None`` (unit weights, e.g. received rows back in return order with K = 1)."""
+    schedule, token_P, pos_TK, x, _, w = _case(
+        make_layout, ([5, 0, 17, 1], [2, 0, 2, 1], 24, 1, 16), gen, "swiglu", True, torch.float64
+    )
+    _check(schedule, token_P, pos_TK, x, None, w, "swiglu", torch.float64, True)
+
+
+def test_cpu_path_gradients_of_some_inputs_only(make_layout, gen):
+    """Frozen weights and gate: only dx is asked for (and must still be right)."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout,
+        ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16),
+        gen,
+        "swiglu",
+        True,
+        torch.float64,
+    )
+    frozen = {n: p.detach() for n, p in w.items()}
+    y = token_expert_mlp(x, token_P, pos_TK, gate.detach(), _weights(frozen), schedule, "swiglu")
+    (dx,) = torch.autograd.grad(y.sum(), [x])
+    ref_x = x.detach().requires_grad_()
+    ref = dense_loop(
+        ref_x,
+        pos_TK,
+        gate.detach(),
+        frozen,
+        schedule.block_slot_Nb,
+        schedule.block_size,
+        schedule.num_padded_rows,
+        "swiglu",
+    )
+    (ref_dx,) = torch.autograd.grad(ref.sum(), [ref_x])
+    torch.testing.assert_close(dx, ref_dx)
+
+
+def test_calls_off_the_cpu_path_run_the_fused_ops(make_layout, gen):
+    """Zero tokens and mixed dtypes are not taken: the fused ops run them, same results."""
+    case = ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16)
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout, case, gen, "gelu", True, torch.float64
+    )
+    w["b2"] = w["b2"].detach().float().requires_grad_()  # another dtype: not this path
+    assert not cpu_path_applies(x, pos_TK, _weights(w), "gelu")
+    w["b2"] = w["b2"].detach().double().requires_grad_()
+    assert cpu_path_applies(x, pos_TK, _weights(w), "gelu")
+
+    empty = build_empty(gen)
+    _check(*empty, "gelu", torch.float64, expect_cpu_path=False)
+
+
+def build_empty(gen):
+    """A step where this rank has no tokens: T = 0, no rows, every slot idle."""
+    from mixmoe.schedule.blocks import build_block_schedule
+
+    schedule = build_block_schedule(
+        torch.zeros(3, dtype=torch.int64), torch.arange(3), block_size=16
+    )
+    S, D, Fh = 3, 8, 10
+    w = {
+        "w1": torch.randn(S, D, Fh, generator=gen, dtype=torch.float64).requires_grad_(),
+        "w2": torch.randn(S, Fh, D, generator=gen, dtype=torch.float64).requires_grad_(),
+        "b1": torch.randn(S, Fh, generator=gen, dtype=torch.float64).requires_grad_(),
+        "b2": torch.randn(S, D, generator=gen, dtype=torch.float64).requires_grad_(),
+    }
+    x = torch.randn(0, D, dtype=torch.float64).requires_grad_()
+    token_P = torch.zeros(schedule.num_padded_rows, dtype=torch.int64)
+    pos_TK = torch.zeros(0, 2, dtype=torch.int64)
+    gate = torch.rand(0, 2, dtype=torch.float64).requires_grad_()
+    return schedule, token_P, pos_TK, x, gate, w

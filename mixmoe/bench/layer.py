@@ -47,7 +47,7 @@ class LayerBenchConfig:
     lr: float = 1e-3
     jsonl: str | None = None
     profile: str = ""  # preset name or calibrate JSON for the planners ('' = the device default)
-    plan_async: bool = True  # MoEConfig.plan_async (mix: plan on the background thread)
+    plan_async: bool | None = None  # MoEConfig.plan_async (mix; None: background on CUDA only)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

@@ -23,6 +23,8 @@ from mixmoe.bench.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
 
+PLAN_MODES = {"auto": None, "async": True, "sync": False}
+
 __all__ = ["add_arguments", "config_from_args", "run"]
 
 
@@ -67,10 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "JSON of `mixmoe calibrate` ('' for the device's default)",
     )
     p.add_argument(
-        "--sync-plan",
-        action="store_true",
-        help="mix: plan on the calling thread between the counts and the token exchange "
-        "(MoEConfig.plan_async=False) instead of on the background thread (default: off)",
+        "--plan",
+        choices=tuple(PLAN_MODES),
+        default="auto",
+        help="mix: where the plan is made (MoEConfig.plan_async): 'async' on a background thread "
+        "while the own rows compute, 'sync' on the caller before them, 'auto' async on CUDA "
+        "only (default: auto)",
     )
     p.add_argument(
         "--save-counts",
@@ -101,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
         seed=args.seed,
         jsonl=args.jsonl or None,
         profile=args.profile,
-        plan_async=not args.sync_plan,
+        plan_async=PLAN_MODES[args.plan],
     )
 
 

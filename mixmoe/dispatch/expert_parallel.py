@@ -126,11 +126,14 @@ class ExpertParallelDispatcher:
         self._last_fetch: FetchPlan | None = None
         self._planner_thread: ThreadPoolExecutor | None = None  # created by the first async plan
 
-    @property
-    def plans_async(self) -> bool:
-        """Whether steps plan on the background thread (the strategy allows it and the config
-        asks for it)."""
-        return self.spec.plan_async and self.config.plan_async
+    def plans_async(self, device: torch.device | str = "cpu") -> bool:
+        """Whether a step on ``device`` plans on the background thread: the strategy allows it
+        and the config asks for it (``plan_async=None``: on CUDA devices only)."""
+        if not self.spec.plan_async:
+            return False
+        if self.config.plan_async is None:
+            return torch.device(device).type == "cuda"
+        return self.config.plan_async
 
     def close(self) -> None:
         """Stop the planning thread, if one was started (a later step starts a new one). Also
@@ -305,7 +308,7 @@ class ExpertParallelDispatcher:
         counts_r = C[r].tolist()
         B = self.config.block_size
         local_done_TD = None
-        if self.plans_async:
+        if self.plans_async(x_TD.device):
             planned = self._submit_plan(C, x_TD.dtype, x_TD.device)
             try:
                 own = build_own_layout(routing, counts_r, r, E, B)

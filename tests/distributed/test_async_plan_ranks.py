@@ -33,7 +33,7 @@ CASES = [
 
 def _steps(comm, case: dict, plan_async: bool) -> list[dict]:
     layer = parallelize_moe(make_layer(dict(case, plan_async=plan_async)), comm, "mix", REPLICATE)
-    assert layer.dispatcher.plans_async is plan_async
+    assert layer.dispatcher.plans_async() is plan_async
     out = []
     for step in range(2):  # the second step reuses the thread and the replica cache
         x, dy = rank_inputs(dict(case, seed=case["seed"] + step), comm.rank)

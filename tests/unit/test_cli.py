@@ -174,11 +174,11 @@ def test_real_process_prints_one_line():
     assert proc.stderr.strip().splitlines() == ["mixmoe: error: tokens must be >= 1, got 0"]
 
 
-def test_bench_layer_sync_plan_reaches_the_layer_config():
+def test_bench_layer_plan_mode_reaches_the_layer_config():
     from mixmoe.commands import bench_layer
 
     parser = cli.build_parser()
-    for argv, expected in (([], True), (["--sync-plan"], False)):
+    for argv, expected in (([], None), (["--plan", "sync"], False), (["--plan", "async"], True)):
         args = parser.parse_args(["bench", "layer", "--world-size", "2", *argv])
         cfg = bench_layer.config_from_args(args)
         assert cfg.plan_async is expected

@@ -116,7 +116,7 @@ def test_the_thread_is_lazy_shut_down_by_close_and_not_copied() -> None:
 
 def test_plan_async_false_plans_on_the_caller_with_the_same_numbers() -> None:
     fast, slow = _layer(True), _layer(False)
-    assert fast.dispatcher.plans_async and not slow.dispatcher.plans_async
+    assert fast.dispatcher.plans_async() and not slow.dispatcher.plans_async()
     x = _x(70)
     torch.testing.assert_close(fast(x)[0], slow(x)[0], rtol=0, atol=0)
     assert slow.dispatcher._planner_thread is None
@@ -129,9 +129,27 @@ def test_only_mix_plans_in_the_background(strategy: str) -> None:
     layer = MoE(MoEConfig(model_dim=8, hidden_dim=12, num_experts=4), dtype=torch.float64)
     parallelize_moe(layer, LocalCommunicator(), strategy)
     layer(_x())
-    assert not layer.dispatcher.plans_async and layer.dispatcher._planner_thread is None
+    assert not layer.dispatcher.plans_async() and layer.dispatcher._planner_thread is None
 
 
 def test_plan_async_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match="plan_async must be a bool"):
+    with pytest.raises(TypeError, match="plan_async must be True, False or None"):
         MoEConfig(model_dim=8, hidden_dim=12, num_experts=4, plan_async=1)
+
+
+def test_default_plans_in_the_background_on_cuda_only() -> None:
+    """``plan_async=None`` (the default): background planning for CUDA steps, where the own rows
+    run on the GPU while the host plans; on CPU the plan comes first (the plan thread and the
+    compute would share the cores). A CPU step of the default layer starts no thread."""
+    torch.manual_seed(0)
+    layer = MoE(MoEConfig(model_dim=8, hidden_dim=12, num_experts=4), dtype=torch.float64)
+    parallelize_moe(layer, LocalCommunicator(), "mix")
+    d = layer.dispatcher
+    assert d.plans_async("cuda") and d.plans_async(torch.device("cuda", 0))
+    assert not d.plans_async("cpu")
+    layer(_x())
+    assert d._planner_thread is None
+    forced = _layer(True).dispatcher
+    assert forced.plans_async("cpu") and forced.plans_async("cuda")
+    never = _layer(False).dispatcher
+    assert not never.plans_async("cpu") and not never.plans_async("cuda")

@@ -27,7 +27,7 @@ TOL = {"rtol": 1e-10, "atol": 1e-12}
 # grouped GEMM rows split over ranks); measured: 5e-8 relative over 3 AdamW steps (loss, aux,
 # grad norm); the tolerance leaves room for other BLAS builds
 F32_TOL = {"rtol": 1e-4, "atol": 1e-5}
-MODELS = ("gpt2", "transformer-xl", "mixtral")
+MODELS = ("gpt2", "bert", "transformer-xl", "mixtral")
 
 
 def _skew(model: str) -> float:

@@ -42,13 +42,15 @@ def _curve(result) -> torch.Tensor:
     )
 
 
+STRATEGIES = ("a2a", "shadow", "mix")
+
 CONFIGS = {
     **{
         (model, strategy): tiny(
             model=model, strategy=strategy, max_steps=STEPS, router_skew=_skew(model)
         )
         for model in MODELS
-        for strategy in ("a2a", "mix")
+        for strategy in STRATEGIES
     },
     # float32: the same run within F32_TOL
     "f32": tiny(model="gpt2", strategy="mix", dtype="float32", max_steps=STEPS),
@@ -73,16 +75,18 @@ def _assert_like_one_rank(results: list, ref, tol: dict = TOL) -> None:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_a2a_and_mix_equal_one_rank(model, two_ranks):
+def test_every_strategy_equals_one_rank(model, two_ranks):
     ref = train(tiny(model=model, micro_batches=2, max_steps=STEPS, router_skew=_skew(model)))
     want = _curve(ref)
     assert want.shape == (STEPS, 3) and want[-1, 0] < want[0, 0]  # it learns
-    for strategy in ("a2a", "mix"):
+    for strategy in STRATEGIES:
         _assert_like_one_rank([two_ranks[r][model, strategy] for r in range(2)], ref)
     assert all(s.replicas == 0 for s in two_ranks[0][model, "a2a"].steps)
     if _skew(model):
         mix = two_ranks[0][model, "mix"]
         assert all(s.replicas > 0 for s in mix.steps), [s.replicas for s in mix.steps]
+        shadow = two_ranks[0][model, "shadow"]
+        assert any(s.replicas > 0 for s in shadow.steps), [s.replicas for s in shadow.steps]
 
 
 def test_float32_within_tolerance(two_ranks):

@@ -3,7 +3,9 @@ with ``all_to_all`` and each mixmoe EP implementation, uniform and skewed routin
 ``--world-size 1``, on one device under each experts implementation (``eager``, ``batched_mm``,
 ``grouped_mm``, ``mixmoe``). Engine: ``mixmoe.bench.hf``. Prints median step ms and the ratio to
 the baseline (``all_to_all``; ``eager`` on one device, plus the ratio to the fastest of
-transformers' own) per routing; ``--jsonl`` appends the records with the environment;
+transformers' own) per routing; on ranks with both routings, the skewed rows are followed by the
+balanced bound (uniform ``all_to_all`` / skewed ``all_to_all``: what perfect balancing at zero
+cost would reach); ``--jsonl`` appends the records with the environment;
 ``--markdown`` prints a Markdown table."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import asdict
 import torch
 
 from mixmoe.bench.hf import (
+    BASELINE,
     EXPERTS_DEFAULT,
     EXPERTS_IMPLEMENTATIONS,
     FAMILIES,
@@ -140,7 +143,19 @@ def run(args: argparse.Namespace) -> int:
         "hot share",
         "replicas/step",
     ]
+    bound = next((r["balance_bound"] for r in records if r.get("balance_bound")), None)
+    if bound is not None:
+        # the last skewed row is followed by the bound, in the ratio column
+        last = max(i for i, r in enumerate(records) if r["routing"] == "skewed")
+        cells = ["skewed", "balanced bound*", "", "", f"{bound:.3f}x", "", ""]
+        rows.insert(last + 1, tuple(cells))
     print(render_table(headers, rows, markdown=args.markdown))
+    if bound is not None:
+        print(
+            f"* balanced bound = {BASELINE} uniform / {BASELINE} skewed step = {bound:.3f}x: "
+            "the skewed ratio that perfect balancing at zero cost would reach (only the router "
+            "differs between the two runs)"
+        )
     if args.jsonl:
         config = asdict(cfg)
         append_jsonl(args.jsonl, "bench_hf", config, torch.device(records[0]["device"]), records)

@@ -13,7 +13,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa:
 
 import mixmoe.hf  # noqa: E402
 from mixmoe import cli  # noqa: E402
-from mixmoe.bench.hf import HFBenchConfig, HFModelShape  # noqa: E402
+from mixmoe.bench.hf import HFBenchConfig, HFModelShape, add_balance_bound  # noqa: E402
+from mixmoe.commands import bench_hf as bench_hf_command  # noqa: E402
 from mixmoe.models.hf_ep import (  # noqa: E402
     EP_CLASSES,
     ep_implementation_class,
@@ -138,3 +139,49 @@ def test_single_device_bench_compares_experts_implementations(capsys):
         for routing in ("uniform", "skewed")
         for impl in ("eager", "grouped_mm", "mixmoe")
     ), out
+
+
+def _record(routing: str, impl: str, ms: float) -> dict:
+    return {
+        "routing": routing,
+        "implementation": impl,
+        "device": "cpu",
+        "median_ms": ms,
+        "min_ms": ms,
+        "ratio": 1.0,
+        "hot_share": 0.5,
+        "replicas_per_step": 0.0,
+        "step_ms": [ms],
+    }
+
+
+def test_balance_bound_is_uniform_over_skewed_all_to_all():
+    records = [
+        _record("uniform", "all_to_all", 200.0),
+        _record("uniform", "mixmoe_mix", 210.0),
+        _record("skewed", "all_to_all", 250.0),
+        _record("skewed", "mixmoe_mix", 230.0),
+    ]
+    add_balance_bound(records)
+    assert [r.get("balance_bound") for r in records] == [None, None, 0.8, 0.8]
+    only_skewed = [_record("skewed", "all_to_all", 250.0)]
+    add_balance_bound(only_skewed)
+    assert only_skewed[0]["balance_bound"] is None
+
+
+def test_cli_table_shows_the_balance_bound(capsys, monkeypatch):
+    """The skewed rows are followed by the bound, explained under the table (engine stubbed:
+    the table's rendering is what is tested here; tests/distributed runs the engine)."""
+    records = [
+        _record("uniform", "all_to_all", 200.0),
+        _record("skewed", "all_to_all", 250.0),
+        _record("skewed", "mixmoe_mix", 230.0),
+    ]
+    add_balance_bound(records)
+    monkeypatch.setattr(bench_hf_command, "run_hf_bench", lambda cfg: records)
+    assert cli.main(["bench", "hf", "--implementations", "all_to_all,mixmoe_mix"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line.split() for line in lines if line.startswith(("uniform", "skewed"))]
+    assert [r[1] for r in table] == ["all_to_all", "all_to_all", "mixmoe_mix", "balanced"]
+    assert table[-1][-1] == "0.800x"
+    assert any(line.startswith("* balanced bound = all_to_all uniform") for line in lines)

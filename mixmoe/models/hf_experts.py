@@ -31,7 +31,7 @@ from mixmoe.ops import (
     grouped_linear_combine,
     token_expert_mlp,
 )
-from mixmoe.ops.expert_mlp import ExpertWeights, activate
+from mixmoe.ops.expert_mlp import ExpertWeights, activate, split_gate_up
 from mixmoe.schedule.blocks import BlockSchedule
 
 BLOCK_SIZE = 64
@@ -93,6 +93,8 @@ def run_layout_rows(
     if spec.activation is not None and spec.post_norm is None:
         return token_expert_mlp(x_TD, token_P, pos_TK, weights_TK, w, sched, spec.activation)
     meta = (sched.block_slot_Nb, sched.block_rows_Nb, sched.block_size)
+    if spec.activation == "swiglu":
+        w = split_gate_up(w)
     h_PF = gather_grouped_linear(x_TD, token_P, pos_TK, w.w1_SDF, w.b1_SF, *meta)
     if spec.activation is not None:  # a mixmoe activation, but a post-norm follows
         h_PF = activate(h_PF, "silu" if spec.activation == "swiglu" else spec.activation)

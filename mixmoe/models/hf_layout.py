@@ -64,8 +64,10 @@ class HFExpertsFlags:
 class HFExpertsLayout:
     """One transformers experts module in mixmoe's terms.
 
-    weights:    views of the module's parameters. With ``activation`` set, mixmoe's layout
-                (w1 gate, w3 up for ``swiglu``). With ``activation=None`` and a gated module,
+    weights:    views of the module's parameters. With ``activation`` set, mixmoe's layout;
+                for ``swiglu`` w1 = [gate | up] [S, D, 2F] and w3 None (``ExpertWeights``'
+                concatenated form), split into w1 gate / w3 up only with
+                ``require_mixmoe_activation`` or a post-norm. With ``activation=None`` and a gated module,
                 w1_SDF holds the gate AND up columns in transformers' order, [S, D, 2F], and w3 is
                 None: ``elementwise`` (the module's ``_apply_gate``) maps that to [.., F].
     activation: a mixmoe activation (``swiglu``, ``silu``, ``gelu``, ``relu``) or None.
@@ -203,5 +205,10 @@ def hf_experts_layout(
                 f"{type(module).__name__}: {why} (has_gate={flags.has_gate}) has no mixmoe MoE "
                 "layer equivalent; use the 'mixmoe' experts implementation instead of converting"
             )
-    weights = expert_weights(tensors, flags, split_gate=activation is not None)
+    # swiglu stays [gate | up] in one w1 (mixmoe's CPU path runs it as one GEMM and gives the
+    # gradient of gate_up_proj whole); split for conversion and for the post-norm path
+    split = activation is not None and (
+        activation != "swiglu" or require_mixmoe_activation or post_norm is not None
+    )
+    weights = expert_weights(tensors, flags, split_gate=split)
     return HFExpertsLayout(weights, activation, elementwise, post_norm, weights.num_slots)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixmoe.ops.expert_mlp import ExpertWeights
+from mixmoe.ops.expert_mlp import ExpertWeights, is_gate_up_concatenated
 from mixmoe.ops.grouped_linear import _row_pieces
 from mixmoe.schedule.blocks import BlockSchedule
 
@@ -44,12 +44,16 @@ def cpu_path_applies(
         + (weights.w3_SDF, weights.b3_SF)
         if p is not None
     ]
+    if activation == "swiglu":
+        gate_up_ok = weights.w3_SDF is not None or is_gate_up_concatenated(weights)
+    else:
+        gate_up_ok = weights.w3_SDF is None
     return (
         x_TD.device.type == "cpu"
         and x_TD.dtype.is_floating_point
         and all(p.device.type == "cpu" and p.dtype == x_TD.dtype for p in params)
         and activation in _ACTIVATIONS
-        and (activation == "swiglu") == (weights.w3_SDF is not None)
+        and gate_up_ok
         and x_TD.shape[0] > 0
         and pos_TK.numel() > 0
     )
@@ -92,21 +96,29 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
     def forward(ctx, x_TD, token_P, pos_TK, weights_TK, w1, b1, w3, b3, w2, b2, pieces, activation):
         T, D = x_TD.shape
         P = token_P.shape[0]
-        Fh = w1.shape[2]
+        Fh = w2.shape[1]
         swiglu = activation == "swiglu"
+        # swiglu with w3 None: w1 is [gate | up] ([S, D, 2F]), one GEMM computes both halves
+        cat = swiglu and w3 is None
         # token_P == T (padding) reads row T - 1: padding rows are never read below
         x_PD = x_TD.index_select(0, token_P.clamp(max=T - 1))
-        a_PF = x_TD.new_empty(P, Fh)
-        u_PF = x_TD.new_empty(P, Fh) if swiglu else None
+        if cat:
+            au_PF = x_TD.new_empty(P, 2 * Fh)
+            a_PF, u_PF = au_PF[:, :Fh], au_PF[:, Fh:]
+        else:
+            a_PF = x_TD.new_empty(P, Fh)
+            u_PF = x_TD.new_empty(P, Fh) if swiglu else None
         s_PF = x_TD.new_empty(P, Fh) if swiglu else None  # silu(a), kept for the backward
         h_PF = x_TD.new_empty(P, Fh)
         out_PD = x_TD.new_empty(P + 1, w2.shape[2])
         out_PD[P].zero_()  # the row every dropped choice (pos_TK == P) reads
         for s, r0, n in pieces:
             rows = slice(r0, r0 + n)
-            _linear_into(a_PF[rows], x_PD[rows], w1[s], None if b1 is None else b1[s])
-            if swiglu:
+            first_out = au_PF if cat else a_PF
+            _linear_into(first_out[rows], x_PD[rows], w1[s], None if b1 is None else b1[s])
+            if swiglu and not cat:
                 _linear_into(u_PF[rows], x_PD[rows], w3[s], None if b3 is None else b3[s])
+            if swiglu:
                 torch.ops.aten.silu.out(a_PF[rows], out=s_PF[rows])
                 torch.mul(s_PF[rows], u_PF[rows], out=h_PF[rows])
             else:
@@ -188,6 +200,9 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
                 du = None
                 da = _act_backward(dh, a, ctx.activation)
             x = x_PD[rows]
+            if w3 is None and du is not None:  # [gate | up] in one weight: one GEMM each
+                da = torch.cat([da, du], dim=1)
+                du = None
             if want_w:
                 _weight_grad_into(grads["w1"][s], x, da, first)
             if grads.get("b1") is not None:

@@ -19,7 +19,13 @@ from mixmoe.schedule.blocks import BlockSchedule
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """w1_SDF, w2_SFD, optional biases b1_SF / b2_SD, and for SwiGLU w3_SDF (+ b3_SF)."""
+    """w1_SDF, w2_SFD, optional biases b1_SF / b2_SD, and for SwiGLU w3_SDF (+ b3_SF).
+
+    SwiGLU may also come with w3 None and w1 [S, D, 2F] holding the gate columns then the up
+    columns (``is_gate_up_concatenated``; b1 [S, 2F] likewise): transformers' concatenated
+    ``gate_up_proj``. The CPU path computes both halves with one GEMM and returns one gradient
+    for the whole tensor (no gradient of two slices to sum back); other paths split it into
+    views first (``split_gate_up``)."""
 
     w1_SDF: torch.Tensor
     w2_SFD: torch.Tensor
@@ -31,6 +37,28 @@ class ExpertWeights:
     @property
     def num_slots(self) -> int:
         return self.w1_SDF.shape[0]
+
+
+def is_gate_up_concatenated(weights: ExpertWeights) -> bool:
+    """True when w3 is None and w1 is twice as wide as w2 is tall: [gate | up] in w1."""
+    return weights.w3_SDF is None and weights.w1_SDF.shape[2] == 2 * weights.w2_SFD.shape[1]
+
+
+def split_gate_up(weights: ExpertWeights) -> ExpertWeights:
+    """SwiGLU weights with [gate | up] concatenated in w1 (``is_gate_up_concatenated``) as w1
+    (gate) and w3 (up) views; any other weights unchanged."""
+    if not is_gate_up_concatenated(weights):
+        return weights
+    F = weights.w2_SFD.shape[1]
+    w, b = weights.w1_SDF, weights.b1_SF
+    return ExpertWeights(
+        w[..., :F],
+        weights.w2_SFD,
+        None if b is None else b[..., :F],
+        weights.b2_SD,
+        w[..., F:],
+        None if b is None else b[..., F:],
+    )
 
 
 def activate(h_PF: torch.Tensor, activation: str) -> torch.Tensor:
@@ -46,6 +74,8 @@ def expert_mlp(
 ) -> torch.Tensor:
     """out_PD = act(x @ w1 + b1) [* (x @ w3 + b3)] @ w2 + b2, per block with its slot's weights;
     masked rows are zero."""
+    if activation == "swiglu":
+        weights = split_gate_up(weights)
     meta = (schedule.block_slot_Nb, schedule.block_rows_Nb, schedule.block_size)
     h_PF = activate(grouped_linear(x_PD, weights.w1_SDF, weights.b1_SF, *meta), activation)
     if activation == "swiglu":

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mixmoe.ops.cpu_expert_mlp import cpu_path_applies, cpu_token_expert_mlp
-from mixmoe.ops.expert_mlp import ExpertWeights, activate, expert_mlp
+from mixmoe.ops.expert_mlp import ExpertWeights, activate, expert_mlp, split_gate_up
 from mixmoe.ops.fused_linear import gather_grouped_linear, grouped_linear_combine
 from mixmoe.ops.rows import combine_rows, gather_rows
 from mixmoe.schedule.blocks import BlockSchedule
@@ -43,6 +43,10 @@ def token_expert_mlp(
 
     ``fused``: True (default) runs the fused ops on every device; False the reference
     composition (same forward on CPU, backward equal up to float rounding)."""
+    if activation == "swiglu" and not (
+        fused and cpu_path_applies(x_TD, pos_TK, weights, activation)
+    ):
+        weights = split_gate_up(weights)  # [gate | up] in one w1: only the CPU path reads it whole
     if not fused:
         x_PD = gather_rows(x_TD, token_P)
         return combine_rows(expert_mlp(x_PD, weights, schedule, activation), pos_TK, weights_TK)

@@ -203,3 +203,50 @@ def build_empty(gen):
     pos_TK = torch.zeros(0, 2, dtype=torch.int64)
     gate = torch.rand(0, 2, dtype=torch.float64).requires_grad_()
     return schedule, token_P, pos_TK, x, gate, w
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-path", "reference-composition"])
+def test_swiglu_with_gate_and_up_in_one_weight(make_layout, gen, bias, fused):
+    """SwiGLU with w3 None and w1 = [gate | up] ([S, D, 2F], transformers' concatenated
+    gate_up_proj): the CPU path runs it as one GEMM and returns the whole tensor's gradient;
+    the reference composition splits it into views. Both equal the dense loop on the halves."""
+    case = ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16)
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout, case, gen, "swiglu", bias, torch.float64
+    )
+    cat = {
+        "w13": torch.cat([w["w1"], w["w3"]], dim=2).detach().requires_grad_(),
+        "w2": w["w2"],
+    }
+    if bias:
+        cat["b13"] = torch.cat([w["b1"], w["b3"]], dim=1).detach().requires_grad_()
+        cat["b2"] = w["b2"]
+    weights = ExpertWeights(cat["w13"], cat["w2"], cat.get("b13"), cat.get("b2"))
+    assert cpu_path_applies(x, pos_TK, weights, "swiglu")
+    y = token_expert_mlp(x, token_P, pos_TK, gate, weights, schedule, "swiglu", fused=fused)
+    on_path = type(y.grad_fn).__name__ == "_CpuTokenExpertMLPBackward"
+    assert on_path is fused
+    F_ = w["w1"].shape[2]
+    ref_cat = {n: p.detach().clone().requires_grad_() for n, p in cat.items()}
+    ref_w = {"w1": ref_cat["w13"][..., :F_], "w3": ref_cat["w13"][..., F_:], "w2": ref_cat["w2"]}
+    if bias:
+        ref_w.update(b1=ref_cat["b13"][..., :F_], b3=ref_cat["b13"][..., F_:], b2=ref_cat["b2"])
+    ref_x, ref_gate = x.detach().requires_grad_(), gate.detach().requires_grad_()
+    ref = dense_loop(
+        ref_x,
+        pos_TK,
+        ref_gate,
+        ref_w,
+        schedule.block_slot_Nb,
+        schedule.block_size,
+        schedule.num_padded_rows,
+        "swiglu",
+    )
+    torch.testing.assert_close(y, ref)
+    dy = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
+    names = sorted(cat)
+    ours = torch.autograd.grad(y, [x, gate] + [cat[n] for n in names], dy)
+    theirs = torch.autograd.grad(ref, [ref_x, ref_gate] + [ref_cat[n] for n in names], dy)
+    for name, a, r in zip(["x", "gate"] + names, ours, theirs, strict=True):
+        torch.testing.assert_close(a, r, msg=lambda m, name=name: f"d{name}: {m}")

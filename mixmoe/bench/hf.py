@@ -191,18 +191,24 @@ def save_random_model(shape: HFModelShape, path: str, seed: int) -> None:
     model.save_pretrained(path)
 
 
-def load_model(path: str, implementation: str | None, ep_size: int, fsdp_size: int) -> nn.Module:
-    """The saved model in float32: one process (``implementation`` None) or under transformers'
-    FSDP x EP with that EP implementation (every rank of the world calls it)."""
+def load_model(
+    path: str,
+    implementation: str | None,
+    ep_size: int,
+    fsdp_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """The saved model in ``dtype``: one process (``implementation`` None) or under
+    transformers' FSDP x EP with that EP implementation (every rank of the world calls it)."""
     tf = _transformers()
     if implementation is None:
-        return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     import mixmoe.hf  # noqa: F401  registers the mixmoe EP implementations
 
     dc = tf.DistributedConfig(
         ep_size=ep_size, fsdp_size=fsdp_size, ep_implementation=implementation
     )
-    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=dc)
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=dc)
 
 
 def _sparse_blocks(model: nn.Module) -> list[nn.Module]:

@@ -226,3 +226,69 @@ def _check_equal(
     for impl in replicating:
         assert got[0][impl]["replicas"][0] > 0, f"{impl} never replicated under the skewed router"
     assert got[0]["mixmoe_a2a"]["replicas"][0] == 0
+
+
+BF16_IMPLS = ("all_to_all", "mixmoe_mix_replicate")
+# bf16 (8 bits of mantissa): the two paths round the expert activations and the summed
+# gradients in different orders. A lost or doubled replica gradient is off by ~50% of the
+# largest entry, far outside GRAD_BF16
+LOSS_BF16 = {"rtol": 1e-2, "atol": 1e-2}
+GRAD_BF16 = 3e-2
+
+
+def _rank_bf16(comm, path: str, data) -> dict:
+    """all_to_all and the replicating mix in bfloat16 (weights, activations and the
+    collectives' payloads: gloo moves bf16)."""
+    register_ep_implementation("mixmoe_mix_replicate", "mix", profile=COMPUTE_BOUND)
+    W, out = comm.world_size, {}
+    for impl in BF16_IMPLS:
+        model = load_model(path, impl, ep_size=W, fsdp_size=W, dtype=torch.bfloat16)
+        model.train()
+        skew_router(model, HOT_EXPERT, HOT_BIAS)
+        opt = _optimizer(model)
+        losses, grads, dtypes = [], [], set()
+        for step in data:
+            ids = step[comm.rank]
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            (step_loss,), step_grads = _step(model, opt, [loss])
+            losses.append(step_loss)
+            grads.append(step_grads if comm.rank == 0 else None)
+            dtypes |= {str(g.dtype) for g in step_grads.values() if g is not None}
+        eps = ep_implementations(model)
+        out[impl] = {
+            "losses": losses,
+            "grads": grads,
+            "dtypes": sorted(dtypes),
+            "replicas": sum(ep.replicas_seen for ep in eps),
+        }
+    return out
+
+
+def test_hf_ep_bf16_mix_with_replicas_matches_all_to_all():
+    """A bfloat16 tiny Mixtral under mixmoe's mix with replication forced equals transformers'
+    all_to_all within bf16 tolerance: per-rank losses over the AdamW steps and every
+    parameter's gradient (bf16 throughout, replicas asserted)."""
+    world = 2
+    data = _data(world)
+    with tempfile.TemporaryDirectory(prefix="mixmoe-hf-ep-") as path:
+        save_random_model(_shape("mixtral"), path, seed=3)
+        got = spawn_gloo(_rank_bf16, world, path, data, timeout_s=240)
+    base, mix = (got[0][impl] for impl in BF16_IMPLS)
+    assert base["dtypes"] == mix["dtypes"] == ["torch.bfloat16"]
+    assert mix["replicas"] > 0, "mix never replicated under the skewed router"
+    for s in range(STEPS):
+        for name, ref in base["grads"][s].items():
+            assert_close(
+                mix["grads"][s][name].float(),
+                ref.float(),
+                rtol=GRAD_BF16,
+                atol=GRAD_BF16 * float(ref.float().abs().max()),
+                msg=lambda m, s=s, n=name: f"bf16 step {s} grad {n}: {m}",
+            )
+    for r, per_rank in enumerate(got):
+        assert_close(
+            torch.tensor(per_rank[BF16_IMPLS[1]]["losses"]),
+            torch.tensor(per_rank[BF16_IMPLS[0]]["losses"]),
+            **LOSS_BF16,
+            msg=lambda m, r=r: f"bf16 rank {r} losses: {m}",
+        )

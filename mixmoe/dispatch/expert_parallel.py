@@ -284,8 +284,17 @@ class ExpertParallelDispatcher:
 
     # -- the step ------------------------------------------------------------------------------
     def dispatch(
-        self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights
+        self,
+        x_TD: torch.Tensor,
+        routing: Routing,
+        weights: ExpertWeights,
+        *,
+        version: int | None = None,
     ) -> tuple[DispatchedRows, ExpertLayout, StepMeta]:
+        """``version``: the owned weights' version the replica cache is keyed on (it travels in
+        the count exchange); None: ``weights_version(weights)``, their in-place version counters.
+        A caller whose weights are refilled in place without a version change (FSDP2's
+        all-gathered parameters) passes one that does change, e.g. the sharded parameters'."""
         E, W, r, N = (
             self.experts_per_rank,
             self.comm.world_size,
@@ -301,7 +310,9 @@ class ExpertParallelDispatcher:
 
         # 1. count, exchange counts (the host sync)
         counts_N = expert_counts(routing.ids_TK, N)
-        C, versions = self.exchange_counts(counts_N, weights_version(weights))
+        if version is None:
+            version = weights_version(weights)
+        C, versions = self.exchange_counts(counts_N, version)
 
         # 2. plan: the same on every rank. Under an async plan, this rank's rows for its own
         # experts (here under every plan) are sorted and computed while the plan is made

@@ -28,9 +28,12 @@ with a measured ``HardwareProfile`` for the planner (the registered three use th
 default profile) or another replica budget. ``ep_implementations(model)`` returns the instances
 transformers built (their ``last_stats`` say what the last step did: rows moved, replicas).
 
-The replica cache of ``mix`` is off here: FSDP2 refills the unsharded expert weights in place
-while preserving their version counters, so the version the cache is keyed on does not see an
-optimizer step (a cached replica would silently go stale); replicas are fetched every forward.
+The replica cache of ``mix`` is keyed on the version of the experts module's FSDP2-SHARDED
+parameters (``mixmoe.comm.fsdp``): FSDP2 refills the unsharded expert weights in place while
+preserving their version counters, so their own versions do not see an optimizer step, but the
+sharded parameters the optimizer writes do. Forwards between two optimizer steps (gradient
+accumulation's micro-batches, evaluation) reuse the replicas when the plan repeats; a module
+that is not an FSDP2 unit fetches them every forward.
 
 Limits (each raises a ValueError naming it): ``tp_size`` must be 1; a ``post_expert_norm``
 (``has_post_expert_norm=True``) is not expert-sharded by transformers' plan, so it is refused;
@@ -44,6 +47,7 @@ import torch
 from torch import nn
 
 from mixmoe.comm import Communicator
+from mixmoe.comm.fsdp import sharded_parameters_version
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
 from mixmoe.dispatch.step import ExpertOutputs, ExpertWork
@@ -59,11 +63,12 @@ from mixmoe.validation import check_int
 class MixmoeEP:
     """One mixmoe strategy behind transformers' ``EPImplementation`` contract. transformers builds
     one per experts module when it applies the EP plan; the dispatcher is built at the first
-    call (when top-k is known). Its replica cache is cleared before every call (see the module
-    docstring).
+    call (when top-k is known). Its replica cache is keyed on the FSDP2-sharded parameters'
+    version (see the module docstring).
 
     ``last_stats``: the dispatcher's stats of the last call (rows moved, replicas, ...);
-    ``replicas_seen``: replicas summed over every call (tests read both)."""
+    ``replicas_seen``: replicas summed over every call; ``cached_fetches``: calls whose
+    replicas came from the cache (tests read them)."""
 
     # set by ``ep_implementation_class``
     strategy = "mix"
@@ -93,6 +98,7 @@ class MixmoeEP:
         self.last_stats: dict = {}
         self._spec: HFExpertsLayout | None = None  # the current call's layout (_compute_own)
         self.replicas_seen = 0
+        self.cached_fetches = 0
         experts.mixmoe_ep = self  # found again by ``ep_implementations(model)``
 
     @property
@@ -162,15 +168,17 @@ class MixmoeEP:
                 self.comm, config, self.strategy, self.profile, compute_own=self._compute_own
             )
         # FSDP2 copies the all-gathered expert weights in place while PRESERVING their version
-        # counters, so an optimizer step does not change the version the replica cache is keyed
-        # on: a cached replica would silently go stale. Fetch afresh every call (on every rank
-        # alike, so the ranks still agree on the cache).
-        self.dispatcher.invalidate_replicas()
+        # counters, so their versions do not see an optimizer step: the replica cache is keyed
+        # on the version of the module's SHARDED parameters, which the optimizer writes. Not an
+        # FSDP2 unit: fetch afresh every call (every rank runs the same model, so all agree)
+        version = sharded_parameters_version(self.experts)
+        if version is None:
+            self.dispatcher.invalidate_replicas()
         ids_TK = top_k_index.to(torch.int64)
         weights_TK = top_k_weights.to(combine_dtype(x_TD, spec))
         routing = Routing(ids_TK, weights_TK, x_TD.new_empty((x_TD.shape[0], 0)))
         self._spec = spec  # the layout the dispatcher's own-rows compute uses (_compute_own)
-        rows, layout, meta = self.dispatcher.dispatch(x_TD, routing, spec.weights)
+        rows, layout, meta = self.dispatcher.dispatch(x_TD, routing, spec.weights, version=version)
         # under an async plan (mix) the dispatcher already ran the own rows, with this module's math
         local_TD, received_RD = rows.local_done_TD, None
         for work in layout.work:
@@ -186,6 +194,7 @@ class MixmoeEP:
         y_TD = self.dispatcher.combine(ExpertOutputs(local_TD, received_RD), meta)
         self.last_stats = dict(meta.stats)
         self.replicas_seen += int(meta.stats["replicas"])
+        self.cached_fetches += bool(meta.stats["replica_cached"])
         return y_TD.to(x_TD.dtype)
 
 

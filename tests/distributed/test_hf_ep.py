@@ -292,3 +292,75 @@ def test_hf_ep_bf16_mix_with_replicas_matches_all_to_all():
             **LOSS_BF16,
             msg=lambda m, r=r: f"bf16 rank {r} losses: {m}",
         )
+
+
+ACC_IMPLS = ("all_to_all", "mixmoe_mix_replicate")
+
+
+def _rank_accumulate(comm, path: str, data) -> dict:
+    """Two micro-batches per optimizer step (FSDP accumulates the gradients), all_to_all and
+    the replicating mix. The two micro-batches are the same batch, so that mix's plan repeats
+    and its second forward reuses the replicas of the first (the cache is keyed on the FSDP
+    sharded parameters' version, which only the optimizer step changes)."""
+    register_ep_implementation("mixmoe_mix_replicate", "mix", profile=COMPUTE_BOUND)
+    W, out = comm.world_size, {}
+    for impl in ACC_IMPLS:
+        model = load_model(path, impl, ep_size=W, fsdp_size=W)
+        model.train()
+        skew_router(model, HOT_EXPERT, HOT_BIAS)
+        opt = _optimizer(model)
+        eps = ep_implementations(model)
+        losses, grads, cached = [], [], []
+        for step in data:
+            ids = step[comm.rank]
+            for _micro in range(2):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                (loss / 2).backward()
+                losses.append(float(loss.detach()))
+                cached.append(
+                    [(ep.last_stats["replicas"], ep.last_stats["replica_cached"]) for ep in eps]
+                )
+            grads.append(
+                {n: _full(p.grad) for n, p in model.named_parameters()} if comm.rank == 0 else None
+            )
+            if comm.rank != 0:
+                for p in model.parameters():
+                    _full(p.grad)  # the gather is a collective: every rank joins it
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[impl] = {"losses": losses, "grads": grads, "cached": cached}
+    return out
+
+
+def test_hf_ep_gradient_accumulation_with_cached_replicas():
+    """Gradient accumulation (two micro-batches, one AdamW step) under mix with replication:
+    the second micro-batch's forward takes the replicas from the cache (nothing moves; their
+    gradients still go home in backward), the first forward after each optimizer step fetches
+    afresh, and losses and the accumulated gradients equal all_to_all's."""
+    world = 2
+    data = _data(world)
+    with tempfile.TemporaryDirectory(prefix="mixmoe-hf-ep-") as path:
+        save_random_model(_shape("mixtral"), path, seed=3)
+        got = spawn_gloo(_rank_accumulate, world, path, data, timeout_s=240)
+    base, mix = (got[0][impl] for impl in ACC_IMPLS)
+    for micro, layers in enumerate(mix["cached"]):
+        assert all(replicas > 0 for replicas, _ in layers), f"micro-batch {micro}: {layers}"
+        # even: the first forward after an optimizer step (or the first ever); odd: the second
+        want = micro % 2 == 1
+        assert all(c is want for _, c in layers), f"micro-batch {micro} cached: {layers}"
+    for s in range(STEPS):
+        for name, ref in base["grads"][s].items():
+            assert_close(
+                mix["grads"][s][name],
+                ref,
+                rtol=GRAD_RTOL,
+                atol=GRAD_RTOL * float(ref.abs().max()),
+                msg=lambda m, s=s, n=name: f"accumulated step {s} grad {n}: {m}",
+            )
+    for r, per_rank in enumerate(got):
+        assert_close(
+            torch.tensor(per_rank[ACC_IMPLS[1]]["losses"], dtype=torch.float64),
+            torch.tensor(per_rank[ACC_IMPLS[0]]["losses"], dtype=torch.float64),
+            **LOSS_TOL,
+            msg=lambda m, r=r: f"accumulation rank {r} losses: {m}",
+        )

@@ -450,13 +450,38 @@ class StepModel:
         """The ``Prediction`` of ``seconds_W``'s output and the aggregates it came from."""
         # host lists, Python arithmetic: exact ints, and the same IEEE sums as the tensor ops
         rows, _, remote, replica = loads_4W.to(torch.int64).tolist()
-        compute, comm = compute_W.tolist(), comm_W.tolist()
+        return self._pack_lists(compute_W.tolist(), comm_W.tolist(), rows, remote, replica)
+
+    def prediction_lists(
+        self, rows: list[int], local: list[int], remote: list[int], replica: list[int]
+    ) -> Prediction:
+        """``prediction_W`` of aggregates held as lists of Python ints, without a tensor (the
+        list planner's whole plan costs less than a few tensor ops): ``rank_seconds`` per rank,
+        equal to ``seconds_W`` bit for bit, so the same ``Prediction``. The caller has run
+        ``check_exact`` on them."""
+        any_remote, any_hot = any(remote), any(replica)
+        seconds = self.rank_seconds
+        compute, comm = [], []
+        for loads in zip(rows, local, remote, replica, strict=True):
+            c, m = seconds(*loads, any_remote, any_hot)
+            compute.append(c)
+            comm.append(m)
+        return self._pack_lists(compute, comm, rows, remote, replica)
+
+    def _pack_lists(
+        self,
+        compute: list[float],
+        comm: list[float],
+        rows: list[int],
+        remote: list[int],
+        replica: list[int],
+    ) -> Prediction:
         token, weight = 2 * self.token_bytes_per_row, 2 * self.params_bytes
         return Prediction(
             compute_s=tuple(compute),
             comm_s=tuple(comm),
-            token_bytes=tuple(token * x for x in remote),
-            weight_bytes=tuple(weight * x for x in replica),
+            token_bytes=tuple(map(token.__mul__, remote)),
+            weight_bytes=tuple(map(weight.__mul__, replica)),
             rows=tuple(rows),
             step_s=max(map(operator.add, compute, comm)),
         )

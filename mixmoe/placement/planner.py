@@ -14,6 +14,7 @@ all-gathered counts gets the same plan. Costs come from ``mixmoe.placement.cost_
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from mixmoe.placement.cost_model import (
     Prediction,
     StepModel,
     baseline_loads,
+    counts_as_lists,
     counts_with_sums,
     step_model,
 )
@@ -148,6 +150,8 @@ def plan_mix(
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < lo:
             raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if shape.world_size * shape.num_experts <= LIST_LIMIT:
+        return _plan_mix_lists(counts_WN, shape, model, max_replicas, search_width)
     C_WN, *sums = counts_with_sums(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
     loads_4W, colsum_N, own_N = baseline_loads(C_WN, E, sums)
@@ -158,13 +162,12 @@ def plan_mix(
     baseline = model.pack(compute_W, comm_W, loads_4W)
     if max_replicas == 0 or W == 1 or total_remote == 0:
         return Plan((), (), baseline, baseline)
-    tiny = W * shape.num_experts <= LIST_LIMIT
-    search = (_ListMixSearch if tiny else _MixSearch)(model, C_WN, E, max_replicas, search_width)
+    search = _MixSearch(model, C_WN, E, max_replicas, search_width)
     search.start(loads_4W, compute_W + comm_W, moved_N, total_remote)
     # the first round shortlists (often the only one: nothing pays); once an expert is accepted,
     # a small problem scores every open candidate per round instead (same decisions)
     if search.round():
-        if not tiny and int(search.open_N.sum()) * W <= BATCH_LIMIT:
+        if int(search.open_N.sum()) * W <= BATCH_LIMIT:
             search = _BatchedMixSearch.resume(search)
         while search.round():
             pass
@@ -346,104 +349,155 @@ class _BatchedMixSearch(_MixSearch):
         return True
 
 
-# _ListMixSearch runs where W x N is at most this: the counts fit in a few small Python lists,
-# and scalar arithmetic beats tensor ops that would each cost more than the work they do
+# plan_mix runs on Python lists (``_plan_mix_lists``) where W x N is at most this: the counts fit
+# in a few small lists, and scalar arithmetic beats tensor ops that would each cost more than the
+# work they do
 LIST_LIMIT = 1024
 
 
+def _plan_mix_lists(
+    counts_WN: object, shape: LayerShape, model: StepModel, max_replicas: int, width: int
+) -> Plan:
+    """``plan_mix`` on Python lists and floats, for tiny problems (W x N <= ``LIST_LIMIT``): the
+    counts are validated and brought to the host once (``counts_as_lists``); every aggregate is
+    an exact Python int and every second comes from ``StepModel.rank_total`` /
+    ``rank_seconds``, equal to ``seconds_W`` bit for bit on the same integer loads, so the
+    decisions, loads and predictions are those of the tensor paths (a test forces each path on
+    the same cases)."""
+    C = counts_as_lists(counts_WN, shape)
+    W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
+    colsum = [sum(col) for col in zip(*C, strict=True)]
+    model.check_exact(max(2 * sum(colsum), W * N))
+    rows = [sum(colsum[r * E : (r + 1) * E]) for r in range(W)]
+    local = [sum(C[r][r * E : (r + 1) * E]) for r in range(W)]
+    remote = [sum(C[r]) - local[r] + rows[r] - local[r] for r in range(W)]
+    moved = [colsum[g] - C[g // E][g] for g in range(N)]
+    total_remote = sum(moved)
+    loads = [rows, local, remote, [0] * W]
+    baseline = model.prediction_lists(*loads)
+    if max_replicas == 0 or W == 1 or total_remote == 0:
+        return Plan((), (), baseline, baseline)
+    totals = list(map(operator.add, baseline.compute_s, baseline.comm_s))
+    search = _ListMixSearch(model, C, E, max_replicas, width, loads, totals, moved, total_remote)
+    while search.round():
+        pass
+    if not search.accepted:
+        return Plan((), (), baseline, baseline)
+    prediction = model.prediction_lists(*search.loads)
+    assert prediction.step_s < baseline.step_s, (prediction.step_s, baseline.step_s)
+    hot = tuple(sorted(search.accepted))
+    return Plan(hot, tuple((g, search.accepted[g]) for g in hot), prediction, baseline)
+
+
 class _ListMixSearch:
-    """``_MixSearch`` on Python lists and floats, for tiny problems (W x N <= ``LIST_LIMIT``).
+    """``_MixSearch`` on Python lists and floats (see ``_plan_mix_lists``).
 
     The same search step for step: the bottleneck b, its shortlist (open candidates touching b
     whose new total at b drops below the step, by remote rows descending then expert id), the
     first ``width`` unblocked ones evaluated on every rank, the first whose step drops accepted.
-    Seconds come from ``StepModel.rank_total`` (``rank_seconds`` summed), which equals
-    ``seconds_W`` bit for bit on the same integer loads, so the decisions and the loads are those of the tensor search (a test
-    forces both on the same cases).
+    Walked lazily: candidates are scored in priority order and evaluated as soon as they are
+    listed, so a round stops at the first acceptance (or the width) without scoring the rest;
+    a listed candidate with a full holder is closed when it is reached, as in ``_MixSearch``,
+    and the candidates after the stop are left as they are, so no decision differs. An
+    evaluation stops at the first rank whose new total is not below the step; the ranks it
+    does not touch keep their loads, so their totals are computed once per acceptance.
     """
 
     def __init__(
-        self, model: StepModel, C_WN: torch.Tensor, E: int, max_replicas: int, width: int
-    ) -> None:
-        self.model, self.C, self.E = model, C_WN.tolist(), E
-        self.max_replicas, self.width = max_replicas, width
-        self.accepted: dict[int, tuple[int, ...]] = {}
-
-    def start(
         self,
-        loads_4W: torch.Tensor,
-        totals_W: torch.Tensor,
-        moved_N: torch.Tensor,
+        model: StepModel,
+        C: list[list[int]],
+        E: int,
+        max_replicas: int,
+        width: int,
+        loads: list[list[int]],
+        totals: list[float],
+        moved: list[int],
         total_remote: int,
     ) -> None:
-        self.loads = [[int(v) for v in row] for row in loads_4W.tolist()]  # 4 lists of W ints
-        self.totals, self.total_remote = totals_W.tolist(), total_remote
-        self.moved = moved_N.tolist()
-        self.held = [0] * len(self.totals)
-        self.open = [m > 0 for m in self.moved]
+        self.model, self.C, self.E = model, C, E
+        self.max_replicas, self.width = max_replicas, width
+        self.accepted: dict[int, tuple[int, ...]] = {}
+        self.loads, self.totals = loads, totals  # [rows, local, remote, replica] x W ints
+        self.moved, self.total_remote = moved, total_remote
+        self.held = [0] * len(totals)
+        self.open = [m > 0 for m in moved]
         # candidates in priority order: remote rows descending, expert id ascending
-        self.order = sorted((g for g, m in enumerate(self.moved) if m > 0), key=self._priority)
+        self.order = sorted((g for g, m in enumerate(moved) if m > 0), key=lambda g: (-moved[g], g))
+        self._kept: dict[bool, list[float]] = {}  # any_remote -> every rank's total, loads kept
 
-    def _priority(self, g: int) -> tuple[int, int]:
-        return -self.moved[g], g
-
-    @property
-    def loads_4W(self) -> torch.Tensor:
-        return torch.tensor(self.loads, dtype=torch.float64)
+    def _kept_totals(self, any_remote: bool) -> list[float]:
+        """Every rank's total with its current loads once a replica exists (any_hot)."""
+        kept = self._kept.get(any_remote)
+        if kept is None:
+            total = self.model.rank_total
+            kept = [total(*ld, any_remote, True) for ld in zip(*self.loads, strict=True)]
+            self._kept[any_remote] = kept
+        return kept
 
     def round(self) -> bool:
+        """One round of the search (see ``plan_mix``); True if an expert was accepted."""
         totals = self.totals
         best = max(totals)
         b = totals.index(best)  # the first max: the lowest bottleneck rank
         rows, local, remote, replica = (load[b] for load in self.loads)
         C, E, row_b, total = self.C, self.E, self.C[b], self.model.rank_total
-        listed = []
+        is_open, moved, total_remote = self.open, self.moved, self.total_remote
+        evaluated = 0
         for g in self.order:
-            if not self.open[g]:
+            if not is_open[g]:
                 continue
-            m, any_remote = self.moved[g], self.moved[g] < self.total_remote
+            m = moved[g]
             if g // E == b:  # b owns g: it computes and exchanges m rows less, serves n replicas
-                n = sum(1 for s in range(len(C)) if s != b and C[s][g] > 0)
-                new = total(rows - m, local, remote - m, replica + n, any_remote, True)
+                n = sum(1 for s, row in enumerate(C) if s != b and row[g] > 0)
+                new = total(rows - m, local, remote - m, replica + n, m < total_remote, True)
             else:  # b computes its c rows of g itself and fetches a replica
                 c = row_b[g]
                 if c == 0:
                     continue
-                new = total(rows + c, local + c, remote - c, replica + 1, any_remote, True)
-            if new < best:
-                listed.append(g)
-        evaluated = 0
-        for g in listed:
+                new = total(rows + c, local + c, remote - c, replica + 1, m < total_remote, True)
+            if not new < best:
+                continue
+            # listed: evaluate it on every rank unless a holder is full
             if evaluated == self.width:
-                break
+                return False
             o = g // E
-            src = [s for s in range(len(C)) if s != o and C[s][g] > 0]
+            src = [s for s, row in enumerate(C) if s != o and row[g] > 0]
             if any(self.held[s] >= self.max_replicas for s in src):
-                self.open[g] = False  # a holder is full: g can never fit again
+                is_open[g] = False  # a holder is full: g can never fit again
                 continue
             evaluated += 1
-            trial = [list(load) for load in self.loads]
-            for s in src:
-                c = C[s][g]
-                trial[0][s] += c
-                trial[1][s] += c
-                trial[2][s] -= c
-                trial[3][s] += 1
-            m = self.moved[g]
-            trial[0][o] -= m
-            trial[2][o] -= m
-            trial[3][o] += len(src)
-            any_remote = m < self.total_remote
-            new_totals = [total(*loads, any_remote, True) for loads in zip(*trial, strict=True)]
-            if max(new_totals) < best:
-                self.loads, self.totals = trial, new_totals
-                for s in src:
-                    self.held[s] += 1
-                self.total_remote -= m
-                self.open[g] = False
-                self.accepted[g] = tuple(src)
+            if self._try(g, o, src, best):
                 return True
         return False
+
+    def _try(self, g: int, o: int, src: list[int], best: float) -> bool:
+        """Accept g if every rank's total then stays below ``best``; False (nothing changed)
+        at the first rank that does not."""
+        C, (rows, local, remote, replica), total = self.C, self.loads, self.model.rank_total
+        m = self.moved[g]
+        any_remote = m < self.total_remote
+        changed = {o: (rows[o] - m, local[o], remote[o] - m, replica[o] + len(src))}
+        for s in src:
+            c = C[s][g]
+            changed[s] = (rows[s] + c, local[s] + c, remote[s] - c, replica[s] + 1)
+        new_totals = list(self._kept_totals(any_remote))
+        for r, ld in changed.items():
+            t = total(*ld, any_remote, True)
+            if not t < best:
+                return False
+            new_totals[r] = t
+        if not max(new_totals) < best:
+            return False
+        for r, ld in changed.items():
+            rows[r], local[r], remote[r], replica[r] = ld
+        for s in src:
+            self.held[s] += 1
+        self.totals, self._kept = new_totals, {}
+        self.total_remote -= m
+        self.open[g] = False
+        self.accepted[g] = tuple(src)
+        return True
 
 
 def plan_shadow(

@@ -174,10 +174,13 @@ def counts_with_sums(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``counts_as_tensor`` and the sums of C in the same pass: (C_WN, colsum_N, rowsum_W), int64.
 
-    A large C (over 8 MiB) is reduced in blocks of rows small enough to stay in cache (~1 MiB):
+    A large C (over 8 MiB) is reduced in blocks of rows small enough to stay in cache (~0.5 MiB):
     each block's minimum, column sums and row sums are taken while it is cached, so C crosses
     the memory bus once instead of three times (measured ~1.6x faster at [1024, 4096] int64 on
-    one core). A smaller C stays cached anyway: three plain reductions.
+    one core). A smaller C stays cached anyway: three plain reductions. The blocks' sign check
+    is the minimum of their int32 words (a vectorised int32 min beats the int64 one by ~20%):
+    when no word is negative no int64 is; otherwise (a negative count, or one >= 2**31) the
+    exact int64 minimum decides.
     """
     C_WN = _counts_tensor(counts_WN, shape)
     W, N = C_WN.shape
@@ -187,21 +190,27 @@ def counts_with_sums(
     if rows >= W or 8 * C_WN.numel() <= _ONE_PASS_BYTES:  # three plain reductions
         low, colsum_N, rowsum_W = C_WN.min(), _column_sums(C_WN), C_WN.sum(1)
     else:
-        colsum_N = torch.zeros(N, dtype=torch.int64)
+        # every block's reductions written in place: three ops per block, one sum at the end
+        blocks = range(0, W, rows)
+        colsum_BN = torch.empty(len(blocks), N, dtype=torch.int64)
         rowsum_W = torch.empty(W, dtype=torch.int64)
-        lows = []
-        for first in range(0, W, rows):
+        low_B = torch.empty(len(blocks), dtype=torch.int32)
+        words_W2N = C_WN.view(torch.int32)
+        for i, first in enumerate(blocks):
             block = C_WN[first : first + rows]
-            lows.append(block.min())
-            colsum_N += block.sum(0)
+            torch.amin(words_W2N[first : first + rows], dim=(0, 1), out=low_B[i])
+            torch.sum(block, 0, out=colsum_BN[i])
             torch.sum(block, 1, out=rowsum_W[first : first + rows])
-        low = torch.stack(lows).min()
+        colsum_N = colsum_BN.sum(0)
+        low = low_B.min()
+        if int(low) < 0:  # some int32 word is negative: the int64 counts decide
+            low = C_WN.min()
     if int(low) < 0:
         _raise_negative(C_WN)
     return C_WN, colsum_N, rowsum_W
 
 
-_BLOCK_BYTES = 1 << 20  # counts_with_sums' row blocks: well inside a core's L2
+_BLOCK_BYTES = 1 << 19  # counts_with_sums' row blocks: well inside a core's L2 (1 MiB here)
 _ONE_PASS_BYTES = 8 << 20  # below this C stays in the last-level cache: plain reductions
 
 

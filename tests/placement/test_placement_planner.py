@@ -453,6 +453,18 @@ def test_vector_seconds_equal_scalar_seconds_bit_for_bit(
         assert total == compute + comm == (compute_W[r] + comm_W[r]).item()
 
 
+def test_pack_equals_list_pack_and_int64_overflow() -> None:
+    """``StepModel.pack`` (tensor products and max) gives ``prediction_lists``' record, also
+    where an int64 product would overflow (then Python ints)."""
+    model = StepModel(LayerShape(4096, 16384, 4, 8, 4), GPU_PROFILE, True)
+    gen = torch.Generator().manual_seed(0)
+    for high in (10**6, 2**52):
+        loads = torch.randint(0, high, (4, 8), generator=gen, dtype=torch.int64).tolist()
+        packed = model.prediction_W(torch.tensor(loads, dtype=torch.float64))
+        assert packed == model.prediction_lists(*loads)
+        assert packed.token_bytes == tuple(2 * model.token_bytes_per_row * r for r in loads[2])
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     profile=st.sampled_from([*PROFILES, TOKEN_BOUND]),

@@ -14,6 +14,7 @@ all-gathered counts gets the same plan. Costs come from ``mixmoe.placement.cost_
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -498,23 +499,25 @@ class _ListMixSearch:
         totals: list[float],
         moved: list[int],
         total_remote: int,
-        order: list[int] | None = None,
+        is_open: list[bool] | None = None,
     ) -> None:
-        """``order``: the candidates (experts with remote rows) in priority order, remote rows
-        descending then expert id ascending; computed here when not given."""
+        """``is_open``: whether each expert is a candidate (has remote rows); computed here
+        when not given."""
         self.model, self.C, self.E = model, C, E
         self.max_replicas, self.width = max_replicas, width
         self.accepted: dict[int, tuple[int, ...]] = {}
         self.loads, self.totals = loads, totals  # [rows, local, remote, replica] x W ints
         self.moved, self.total_remote = moved, total_remote
         self.held = [0] * len(totals)
-        if order is None:
-            order = sorted((g for g, m in enumerate(moved) if m > 0), key=self._priority)
-        self.order, self.open, self.n_open = order, [False] * len(moved), len(order)
-        for g in order:
-            self.open[g] = True
+        self.open = [m > 0 for m in moved] if is_open is None else is_open
+        self.n_open = sum(self.open)
         # any_remote -> each rank's total with its current loads (None: not computed yet)
         self._kept: dict[bool, list[float | None]] = {}
+
+    @functools.cached_property
+    def order(self) -> list[int]:
+        """The candidates in priority order: remote rows descending, expert id ascending."""
+        return sorted((g for g, m in enumerate(self.moved) if m > 0), key=self._priority)
 
     def _priority(self, g: int) -> tuple[int, int]:
         return -self.moved[g], g
@@ -612,8 +615,9 @@ class _ListMixSearch:
 
 
 # _HostMixSearch runs where W is at most this: evaluating a candidate on the host costs W calls
-# of ``rank_total`` (~0.5 us each), below the ~30 tensor ops of an evaluation up to about here
-HOST_LIMIT = 128
+# of ``rank_total`` (~0.5 us each), below the ~25 tensor ops of an evaluation up to about here
+# (measured: host 2x faster at W = 16, even at W = 64, 1.3x slower at W = 128)
+HOST_LIMIT = 64
 
 
 class _HostMixSearch(_ListMixSearch):
@@ -635,12 +639,18 @@ class _HostMixSearch(_ListMixSearch):
         total_remote: int,
     ) -> None:
         self.C_WN, self.open_N = C_WN, moved_N > 0
-        g = self.open_N.nonzero().squeeze(1)
-        order = g[torch.sort(moved_N[g], descending=True, stable=True).indices].tolist()
-        loads = loads_4W.to(torch.int64).tolist()
-        moved = moved_N.tolist()
+        loads, moved = loads_4W.to(torch.int64).tolist(), moved_N.tolist()
         super().__init__(
-            model, [], E, max_replicas, width, loads, totals_W.tolist(), moved, total_remote, order
+            model,
+            [],
+            E,
+            max_replicas,
+            width,
+            loads,
+            totals_W.tolist(),
+            moved,
+            total_remote,
+            self.open_N.tolist(),
         )
 
     def _column(self, g: int) -> list[int]:
@@ -690,7 +700,7 @@ class _HostMixSearch(_ListMixSearch):
 
     def _sole_open_moved(self) -> int:
         """The remote rows of the one open candidate left."""
-        return sum(self.moved[g] for g in self.order if self.open[g])
+        return self.moved[int(self.open_N.nonzero())]
 
 
 def _sources_may_pass(

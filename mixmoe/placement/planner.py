@@ -119,9 +119,11 @@ def plan_mix(
     then computes and exchanges fewer rows, and serves the replicas) or b sends it rows (b then
     computes them itself and fetches a replica). Each round:
 
-    1. b's new total is scored for all candidates at once (one vector over b's row of C, b's own
-       experts patched in); those that lower it, by remote rows descending then expert id
-       ascending (the priority of today's greedy), are the round's shortlist;
+    1. b's new total is scored for every candidate: b's own E experts one by one, the others
+       as one vector over b's row of C, skipped when a bound proves none of them can lower b
+       (``_sources_may_pass``: the usual case, a replica costing more than b's biggest segment
+       saves); those that lower it, by remote rows descending then expert id ascending (the
+       priority of today's greedy), are the round's shortlist;
     2. the first ``search_width`` of them are evaluated at once on every rank (holders, owner,
        and the others under the collectives that would then run); the first with a strictly
        lower predicted step is accepted and the next round starts from the new bottleneck. A
@@ -137,14 +139,16 @@ def plan_mix(
     (no single further candidate lowers the step); a longer one may stop earlier.
 
     Cost: one pass over C in cached row blocks (sign check, column and row sums:
-    ``counts_with_sums``), then per round a few dozen vector ops over N and [search_width, W].
-    Where per-op overhead is the cost, the same search runs in other forms, with the same
-    decisions (a test forces each on the same cases): tiny problems (W x N <= ``LIST_LIMIT``)
-    on Python lists (``_ListMixSearch``); small ones (open candidates x W <= ``BATCH_LIMIT``)
-    score every candidate at once in the rounds after the first acceptance
-    (``_BatchedMixSearch``).
-    Everything is torch ops on tensors (their kernels release the GIL): fit to run on a
-    background thread.
+    ``counts_with_sums``), then per round a few dozen vector ops over N and [search_width, W]
+    (``_MixSearch``). Where per-op overhead is the cost, the same search runs in other forms,
+    with the same decisions (a test forces each on the same cases): tiny problems (W x N <=
+    ``LIST_LIMIT``) on Python lists from the validated counts, no tensor op after them
+    (``_plan_mix_lists``, ``_ListMixSearch``); up to ``HOST_LIMIT`` ranks with the loads on the
+    host and the counts in the tensor (``_HostMixSearch``: a column per evaluation, one vector
+    over b's row when the bound lets a source pass); above, small ones (open candidates x W <=
+    ``BATCH_LIMIT``) score every candidate at once in the rounds after the first acceptance
+    (``_BatchedMixSearch``). The host forms hold the GIL while they search (tens to hundreds of
+    microseconds); the tensor ops of the large problems release it in their kernels.
     """
     model = step_model(shape, profile, overlap)
     for name, value, lo in (("max_replicas", max_replicas, 0), ("search_width", search_width, 1)):

@@ -14,6 +14,9 @@ all-gathered counts gets the same plan. Costs come from ``mixmoe.placement.cost_
 
 from __future__ import annotations
 
+import functools
+import operator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +26,7 @@ from mixmoe.placement.cost_model import (
     Prediction,
     StepModel,
     baseline_loads,
+    counts_as_lists,
     counts_with_sums,
     step_model,
 )
@@ -115,9 +119,11 @@ def plan_mix(
     then computes and exchanges fewer rows, and serves the replicas) or b sends it rows (b then
     computes them itself and fetches a replica). Each round:
 
-    1. b's new total is scored for all candidates at once (one vector over b's row of C, b's own
-       experts patched in); those that lower it, by remote rows descending then expert id
-       ascending (the priority of today's greedy), are the round's shortlist;
+    1. b's new total is scored for every candidate: b's own E experts one by one, the others
+       as one vector over b's row of C, skipped when a bound proves none of them can lower b
+       (``_sources_may_pass``: the usual case, a replica costing more than b's biggest segment
+       saves); those that lower it, by remote rows descending then expert id ascending (the
+       priority of today's greedy), are the round's shortlist;
     2. the first ``search_width`` of them are evaluated at once on every rank (holders, owner,
        and the others under the collectives that would then run); the first with a strictly
        lower predicted step is accepted and the next round starts from the new bottleneck. A
@@ -133,14 +139,16 @@ def plan_mix(
     (no single further candidate lowers the step); a longer one may stop earlier.
 
     Cost: one pass over C in cached row blocks (sign check, column and row sums:
-    ``counts_with_sums``), then per round a few dozen vector ops over N and [search_width, W].
-    Where per-op overhead is the cost, the same search runs in other forms, with the same
-    decisions (a test forces each on the same cases): tiny problems (W x N <= ``LIST_LIMIT``)
-    on Python lists (``_ListMixSearch``); small ones (open candidates x W <= ``BATCH_LIMIT``)
-    score every candidate at once in the rounds after the first acceptance
-    (``_BatchedMixSearch``).
-    Everything is torch ops on tensors (their kernels release the GIL): fit to run on a
-    background thread.
+    ``counts_with_sums``), then per round a few dozen vector ops over N and [search_width, W]
+    (``_MixSearch``). Where per-op overhead is the cost, the same search runs in other forms,
+    with the same decisions (a test forces each on the same cases): tiny problems (W x N <=
+    ``LIST_LIMIT``) on Python lists from the validated counts, no tensor op after them
+    (``_plan_mix_lists``, ``_ListMixSearch``); up to ``HOST_LIMIT`` ranks with the loads on the
+    host and the counts in the tensor (``_HostMixSearch``: a column per evaluation, one vector
+    over b's row when the bound lets a source pass); above, small ones (open candidates x W <=
+    ``BATCH_LIMIT``) score every candidate at once in the rounds after the first acceptance
+    (``_BatchedMixSearch``). The host forms hold the GIL while they search (tens to hundreds of
+    microseconds); the tensor ops of the large problems release it in their kernels.
     """
     model = step_model(shape, profile, overlap)
     for name, value, lo in (("max_replicas", max_replicas, 0), ("search_width", search_width, 1)):
@@ -148,6 +156,8 @@ def plan_mix(
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < lo:
             raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if shape.world_size * shape.num_experts <= LIST_LIMIT:
+        return _plan_mix_lists(counts_WN, shape, model, max_replicas, search_width)
     C_WN, *sums = counts_with_sums(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
     loads_4W, colsum_N, own_N = baseline_loads(C_WN, E, sums)
@@ -158,35 +168,71 @@ def plan_mix(
     baseline = model.pack(compute_W, comm_W, loads_4W)
     if max_replicas == 0 or W == 1 or total_remote == 0:
         return Plan((), (), baseline, baseline)
-    tiny = W * shape.num_experts <= LIST_LIMIT
-    search = (_ListMixSearch if tiny else _MixSearch)(model, C_WN, E, max_replicas, search_width)
+    if W <= HOST_LIMIT:
+        host = _HostMixSearch(
+            model,
+            C_WN,
+            E,
+            max_replicas,
+            search_width,
+            loads_4W,
+            compute_W + comm_W,
+            moved_N,
+            total_remote,
+        )
+        while host.round():
+            pass
+        if not host.accepted:
+            return Plan((), (), baseline, baseline)
+        return _plan_of(host.accepted, model.prediction_lists(*host.loads), baseline)
+    search = _MixSearch(model, C_WN, E, max_replicas, search_width)
     search.start(loads_4W, compute_W + comm_W, moved_N, total_remote)
     # the first round shortlists (often the only one: nothing pays); once an expert is accepted,
     # a small problem scores every open candidate per round instead (same decisions)
     if search.round():
-        if not tiny and int(search.open_N.sum()) * W <= BATCH_LIMIT:
+        if search.n_open * W <= BATCH_LIMIT:
             search = _BatchedMixSearch.resume(search)
         while search.round():
             pass
     if not search.accepted:
         return Plan((), (), baseline, baseline)
-    prediction = model.prediction_W(search.loads_4W)
+    if search.seconds is None:
+        return _plan_of(search.accepted, model.prediction_W(search.loads_4W), baseline)
+    # the last acceptance's seconds: the same flags as prediction_W's (remote rows are left
+    # iff its expert did not hold the last ones; a replica exists)
+    return _plan_of(search.accepted, model.pack(*search.seconds, search.loads_4W), baseline)
+
+
+def _plan_of(
+    accepted: dict[int, tuple[int, ...]], prediction: Prediction, baseline: Prediction
+) -> Plan:
+    """The ``Plan`` of a search that accepted ``accepted`` ({g: holders}, not empty)."""
     assert prediction.step_s < baseline.step_s, (prediction.step_s, baseline.step_s)
-    hot = tuple(sorted(search.accepted))
-    return Plan(hot, tuple((g, search.accepted[g]) for g in hot), prediction, baseline)
+    hot = tuple(sorted(accepted))
+    return Plan(hot, tuple((g, accepted[g]) for g in hot), prediction, baseline)
 
 
 # how one replicated expert changes the loads (LOADS order: rows, local, remote, replica) of a
 # rank that sends it c rows: c * _PER_ROW + _PER_REPLICA; its owner's change is patched in apart
 _PER_ROW_41 = torch.tensor([1.0, 1.0, -1.0, 0.0], dtype=torch.float64).view(4, 1)
-_PER_REPLICA_41 = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64).view(4, 1)
+_PER_REPLICA_4 = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+_PER_REPLICA_41 = _PER_REPLICA_4.view(4, 1)
+# the owner of a replicated expert with m remote rows: m * _OWNER_PER_ROW + holders * _PER_REPLICA
+_OWNER_PER_ROW_4 = torch.tensor([-1.0, 0.0, -1.0, 0.0], dtype=torch.float64)
 
 
 class _MixSearch:
     """``plan_mix``'s search state. loads_4W: the per-rank aggregates with the experts accepted
     so far (float64 [4, W] holding integers, ``LOADS`` order), totals_W their predicted seconds,
-    held_W the replicas each rank holds, moved_N each expert's remote rows, open_N whether it is
-    still a candidate, total_remote the remote rows left in the group, accepted {g: holders}."""
+    held_W the replicas each rank holds (full_W: at ``max_replicas``), moved_N each expert's
+    remote rows, open_N whether it is still a candidate (n_open of them), total_remote the
+    remote rows left in the group, accepted {g: holders}.
+
+    Per-op overhead, not arithmetic, is the cost up to a few hundred ranks, so a round does
+    what it can on the host: b's own E experts are scored with ``StepModel.rank_total``, and
+    the vector over b's row of C (b as a source of every expert) runs only when a bound says a
+    source candidate may pass (``_sources_may_pass``). The problems it runs (W > ``HOST_LIMIT``)
+    are large enough that a vector over W costs less than W host calls."""
 
     def __init__(
         self, model: StepModel, C_WN: torch.Tensor, E: int, max_replicas: int, width: int
@@ -194,6 +240,7 @@ class _MixSearch:
         self.model, self.C_WN, self.E = model, C_WN, E
         self.max_replicas, self.width = max_replicas, width
         self.accepted: dict[int, tuple[int, ...]] = {}
+        self.seconds: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last acceptance
 
     def start(
         self,
@@ -204,61 +251,101 @@ class _MixSearch:
     ) -> None:
         self.loads_4W, self.totals_W, self.total_remote = loads_4W, totals_W, total_remote
         self.held_W = torch.zeros(len(totals_W), dtype=torch.int64)
+        self.full_W = torch.zeros(len(totals_W), dtype=torch.bool)
         self.moved_N = moved_N.to(torch.float64)
         self.open_N = moved_N > 0
+        self.n_open = int(self.open_N.sum())
 
-    def _totals(self, loads: torch.Tensor, any_remote: torch.Tensor) -> torch.Tensor:
+    def _totals(self, loads: torch.Tensor, any_remote: bool | torch.Tensor) -> torch.Tensor:
         compute, comm = self.model.seconds_W(loads, any_remote, True)
         return compute + comm
 
-    def shortlist(self, b: int, best: float) -> torch.Tensor:
+    def shortlist(self, b: int, best: float) -> list[int]:
         """Open candidates that would bring rank b's total below ``best``, in priority order."""
-        C_WN, E, moved_N = self.C_WN, self.E, self.moved_N
-        own = slice(b * E, (b + 1) * E)
-        # b as a source of g: b computes its c rows of g itself and fetches one replica
-        c_N = C_WN[b].to(torch.float64)
-        delta_4N = c_N * _PER_ROW_41 + _PER_REPLICA_41
+        E, C_WN, total = self.E, self.C_WN, self.model.rank_total
+        lo, hi = b * E, (b + 1) * E
+        loads_b = self.loads_4W[:, b]
+        rows, local, remote, replica = (int(x) for x in loads_b.tolist())
+        listed: list[int] = []
         # b as the owner of g: b no longer computes nor exchanges g's m remote rows and serves
-        # one replica to each of g's n sources
-        n_E = (C_WN[:, own] > 0).sum(0) - (C_WN[b, own] > 0).to(torch.int64)
-        m_E = moved_N[own]
-        delta_4N[:, own] = torch.stack([-m_E, torch.zeros_like(m_E), -m_E, n_E.to(m_E.dtype)])
-        new_N = self._totals(self.loads_4W[:, b : b + 1] + delta_4N, moved_N < self.total_remote)
-        touches_N = c_N > 0
-        touches_N[own] = True
-        g = (self.open_N & touches_N & (new_N < best)).nonzero().squeeze(1)
-        # expert id ascending (nonzero), then (stable) remote rows descending
-        return g[torch.sort(moved_N[g], descending=True, stable=True).indices]
+        # one replica to each of g's n sources (E candidates: on the host)
+        open_E = self.open_N[lo:hi].tolist()
+        if any(open_E):
+            n_E = (C_WN[:, lo:hi] > 0).sum(0).tolist()
+            c_E = C_WN[b, lo:hi].tolist()
+            m_E = self.moved_N[lo:hi].tolist()
+            for i, is_open in enumerate(open_E):
+                if not is_open:
+                    continue
+                m, n = int(m_E[i]), n_E[i] - (c_E[i] > 0)
+                any_remote = m < self.total_remote
+                if total(rows - m, local, remote - m, replica + n, any_remote, True) < best:
+                    listed.append(lo + i)
+        # b as a source of g: b computes its c rows of g itself and fetches one replica
+        if self.n_open > sum(open_E):
+            c_N = C_WN[b]
+            # with two open candidates or more, none holds every remote row left: the token
+            # collectives still run after any of them; with one, its own flag
+            any_remote = self.n_open > 1 or int(self.moved_N[self.open_N].sum()) < self.total_remote
+            cmax = max(
+                int(c_N[:lo].max()) if lo else 0, int(c_N[hi:].max()) if hi < len(c_N) else 0
+            )
+            loads = (rows, local, remote, replica)
+            if _sources_may_pass(self.model, loads, cmax, any_remote, best):
+                trial_4N = c_N * _PER_ROW_41 + (loads_b + _PER_REPLICA_4).view(4, 1)
+                compute_N, comm_N = self.model.seconds_W(trial_4N, any_remote, True)
+                listed_N = (compute_N + comm_N < best) & (c_N > 0) & self.open_N
+                listed_N[lo:hi] = False  # b's own experts: scored above
+                listed += listed_N.nonzero().squeeze(1).tolist()
+        if len(listed) < 2:
+            return listed
+        # priority order: remote rows descending, expert id ascending
+        moved = self.moved_N[listed].tolist()
+        return [g for _, g in sorted(zip((-m for m in moved), listed, strict=True))]
 
     def round(self) -> bool:
         """One round of the search (see ``plan_mix``); True if an expert was accepted."""
         b = int(self.totals_W.argmax())  # the first max: the lowest bottleneck rank
         best = float(self.totals_W[b])
         shortlist, budget = self.shortlist(b, best), self.width
-        while budget > 0 and len(shortlist):
+        while budget > 0 and shortlist:
             batch, shortlist = shortlist[:budget], shortlist[budget:]
-            trial_k4W, totals_kW, src_kW, blocked_k = self._evaluate(batch)
+            trial_k4W, compute_kW, comm_kW, src_kW, blocked_k = self._evaluate(batch)
+            totals_kW = compute_kW + comm_kW
             passes = (totals_kW.amax(1) < best).tolist()
             blocked = blocked_k.tolist()
-            for i, g in enumerate(batch.tolist()):
+            for i, g in enumerate(batch):
                 if blocked[i]:
-                    self.open_N[g] = False  # a holder is full: g can never fit again
+                    self._close(g)  # a holder is full: g can never fit again
                 elif passes[i]:
                     self._accept(g, trial_k4W[i], totals_kW[i], src_kW[i])
+                    self.seconds = (compute_kW[i], comm_kW[i])
                     return True
             budget -= len(blocked) - sum(blocked)
         return False
 
     def _evaluate(
-        self, g_k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each candidate of ``g_k`` accepted on its own: the loads [k, 4, W], totals [k, W],
-        holders (bool [k, W]) and whether a holder is full (bool [k])."""
-        delta_k4W, src_kW, m_k = self._deltas(g_k)
-        blocked_k = (src_kW & (self.held_W >= self.max_replicas)).any(1)
-        trial_k4W = self.loads_4W + delta_k4W
-        totals_kW = self._totals(trial_k4W, (m_k < self.total_remote).view(len(g_k), 1))
-        return trial_k4W, totals_kW, src_kW, blocked_k
+        self, g_k: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each candidate of ``g_k`` accepted on its own: the loads [k, 4, W], compute and comm
+        seconds [k, W], holders (bool [k, W]) and whether a holder is full (bool [k])."""
+        g_t = torch.tensor(g_k)
+        ar_k, o_k = torch.arange(len(g_k)), torch.div(g_t, self.E, rounding_mode="floor")
+        c_kW = self.C_WN[:, g_t].t()  # a copy: the owners' own rows are zeroed next
+        c_kW[ar_k, o_k] = 0
+        src_kW = c_kW > 0
+        trial_k4W = self.loads_4W + c_kW.unsqueeze(1) * _PER_ROW_41
+        trial_k4W[:, 3] += src_kW
+        m_k = self.moved_N[g_t]
+        owner_k4 = (
+            m_k.unsqueeze(1) * _OWNER_PER_ROW_4 + src_kW.sum(1, keepdim=True) * _PER_REPLICA_4
+        )
+        trial_k4W[ar_k, :, o_k] += owner_k4
+        blocked_k = (src_kW & self.full_W).any(1)
+        # every candidate leaves remote rows but possibly the last open one (see shortlist)
+        any_remote = True if self.n_open > 1 else (m_k < self.total_remote).view(-1, 1)
+        compute_kW, comm_kW = self.model.seconds_W(trial_k4W, any_remote, True)
+        return trial_k4W, compute_kW, comm_kW, src_kW, blocked_k
 
     def _deltas(self, g_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """How accepting each candidate of ``g_k`` on its own changes every rank's loads
@@ -279,11 +366,16 @@ class _MixSearch:
     def _accept(
         self, g: int, loads_4W: torch.Tensor, totals_W: torch.Tensor, src_W: torch.Tensor
     ) -> None:
-        self.loads_4W, self.totals_W = loads_4W, totals_W
+        self.loads_4W, self.totals_W, self.seconds = loads_4W, totals_W, None
         self.held_W += src_W
+        self.full_W = self.held_W >= self.max_replicas
         self.total_remote -= int(self.moved_N[g])
-        self.open_N[g] = False
+        self._close(g)
         self.accepted[g] = tuple(src_W.nonzero().squeeze(1).tolist())
+
+    def _close(self, g: int) -> None:
+        self.open_N[g] = False
+        self.n_open -= 1
 
 
 # _BatchedMixSearch runs where candidates x ranks is at most this: its [P, 4, W] tensors then stay
@@ -346,104 +438,321 @@ class _BatchedMixSearch(_MixSearch):
         return True
 
 
-# _ListMixSearch runs where W x N is at most this: the counts fit in a few small Python lists,
-# and scalar arithmetic beats tensor ops that would each cost more than the work they do
+# plan_mix runs on Python lists (``_plan_mix_lists``) where W x N is at most this: the counts fit
+# in a few small lists, and scalar arithmetic beats tensor ops that would each cost more than the
+# work they do
 LIST_LIMIT = 1024
 
 
+def _plan_mix_lists(
+    counts_WN: object, shape: LayerShape, model: StepModel, max_replicas: int, width: int
+) -> Plan:
+    """``plan_mix`` on Python lists and floats, for tiny problems (W x N <= ``LIST_LIMIT``): the
+    counts are validated and brought to the host once (``counts_as_lists``); every aggregate is
+    an exact Python int and every second comes from ``StepModel.rank_total`` /
+    ``rank_seconds``, equal to ``seconds_W`` bit for bit on the same integer loads, so the
+    decisions, loads and predictions are those of the tensor paths (a test forces each path on
+    the same cases)."""
+    C = counts_as_lists(counts_WN, shape)
+    W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
+    colsum = [sum(col) for col in zip(*C, strict=True)]
+    model.check_exact(max(2 * sum(colsum), W * N))
+    rows = [sum(colsum[r * E : (r + 1) * E]) for r in range(W)]
+    local = [sum(C[r][r * E : (r + 1) * E]) for r in range(W)]
+    remote = [sum(C[r]) - local[r] + rows[r] - local[r] for r in range(W)]
+    moved = [colsum[g] - C[g // E][g] for g in range(N)]
+    total_remote = sum(moved)
+    loads = [rows, local, remote, [0] * W]
+    baseline = model.prediction_lists(*loads)
+    if max_replicas == 0 or W == 1 or total_remote == 0:
+        return Plan((), (), baseline, baseline)
+    totals = list(map(operator.add, baseline.compute_s, baseline.comm_s))
+    search = _ListMixSearch(model, C, E, max_replicas, width, loads, totals, moved, total_remote)
+    while search.round():
+        pass
+    if not search.accepted:
+        return Plan((), (), baseline, baseline)
+    return _plan_of(search.accepted, model.prediction_lists(*search.loads), baseline)
+
+
 class _ListMixSearch:
-    """``_MixSearch`` on Python lists and floats, for tiny problems (W x N <= ``LIST_LIMIT``).
+    """``_MixSearch`` on the host: loads, totals, replica counts and candidates in Python
+    lists, seconds from ``StepModel.rank_total`` (see ``_plan_mix_lists``); the counts on
+    Python lists too.
 
     The same search step for step: the bottleneck b, its shortlist (open candidates touching b
     whose new total at b drops below the step, by remote rows descending then expert id), the
     first ``width`` unblocked ones evaluated on every rank, the first whose step drops accepted.
-    Seconds come from ``StepModel.rank_total`` (``rank_seconds`` summed), which equals
-    ``seconds_W`` bit for bit on the same integer loads, so the decisions and the loads are those of the tensor search (a test
-    forces both on the same cases).
+    Walked lazily: the shortlist is consumed in priority order and each listed candidate is
+    evaluated as soon as it is reached, so a round stops at the first acceptance (or the
+    width); a listed candidate with a full holder is closed when it is reached, as in
+    ``_MixSearch``, and the candidates after the stop are left as they are, so no decision
+    differs. An evaluation stops at the first rank whose new total is not below the step; the
+    ranks it does not touch keep their loads, so their totals are computed once per acceptance.
+    b's row is scored only when ``_sources_may_pass`` says a source candidate may pass.
     """
 
     def __init__(
-        self, model: StepModel, C_WN: torch.Tensor, E: int, max_replicas: int, width: int
+        self,
+        model: StepModel,
+        C: list[list[int]],
+        E: int,
+        max_replicas: int,
+        width: int,
+        loads: list[list[int]],
+        totals: list[float],
+        moved: list[int],
+        total_remote: int,
+        is_open: list[bool] | None = None,
     ) -> None:
-        self.model, self.C, self.E = model, C_WN.tolist(), E
+        """``is_open``: whether each expert is a candidate (has remote rows); computed here
+        when not given."""
+        self.model, self.C, self.E = model, C, E
         self.max_replicas, self.width = max_replicas, width
         self.accepted: dict[int, tuple[int, ...]] = {}
+        self.loads, self.totals = loads, totals  # [rows, local, remote, replica] x W ints
+        self.moved, self.total_remote = moved, total_remote
+        self.held = [0] * len(totals)
+        self.open = [m > 0 for m in moved] if is_open is None else is_open
+        self.n_open = sum(self.open)
+        # any_remote -> each rank's total with its current loads (None: not computed yet)
+        self._kept: dict[bool, list[float | None]] = {}
 
-    def start(
+    @functools.cached_property
+    def order(self) -> list[int]:
+        """The candidates in priority order: remote rows descending, expert id ascending."""
+        return sorted((g for g, m in enumerate(self.moved) if m > 0), key=self._priority)
+
+    def _priority(self, g: int) -> tuple[int, int]:
+        return -self.moved[g], g
+
+    def _column(self, g: int) -> list[int]:
+        """C[s][g] for every rank s."""
+        return [row[g] for row in self.C]
+
+    def _listed(self, b: int, best: float) -> Iterator[int]:
+        """b's shortlist (see the class doc), lazily, in priority order."""
+        rows, local, remote, replica = (load[b] for load in self.loads)
+        C, E, row_b, total = self.C, self.E, self.C[b], self.model.rank_total
+        lo, hi = b * E, (b + 1) * E
+        cmax = max(max(row_b[:lo], default=0), max(row_b[hi:], default=0))
+        # with two open candidates or more none holds every remote row left: the token
+        # collectives run after any of them (with one, the weaker bound without them)
+        loads_b = (rows, local, remote, replica)
+        sources = _sources_may_pass(self.model, loads_b, cmax, self.n_open > 1, best)
+        for g in self.order:
+            if not self.open[g]:
+                continue
+            m = self.moved[g]
+            if lo <= g < hi:  # b owns g: it computes and exchanges m rows less, serves n replicas
+                n = sum(1 for s, row in enumerate(C) if s != b and row[g] > 0)
+                new = total(rows - m, local, remote - m, replica + n, m < self.total_remote, True)
+            elif sources:  # b computes its c rows of g itself and fetches a replica
+                c = row_b[g]
+                if c == 0:
+                    continue
+                new = total(
+                    rows + c, local + c, remote - c, replica + 1, m < self.total_remote, True
+                )
+            else:
+                continue
+            if new < best:
+                yield g
+
+    def _close(self, g: int) -> None:
+        self.open[g] = False
+        self.n_open -= 1
+
+    def round(self) -> bool:
+        """One round of the search (see ``plan_mix``); True if an expert was accepted."""
+        totals = self.totals
+        best = max(totals)
+        b = totals.index(best)  # the first max: the lowest bottleneck rank
+        evaluated = 0
+        for g in self._listed(b, best):
+            if evaluated == self.width:
+                return False
+            o, col = g // self.E, self._column(g)
+            src = [s for s, c in enumerate(col) if c > 0 and s != o]
+            if any(self.held[s] >= self.max_replicas for s in src):
+                self._close(g)  # a holder is full: g can never fit again
+                continue
+            evaluated += 1
+            if self._try(g, o, col, src, best):
+                return True
+        return False
+
+    def _try(self, g: int, o: int, col: list[int], src: list[int], best: float) -> bool:
+        """Accept g if every rank's total then stays below ``best``; False (nothing changed)
+        at the first rank that does not."""
+        (rows, local, remote, replica), total = self.loads, self.model.rank_total
+        m = self.moved[g]
+        any_remote = m < self.total_remote
+        changed = {o: (rows[o] - m, local[o], remote[o] - m, replica[o] + len(src))}
+        for s in src:
+            c = col[s]
+            changed[s] = (rows[s] + c, local[s] + c, remote[s] - c, replica[s] + 1)
+        new = {}
+        for r, ld in changed.items():
+            t = total(*ld, any_remote, True)
+            if not t < best:
+                return False
+            new[r] = t
+        kept = self._kept.get(any_remote)
+        if kept is None:  # the other ranks' totals with their loads (each computed once)
+            kept = self._kept[any_remote] = [None] * len(rows)
+        for r, t in enumerate(kept):
+            if t is None and r not in new:
+                kept[r] = t = total(rows[r], local[r], remote[r], replica[r], any_remote, True)
+            if r not in new and not t < best:
+                return False
+        new_totals = [new.get(r, t) for r, t in enumerate(kept)]
+        for r, ld in changed.items():
+            rows[r], local[r], remote[r], replica[r] = ld
+        for s in src:
+            self.held[s] += 1
+        self.totals, self._kept = new_totals, {}
+        self.total_remote -= m
+        self._close(g)
+        self.accepted[g] = tuple(src)
+        return True
+
+
+# _HostMixSearch runs where W is at most this: evaluating a candidate on the host costs W calls
+# of ``rank_total`` (~0.5 us each), below the ~25 tensor ops of an evaluation up to about here
+# (measured: host 2x faster at W = 16, even at W = 64, 1.3x slower at W = 128)
+HOST_LIMIT = 64
+
+
+class _HostMixSearch(_ListMixSearch):
+    """``_ListMixSearch`` with the counts left in the tensor ``C_WN`` (W <= ``HOST_LIMIT``, W x N
+    too large for lists): a column of C comes to the host when a candidate is evaluated, b's
+    own experts are scored on the host, and b's row is scored as one vector (when the bound
+    lets a source candidate pass). Same decisions (a test forces every path)."""
+
+    def __init__(
         self,
+        model: StepModel,
+        C_WN: torch.Tensor,
+        E: int,
+        max_replicas: int,
+        width: int,
         loads_4W: torch.Tensor,
         totals_W: torch.Tensor,
         moved_N: torch.Tensor,
         total_remote: int,
     ) -> None:
-        self.loads = [[int(v) for v in row] for row in loads_4W.tolist()]  # 4 lists of W ints
-        self.totals, self.total_remote = totals_W.tolist(), total_remote
-        self.moved = moved_N.tolist()
-        self.held = [0] * len(self.totals)
-        self.open = [m > 0 for m in self.moved]
-        # candidates in priority order: remote rows descending, expert id ascending
-        self.order = sorted((g for g, m in enumerate(self.moved) if m > 0), key=self._priority)
+        self.C_WN, self.open_N = C_WN, moved_N > 0
+        loads, moved = loads_4W.to(torch.int64).tolist(), moved_N.tolist()
+        super().__init__(
+            model,
+            [],
+            E,
+            max_replicas,
+            width,
+            loads,
+            totals_W.tolist(),
+            moved,
+            total_remote,
+            self.open_N.tolist(),
+        )
 
-    def _priority(self, g: int) -> tuple[int, int]:
-        return -self.moved[g], g
+    def _column(self, g: int) -> list[int]:
+        return self.C_WN[:, g].tolist()
 
-    @property
-    def loads_4W(self) -> torch.Tensor:
-        return torch.tensor(self.loads, dtype=torch.float64)
+    def _close(self, g: int) -> None:
+        super()._close(g)
+        self.open_N[g] = False
 
-    def round(self) -> bool:
-        totals = self.totals
-        best = max(totals)
-        b = totals.index(best)  # the first max: the lowest bottleneck rank
-        rows, local, remote, replica = (load[b] for load in self.loads)
-        C, E, row_b, total = self.C, self.E, self.C[b], self.model.rank_total
-        listed = []
-        for g in self.order:
-            if not self.open[g]:
-                continue
-            m, any_remote = self.moved[g], self.moved[g] < self.total_remote
-            if g // E == b:  # b owns g: it computes and exchanges m rows less, serves n replicas
-                n = sum(1 for s in range(len(C)) if s != b and C[s][g] > 0)
-                new = total(rows - m, local, remote - m, replica + n, any_remote, True)
-            else:  # b computes its c rows of g itself and fetches a replica
-                c = row_b[g]
-                if c == 0:
-                    continue
-                new = total(rows + c, local + c, remote - c, replica + 1, any_remote, True)
-            if new < best:
-                listed.append(g)
-        evaluated = 0
-        for g in listed:
-            if evaluated == self.width:
-                break
-            o = g // E
-            src = [s for s in range(len(C)) if s != o and C[s][g] > 0]
-            if any(self.held[s] >= self.max_replicas for s in src):
-                self.open[g] = False  # a holder is full: g can never fit again
-                continue
-            evaluated += 1
-            trial = [list(load) for load in self.loads]
-            for s in src:
-                c = C[s][g]
-                trial[0][s] += c
-                trial[1][s] += c
-                trial[2][s] -= c
-                trial[3][s] += 1
-            m = self.moved[g]
-            trial[0][o] -= m
-            trial[2][o] -= m
-            trial[3][o] += len(src)
-            any_remote = m < self.total_remote
-            new_totals = [total(*loads, any_remote, True) for loads in zip(*trial, strict=True)]
-            if max(new_totals) < best:
-                self.loads, self.totals = trial, new_totals
-                for s in src:
-                    self.held[s] += 1
-                self.total_remote -= m
-                self.open[g] = False
-                self.accepted[g] = tuple(src)
-                return True
-        return False
+    def _listed(self, b: int, best: float) -> Iterator[int]:
+        loads_b = tuple(load[b] for load in self.loads)
+        rows, local, remote, replica = loads_b
+        E, C_WN, total = self.E, self.C_WN, self.model.rank_total
+        lo, hi = b * E, (b + 1) * E
+        listed: list[int] = []
+        # b as the owner of g: b no longer computes nor exchanges g's m remote rows and serves
+        # one replica to each of g's n sources (E candidates)
+        open_own = [g for g in range(lo, hi) if self.open[g]]
+        if open_own:
+            n_E = (C_WN[:, lo:hi] > 0).sum(0).tolist()
+            c_E = C_WN[b, lo:hi].tolist()
+            for g in open_own:
+                m, n = self.moved[g], n_E[g - lo] - (c_E[g - lo] > 0)
+                any_remote = m < self.total_remote
+                if total(rows - m, local, remote - m, replica + n, any_remote, True) < best:
+                    listed.append(g)
+        # b as a source of g: b computes its c rows of g itself and fetches one replica
+        if self.n_open > len(open_own):
+            c_N = C_WN[b]
+            cmax = max(
+                int(c_N[:lo].max()) if lo else 0, int(c_N[hi:].max()) if hi < len(c_N) else 0
+            )
+            # with two open candidates or more none holds every remote row left, so the token
+            # collectives still run after any of them; with one, its own flag
+            any_remote = self.n_open > 1 or self._sole_open_moved() < self.total_remote
+            if _sources_may_pass(self.model, loads_b, cmax, any_remote, best):
+                base_41 = torch.tensor(
+                    [rows, local, remote, replica + 1], dtype=torch.float64
+                ).view(4, 1)
+                compute_N, comm_N = self.model.seconds_W(
+                    c_N * _PER_ROW_41 + base_41, any_remote, True
+                )
+                listed_N = (compute_N + comm_N < best) & (c_N > 0) & self.open_N
+                listed_N[lo:hi] = False  # b's own experts: scored above
+                listed += listed_N.nonzero().squeeze(1).tolist()
+        return iter(sorted(listed, key=self._priority))
+
+    def _sole_open_moved(self) -> int:
+        """The remote rows of the one open candidate left."""
+        return self.moved[int(self.open_N.nonzero())]
+
+
+def _sources_may_pass(
+    model: StepModel,
+    loads_b: tuple[int, int, int, int],
+    cmax: int,
+    any_remote: bool,
+    best: float,
+) -> bool:
+    """Whether some expert that rank b does not own may bring b's total below ``best``; False
+    is a proof that none can, so b's row of C need not be scored.
+
+    b holds ``loads_b`` (rows, local, remote, replica) and sends at most ``cmax`` rows to one
+    expert of another rank. Replicating an expert it sends c rows to gives b the loads
+    (rows + c, local + c, remote - c, replica + 1), whose seconds are compute(c) + comm(c)
+    (``StepModel.rank_seconds``); along that path compute never decreases and comm never
+    increases (more rows computed at b, fewer sent: a test checks both on random loads), so
+    for every c in [lo, hi], compute(c) + comm(c) >= compute(lo) + comm(hi) (float addition
+    is monotone too). Branch and bound over [1, cmax]: an interval whose bound is not
+    below ``best`` holds no passing c; the others are halved until the budget of intervals is
+    spent (then True: maybe) or a single c passes (True). ``any_remote`` False gives a weaker
+    bound that holds for either flag (no token term)."""
+    if cmax == 0:
+        return False  # b sends no rows to other ranks' experts
+    rows, local, remote, replica = loads_b
+    seconds = model.rank_seconds
+
+    def bound(lo: int, hi: int) -> float:
+        compute = seconds(rows + lo, local + lo, remote - lo, replica + 1, any_remote, True)[0]
+        comm = seconds(rows + hi, local + hi, remote - hi, replica + 1, any_remote, True)[1]
+        return compute + comm
+
+    intervals = [(1, cmax)]
+    for _ in range(_BOUND_INTERVALS):
+        if not intervals:
+            return False
+        lo, hi = intervals.pop()
+        if not bound(lo, hi) < best:
+            continue
+        if lo == hi:
+            return True  # compute(c) + comm(c) is b's new total at c: it passes
+        mid = (lo + hi) // 2
+        intervals += [(mid + 1, hi), (lo, mid)]
+    return bool(intervals)
+
+
+# the intervals _sources_may_pass examines at most before it answers "maybe"
+_BOUND_INTERVALS = 32
 
 
 def plan_shadow(

@@ -30,6 +30,9 @@ COMPUTE_BOUND = HardwareProfile(
     "compute-bound", gemm_flops=1e9, link_bandwidth=1e11, link_latency=1e-6
 )
 LINK_BOUND = HardwareProfile("link-bound", gemm_flops=1e9, link_bandwidth=1e6, link_latency=1e-6)
+# with tiny experts (F = 16) a replica costs a few dozen rows on the wire: a bottleneck rank can
+# gain by fetching one for an expert it sends rows to (a "source" candidate)
+TOKEN_BOUND = HardwareProfile("token-bound", gemm_flops=1e13, link_bandwidth=1e8, link_latency=1e-6)
 PROFILES = [CPU_PROFILE, GPU_PROFILE, COMPUTE_BOUND, LINK_BOUND]
 # Shadow toys: D=1, F=1, fp32 -> flops_per_row = 12, row_bytes = 4, P = (2 + 1 + 1) * 4 = 16 B.
 # Profile 12 FLOP/s, 16 B/s: t_row = 1, t_feat = 4 * 4 / 16 = 1, t_model = 16 / 16 = 1, so
@@ -450,6 +453,51 @@ def test_vector_seconds_equal_scalar_seconds_bit_for_bit(
         assert total == compute + comm == (compute_W[r] + comm_W[r]).item()
 
 
+def test_pack_equals_list_pack_and_int64_overflow() -> None:
+    """``StepModel.pack`` (tensor products and max) gives ``prediction_lists``' record, also
+    where an int64 product would overflow (then Python ints)."""
+    model = StepModel(LayerShape(4096, 16384, 4, 8, 4), GPU_PROFILE, True)
+    gen = torch.Generator().manual_seed(0)
+    for high in (10**6, 2**52):
+        loads = torch.randint(0, high, (4, 8), generator=gen, dtype=torch.int64).tolist()
+        packed = model.prediction_W(torch.tensor(loads, dtype=torch.float64))
+        assert packed == model.prediction_lists(*loads)
+        assert packed.token_bytes == tuple(2 * model.token_bytes_per_row * r for r in loads[2])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    profile=st.sampled_from([*PROFILES, TOKEN_BOUND]),
+    overlap=st.booleans(),
+    any_remote=st.booleans(),
+    data=st.data(),
+)
+def test_source_bound_premise_and_soundness(
+    profile: HardwareProfile, overlap: bool, any_remote: bool, data: st.DataObject
+) -> None:
+    """``_sources_may_pass`` skips scoring b's row only with proof: along the loads a source
+    candidate gives b, (rows + c, local + c, remote - c, replica + 1), compute never decreases
+    and comm never increases (its premise, checked here on random loads, remote - c below zero
+    included), and a False answer means no c in [1, cmax] brings b's total below ``best``."""
+    from mixmoe.placement.planner import _sources_may_pass
+
+    shape = LayerShape(data.draw(st.integers(1, 4096)), data.draw(st.integers(1, 8192)), 4, 8, 2)
+    model = StepModel(shape, profile, overlap)
+    rows, local, remote, replica = (data.draw(st.integers(0, 10**6)) for _ in range(4))
+    cmax = data.draw(st.integers(0, 3000))
+
+    def seconds(c: int) -> tuple[float, float]:
+        return model.rank_seconds(rows + c, local + c, remote - c, replica + 1, any_remote, True)
+
+    per_c = [seconds(c) for c in range(cmax + 1)]
+    for (compute0, comm0), (compute1, comm1) in zip(per_c, per_c[1:], strict=False):
+        assert compute0 <= compute1 and comm0 >= comm1
+    lowest = min((compute + comm for compute, comm in per_c[1:]), default=float("inf"))
+    for best in (lowest, lowest * (1 + 1e-12), lowest * 1.01, lowest * 0.99):
+        if not _sources_may_pass(model, (rows, local, remote, replica), cmax, any_remote, best):
+            assert not lowest < best
+
+
 def test_mix_bounded_search_and_bad_width() -> None:
     counts_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 8, 512, 2, 32, torch.Generator())
     shape = LayerShape(1024, 4096, 4, 8, 2)
@@ -463,39 +511,68 @@ def test_mix_bounded_search_and_bad_width() -> None:
         plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=2.0)
 
 
-PATHS = {"lists": (10**9, 0), "batched": (-1, 10**9), "shortlist": (-1, -1)}
+# (LIST_LIMIT, HOST_LIMIT, BATCH_LIMIT) forcing each search path
+PATHS = {
+    "lists": (10**9, 0, 0),
+    "host": (-1, 10**9, 0),
+    "batched": (-1, -1, 10**9),
+    "shortlist": (-1, -1, -1),
+}
 
 
 def test_every_search_path_decides_alike(monkeypatch) -> None:
-    """Tiny problems search on Python lists (``_ListMixSearch``), small ones score every
-    candidate per round after the first acceptance (``_BatchedMixSearch``), larger ones
-    shortlist then evaluate (``_MixSearch``). Forced each way, they give equal plans (hot set,
-    holders, prediction, baseline), width and replica cap binding included."""
+    """Tiny problems search on Python lists (``_ListMixSearch``), up to ``HOST_LIMIT`` ranks on
+    the host with the counts in a tensor (``_HostMixSearch``), larger ones shortlist then
+    evaluate on tensors (``_MixSearch``), small ones of those scoring every candidate per round
+    after the first acceptance (``_BatchedMixSearch``). Forced each way, they give equal plans
+    (hot set, holders, prediction, baseline), width and replica cap binding included, with and
+    without candidates listed as sources of the bottleneck (the link-bound profile)."""
     import mixmoe.placement.planner as planner
 
+    bound_answers = []  # both answers of the bound must occur (b's row scored or skipped)
+    may_pass = planner._sources_may_pass
+    monkeypatch.setattr(
+        planner,
+        "_sources_may_pass",
+        lambda *args: bound_answers.append(may_pass(*args)) or bound_answers[-1],
+    )
+    sources_listed = []  # candidates the bottleneck b does not own, listed (tensor path)
+    shortlist = planner._MixSearch.shortlist
+
+    def counted_shortlist(search, b, best):
+        listed = shortlist(search, b, best)
+        sources_listed.extend(g for g in listed if g // search.E != b)
+        return listed
+
+    monkeypatch.setattr(planner._MixSearch, "shortlist", counted_shortlist)
     plans, hot = {}, 0
     for seed, (W, E) in enumerate(((2, 4), (3, 1), (4, 8), (8, 2), (16, 1), (5, 3))):
-        shape = LayerShape(64, 256, E, W, 2)
         for routing in ("uniform", "zipf:1.2", "hot:0.3", "zipf:2.0"):
             gen = torch.Generator().manual_seed(seed)
             tokens = 300 + 40 * seed
             counts_WN = synthetic_counts(RoutingSpec.parse(routing), W, tokens, 2, W * E, gen)
-            for profile, max_replicas, width in (
-                (GPU_PROFILE, 4, 8),
-                (COMPUTE_BOUND, 1, 2),
-                (COMPUTE_BOUND, 3, 1),
-                (CPU_PROFILE, 2, 8),
+            for profile, max_replicas, width, hidden in (
+                (GPU_PROFILE, 4, 8, 256),
+                (COMPUTE_BOUND, 1, 2, 256),
+                (COMPUTE_BOUND, 3, 1, 256),
+                (CPU_PROFILE, 2, 8, 256),
+                (LINK_BOUND, 2, 3, 256),
+                (TOKEN_BOUND, 2, 3, 16),
             ):
-                for path, (list_limit, batch_limit) in PATHS.items():
+                shape = LayerShape(64, hidden, E, W, 2)
+                for path, (list_limit, host_limit, batch_limit) in PATHS.items():
                     monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
+                    monkeypatch.setattr(planner, "HOST_LIMIT", host_limit)
                     monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
                     plans[path] = plan_mix(
                         counts_WN, shape, profile, max_replicas, search_width=width
                     )
                 case = (seed, routing, profile.name, max_replicas)
-                assert plans["lists"] == plans["batched"] == plans["shortlist"], case
+                assert all(plan == plans["lists"] for plan in plans.values()), case
                 hot += len(plans["shortlist"].hot)
     assert hot > 50  # the cases replicate, several experts at a time
+    assert True in bound_answers and False in bound_answers
+    assert len(sources_listed) > 50
 
 
 def test_counts_with_sums_is_one_checked_pass() -> None:
@@ -503,6 +580,7 @@ def test_counts_with_sums_is_one_checked_pass() -> None:
     import mixmoe.placement.cost_model as cost_model
 
     gen = torch.Generator().manual_seed(3)
+    saved = cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES
     for W, E in ((1, 5), (7, 3), (40, 2), (33, 8)):
         shape = LayerShape(8, 8, E, W, 2)
         C_WN = torch.randint(0, 1000, (W, W * E), generator=gen)
@@ -512,10 +590,14 @@ def test_counts_with_sums_is_one_checked_pass() -> None:
                 C, colsum_N, rowsum_W = cost_model.counts_with_sums(C_WN, shape)
                 assert torch.equal(C, C_WN) and C.dtype == torch.int64
                 assert torch.equal(colsum_N, C_WN.sum(0)) and torch.equal(rowsum_W, C_WN.sum(1))
+                big = C_WN.clone()  # counts >= 2**31 have a negative int32 word: still valid
+                big[0, 0], big[W - 1, W * E - 1] = 2**31 + 5, 2**40 + 2**31
+                _, colsum_N, rowsum_W = cost_model.counts_with_sums(big, shape)
+                assert torch.equal(colsum_N, big.sum(0)) and torch.equal(rowsum_W, big.sum(1))
                 bad = C_WN.clone()
                 s, g = W - 1, W * E // 2
                 bad[s, g] = -2
                 with pytest.raises(ValueError, match=rf"counts_WN\[{s}\]\[{g}\] = -2 is negative"):
                     cost_model.counts_with_sums(bad, shape)
             finally:
-                cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = 1 << 20, 8 << 20
+                cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = saved

@@ -30,7 +30,17 @@ COMPUTE_BOUND = HardwareProfile(
     "compute-bound", gemm_flops=1e9, link_bandwidth=1e11, link_latency=1e-6
 )
 LINK_BOUND = HardwareProfile("link-bound", gemm_flops=1e9, link_bandwidth=1e6, link_latency=1e-6)
-PROFILES = [CPU_PROFILE, GPU_PROFILE, COMPUTE_BOUND, LINK_BOUND]
+# the optional fixed costs switched on (every term of the cost model nonzero)
+FIXED_COSTS = HardwareProfile(
+    "fixed-costs",
+    gemm_flops=1e9,
+    link_bandwidth=1e9,
+    link_latency=1e-5,
+    step_fixed_s=3e-3,
+    row_overhead_s=7e-7,
+    replica_fixed_s=2e-3,
+)
+PROFILES = [CPU_PROFILE, GPU_PROFILE, COMPUTE_BOUND, LINK_BOUND, FIXED_COSTS]
 # Shadow toys: D=1, F=1, fp32 -> flops_per_row = 12, row_bytes = 4, P = (2 + 1 + 1) * 4 = 16 B.
 # Profile 12 FLOP/s, 16 B/s: t_row = 1, t_feat = 4 * 4 / 16 = 1, t_model = 16 / 16 = 1, so
 # lat(S) = 2 * max_r B_r(S) + |S|.
@@ -485,6 +495,7 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
                 (COMPUTE_BOUND, 1, 2),
                 (COMPUTE_BOUND, 3, 1),
                 (CPU_PROFILE, 2, 8),
+                (FIXED_COSTS, 4, 8),
             ):
                 for path, (list_limit, batch_limit) in PATHS.items():
                     monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)

@@ -4,9 +4,10 @@ GEMM and all_to_all sweeps of ``mixmoe.bench.calibrate``).
 
 Legend: W ranks, E experts per rank, T tokens per rank, C = counts_WN (rows rank s routes to g).
 
-Runs (every rank at once, ``bench layer``'s own loop: forward + backward + SGD step, the step
-time the max over ranks, medians over ``repeats`` after ``warmup``), top-2, on the GEMM sweep's
-D, F, E:
+Runs (every rank at once, ``bench layer``'s step: forward + backward + SGD step, the step time
+the max over ranks, medians over ``repeats`` after ``warmup``; the runs interleaved step by step so
+that a change of load on a shared machine reaches all of them), top-2, on the GEMM sweep's D, F,
+E:
 
 1. ``a2a`` under uniform routing at every T of ``layer_tokens``, and under ``hot:0.6`` at the
    largest T (no replica: the step is the base model plus ``step_fixed_s`` and ``row_overhead_s``
@@ -58,18 +59,22 @@ REPLICATE = HardwareProfile("calibrate-replicate", 1e6, 1e15, 1e-9)
 
 def layer_runs(comm, cfg) -> list[dict[str, Any]]:
     """Every rank (``comm`` of W ranks, ``cfg`` a ``CalibrateConfig``): the runs of the module
-    doc, one record each (tokens, routing, strategy, step_s, counts_WN); the same on all ranks."""
-    from mixmoe.bench.layer import LayerBenchConfig, run_rank
+    doc, one record each (tokens, routing, strategy, step_s, replicas, counts_WN); the same on
+    all ranks. The runs are interleaved step by step (one step of each, ``warmup + repeats``
+    times), so a change of load on a shared machine reaches them all alike."""
+    from mixmoe.bench.layer import LayerBenchConfig, _inputs, build_layer
+    from mixmoe.bench.timing import StageTimer
     from mixmoe.placement.profile_io import profile_record, save_profile
 
     tokens = sorted(cfg.layer_tokens)
-    plan = [(T, "uniform", ("a2a",)) for T in tokens] + [(tokens[-1], HOT, ("a2a", "mix"))]
+    runs = [(T, "uniform", "a2a") for T in tokens] + [(tokens[-1], HOT, s) for s in ("a2a", "mix")]
     dtype = "float32" if cfg.device == "cpu" else "bfloat16"
-    out = []
+    device = torch.device(cfg.device)
+    steps = []
     with tempfile.TemporaryDirectory(prefix="mixmoe-calibrate-") as tmp:
         forced = Path(tmp) / "replicate.json"
         save_profile(forced, profile_record(REPLICATE, source="calibrate's fit", measured=False))
-        for T, routing, strategies in plan:
+        for T, routing, strategy in runs:
             bench = LayerBenchConfig(
                 model_dim=cfg.model_dim,
                 hidden_size=cfg.hidden_size,
@@ -78,25 +83,44 @@ def layer_runs(comm, cfg) -> list[dict[str, Any]]:
                 top_k=TOP_K,
                 dtype=dtype,
                 device=cfg.device,
-                steps=cfg.repeats,
-                warmup=cfg.warmup,
                 routing=routing,
-                strategies=strategies,
+                strategies=(strategy,),
                 world_size=comm.world_size,
                 profile=str(forced),
             )
-            for r in run_rank(bench, comm):
-                out.append(
-                    {
-                        "tokens": T,
-                        "routing": routing,
-                        "strategy": r.strategy,
-                        "step_s": median(r.step_ms[cfg.warmup :]) / 1e3,
-                        "replicas": int(r.stats.get("replicas", 0)),
-                        "counts_WN": r.counts_WN,
-                    }
-                )
-    return out
+            x_TD, dy_TD, ids_TK = _inputs(bench, comm.rank)
+            layer = build_layer(bench, strategy, ids_TK, comm)
+            with torch.no_grad():
+                counts_N = layer(x_TD)[1].counts_N.to(torch.int64)
+            counts_WN = comm.all_gather_rows(counts_N).cpu().tolist()
+            opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
+            steps.append((layer, opt, x_TD, dy_TD, counts_WN))
+    times = torch.zeros(len(runs), cfg.warmup + cfg.repeats, dtype=torch.float64)
+    replicas = [0] * len(runs)
+    for i in range(cfg.warmup + cfg.repeats):
+        for j, (layer, opt, x_TD, dy_TD, _) in enumerate(steps):
+            comm.barrier()
+            timer = StageTimer(device)
+            timer.mark()
+            y_TD, aux = layer(x_TD)
+            torch.autograd.backward([y_TD, aux.loss], [dy_TD, torch.ones_like(aux.loss)])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            timer.mark()
+            times[j, i] = timer.elapsed_ms()[0] / 1e3
+            replicas[j] = int((aux.stats or {}).get("replicas", 0))
+    times = comm.all_reduce_max(times.to(device)).cpu()  # a step takes as long as its slowest rank
+    return [
+        {
+            "tokens": T,
+            "routing": routing,
+            "strategy": strategy,
+            "step_s": median(times[j, cfg.warmup :].tolist()),
+            "replicas": replicas[j],
+            "counts_WN": steps[j][4],
+        }
+        for j, (T, routing, strategy) in enumerate(runs)
+    ]
 
 
 def _loads(run: dict[str, Any], shape: LayerShape, base: HardwareProfile):

@@ -25,10 +25,11 @@ Where the built-in numbers come from:
 - ``link_latency = 200e-6``: the same collective with 4 B - 4 KiB buffers took 210-450 us (less on
   an idle many-core host, more when ranks outnumber cores).
 - the fixed costs stay 0.0 (the model as the planners have always used it): on the shared
-  2-core development VM, ``mixmoe calibrate``'s layer fit gave step_fixed_s 0-75 ms,
-  row_overhead_s 0-94 us and replica_fixed_s 0-107 ms from one calibration to the next (load
-  average 3-8 from other jobs; README, "Simulator validation"): no single figure describes "a
-  CPU". Calibrate the machine and pass the JSON (``--profile``) to price them.
+  2-core development VM, ``mixmoe calibrate``'s layer fit gave step_fixed_s 0-179 ms,
+  row_overhead_s 0-611 us and replica_fixed_s 0-808 ms from one calibration to the next over
+  the 32 calibrations of two validation runs (W = 2 and 4, load average 6-14 from other jobs;
+  README, "Simulator validation"; a quieter W=2 calibration: 9.9 ms, 11.4 us, 6.6 ms): no single
+  figure describes "a CPU". Calibrate the machine and pass the JSON (``--profile``) to price them.
 
 ``GPU_PROFILE`` (a generic modern GPU node without NVLink between the EP ranks): ~300 TFLOP/s of
 sustained bf16 grouped GEMM (an H100-class part runs dense bf16 GEMMs at 60-70% of its ~990 TFLOP/s

@@ -83,3 +83,10 @@ def test_validate_cli(capsys) -> None:
     out = capsys.readouterr().out
     assert "| W=4 D=256 F=1024 T=512 E=2 hot:0.8 | mix |" in out
     assert "replica sets agree in 48/48" in out
+    s = summarize(compare(read_records(DATA)))
+    assert (
+        f"fastest strategy predicted = measured in {s['fastest_agree']}/16 cases (shared: "
+        f"{s['shared_fastest_agree']}/16); measured fastest is a2a in "
+        f"{s['measured_fastest_a2a']}/16"
+    ) in out
+    assert (s["fastest_agree"], s["shared_fastest_agree"], s["measured_fastest_a2a"]) == (7, 10, 8)

@@ -19,6 +19,9 @@ Legend: E experts, R rows per expert, D model dim, F expert hidden dim, W ranks.
    intercept is floored at the smallest measured time / 2 when the fit makes it negative. Too
    noisy for a positive slope: latency = the fastest call, bandwidth from the largest size.
    ``measurements`` records which method gave the numbers.
+3. The fixed costs (``step_fixed_s``, ``row_overhead_s``, ``replica_fixed_s``): a fit to short
+   runs of the real layer at ``layer_tokens`` tokens per rank (``mixmoe.bench.calibrate_layer``;
+   ``layer_tokens=()`` skips it and leaves them 0.0).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    """rows: rows per expert of the GEMM sweep; a2a_bytes: bytes each rank sends per all_to_all."""
+    """rows: rows per expert of the GEMM sweep; a2a_bytes: bytes each rank sends per all_to_all;
+    layer_tokens: tokens per rank of the layer runs the fixed costs are fitted to (at least two
+    distinct sizes, or () to skip the fit and leave them 0.0)."""
 
     model_dim: int = 256
     hidden_size: int = 1024
@@ -54,6 +59,7 @@ class CalibrateConfig:
     rows: tuple[int, ...] = (64, 256, 1024)
     world_size: int = 2
     a2a_bytes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20)
+    layer_tokens: tuple[int, ...] = (256, 512, 1024)
     repeats: int = 10
     warmup: int = 3
     threads: int = 1
@@ -79,6 +85,15 @@ class CalibrateConfig:
                 raise ValueError(f"{name} needs at least two integer sizes, got {values!r}")
             if min(values) < 1:
                 raise ValueError(f"{name} must be positive, got {values!r}")
+        tokens = self.layer_tokens
+        if tokens and (
+            any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in tokens)
+            or len(set(tokens)) < 2
+        ):
+            raise ValueError(
+                f"layer_tokens needs at least two distinct positive integers, got {tokens!r}; "
+                "or () to skip the fixed-cost fit"
+            )
         if not self.name:
             raise ValueError("name must be a non-empty string")
 
@@ -140,10 +155,11 @@ def measure_gemm(cfg: CalibrateConfig) -> list[dict[str, float]]:
     return out
 
 
-def _rank_sweeps(comm, cfg: CalibrateConfig) -> tuple[list[dict[str, float]], list[dict]]:
+def _rank_sweeps(comm, cfg: CalibrateConfig) -> tuple[list[dict], list[dict], list[dict]]:
     """Every rank at once: the expert MLP sweep (each rank's times all-reduced to the slowest:
-    the per-rank rate while W ranks share the machine, as in a W-rank benchmark), then the
-    all_to_all sweep; every rank returns the same figures."""
+    the per-rank rate while W ranks share the machine, as in a W-rank benchmark), the
+    all_to_all sweep, then the layer runs of the fixed-cost fit; every rank returns the same
+    figures."""
     gemm = measure_gemm(cfg)
     device = torch.device(cfg.device)
     times = torch.tensor([[p["fwd_s"], p["bwd_s"]] for p in gemm], dtype=torch.float64)
@@ -151,7 +167,12 @@ def _rank_sweeps(comm, cfg: CalibrateConfig) -> tuple[list[dict[str, float]], li
     for p, (f, b) in zip(gemm, slowest, strict=True):
         p.update(fwd_s=f, bwd_s=b, fwd_flops=p["flops_fwd_bwd"] / 3 / f)
         p["bwd_flops"] = p["flops_fwd_bwd"] * 2 / 3 / b
-    return gemm, _a2a_rank(comm, cfg)
+    a2a = _a2a_rank(comm, cfg)
+    if not cfg.layer_tokens:
+        return gemm, a2a, []
+    from mixmoe.bench.calibrate_layer import layer_runs
+
+    return gemm, a2a, layer_runs(comm, cfg)
 
 
 def _a2a_rank(comm, cfg: CalibrateConfig) -> list[dict[str, float]]:
@@ -181,9 +202,9 @@ def _a2a_rank(comm, cfg: CalibrateConfig) -> list[dict[str, float]]:
     return out
 
 
-def measure_ranks(cfg: CalibrateConfig, comm=None) -> tuple[list[dict], list[dict]]:
-    """(expert MLP sweep, all_to_all sweep) measured on ``comm`` (torchrun's group) or on W
-    spawned gloo ranks (CPU), all ranks at once."""
+def measure_ranks(cfg: CalibrateConfig, comm=None) -> tuple[list[dict], list[dict], list[dict]]:
+    """(expert MLP sweep, all_to_all sweep, layer runs) measured on ``comm`` (torchrun's group)
+    or on W spawned gloo ranks (CPU), all ranks at once."""
     if comm is not None:
         return _rank_sweeps(comm, cfg)
     if cfg.device != "cpu":
@@ -204,7 +225,7 @@ def measure_a2a(cfg: CalibrateConfig, comm=None) -> list[dict[str, float]]:
 
 def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[str, Any]]:
     """(the measured profile, the raw measurements and the fits)."""
-    gemm, a2a = measure_ranks(cfg, comm)
+    gemm, a2a, runs = measure_ranks(cfg, comm)
     flops = [p["flops_fwd_bwd"] for p in gemm]
     secs = [p["fwd_s"] + p["bwd_s"] for p in gemm]
     icpt_g, slope_g = fit_line(flops, secs)
@@ -222,6 +243,19 @@ def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[st
         a2a_method = "fallback: latency = fastest call, bandwidth at the largest size"
     lat_floor = min(a2a_s) / 2
     profile = HardwareProfile(cfg.name, 1.0 / slope_g, 1.0 / slope_a, max(lat, lat_floor))
+    fixed: dict[str, Any] = {"method": "not fitted (layer_tokens=()): 0.0"}
+    if runs:
+        from mixmoe.bench.calibrate_layer import fit_fixed_costs
+        from mixmoe.placement.cost_model import LayerShape
+
+        shape = LayerShape(
+            model_dim=cfg.model_dim,
+            hidden_dim=cfg.hidden_size,
+            experts_per_rank=cfg.experts,
+            world_size=comm.world_size if comm is not None else cfg.world_size,
+            bytes_per_element=4 if cfg.device == "cpu" else 2,
+        )
+        profile, fixed = fit_fixed_costs(profile, runs, shape)
     measurements = {
         "gemm": gemm,
         "gemm_fit": {"intercept_s": icpt_g, "flops": 1.0 / slope_g, "method": gemm_method},
@@ -232,5 +266,6 @@ def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[st
             "latency_floor_s": lat_floor,
             "method": a2a_method,
         },
+        "fixed_costs": fixed,
     }
     return profile, measurements

@@ -44,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.a2a_bytes,
         help="bytes each rank sends per all_to_all (comma list)",
     )
+    p.add_argument(
+        "--layer-tokens",
+        type=_ints,
+        default=d.layer_tokens,
+        help="tokens per rank of the layer runs the fixed costs are fitted to (comma list; '' "
+        "skips the fit: fixed costs 0.0)",
+    )
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed repeats (median)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed repeats first")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
@@ -60,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         rows=args.rows,
         world_size=args.world_size,
         a2a_bytes=args.a2a_bytes,
+        layer_tokens=args.layer_tokens,
         repeats=args.repeats,
         warmup=args.warmup,
         threads=args.threads,
@@ -115,6 +123,26 @@ def run(args: argparse.Namespace) -> int:
             ],
         )
     )
+    fit = measurements["fixed_costs"]
+    if "runs" in fit:
+        print(f"\nlayer runs for the fixed costs ({fit['method']})")
+        print(
+            render_table(
+                ["strategy", "routing", "tokens", "replicas", "measured ms", "base ms", "fit ms"],
+                [
+                    [
+                        r["strategy"],
+                        r["routing"],
+                        r["tokens"],
+                        r["replicas"],
+                        f"{r['step_s'] * 1e3:.2f}",
+                        f"{r['predicted_base_s'] * 1e3:.2f}",
+                        f"{r['predicted_s'] * 1e3:.2f}",
+                    ]
+                    for r in fit["runs"]
+                ],
+            )
+        )
     source = (
         f"measured by `mixmoe calibrate` on {platform.node() or 'this host'} ({cfg.device}, "
         f"{world} ranks, {cfg.threads} thread(s) per rank, torch {torch.__version__})"
@@ -125,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\nprofile {profile.name}: gemm_flops = {profile.gemm_flops / 1e9:.2f} GFLOP/s, "
         f"link_bandwidth = {profile.link_bandwidth / 1e9:.3f} GB/s, "
-        f"link_latency = {profile.link_latency * 1e6:.1f} us -> {out}"
+        f"link_latency = {profile.link_latency * 1e6:.1f} us, step_fixed = "
+        f"{profile.step_fixed_s * 1e3:.3f} ms, row_overhead = {profile.row_overhead_s * 1e6:.3f} "
+        f"us, replica_fixed = {profile.replica_fixed_s * 1e3:.3f} ms -> {out}"
     )
     return 0

@@ -274,6 +274,11 @@ def _validate(args: argparse.Namespace) -> int:
         f"within 10%; ratio error median {s['shared_ratio_error_median_points']:.1f} points, "
         f"{s['shared_ratios_within_5_points']}/{s['ratios']} within 5"
     )
+    print(
+        f"fastest strategy predicted = measured in {s['fastest_agree']}/{s['case_count']} cases "
+        f"(shared: {s['shared_fastest_agree']}/{s['case_count']}); measured fastest is a2a in "
+        f"{s['measured_fastest_a2a']}/{s['case_count']}"
+    )
     return 0
 
 

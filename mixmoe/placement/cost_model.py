@@ -27,12 +27,18 @@ Per rank r, with rb = D * bytes_per_element (one row) and P = params_bytes_per_e
   together). The weight phase uses 2 collectives (fetch, gradient return), counted on every rank
   when any replica exists. The count all-gather is common to every strategy and is not modelled.
 - token_time[r]  = 4 * latency + 2 * rb * remote[r] / bandwidth   (0 without remote rows).
-  exposed[r]     = max(0, token_time[r] - local[r] * flops_per_row / gemm_flops) with ``overlap``
-                   (the token all-to-all runs while the source-local rows are computed), else
-                   token_time[r].
-  weight_time[r] = 2 * latency + P * replica[r] / bandwidth   (0 without replicas); never
-                   overlapped (the replica must arrive before its rows are computed).
+  exposed[r]     = max(0, token_time[r] - local_time[r]) with ``overlap`` (the token
+                   all-to-all runs while the source-local rows are computed), else token_time[r];
+                   local_time[r] = local[r] * flops_per_row / gemm_flops + local[r] * row_overhead.
+  weight_time[r] = 2 * latency + P * replica[r] / bandwidth + replica[r] * replica_fixed
+                   (0 without replicas); never overlapped (the replica must arrive before its rows
+                   are computed).
   comm[r]        = exposed[r] + weight_time[r].
+- The profile's fixed costs (``HardwareProfile``; each 0.0 unless measured, which drops its term):
+  compute[r] += rows[r] * row_overhead (gathers, scatters, element-wise work per row computed)
+  + step_fixed (gate, count exchange, plan, sort, combine, optimizer: every rank, every plan);
+  replica_fixed prices what a replica costs beyond its bytes (packing, the replica slots' work
+  item, the gradient return's reduction), per replica served or held, in weight_time.
 - step = max over r of compute[r] + comm[r].
 
 The planner (``mixmoe.placement.planner``) and the what-if simulator both use this model.
@@ -355,6 +361,9 @@ class StepModel:
         "bw",
         "lat",
         "overlap",
+        "row_s",
+        "replica_s",
+        "fixed_s",
         "_factor_41",
         "_divisor_41",
     )
@@ -369,6 +378,9 @@ class StepModel:
         self.bw = profile.link_bandwidth
         self.lat = profile.link_latency
         self.overlap = overlap
+        self.row_s = profile.row_overhead_s
+        self.replica_s = profile.replica_fixed_s
+        self.fixed_s = profile.step_fixed_s
         f64 = torch.float64
         self._factor_41 = torch.tensor(
             [self.flops_per_row, self.flops_per_row, self.token_bytes_per_row, self.params_bytes],
@@ -384,14 +396,23 @@ class StepModel:
         """(compute_s, comm_s) of one rank; any_remote / any_hot: whether the token / weight
         collectives run at all (anywhere in the group)."""
         compute = rows * self.flops_per_row / self.gemm_flops
+        if self.row_s:
+            compute = compute + rows * self.row_s
+        if self.fixed_s:
+            compute = compute + self.fixed_s
         token = 0.0
         if any_remote:
             token = TOKEN_COLLECTIVES * self.lat + self.token_bytes_per_row * remote / self.bw
             if self.overlap:
-                token = max(0.0, token - local * self.flops_per_row / self.gemm_flops)
+                hidden = local * self.flops_per_row / self.gemm_flops
+                if self.row_s:
+                    hidden = hidden + local * self.row_s
+                token = max(0.0, token - hidden)
         weight = 0.0
         if any_hot:
             weight = WEIGHT_COLLECTIVES * self.lat + self.params_bytes * replica / self.bw
+            if self.replica_s:
+                weight = weight + replica * self.replica_s
         return compute, token + weight
 
     def rank_total(
@@ -403,11 +424,21 @@ class StepModel:
         if any_remote:
             token = TOKEN_COLLECTIVES * self.lat + self.token_bytes_per_row * remote / self.bw
             if self.overlap:
-                token = max(0.0, token - local * self.flops_per_row / self.gemm_flops)
+                hidden = local * self.flops_per_row / self.gemm_flops
+                if self.row_s:
+                    hidden = hidden + local * self.row_s
+                token = max(0.0, token - hidden)
         weight = 0.0
         if any_hot:
             weight = WEIGHT_COLLECTIVES * self.lat + self.params_bytes * replica / self.bw
-        return rows * self.flops_per_row / self.gemm_flops + (token + weight)
+            if self.replica_s:
+                weight = weight + replica * self.replica_s
+        compute = rows * self.flops_per_row / self.gemm_flops
+        if self.row_s:
+            compute = compute + rows * self.row_s
+        if self.fixed_s:
+            compute = compute + self.fixed_s
+        return compute + (token + weight)
 
     def seconds_W(
         self, loads_4W: torch.Tensor, any_remote: bool | torch.Tensor, any_hot: bool
@@ -424,6 +455,12 @@ class StepModel:
         """
         # rows, local, remote, replica terms (one unbind: per-op overhead dominates tiny inputs)
         compute, local, remote, replica = (loads_4W * self._factor_41 / self._divisor_41).unbind(-2)
+        if self.row_s:  # the fixed costs: skipped when 0.0, as in rank_seconds (same value)
+            rows_n, local_n = loads_4W.unbind(-2)[:2]
+            compute = compute + rows_n * self.row_s
+            local = local + local_n * self.row_s
+        if self.fixed_s:
+            compute = compute + self.fixed_s
         token = TOKEN_COLLECTIVES * self.lat + remote
         if self.overlap:
             token = (token - local).clamp_min(0.0)
@@ -433,7 +470,10 @@ class StepModel:
             token = torch.zeros_like(compute)
         if not any_hot:
             return compute, token + 0.0
-        return compute, token + (WEIGHT_COLLECTIVES * self.lat + replica)
+        weight = WEIGHT_COLLECTIVES * self.lat + replica
+        if self.replica_s:
+            weight = weight + loads_4W.select(-2, 3) * self.replica_s
+        return compute, token + weight
 
     def check_exact(self, max_count: int) -> None:
         """Raise ``ValueError`` unless aggregates up to ``max_count`` (rows or replicas) and the

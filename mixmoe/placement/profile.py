@@ -1,10 +1,16 @@
-"""Hardware profiles: the three numbers the placement cost model needs about a machine.
+"""Hardware profiles: the numbers the placement cost model needs about a machine.
 
 A profile is deliberately coarse: one sustained GEMM rate, one link bandwidth (each rank sends
-and, at the same time, receives at this rate) and one fixed cost per collective call. The planner
-only compares alternatives under the same profile, so what matters is the *ratio* of compute to
-communication, not the absolute numbers. Benchmarks that want exact predictions should measure
-their own profile and pass it in.
+and, at the same time, receives at this rate) and one fixed cost per collective call, plus three
+optional fixed costs the layer pays around those (all 0.0 by default, which is the model as it
+was before they existed): per layer step (``step_fixed_s``: gate, count exchange, plan, sort,
+combine, optimizer and framework overhead, the same under every plan), per row computed
+(``row_overhead_s``: the gathers, scatters and element-wise work around the expert GEMMs) and
+per replica served or held (``replica_fixed_s``: packing, the extra work item for replica slots,
+the gradient return and its reduction into the owner's grad, beyond the bytes on the link).
+The planner compares alternatives under one profile, so the ratio of compute to communication
+matters most; the fixed costs decide whether a replica pays at all at small sizes. Benchmarks
+that want exact predictions should measure their own profile (``mixmoe calibrate``).
 
 Where the built-in numbers come from:
 
@@ -18,6 +24,12 @@ Where the built-in numbers come from:
   rank for 1-32 MiB buffers.
 - ``link_latency = 200e-6``: the same collective with 4 B - 4 KiB buffers took 210-450 us (less on
   an idle many-core host, more when ranks outnumber cores).
+- the fixed costs stay 0.0 (the model as the planners have always used it): on the shared
+  2-core development VM, ``mixmoe calibrate``'s layer fit gave step_fixed_s 0-179 ms,
+  row_overhead_s 0-611 us and replica_fixed_s 0-808 ms from one calibration to the next over
+  the 32 calibrations of two validation runs (W = 2 and 4, load average 6-14 from other jobs;
+  README, "Simulator validation"; a quieter W=2 calibration: 9.9 ms, 11.4 us, 6.6 ms): no single
+  figure describes "a CPU". Calibrate the machine and pass the JSON (``--profile``) to price them.
 
 ``GPU_PROFILE`` (a generic modern GPU node without NVLink between the EP ranks): ~300 TFLOP/s of
 sustained bf16 grouped GEMM (an H100-class part runs dense bf16 GEMMs at 60-70% of its ~990 TFLOP/s
@@ -35,34 +47,52 @@ from dataclasses import dataclass
 class HardwareProfile:
     """Coarse performance numbers of one rank of an expert-parallel group.
 
-    name:           a label (shows up in benchmark reports).
-    gemm_flops:     sustained FLOP/s of the expert GEMMs on one rank.
-    link_bandwidth: bytes/s a rank can send and, simultaneously, receive.
-    link_latency:   seconds of fixed cost per collective call.
+    name:            a label (shows up in benchmark reports).
+    gemm_flops:      sustained FLOP/s of the expert GEMMs on one rank.
+    link_bandwidth:  bytes/s a rank can send and, simultaneously, receive.
+    link_latency:    seconds of fixed cost per collective call.
+    step_fixed_s:    seconds per layer step (forward + backward + optimizer) on every rank,
+                     whatever the plan (default 0.0: not modelled).
+    row_overhead_s:  seconds per row computed at a rank, on top of its GEMM FLOPs (default 0.0).
+    replica_fixed_s: seconds per replica a rank serves (as owner) or holds, on top of its bytes
+                     on the link (default 0.0).
 
-    All three numbers must be positive and finite (``ValueError`` naming the field otherwise;
-    ``TypeError`` if a field is not a real number at all).
+    The first three numbers must be positive and finite, the fixed costs finite and >= 0
+    (``ValueError`` naming the field otherwise; ``TypeError`` if a field is not a real number).
     """
 
     name: str
     gemm_flops: float
     link_bandwidth: float
     link_latency: float
+    step_fixed_s: float = 0.0
+    row_overhead_s: float = 0.0
+    replica_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"HardwareProfile.name must be a non-empty string, got {self.name!r}")
-        for field_name in ("gemm_flops", "link_bandwidth", "link_latency"):
+        for field_name in ("gemm_flops", "link_bandwidth", "link_latency", *FIXED_COSTS):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(
                     f"HardwareProfile.{field_name} must be a real number, got {value!r} "
                     f"({type(value).__name__})"
                 )
-            if not (math.isfinite(value) and value > 0):
+            if field_name in FIXED_COSTS:
+                if not (math.isfinite(value) and value >= 0):
+                    raise ValueError(
+                        f"HardwareProfile.{field_name} must be finite and >= 0 seconds, got "
+                        f"{value!r}; use 0.0 to leave the cost out"
+                    )
+            elif not (math.isfinite(value) and value > 0):
                 raise ValueError(
                     f"HardwareProfile.{field_name} must be positive and finite, got {value!r}"
                 )
+
+
+# the optional fixed costs, in declaration order (0.0: not modelled)
+FIXED_COSTS = ("step_fixed_s", "row_overhead_s", "replica_fixed_s")
 
 
 CPU_PROFILE = HardwareProfile(

@@ -8,8 +8,12 @@ JSON layout (one object)::
 
     {"format": "mixmoe-hardware-profile", "version": 1,
      "name": ..., "gemm_flops": ..., "link_bandwidth": ..., "link_latency": ...,
+     "step_fixed_s": ..., "row_overhead_s": ..., "replica_fixed_s": ...,   # optional, 0.0
      "measured": true|false, "source": "how the numbers were obtained",
      "measurements": {...}}          # optional: calibrate's raw sweeps, kept for the record
+
+The fixed costs (``HardwareProfile``) are optional: files written before they existed load with
+0.0 (the cost model without them).
 
 Presets are ESTIMATES, not measurements: vendor peak x a stated efficiency, the efficiency being
 a typical sustained fraction (dense bf16 GEMM ~60% of the tensor-core peak, grouped GEMMs on
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mixmoe.placement.profile import CPU_PROFILE, GPU_PROFILE, HardwareProfile
+from mixmoe.placement.profile import CPU_PROFILE, FIXED_COSTS, GPU_PROFILE, HardwareProfile
 
 __all__ = [
     "FORMAT",
@@ -166,6 +170,7 @@ def profile_record(
         "gemm_flops": profile.gemm_flops,
         "link_bandwidth": profile.link_bandwidth,
         "link_latency": profile.link_latency,
+        **{k: getattr(profile, k) for k in FIXED_COSTS},
         "measured": bool(measured),
         "source": source,
     }
@@ -228,12 +233,16 @@ def load_profile(spec: str | os.PathLike[str] | HardwareProfile) -> HardwareProf
             "use a preset name or the JSON written by `mixmoe calibrate`"
         )
     record = read_profile_record(text)
-    values = [record[k] for k in ("gemm_flops", "link_bandwidth", "link_latency")]
+    keys = ("gemm_flops", "link_bandwidth", "link_latency", *FIXED_COSTS)
+    values = [record.get(k, 0.0) for k in keys]  # the fixed costs are optional (older files)
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values) or not all(
         math.isfinite(v) for v in values
     ):
         raise ValueError(f"profile file {text!r} holds non-numeric figures {values}")
-    return HardwareProfile(str(record["name"]), *(float(v) for v in values))
+    try:
+        return HardwareProfile(str(record["name"]), *(float(v) for v in values))
+    except ValueError as exc:
+        raise ValueError(f"profile file {text!r}: {exc}") from None
 
 
 def describe(spec: str | os.PathLike[str] | HardwareProfile) -> tuple[str, bool]:

@@ -9,9 +9,11 @@ second comes from ``StepModel.seconds_W`` (``mixmoe.placement.cost_model``); not
 re-derived here. The per-rank breakdown is read off the same function with the terms switched on
 one at a time:
 
-- compute_W: expert GEMMs, forward + backward;
+- compute_W: expert GEMMs, forward + backward, plus the profile's per-row and per-step fixed
+             costs (``row_overhead_s``, ``step_fixed_s``; 0.0 unless calibrated);
 - token_W:   the token all-to-alls (4 per step) before any overlap (``overlap=False``, no replica);
-- weight_W:  the replica fetch and gradient return (2 collectives; never overlapped);
+- weight_W:  the replica fetch and gradient return (2 collectives; never overlapped), plus the
+             profile's ``replica_fixed_s`` per replica served or held;
 - exposed_W: the communication left after overlap (the cost model's comm) = token + weight - hidden;
 - hidden_W:  token time hidden under source-local compute (``mix`` only).
 

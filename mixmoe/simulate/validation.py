@@ -236,7 +236,8 @@ def compare(records: list[dict[str, Any]], fixed_ms: float = 0.0) -> list[dict[s
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Median / max step error, median / max ratio error (points), replica agreement."""
+    """Median / max step error, median / max ratio error (points), replica agreement, and how
+    often the strategy predicted fastest is the one measured fastest."""
     import statistics
 
     errs = [r["error"] for r in rows]
@@ -257,4 +258,25 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
         "ratios_within_5_points": sum(e <= 5 for e in ratio),
         "ratios": len(ratio),
         "replicas_agree": sum(r["replicas_measured"] == r["replicas_predicted"] for r in rows),
+        **_fastest_agreement(rows),
+    }
+
+
+def _fastest_agreement(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Per case, whether the strategy predicted fastest is the one measured fastest, under the
+    cost model's aggregation and the shared one; and how often the measured fastest is a2a."""
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["strategy"]] = r
+    agree = agree_sh = a2a_best = 0
+    for recs in by_case.values():
+        best = min(recs, key=lambda s: recs[s]["measured_ms"])
+        agree += best == min(recs, key=lambda s: recs[s]["predicted_ms"])
+        agree_sh += best == min(recs, key=lambda s: recs[s]["predicted_shared_ms"])
+        a2a_best += best == "a2a"
+    return {
+        "fastest_agree": agree,
+        "shared_fastest_agree": agree_sh,
+        "measured_fastest_a2a": a2a_best,
+        "case_count": len(by_case),
     }

@@ -59,6 +59,34 @@ def test_toy_with_replica() -> None:
     assert p.step_s == 18.0  # max(6 + 12, 4 + 12)
 
 
+def test_toy_fixed_costs() -> None:
+    """The optional fixed costs, each added where the module doc says, on the replica toy."""
+    fixed = HardwareProfile(
+        "toy-fixed",
+        gemm_flops=96.0,
+        link_bandwidth=8.0,
+        link_latency=0.5,
+        step_fixed_s=0.25,
+        row_overhead_s=0.5,
+        replica_fixed_s=3.0,
+    )
+    p = predict(TOY_COUNTS, {1: (0,)}, TOY_SHAPE, fixed, overlap=True)
+    # compute: rows * (1 s + 0.5 s) + 0.25 s: rank 0 = 6 * 1.5 + 0.25, rank 1 = 4 * 1.5 + 0.25
+    assert p.compute_s == (9.25, 6.25)
+    # token 4 s hidden behind local (rank 0: 5 rows * 1.5 s, rank 1: 4 * 1.5) -> 0 exposed;
+    # weights: 12 s + 1 replica (served / held) * 3 s
+    assert p.comm_s == (15.0, 15.0)
+    assert p.step_s == 24.25
+    # nothing replicated: no replica term, step_fixed and row_overhead stay
+    q = predict(TOY_COUNTS, {}, TOY_SHAPE, fixed, overlap=False)
+    assert q.compute_s == (6.25, 9.25) and q.comm_s == (8.0, 8.0) and q.step_s == 17.25
+    # all 0.0 (the default): the model without them, bit for bit
+    zero = HardwareProfile("toy", 96.0, 8.0, 0.5, 0.0, 0.0, 0.0)
+    assert predict(TOY_COUNTS, {1: (0,)}, TOY_SHAPE, zero) == predict(
+        TOY_COUNTS, {1: (0,)}, TOY_SHAPE, TOY_PROFILE
+    )
+
+
 def test_hot_forms_agree() -> None:
     counts_WN = [[5, 1, 0, 7], [2, 9, 4, 0]]
     shape = LayerShape(4, 8, experts_per_rank=2, world_size=2, bytes_per_element=2)

@@ -33,7 +33,17 @@ LINK_BOUND = HardwareProfile("link-bound", gemm_flops=1e9, link_bandwidth=1e6, l
 # with tiny experts (F = 16) a replica costs a few dozen rows on the wire: a bottleneck rank can
 # gain by fetching one for an expert it sends rows to (a "source" candidate)
 TOKEN_BOUND = HardwareProfile("token-bound", gemm_flops=1e13, link_bandwidth=1e8, link_latency=1e-6)
-PROFILES = [CPU_PROFILE, GPU_PROFILE, COMPUTE_BOUND, LINK_BOUND]
+# the optional fixed costs switched on (every term of the cost model nonzero)
+FIXED_COSTS = HardwareProfile(
+    "fixed-costs",
+    gemm_flops=1e9,
+    link_bandwidth=1e9,
+    link_latency=1e-5,
+    step_fixed_s=3e-3,
+    row_overhead_s=7e-7,
+    replica_fixed_s=2e-3,
+)
+PROFILES = [CPU_PROFILE, GPU_PROFILE, COMPUTE_BOUND, LINK_BOUND, FIXED_COSTS]
 # Shadow toys: D=1, F=1, fp32 -> flops_per_row = 12, row_bytes = 4, P = (2 + 1 + 1) * 4 = 16 B.
 # Profile 12 FLOP/s, 16 B/s: t_row = 1, t_feat = 4 * 4 / 16 = 1, t_model = 16 / 16 = 1, so
 # lat(S) = 2 * max_r B_r(S) + |S|.
@@ -558,6 +568,7 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
                 (CPU_PROFILE, 2, 8, 256),
                 (LINK_BOUND, 2, 3, 256),
                 (TOKEN_BOUND, 2, 3, 16),
+                (FIXED_COSTS, 4, 8, 256),
             ):
                 shape = LayerShape(64, hidden, E, W, 2)
                 for path, (list_limit, host_limit, batch_limit) in PATHS.items():

@@ -26,6 +26,18 @@ def test_profile_rejects_bad_numbers(field: str, bad: float) -> None:
         HardwareProfile(**{**kwargs, field: "fast"})
 
 
+@pytest.mark.parametrize("field", ["step_fixed_s", "row_overhead_s", "replica_fixed_s"])
+def test_profile_fixed_costs_default_to_zero_and_reject_bad_values(field: str) -> None:
+    kwargs = {"name": "x", "gemm_flops": 1e9, "link_bandwidth": 1e9, "link_latency": 1e-5}
+    assert getattr(HardwareProfile(**kwargs), field) == 0.0
+    assert getattr(HardwareProfile(**kwargs, **{field: 2e-3}), field) == 2e-3
+    for bad in (-1e-6, math.nan, math.inf):
+        with pytest.raises(ValueError, match=f"{field} must be finite and >= 0"):
+            HardwareProfile(**kwargs, **{field: bad})
+    with pytest.raises(TypeError, match=field):
+        HardwareProfile(**kwargs, **{field: True})
+
+
 def test_profile_rejects_empty_name() -> None:
     with pytest.raises(ValueError, match="name"):
         HardwareProfile("", 1e9, 1e9, 1e-5)

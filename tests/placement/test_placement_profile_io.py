@@ -44,6 +44,25 @@ def test_json_round_trip(tmp_path) -> None:
     assert load_profile(prof) is prof
 
 
+def test_fixed_costs_round_trip_and_old_files_load(tmp_path) -> None:
+    prof = HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4, 2e-3, 4e-7, 1.5e-3)
+    path = save_profile(tmp_path / "p.json", profile_record(prof, source="s", measured=True))
+    assert load_profile(path) == prof
+    rec = read_profile_record(path)
+    assert (rec["step_fixed_s"], rec["row_overhead_s"], rec["replica_fixed_s"]) == (
+        2e-3,
+        4e-7,
+        1.5e-3,
+    )
+    # a file written before the fixed costs existed: they load as 0.0
+    old = {k: v for k, v in rec.items() if not k.endswith(("_fixed_s", "_overhead_s"))}
+    path.write_text(json.dumps(old))
+    assert load_profile(path) == HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4)
+    path.write_text(json.dumps({**rec, "replica_fixed_s": -1.0}))
+    with pytest.raises(ValueError, match="replica_fixed_s must be finite and >= 0"):
+        load_profile(path)
+
+
 def test_bad_profiles_name_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match="neither a preset .* nor an existing file"):
         load_profile("h200-magic")

@@ -71,7 +71,8 @@ def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> Non
     out = tmp_path / "prof.json"
     argv = ["calibrate", "--model-dim", "32", "--hidden-size", "64", "--experts", "2",
             "--rows", "32,256", "--a2a-bytes", "1024,262144", "--repeats", "2", "--warmup", "1",
-            "--world-size", "2", "--name", "tiny", "--out", str(out)]  # fmt: skip
+            "--world-size", "2", "--name", "tiny", "--out", str(out),
+            "--layer-tokens", "64,128"]  # fmt: skip
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "all_to_all_single on 2 ranks" in text and "profile tiny" in text
@@ -81,8 +82,22 @@ def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> Non
     assert rec["measured"] is True and "measured by `mixmoe calibrate`" in rec["source"]
     assert [p["rows_per_expert"] for p in rec["measurements"]["gemm"]] == [32, 256]
     assert len(rec["measurements"]["all_to_all"]) == 2
+    # the fixed costs: fitted to layer runs (a2a uniform at each size, a2a and mix skewed)
+    fit = rec["measurements"]["fixed_costs"]
+    assert [(r["strategy"], r["tokens"]) for r in fit["runs"]] == [
+        ("a2a", 64), ("a2a", 128), ("a2a", 128), ("mix", 128)
+    ]  # fmt: skip
+    assert all(r["step_s"] > 0 for r in fit["runs"]) and "least-squares" in fit["method"]
+    assert (prof.step_fixed_s, prof.row_overhead_s, prof.replica_fixed_s) == (
+        fit["step_fixed_s"], fit["row_overhead_s"], fit["replica_fixed_s"]
+    )  # fmt: skip
+    assert min(prof.step_fixed_s, prof.row_overhead_s, prof.replica_fixed_s) >= 0
+    assert "layer runs for the fixed costs" in text and "replica_fixed" in text
 
 
 def test_calibrate_bad_input(capsys) -> None:
     assert "rows needs at least two" in _error(capsys, ["calibrate", "--rows", "64"])
     assert "world_size must be >= 2" in _error(capsys, ["calibrate", "--world-size", "1"])
+    assert "layer_tokens needs at least two distinct" in _error(
+        capsys, ["calibrate", "--layer-tokens", "64"]
+    )

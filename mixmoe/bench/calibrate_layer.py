@@ -1,0 +1,246 @@
+"""The fixed costs of a ``HardwareProfile`` (``step_fixed_s``, ``row_overhead_s``,
+``replica_fixed_s``), fitted to short runs of the real layer (``mixmoe calibrate``, after the
+GEMM and all_to_all sweeps of ``mixmoe.bench.calibrate``).
+
+Legend: W ranks, E experts per rank, T tokens per rank, C = counts_WN (rows rank s routes to g).
+
+Runs (every rank at once, ``bench layer``'s step: forward + backward + SGD step, the step time
+the max over ranks, medians over ``repeats`` after ``warmup``; the runs interleaved step by step so
+that a change of load on a shared machine reaches all of them), top-2, on the GEMM sweep's D, F,
+E:
+
+1. ``a2a`` under uniform routing at every T of ``layer_tokens``, and under ``hot:0.6`` at the
+   largest T (no replica: the step is the base model plus ``step_fixed_s`` and ``row_overhead_s``
+   at the slowest rank).
+2. ``mix`` under ``hot:0.6`` at the largest T, planned with a compute-bound profile so that it
+   replicates (up to the layer's ``max_replicas`` per rank; the plan is recomputed here from the
+   run's counts, the planner being deterministic).
+
+Fit. With the base profile (the sweeps' three figures, fixed costs 0.0) the cost model predicts
+every run; b is the rank it finds slowest.
+
+- ``step_fixed_s`` and the seconds per row computed: intercept and slope of a least-squares line
+  of (measured step - the model's communication at b) against rows computed at b over the uniform
+  ``a2a`` runs (balanced ranks: the max over ranks is then also the mean, whatever the host).
+  ``row_overhead_s`` = slope - flops_per_row / gemm_flops; when the slope is below the sweep's
+  GEMM seconds per row (a sweep slowed by noise), ``gemm_flops`` = flops_per_row / slope instead
+  and ``row_overhead_s`` = 0. A negative slope: 0, the sweep's rate and the mean residual; a
+  negative intercept: 0 and the slope through the origin.
+- ``replica_fixed_s``: the value at which the model's mix - a2a on the skewed pair (same counts)
+  equals the measured mix - a2a (bisection: mix's prediction grows with it; 0 when the model
+  already predicts at least that difference). The planner decides by comparing plans, so the
+  difference is what it must get right. It prices everything a replica costs in measured time
+  beyond its bytes on the link: packing, the replica slots' extra work item, the gradient return
+  and its reduction, and, where ranks share cores, the balance replication does not buy.
+
+``measurements["fixed_costs"]`` keeps every run, the method and the fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixmoe.bench.timing import median
+from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
+from mixmoe.placement.profile import HardwareProfile
+
+__all__ = ["REPLICATE", "fit_fixed_costs", "layer_runs"]
+
+HOT = "hot:0.6"  # the skewed routing of the fit (the validation grid uses 0.4 and 0.8)
+TOP_K = 2
+# a profile under which compute is all that matters: mix replicates every hot expert it can
+REPLICATE = HardwareProfile("calibrate-replicate", 1e6, 1e15, 1e-9)
+
+
+def layer_runs(comm, cfg) -> list[dict[str, Any]]:
+    """Every rank (``comm`` of W ranks, ``cfg`` a ``CalibrateConfig``): the runs of the module
+    doc, one record each (tokens, routing, strategy, step_s, replicas, counts_WN); the same on
+    all ranks. The runs are interleaved step by step (one step of each, ``warmup + repeats``
+    times), so a change of load on a shared machine reaches them all alike."""
+    from mixmoe.bench.layer import LayerBenchConfig, _inputs, build_layer
+    from mixmoe.bench.timing import StageTimer
+    from mixmoe.placement.profile_io import profile_record, save_profile
+
+    tokens = sorted(cfg.layer_tokens)
+    runs = [(T, "uniform", "a2a") for T in tokens] + [(tokens[-1], HOT, s) for s in ("a2a", "mix")]
+    dtype = "float32" if cfg.device == "cpu" else "bfloat16"
+    device = torch.device(cfg.device)
+    steps = []
+    with tempfile.TemporaryDirectory(prefix="mixmoe-calibrate-") as tmp:
+        forced = Path(tmp) / "replicate.json"
+        save_profile(forced, profile_record(REPLICATE, source="calibrate's fit", measured=False))
+        for T, routing, strategy in runs:
+            bench = LayerBenchConfig(
+                model_dim=cfg.model_dim,
+                hidden_size=cfg.hidden_size,
+                tokens=T,
+                num_local_experts=cfg.experts,
+                top_k=TOP_K,
+                dtype=dtype,
+                device=cfg.device,
+                routing=routing,
+                strategies=(strategy,),
+                world_size=comm.world_size,
+                profile=str(forced),
+            )
+            x_TD, dy_TD, ids_TK = _inputs(bench, comm.rank)
+            layer = build_layer(bench, strategy, ids_TK, comm)
+            with torch.no_grad():
+                counts_N = layer(x_TD)[1].counts_N.to(torch.int64)
+            counts_WN = comm.all_gather_rows(counts_N).cpu().tolist()
+            opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
+            steps.append((layer, opt, x_TD, dy_TD, counts_WN))
+    times = torch.zeros(len(runs), cfg.warmup + cfg.repeats, dtype=torch.float64)
+    replicas = [0] * len(runs)
+    for i in range(cfg.warmup + cfg.repeats):
+        for j, (layer, opt, x_TD, dy_TD, _) in enumerate(steps):
+            comm.barrier()
+            timer = StageTimer(device)
+            timer.mark()
+            y_TD, aux = layer(x_TD)
+            torch.autograd.backward([y_TD, aux.loss], [dy_TD, torch.ones_like(aux.loss)])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            timer.mark()
+            times[j, i] = timer.elapsed_ms()[0] / 1e3
+            replicas[j] = int((aux.stats or {}).get("replicas", 0))
+    times = comm.all_reduce_max(times.to(device)).cpu()  # a step takes as long as its slowest rank
+    return [
+        {
+            "tokens": T,
+            "routing": routing,
+            "strategy": strategy,
+            "step_s": median(times[j, cfg.warmup :].tolist()),
+            "replicas": replicas[j],
+            "counts_WN": steps[j][4],
+        }
+        for j, (T, routing, strategy) in enumerate(runs)
+    ]
+
+
+def _loads(run: dict[str, Any], shape: LayerShape, base: HardwareProfile):
+    """(loads_4W, overlap) of a run: its plan recomputed from its counts (deterministic), with
+    the layer configuration ``bench layer`` ran (``LayerBenchConfig.moe_config``)."""
+    from mixmoe.config import MoEConfig
+    from mixmoe.dispatch.strategies import strategy_spec
+
+    C_WN = counts_as_tensor(run["counts_WN"], shape)
+    spec = strategy_spec(run["strategy"])
+    config = MoEConfig(
+        model_dim=shape.model_dim,
+        hidden_dim=shape.hidden_dim,
+        num_experts=shape.num_experts,
+        top_k=TOP_K,
+        strategy=run["strategy"],
+    )
+    plan = spec.planner(C_WN, shape, REPLICATE if run["strategy"] == "mix" else base, config)
+    return plan_loads(C_WN, plan.replicas, shape.experts_per_rank), spec.overlap
+
+
+def _step(loads_4W: torch.Tensor, shape: LayerShape, profile: HardwareProfile, overlap: bool):
+    """The cost model's step (max over ranks) and its slowest rank."""
+    any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
+    compute, comm = StepModel(shape, profile, overlap).seconds_W(loads_4W, any_remote, any_hot)
+    total = compute + comm
+    return float(total.max()), int(total.argmax())
+
+
+def fit_fixed_costs(
+    base: HardwareProfile, runs: list[dict[str, Any]], shape: LayerShape
+) -> tuple[HardwareProfile, dict[str, Any]]:
+    """``base`` with the fixed costs fitted to ``runs`` (``layer_runs``; see the module doc), and
+    the fit's record (per run: measured, predicted before and after, rows and replicas per
+    rank). ``shape``: the runs' layer (its bytes_per_element as run)."""
+    loads = [_loads(r, shape, base) for r in runs]
+    t_gemm = shape.flops_per_row / base.gemm_flops  # seconds per row of the sweep's GEMM rate
+    xs, ys = [], []
+    for i, r in enumerate(runs):
+        if r["strategy"] == "a2a" and r["routing"] == "uniform":
+            pred, b = _step(loads[i][0], shape, base, loads[i][1])
+            rows_b = float(loads[i][0][0, b])
+            xs.append(rows_b)
+            ys.append(r["step_s"] - (pred - rows_b * t_gemm))  # measured minus communication
+    fixed, t_row, how = _line(xs, ys)
+    if t_row <= 0:  # no per-row figure from the runs: keep the sweep's rate
+        fitted = dataclasses.replace(base, step_fixed_s=fixed)
+        how += "; gemm_flops from the sweep"
+    elif t_row >= t_gemm:
+        fitted = dataclasses.replace(base, step_fixed_s=fixed, row_overhead_s=t_row - t_gemm)
+        how += "; row_overhead_s = per-row slope - the sweep's GEMM seconds per row"
+    else:  # the layer sustains more than the sweep measured (a noisy sweep): trust the layer
+        gemm = shape.flops_per_row / t_row
+        fitted = dataclasses.replace(base, gemm_flops=gemm, step_fixed_s=fixed)
+        how += "; the per-row slope beat the sweep's rate: gemm_flops = flops_per_row / slope"
+    replica, rep_how = _solve_replica(fitted, runs, loads, shape)
+    fitted = dataclasses.replace(fitted, replica_fixed_s=replica)
+    record = {
+        "method": (
+            "step_fixed_s, per-row seconds: least-squares line of (measured step - the base "
+            f"model's communication) against rows at the slowest rank over a2a uniform runs "
+            f"({how}); replica_fixed_s: {rep_how}"
+        ),
+        "gemm_flops_sweep": base.gemm_flops,
+        "gemm_flops": fitted.gemm_flops,
+        "step_fixed_s": fitted.step_fixed_s,
+        "row_overhead_s": fitted.row_overhead_s,
+        "replica_fixed_s": replica,
+        "runs": [
+            {
+                **{k: v for k, v in r.items() if k != "counts_WN"},
+                "predicted_base_s": _step(ld, shape, base, ov)[0],
+                "predicted_s": _step(ld, shape, fitted, ov)[0],
+                "rows_W": [int(v) for v in ld[0].tolist()],
+                "replica_W": [int(v) for v in ld[3].tolist()],
+            }
+            for r, (ld, ov) in zip(runs, loads, strict=True)
+        ],
+    }
+    return fitted, record
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float, str]:
+    """(intercept >= 0, slope >= 0, how) of a least-squares line of ys against xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    if slope <= 0:
+        return max(0.0, my), 0.0, "slope <= 0: row_overhead_s = 0, step_fixed_s = mean residual"
+    icpt = my - slope * mx
+    if icpt < 0:
+        sxy0 = sum(x * y for x, y in zip(xs, ys, strict=True))
+        slope0 = max(0.0, sxy0 / sum(x * x for x in xs))
+        return 0.0, slope0, "intercept < 0: step_fixed_s = 0, slope through the origin"
+    return icpt, slope, "intercept and slope"
+
+
+def _solve_replica(
+    profile: HardwareProfile, runs: list[dict[str, Any]], loads: list, shape: LayerShape
+) -> tuple[float, str]:
+    """The replica_fixed_s >= 0 at which the model's mix - a2a difference on the skewed pair of
+    runs (same counts) equals the measured one: the planner's decision is a comparison, so the
+    difference is what must be right. 0 when nothing was replicated, or when the model already
+    predicts mix at or above a2a + the measured difference."""
+    by = {r["strategy"]: i for i, r in enumerate(runs) if r["routing"] == HOT}
+    if set(by) != {"a2a", "mix"} or not bool(loads[by["mix"]][0][3].any()):
+        return 0.0, "0: no replicated run"
+    a2a_s = _step(loads[by["a2a"]][0], shape, profile, loads[by["a2a"]][1])[0]
+    target = a2a_s + runs[by["mix"]]["step_s"] - runs[by["a2a"]]["step_s"]
+    mix_4W, overlap = loads[by["mix"]]
+
+    def step(kappa: float) -> float:
+        return _step(mix_4W, shape, dataclasses.replace(profile, replica_fixed_s=kappa), overlap)[0]
+
+    how = "bisection: the model's mix - a2a equals the measured mix - a2a on the skewed runs"
+    if step(0.0) >= target:
+        return 0.0, "0: the model already predicts mix - a2a at or above the measured difference"
+    lo, hi = 0.0, max(target, 1e-9)  # one replica alone at this cost exceeds the target
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
+    return hi, how

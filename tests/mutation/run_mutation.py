@@ -82,18 +82,21 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
         ],
         ["tests/distributed"],
     ),
-    "dispatch": (
+    "dispatch": (  # the expert-parallel engine: 2 ranks, every strategy, cached replicas first
         ["mixmoe/dispatch"],
         [
-            "tests/unit/test_schedule.py",  # expert_row_layout
+            "tests/distributed/test_gradient_accumulation.py",
+            "tests/unit/test_step_layout.py",  # edge cases of the layout, no process
+            "tests/distributed/test_strategies.py::test_strategies_match_single_rank[2]",
             "tests/unit/test_step_plan.py",
-            "tests/unit/test_layer_vs_reference.py",  # the local dispatcher
+            "tests/unit/test_schedule.py",  # expert_row_layout
         ],
         [
-            "tests/unit",
+            "tests/unit/test_layer_vs_reference.py",  # the local dispatcher
             "tests/distributed/test_strategies.py",
-            "tests/distributed/test_gradient_accumulation.py",
-            "tests/distributed",
+            "tests/distributed/test_strategy_agreement.py",
+            "tests/distributed/test_async_plan_ranks.py",
+            "tests/distributed/test_dropin_parallel.py",
         ],
     ),
 }
@@ -280,7 +283,8 @@ def main() -> int:
         nargs="+",
         default=[],
         metavar="NAME",
-        help="mutate only these top-level functions / classes (others are reported as skipped)",
+        help="mutate only these top-level functions / classes or Class.method (others are reported "
+        "as skipped)",
     )
     args = parser.parse_args()
     names = args.groups or list(GROUPS)

@@ -77,10 +77,15 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "comm": (
         ["mixmoe/comm"],
         [
-            "tests/distributed/test_strategies.py",
-            "tests/distributed/test_gradient_accumulation.py",
+            "tests/distributed/test_gradient_accumulation.py",  # every all_to_all, 2 ranks
+            "tests/distributed/test_comm.py",  # each collective on 3 ranks, uneven splits
+            "tests/distributed/test_strategies.py::test_strategies_match_single_rank[2]",
         ],
-        ["tests/distributed"],
+        [
+            "tests/distributed/test_strategies.py",
+            "tests/distributed/test_ddp_and_expert_data_parallel.py",  # new_expert_groups
+            "tests/distributed/test_checkpoint_and_failures.py",  # timeouts, all_gather_rows
+        ],
     ),
     "dispatch": (  # the expert-parallel engine: 2 ranks, every strategy, cached replicas first
         ["mixmoe/dispatch"],

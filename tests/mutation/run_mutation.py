@@ -67,10 +67,16 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     ),
     "parallel": (
         ["mixmoe/parallel"],
-        ["tests/distributed/test_checkpoint_and_failures.py"],
         [
-            "tests/distributed/test_dropin_parallel.py",
+            "tests/unit/test_parallel_state.py",  # load, slice, marks: one process
+            "tests/distributed/test_checkpoint_and_failures.py::"
+            "test_gathered_checkpoint_is_the_unsharded_layer",
             "tests/distributed/test_ddp_and_expert_data_parallel.py",
+        ],
+        [
+            "tests/distributed/test_checkpoint_and_failures.py",
+            "tests/distributed/test_dropin_parallel.py",
+            "tests/unit/test_sharded_build.py",
             "tests/distributed/test_strategies.py",
         ],
     ),

@@ -96,8 +96,9 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "dispatch": (  # the expert-parallel engine: 2 ranks, every strategy, cached replicas first
         ["mixmoe/dispatch"],
         [
-            "tests/distributed/test_gradient_accumulation.py",
-            "tests/unit/test_step_layout.py",  # edge cases of the layout, no process
+            "tests/unit/test_step_layout.py",  # the layout's contract, no process
+            "tests/unit/test_replicas.py",
+            "tests/distributed/test_gradient_accumulation.py",  # 2 ranks, every strategy
             "tests/distributed/test_strategies.py::test_strategies_match_single_rank[2]",
             "tests/unit/test_step_plan.py",
             "tests/unit/test_schedule.py",  # expert_row_layout

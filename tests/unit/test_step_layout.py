@@ -162,3 +162,28 @@ def test_step_layout_of_a_single_routed_row():
             assert lay.num_send == (0 if replicated else 1)
             assert lay.send_token_S.tolist() == ([] if replicated else [0])
             assert lay.pos_back_TK.tolist() == [[0]]
+
+
+def test_step_layout_is_built_on_the_routing_device_whatever_the_default():
+    """Every index tensor lives on the routing's device: under another default device (meta
+    here; cuda:0 for a model on another GPU) the layout is the same, on the same device."""
+    W, E, K, B = 2, 2, 2, 4
+    gen = torch.Generator().manual_seed(3)
+    ids = [_ids(T, K, W * E, gen, hot=True) for T in (30, 20)]
+    C_WN = torch.stack([expert_counts(ids_TK, W * E) for ids_TK in ids])
+    plan = _plan("mix", C_WN, E)
+    assert plan.replicas
+    for r in range(W):
+        step, own, want = _rank_layout(ids[r], C_WN, plan, r, E, B, True)
+        T = ids[r].shape[0]
+        routing = Routing(ids[r], torch.rand(T, K), torch.zeros(T, W * E))
+        with torch.device("meta"):
+            got = build_step_layout(routing, own, C_WN[r].tolist(), step, B, with_replicas=True)
+        for name in ("order_R", "send_token_S", "pos_back_TK"):
+            assert getattr(got, name).device.type == "cpu", name
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        for item in ("replica", "received"):
+            for name in ("token_P", "pos_TK"):
+                t = getattr(getattr(got, item), name)
+                assert t.device.type == "cpu", (item, name)
+                assert torch.equal(t, getattr(getattr(want, item), name)), (item, name)

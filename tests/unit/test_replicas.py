@@ -8,6 +8,7 @@ splits must agree pairwise. ``pack_experts`` / ``unpack_experts`` round-trip eve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -102,3 +103,10 @@ def test_weights_version_moves_with_every_in_place_write():
         v = weights_version(w)
         assert v not in seen, n
         seen.add(v)
+
+
+def test_fetch_plan_is_frozen():
+    """A step's fetch is shared by the step plan and the dispatcher's last-fetch record."""
+    plan = FetchPlan.build(((0, (1,)),), 0, 2, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.in_splits = [0, 0]

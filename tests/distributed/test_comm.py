@@ -58,13 +58,17 @@ def _worker(comm) -> dict:
     from mixmoe.comm.communicator import Communicator
 
     r = comm.rank
-    out: dict = {"rank": comm.rank, "world": comm.world_size}
+    out: dict = {"rank": comm.rank, "world": comm.world_size, "backend": comm.backend}
     out["gather"] = comm.all_gather_rows(torch.tensor([r, 10 * r + 1, -r], dtype=torch.int64))
     in_splits = [_n(r, q) for q in range(W)]
     out_splits = [_n(s, r) for s in range(W)]
     x = _send_rows(r)
     recv = torch.full((sum(out_splits), 3), -7.0, dtype=torch.float64)
-    comm.all_to_all(recv, x, out_splits, in_splits).wait()
+    # synchronous by default (bench/calibrate.py times the call): a completed handle comes back
+    out["sync_handles"] = [
+        type(comm.all_to_all(recv, x, out_splits, in_splits)).__name__,
+        type(comm.all_reduce(torch.zeros(1))).__name__,
+    ]
     out["a2a"] = recv.clone()
     recv.fill_(-7.0)
     comm.all_to_all(recv, x, out_splits, in_splits, async_op=True).wait()
@@ -117,7 +121,8 @@ def test_collectives_and_all_to_all_gradients_on_three_ranks() -> None:
     got = spawn_gloo(_worker, W, timeout_s=120)
     exact = {"rtol": 0, "atol": 0}
     for r, out in enumerate(got):
-        assert (out["rank"], out["world"]) == (r, W)
+        assert (out["rank"], out["world"], out["backend"]) == (r, W, "gloo")
+        assert out["sync_handles"] == ["_Done", "_Done"]
         want_gather = torch.tensor([[s, 10 * s + 1, -s] for s in range(W)], dtype=torch.int64)
         torch.testing.assert_close(out["gather"], want_gather, **exact)
         for key in ("a2a", "a2a_async", "y_sync", "y_async"):
@@ -167,3 +172,13 @@ def test_local_communicator_is_a_world_of_one() -> None:
     (y * 3.0).sum().backward()
     torch.testing.assert_close(y.detach(), xg.detach())
     torch.testing.assert_close(xg.grad, torch.full((4, 2), 3.0, dtype=torch.float64))
+
+
+def test_communicator_needs_an_initialised_process_group() -> None:
+    import torch.distributed as dist
+
+    from mixmoe.comm.communicator import Communicator
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        Communicator()

@@ -149,7 +149,8 @@ def test_collectives_and_all_to_all_gradients_on_three_ranks() -> None:
 
 def test_local_communicator_is_a_world_of_one() -> None:
     comm = LocalCommunicator()
-    assert (comm.rank, comm.world_size) == (0, 1)
+    # the Communicator interface: backend (train/loop.py branches on it), group None = world
+    assert (comm.rank, comm.world_size, comm.backend, comm.group) == (0, 1, "local", None)
     x = torch.tensor([1.0, 2.0])
     gathered = comm.all_gather_rows(x)
     torch.testing.assert_close(gathered, x[None])

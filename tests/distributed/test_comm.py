@@ -52,6 +52,17 @@ def _grad_of_send(s: int) -> torch.Tensor:
     return torch.stack(out) if out else torch.zeros(0, 3, dtype=torch.float64)
 
 
+class _Counting:
+    """A Communicator that counts its all_to_all calls (the rest is the wrapped one's)."""
+
+    def __init__(self, comm) -> None:
+        self.comm, self.calls = comm, 0
+
+    def all_to_all(self, *args, **kwargs):
+        self.calls += 1
+        return self.comm.all_to_all(*args, **kwargs)
+
+
 def _worker(comm) -> dict:
     import torch.distributed as dist
 
@@ -99,16 +110,20 @@ def _worker(comm) -> dict:
     # the differentiable all-to-alls: forward, and the gradient of sum(y * coef)
     for name in ("sync", "async", "cached"):
         xg = _send_rows(r).requires_grad_(True)
+        counting = _Counting(comm)
         if name == "sync":
-            y = all_to_all(comm, xg, out_splits, in_splits)
+            y = all_to_all(counting, xg, out_splits, in_splits)
         elif name == "async":
-            y, pending = all_to_all_start(comm, xg, out_splits, in_splits)
+            y, pending = all_to_all_start(counting, xg, out_splits, in_splits)
             y = all_to_all_wait(y, pending)
         else:  # what the receiver already holds (here: marked rows), nothing moves forward
             cached = _recv_rows(r) + 0.5
-            y = cached_all_to_all(comm, xg, out_splits, in_splits, cached)
+            y = cached_all_to_all(counting, xg, out_splits, in_splits, cached)
             out["cached_is_copy"] = y.data_ptr() != cached.data_ptr()
+        forward_calls = counting.calls
         (y * _coef(r, y.shape[0])).sum().backward()
+        # one all_to_all each way (the async backward waits for the one its wait started)
+        out[f"calls_{name}"] = (forward_calls, counting.calls - forward_calls)
         out[f"y_{name}"] = y.detach()
         out[f"dx_{name}"] = xg.grad
     return out
@@ -141,6 +156,8 @@ def test_collectives_and_all_to_all_gradients_on_three_ranks() -> None:
             torch.testing.assert_close(out["sub_gather"], torch.tensor([[1.0], [2.0]]))
         torch.testing.assert_close(out["y_cached"], _recv_rows(r) + 0.5, **exact)
         assert out["cached_is_copy"]
+        assert out["calls_sync"] == out["calls_async"] == (1, 1), out
+        assert out["calls_cached"] == (0, 1), out
         for name in ("sync", "async", "cached"):
             torch.testing.assert_close(
                 out[f"dx_{name}"], _grad_of_send(r), **exact, msg=f"rank {r} dx {name}"

@@ -7,8 +7,9 @@ Skipped (reported as "skipped", never counted as killed):
   text: FORMATS.md is checked by the tracing/report tiers, not by the core's tests).
 
 With ``MUTATION_DEFS`` set (comma-separated names of top-level functions / classes, set by
-``run_mutation.py --defs``), every mutant outside those definitions is skipped too: a run
-restricted to a module's core when the whole module would take too long.
+``run_mutation.py --defs``; ``Class.method`` names one method), every mutant outside those
+definitions is skipped too: a run restricted to a module's core when the whole module would take
+too long.
 """
 
 from __future__ import annotations
@@ -52,10 +53,19 @@ def _def_lines(filename: str, names: str) -> frozenset[int]:
         tree = ast.parse(f.read())
     wanted = set(names.split(","))
     lines: set[int] = set()
+
+    def add(node: ast.AST) -> None:
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        lines.update(range(first, (node.end_lineno or node.lineno) + 1))
+
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            lines.update(range(first, (node.end_lineno or node.lineno) + 1))
+        if isinstance(node, defs) and node.name in wanted:
+            add(node)
+        if isinstance(node, ast.ClassDef):  # ``Class.method``: one method of a class
+            for inner in node.body:
+                if isinstance(inner, defs) and f"{node.name}.{inner.name}" in wanted:
+                    add(inner)
     return frozenset(lines)
 
 

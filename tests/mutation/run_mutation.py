@@ -67,33 +67,53 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     ),
     "parallel": (
         ["mixmoe/parallel"],
-        ["tests/distributed/test_checkpoint_and_failures.py"],
         [
-            "tests/distributed/test_dropin_parallel.py",
+            "tests/unit/test_parallel_state.py",  # load, slice, marks: one process
+            "tests/distributed/test_checkpoint_and_failures.py::"
+            "test_gathered_checkpoint_is_the_unsharded_layer",
             "tests/distributed/test_ddp_and_expert_data_parallel.py",
+        ],
+        [
+            "tests/distributed/test_checkpoint_and_failures.py",
+            "tests/distributed/test_dropin_parallel.py",
+            "tests/unit/test_sharded_build.py",
             "tests/distributed/test_strategies.py",
         ],
     ),
     "comm": (
         ["mixmoe/comm"],
         [
-            "tests/distributed/test_strategies.py",
-            "tests/distributed/test_gradient_accumulation.py",
+            "tests/distributed/test_comm.py::test_local_communicator_is_a_world_of_one",
+            "tests/distributed/test_gradient_accumulation.py",  # every all_to_all, 2 ranks
+            "tests/distributed/test_comm.py",  # each collective on 3 ranks, uneven splits
+            "tests/distributed/test_strategies.py::test_strategies_match_single_rank[2]",
+            "tests/distributed/test_ddp_and_expert_data_parallel.py",  # new_expert_groups
         ],
-        ["tests/distributed"],
+        [
+            "tests/distributed/test_strategies.py",
+            "tests/distributed/test_checkpoint_and_failures.py",  # timeouts, all_gather_rows
+        ],
     ),
-    "dispatch": (
+    "dispatch": (  # the expert-parallel engine: 2 ranks, every strategy, cached replicas first
         ["mixmoe/dispatch"],
         [
-            "tests/unit/test_schedule.py",  # expert_row_layout
+            "tests/unit/test_step_layout.py",  # the layout's contract, no process
+            "tests/unit/test_replicas.py",
+            "tests/unit/test_ep_world_of_one.py",  # the engine with nothing to move
+            "tests/distributed/test_gradient_accumulation.py",  # 2 ranks, every strategy
+            "tests/distributed/test_strategies.py::test_strategies_match_single_rank[2]",
+            "tests/distributed/test_count_exchange.py",
             "tests/unit/test_step_plan.py",
-            "tests/unit/test_layer_vs_reference.py",  # the local dispatcher
+            "tests/unit/test_schedule.py",  # expert_row_layout
         ],
         [
-            "tests/unit",
+            "tests/unit/test_layer_vs_reference.py",  # the local dispatcher
+            "tests/unit/test_plan_background.py",  # the async plan, the own rows' span
             "tests/distributed/test_strategies.py",
-            "tests/distributed/test_gradient_accumulation.py",
-            "tests/distributed",
+            "tests/distributed/test_training.py",  # replica cache invalidated by a step
+            "tests/distributed/test_strategy_agreement.py",
+            "tests/distributed/test_async_plan_ranks.py",
+            "tests/distributed/test_dropin_parallel.py",
         ],
     ),
 }
@@ -280,7 +300,8 @@ def main() -> int:
         nargs="+",
         default=[],
         metavar="NAME",
-        help="mutate only these top-level functions / classes (others are reported as skipped)",
+        help="mutate only these top-level functions / classes or Class.method (others are reported "
+        "as skipped)",
     )
     args = parser.parse_args()
     names = args.groups or list(GROUPS)

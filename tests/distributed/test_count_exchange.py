@@ -1,0 +1,65 @@
+"""The count exchange (``ExpertParallelDispatcher.exchange_counts``) on 2 gloo ranks: it returns
+the count matrix in rank order and every rank's weights version, ranks whose weights versions
+differ (a rank that wrote its experts in place more often) still run, and a fingerprint that
+changes after the first step's handshake raises on every rank instead of planning differently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cases import make_layer, rank_inputs
+from test_strategies import REPLICATE
+
+from mixmoe.parallel import parallelize_moe
+
+pytestmark = pytest.mark.dist
+
+CASE = {
+    "num_experts": 4,
+    "top_k": 2,
+    "skew": "hot",
+    "dtype": torch.float64,
+    "seed": 21,
+    "tokens": [40, 33],
+}
+
+
+def _worker(comm) -> dict:
+    r = comm.rank
+    layer = parallelize_moe(make_layer(CASE), comm, "mix", profile=REPLICATE)
+    disp = layer.dispatcher
+    counts = torch.tensor([3 + r, 0, 7 * r, 1], dtype=torch.int64)
+    C, versions = disp.exchange_counts(counts, 10 + 5 * r)
+    x, _ = rank_inputs(CASE, r)
+    y_before, _ = layer(x)
+    with torch.no_grad():  # in-place writes that leave the values: only rank 1's version moves
+        for _ in range(r * 3):
+            layer.experts.w1.mul_(1.0)
+    y_after, aux = layer(x)
+    disp.fingerprint += r  # ranks disagree from now on (the handshake is done)
+    try:
+        layer(x)
+        error = "no error"
+    except ValueError as err:
+        error = str(err)
+    return {
+        "C": C,
+        "versions": versions,
+        "y_before": y_before.detach(),
+        "y_after": y_after.detach(),
+        "replicas": aux.stats["replicas"],
+        "error": error,
+    }
+
+
+def test_count_exchange_versions_and_fingerprints() -> None:
+    from mixmoe.bench.spawn import spawn_gloo
+
+    out = spawn_gloo(_worker, 2, timeout_s=120)
+    want_C = torch.tensor([[3, 0, 0, 1], [4, 0, 7, 1]], dtype=torch.int64)
+    for r, got in enumerate(out):
+        torch.testing.assert_close(got["C"], want_C, rtol=0, atol=0)
+        assert got["versions"] == [10, 15], got["versions"]
+        assert got["replicas"] > 0  # the versions matter: they key the replica cache
+        torch.testing.assert_close(got["y_after"], got["y_before"], rtol=0, atol=0)
+        assert "fingerprints differ" in got["error"], (r, got["error"])

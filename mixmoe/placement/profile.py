@@ -24,12 +24,15 @@ Where the built-in numbers come from:
   rank for 1-32 MiB buffers.
 - ``link_latency = 200e-6``: the same collective with 4 B - 4 KiB buffers took 210-450 us (less on
   an idle many-core host, more when ranks outnumber cores).
-- the fixed costs stay 0.0 (the model as the planners have always used it): on the shared
-  2-core development VM, ``mixmoe calibrate``'s layer fit gave step_fixed_s 0-179 ms,
-  row_overhead_s 0-611 us and replica_fixed_s 0-808 ms from one calibration to the next over
-  the 32 calibrations of two validation runs (W = 2 and 4, load average 6-14 from other jobs;
-  README, "Simulator validation"; a quieter W=2 calibration: 9.9 ms, 11.4 us, 6.6 ms): no single
-  figure describes "a CPU". Calibrate the machine and pass the JSON (``--profile``) to price them.
+- ``replica_fixed_s = 2e-3``: the lowest per-replica cost the layer fit of ``mixmoe calibrate``
+  gave on W=2 (a core per rank) on a quiet host: 1.9-6.7 ms, median ~4 ms, over the 8 W=2
+  calibrations of the stored simulator validation (README, "Simulator validation"). Without it
+  the planner priced a replica by its bytes alone and replicated for predicted gains smaller
+  than what a replica measured. The other two fixed costs stay 0.0: they are the same under every plan (step_fixed_s)
+  or fitted at ~0 on a quiet host (row_overhead_s), so they move absolute predictions, not
+  decisions. Under load the fit moved from one calibration to the next (step_fixed_s 0-179 ms,
+  replica_fixed_s 0-808 ms at load 6-14): calibrate the machine and pass the JSON
+  (``--profile``) for absolute figures.
 
 ``GPU_PROFILE`` (a generic modern GPU node without NVLink between the EP ranks): ~300 TFLOP/s of
 sustained bf16 grouped GEMM (an H100-class part runs dense bf16 GEMMs at 60-70% of its ~990 TFLOP/s
@@ -96,7 +99,11 @@ FIXED_COSTS = ("step_fixed_s", "row_overhead_s", "replica_fixed_s")
 
 
 CPU_PROFILE = HardwareProfile(
-    name="cpu-gloo-loopback", gemm_flops=50e9, link_bandwidth=1.2e9, link_latency=200e-6
+    name="cpu-gloo-loopback",
+    gemm_flops=50e9,
+    link_bandwidth=1.2e9,
+    link_latency=200e-6,
+    replica_fixed_s=2e-3,
 )
 GPU_PROFILE = HardwareProfile(
     name="gpu-generic", gemm_flops=300e12, link_bandwidth=50e9, link_latency=20e-6

@@ -612,3 +612,37 @@ def test_counts_with_sums_is_one_checked_pass() -> None:
                     cost_model.counts_with_sums(bad, shape)
             finally:
                 cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = saved
+
+
+@pytest.mark.parametrize("W, E", [(4, 2), (2, 1024), (32, 64)])  # list, host and W*N > LIST_LIMIT
+@pytest.mark.parametrize("remote", [0, 1])
+def test_plan_mix_baseline_prices_the_token_phase_only_when_a_row_leaves(W, E, remote) -> None:
+    """The baseline of ``plan_mix`` is the no-replica prediction of the independent list model:
+    with every row at home it has no token phase (no all-to-all latency); a single remote row
+    brings the four all-to-alls in on every rank."""
+    C_WN = torch.zeros(W, W * E, dtype=torch.int64)
+    for s in range(W):
+        C_WN[s, s * E] = 100 + s  # each rank's rows go to its own first expert
+    C_WN[0, E] += remote  # and, with remote = 1, exactly one row to rank 1's first expert
+    shape = LayerShape(64, 256, E, W, 2)
+    for profile in (GPU_PROFILE, CPU_PROFILE):
+        for overlap in (True, False):
+            plan = plan_mix(C_WN, shape, profile, 4, overlap)
+            assert plan.baseline == predict(C_WN.tolist(), {}, shape, profile, overlap)
+        # without overlap every rank pays the 4 all-to-all latencies once any row leaves
+        comm_s = plan.baseline.comm_s
+        assert (min(comm_s) >= 4 * profile.link_latency) == bool(remote) == (max(comm_s) > 0)
+
+
+def test_plan_mix_refuses_counts_too_large_for_exact_arithmetic() -> None:
+    """The planner's exactness bound is 2 * (rows routed) < 2**53 (a row is counted at its
+    source and where it is computed): one row below the edge plans, at the edge it raises."""
+    W, E = 2, 1024  # W * N above LIST_LIMIT: the tensor forms' own check
+    shape = LayerShape(1, 1, E, W, 2)
+    C_WN = torch.zeros(W, W * E, dtype=torch.int64)
+    C_WN[0, 0] = 2**52 - 1
+    plan = plan_mix(C_WN, shape, CPU_PROFILE, 4)
+    assert plan.hot == () and plan.baseline.rows[0] == 2**52 - 1
+    C_WN[0, 0] = 2**52
+    with pytest.raises(ValueError, match="too large"):
+        plan_mix(C_WN, shape, CPU_PROFILE, 4)

@@ -69,6 +69,7 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
         ["mixmoe/parallel"],
         [
             "tests/unit/test_parallel_state.py",  # load, slice, marks: one process
+            "tests/unit/test_sharded_build.py",  # layers built for a rank: one process
             "tests/distributed/test_checkpoint_and_failures.py::"
             "test_gathered_checkpoint_is_the_unsharded_layer",
             "tests/distributed/test_ddp_and_expert_data_parallel.py",

@@ -117,3 +117,22 @@ def test_average_expert_gradients_of_a_world_of_one_leaves_them():
         if n != "experts.b1":
             torch.testing.assert_close(p.grad, torch.full_like(p, 3.0))
     assert layer.experts.b1.grad is None
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_parallelize_moe_takes_a_layer_built_for_its_rank(rank):
+    """A layer built with ``MoE(config, ep_rank=r, ep_size=W)`` is parallelized as it is (the
+    same experts, nothing sliced or reallocated) on rank r, and refused on any other rank."""
+    torch.manual_seed(2)
+    layer = MoE(_cfg(), ep_rank=rank, ep_size=4)
+    before = {n: p for n, p in layer.experts.named_expert_parameters()}
+    got = parallelize_moe(layer, SimpleNamespace(rank=rank, world_size=4), "a2a")
+    experts = got.experts
+    assert (experts.num_experts, experts.first_expert) == (N // 4, rank * N // 4)
+    assert all(p is before[n] for n, p in experts.named_expert_parameters())
+    assert isinstance(got.dispatcher, ExpertParallelDispatcher)
+    other = (rank + 1) % 4
+    with pytest.raises(ValueError, match=f"ep_rank={other}"):
+        parallelize_moe(
+            MoE(_cfg(), ep_rank=rank, ep_size=4), SimpleNamespace(rank=other, world_size=4), "a2a"
+        )

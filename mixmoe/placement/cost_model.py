@@ -395,31 +395,26 @@ class StepModel:
     ) -> tuple[float, float]:
         """(compute_s, comm_s) of one rank; any_remote / any_hot: whether the token / weight
         collectives run at all (anywhere in the group)."""
-        compute = rows * self.flops_per_row / self.gemm_flops
-        if self.row_s:
-            compute = compute + rows * self.row_s
-        if self.fixed_s:
-            compute = compute + self.fixed_s
-        token = 0.0
-        if any_remote:
-            token = TOKEN_COLLECTIVES * self.lat + self.token_bytes_per_row * remote / self.bw
-            if self.overlap:
-                hidden = local * self.flops_per_row / self.gemm_flops
-                if self.row_s:
-                    hidden = hidden + local * self.row_s
-                token = max(0.0, token - hidden)
-        weight = 0.0
-        if any_hot:
-            weight = WEIGHT_COLLECTIVES * self.lat + self.params_bytes * replica / self.bw
-            if self.replica_s:
-                weight = weight + replica * self.replica_s
-        return compute, token + weight
+        return self._compute_s(rows), self._comm_s(local, remote, replica, any_remote, any_hot)
 
     def rank_total(
         self, rows: int, local: int, remote: int, replica: int, any_remote: bool, any_hot: bool
     ) -> float:
-        """``compute_s + comm_s`` of ``rank_seconds``, in one call (the list search makes
-        hundreds): the same expressions, in the same order, so the same float."""
+        """``compute_s + comm_s`` of ``rank_seconds`` without the tuple (the list search makes
+        hundreds of calls): the same terms, so the same float."""
+        return self._compute_s(rows) + self._comm_s(local, remote, replica, any_remote, any_hot)
+
+    def _compute_s(self, rows: int) -> float:
+        compute = rows * self.flops_per_row / self.gemm_flops
+        if self.row_s:
+            compute = compute + rows * self.row_s
+        if self.fixed_s:
+            compute = compute + self.fixed_s
+        return compute
+
+    def _comm_s(
+        self, local: int, remote: int, replica: int, any_remote: bool, any_hot: bool
+    ) -> float:
         token = 0.0
         if any_remote:
             token = TOKEN_COLLECTIVES * self.lat + self.token_bytes_per_row * remote / self.bw
@@ -433,12 +428,7 @@ class StepModel:
             weight = WEIGHT_COLLECTIVES * self.lat + self.params_bytes * replica / self.bw
             if self.replica_s:
                 weight = weight + replica * self.replica_s
-        compute = rows * self.flops_per_row / self.gemm_flops
-        if self.row_s:
-            compute = compute + rows * self.row_s
-        if self.fixed_s:
-            compute = compute + self.fixed_s
-        return compute + (token + weight)
+        return token + weight
 
     def seconds_W(
         self, loads_4W: torch.Tensor, any_remote: bool | torch.Tensor, any_hot: bool

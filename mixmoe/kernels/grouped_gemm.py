@@ -25,12 +25,14 @@ import triton.language as tl
 
 from mixmoe.kernels.launch import (
     TileConfig,
+    autotune_enabled,
     check_block_size,
     check_float,
     check_index,
     check_out,
     check_schedule,
     common_dtype,
+    default_tiles,
     dot_in_fp32,
     input_precision,
 )
@@ -252,6 +254,8 @@ def grouped_gemm(
         "DOT_FP32": dot_in_fp32(_grouped_gemm_kernel, dtype),
     }
     num_blocks = block_slot_Nb.shape[0]
+    if config is None and not autotune_enabled():
+        config = default_tiles("gemm", dtype, block_size)
     if config is None:
 
         def grid(meta):

@@ -6,6 +6,7 @@ Legend: Nb blocks, B block size, S weight slots.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,42 @@ class TileConfig:
 
     def meta(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+AUTOTUNE_ENV = "MIXMOE_AUTOTUNE"
+
+
+def autotune_enabled() -> bool:
+    """Whether launchers called without ``config`` autotune (``MIXMOE_AUTOTUNE=1``) or take the
+    fixed tiles of ``default_tiles``. Off by default: autotuning compiles and times every
+    candidate tile for every new problem class (tens of seconds per class), which made a first
+    step, and the GPU test tier, take minutes."""
+    value = os.environ.get(AUTOTUNE_ENV, "0").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{AUTOTUNE_ENV}={value!r} is not understood; set it to 1 (autotune) or 0")
+
+
+def default_tiles(kernel: str, dtype: torch.dtype, block_size: int) -> TileConfig:
+    """The fixed tiles launchers use when not autotuning. ``kernel``: ``"gemm"`` (forward and dX;
+    ``block_m`` tiles one block's rows, so it never exceeds the block size) or ``"weight_grad"``
+    (``block_k`` reduces rows of one block at a time). 16-bit inputs take the wide tiles the
+    H100 autotuner favoured; fp32 (tf32 dots) smaller ones that fit shared memory."""
+    wide = dtype in (torch.float16, torch.bfloat16)
+    if kernel == "gemm":
+        if wide:
+            bm = min(block_size, 128)
+            return TileConfig(
+                bm, 128, 64, num_warps=8 if bm == 128 else 4, num_stages=4 if bm < 128 else 3
+            )
+        return TileConfig(min(block_size, 64), 64, 32, num_warps=4, num_stages=3)
+    if kernel == "weight_grad":
+        if wide:
+            return TileConfig(128, 128, min(block_size, 64), num_warps=8, num_stages=3)
+        return TileConfig(64, 64, min(block_size, 32), num_warps=4, num_stages=3)
+    raise ValueError(f"kernel must be 'gemm' or 'weight_grad', got {kernel!r}")
 
 
 def check_block_size(block_size: int) -> None:

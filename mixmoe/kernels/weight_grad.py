@@ -21,12 +21,14 @@ import triton.language as tl
 
 from mixmoe.kernels.launch import (
     TileConfig,
+    autotune_enabled,
     check_block_size,
     check_float,
     check_index,
     check_out,
     check_schedule,
     common_dtype,
+    default_tiles,
     dot_in_fp32,
     input_precision,
 )
@@ -283,6 +285,8 @@ def grouped_weight_grad(
         "INPUT_PRECISION": input_precision(dtype),
         "DOT_FP32": dot_in_fp32(_grouped_weight_grad_kernel, dtype),
     }
+    if config is None and not autotune_enabled():
+        config = default_tiles("weight_grad", dtype, block_size)
     if config is None:
 
         def grid(meta):

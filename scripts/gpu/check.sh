@@ -16,8 +16,8 @@ for stage in "$@"; do case $stage in
   env) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
        $PY -c "import torch, triton, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')";;
   install) $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; echo "install rc=$?";;
-  gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests -m gpu -o addopts= -q -ra -p no:cacheprovider;;
-  suite) run suite "${SUITE_S:-420}" $PY -m pytest tests -o addopts= -q -ra -p no:cacheprovider -x;;
+  gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests -m gpu -o addopts= -q -ra -p no:cacheprovider -n ${GPU_N:-4};;
+  suite) run suite "${SUITE_S:-420}" $PY -m pytest tests -m "not gpu" -o addopts= -q -ra -p no:cacheprovider -n ${SUITE_N:-12};;
 
   kernels) run kernels "${KERNELS_S:-300}" $PY -m mixmoe bench kernels --device cuda --dtype bf16 \
        --model-dim 1024 --hidden-size 4096 --rows-per-expert ${ROWS:-256,1024,4096} \

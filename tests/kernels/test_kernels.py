@@ -326,8 +326,11 @@ def test_launchers_reject_bad_calls(device):
         )
 
 
-def test_autotuned_launch(make_layout, device, gen):
-    """Without ``config`` the launchers autotune (configs pruned to the block size)."""
+@pytest.mark.parametrize("autotune", ["0", "1"])
+def test_launch_without_config(make_layout, device, gen, monkeypatch, autotune):
+    """Without ``config`` the launchers take ``default_tiles`` (``MIXMOE_AUTOTUNE=0``, the
+    default) or autotune (``=1``; configs pruned to the block size): same numbers either way."""
+    monkeypatch.setenv("MIXMOE_AUTOTUNE", autotune)
     schedule, token_P, _, _ = make_layout([5, 20], [0, 1], 25, 1, 16, gen, device)
     meta = (schedule.block_slot_Nb, schedule.block_rows_Nb)
     x = _rand(gen, 25, 8, dtype=torch.float32, device=device)
@@ -346,3 +349,24 @@ def test_autotuned_launch(make_layout, device, gen):
         0, slot_P, x_PI[:, :, None] * dyv[:, None, :]
     )
     torch.testing.assert_close(dw, ref, **TOL[torch.float32])
+
+
+def test_default_tiles_and_autotune_switch(monkeypatch):
+    from mixmoe.kernels.launch import autotune_enabled, default_tiles
+
+    monkeypatch.delenv("MIXMOE_AUTOTUNE", raising=False)
+    assert not autotune_enabled()
+    for value, expected in (("1", True), ("on", True), ("0", False), ("no", False)):
+        monkeypatch.setenv("MIXMOE_AUTOTUNE", value)
+        assert autotune_enabled() is expected
+    monkeypatch.setenv("MIXMOE_AUTOTUNE", "maybe")
+    with pytest.raises(ValueError, match="MIXMOE_AUTOTUNE='maybe'"):
+        autotune_enabled()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for block_size in (16, 32, 64, 128, 256):
+            gemm = default_tiles("gemm", dtype, block_size)
+            assert gemm.block_m <= block_size  # a tile never straddles two blocks
+            dw = default_tiles("weight_grad", dtype, block_size)
+            assert dw.block_k <= block_size  # the reduction step stays inside one block
+    with pytest.raises(ValueError, match="'dx'"):
+        default_tiles("dx", torch.float32, 64)

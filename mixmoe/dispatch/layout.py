@@ -9,6 +9,7 @@ Rows are sorted by expert with a stable sort, so within one expert rows keep tok
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,11 @@ def expert_row_layout(ids_TK: torch.Tensor, num_experts: int, block_size: int) -
         block_size,
         num_rows=sum(counts_host),
     )
+    ends, end = [], 0
+    for c in counts_host:  # one segment per expert, in expert order: blocks sorted by slot
+        end += -(-c // block_size) * block_size
+        ends.append(end)
+    schedule = dataclasses.replace(schedule, slot_ends=tuple(ends))
     src_P = schedule.src_P
     token_P = torch.where(src_P >= 0, order_R[src_P.clamp(min=0)] // K, T)
     pos_R = torch.full((T * K,), schedule.num_padded_rows, dtype=torch.int64, device=device)

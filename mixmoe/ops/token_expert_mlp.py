@@ -12,7 +12,9 @@ token-choice order and the K choices are summed in a fixed order. On CUDA they a
 On CPU the same computation runs as one autograd function over the pieces of valid rows
 (``mixmoe.ops.cpu_expert_mlp``: each input gathered once, no pass over padding rows), for CPU
 tensors of one dtype; other CPU calls (e.g. zero tokens) run the fused ops' torch
-implementations. Same numbers up to float rounding, same autograd (dx, dW, db, d weights_TK).
+implementations. On a Hopper GPU, 16-bit inputs over a slot-sorted layout (one device) run
+through torch's grouped GEMM instead (``mixmoe.ops.grouped_mm_expert_mlp``;
+``MIXMOE_GROUPED_MM=0`` keeps the Triton kernels). Same numbers up to float rounding, same autograd (dx, dW, db, d weights_TK).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import torch
 from mixmoe.ops.cpu_expert_mlp import cpu_path_applies, cpu_token_expert_mlp
 from mixmoe.ops.expert_mlp import ExpertWeights, activate, expert_mlp, split_gate_up
 from mixmoe.ops.fused_linear import gather_grouped_linear, grouped_linear_combine
+from mixmoe.ops.grouped_mm_expert_mlp import (
+    grouped_mm_path_applies,
+    grouped_mm_token_expert_mlp,
+)
 from mixmoe.ops.rows import combine_rows, gather_rows
 from mixmoe.schedule.blocks import BlockSchedule
 
@@ -43,14 +49,18 @@ def token_expert_mlp(
 
     ``fused``: True (default) runs the fused ops on every device; False the reference
     composition (same forward on CPU, backward equal up to float rounding)."""
-    if activation == "swiglu" and not (
-        fused and cpu_path_applies(x_TD, pos_TK, weights, activation)
-    ):
-        weights = split_gate_up(weights)  # [gate | up] in one w1: only the CPU path reads it whole
+    cpu = fused and cpu_path_applies(x_TD, pos_TK, weights, activation)
+    grouped = fused and grouped_mm_path_applies(x_TD, pos_TK, weights, schedule, activation)
+    if activation == "swiglu" and not (cpu or grouped):
+        weights = split_gate_up(weights)  # [gate | up] in one w1: only these paths read it whole
+    if grouped:
+        return grouped_mm_token_expert_mlp(
+            x_TD, token_P, pos_TK, weights_TK, weights, schedule, activation
+        )
     if not fused:
         x_PD = gather_rows(x_TD, token_P)
         return combine_rows(expert_mlp(x_PD, weights, schedule, activation), pos_TK, weights_TK)
-    if cpu_path_applies(x_TD, pos_TK, weights, activation):
+    if cpu:
         return cpu_token_expert_mlp(
             x_TD, token_P, pos_TK, weights_TK, weights, schedule, activation
         )

@@ -38,6 +38,10 @@ class BlockSchedule:
     seg_block_start_G: first block of each segment.
     src_P:            sorted row held by each padded row, -1 for masked padding.
     num_rows:         R = total valid rows (a Python int).
+    slot_ends:        when the blocks are sorted by slot with slot s's blocks contiguous (the
+                      one-device layout), the padded row where each slot's blocks end (Python
+                      ints, one per slot: grouped GEMMs with per-group offsets run on the layout
+                      as it is); None otherwise.
     """
 
     block_size: int
@@ -50,6 +54,7 @@ class BlockSchedule:
     seg_block_start_G: torch.Tensor
     src_P: torch.Tensor
     num_rows: int
+    slot_ends: tuple[int, ...] | None = None
 
     @property
     def num_blocks(self) -> int:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's checks, in one call of the device tool (see README "Kernels").
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
-# Stages: env, install, gpu-tests, suite, kernels, layer, hf. Logs go to $OUT (or ./gpu-out).
+# Stages: env, install, gpu-tests, suite, kernels, layer, layer-ab, hf, hf-ab.
+# layer-ab / hf-ab: the grouped-GEMM path (MIXMOE_GROUPED_MM=1, default) then the Triton kernels (=0). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,6 +28,16 @@ for stage in "$@"; do case $stage in
        run layer-e$e "${LAYER_S:-120}" $PY -m mixmoe bench layer --device cuda --dtype bf16 \
          --model-dim 1024 --hidden-size 4096 --tokens 8192 --num-local-experts $e --top-k 2 \
          --routing ${LAYER_ROUTING:-uniform} --steps 20 --warmup 5 --jsonl "$OUT/layer.jsonl"; done;;
+  layer-ab) for mode in 1 0; do for e in ${LAYER_EXPERTS:-16 64}; do
+       echo "--- MIXMOE_GROUPED_MM=$mode E=$e" >> "$OUT/layer-ab.log"
+       MIXMOE_GROUPED_MM=$mode timeout "${LAYER_S:-60}" $PY -m mixmoe bench layer --device cuda --dtype bf16 \
+         --model-dim 1024 --hidden-size 4096 --tokens 8192 --num-local-experts $e --top-k 2 \
+         --routing ${LAYER_ROUTING:-uniform} --steps 20 --warmup 5 --jsonl "$OUT/layer.jsonl" 2>&1 \
+         | grep -v "^STEP" >> "$OUT/layer-ab.log"; done; done
+       echo "=== layer-ab ($(date +%T))"; grep -A4 "^---\|^strategy" "$OUT/layer-ab.log" | grep "^---\|^local";;
+  hf-ab) for mode in 1 0; do echo "--- MIXMOE_GROUPED_MM=$mode" >> "$OUT/hf.log"
+       MIXMOE_GROUPED_MM=$mode timeout "${HF_S:-120}" $PY scripts/gpu/hf_mixtral_vs_mixmoe.py --experts ${HF_EXPERTS:-16,64} >> "$OUT/hf.log" 2>&1; done
+       echo "=== hf-ab ($(date +%T))"; tail -n 30 "$OUT/hf.log";;
   hf) run hf "${HF_S:-240}" $PY scripts/gpu/hf_mixtral_vs_mixmoe.py --experts ${HF_EXPERTS:-4,16,64};;
   *) echo "unknown stage $stage"; exit 2;;
 esac; done

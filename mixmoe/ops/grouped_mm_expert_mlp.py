@@ -136,15 +136,15 @@ def _add_bias(y_PO: torch.Tensor, b_SO: torch.Tensor | None, slot_P: torch.Tenso
         y_PO.add_(b_SO.index_select(0, slot_P))
 
 
-def _slot_sums(g_PO: torch.Tensor, block_ends: list[int]) -> torch.Tensor:
-    """db_SO[s] = sum of g over slot s's padded rows (padding rows hold 0): per-block sums, then
-    a float64 prefix sum over blocks read at the slot boundaries. Fixed order, no atomics."""
-    Nb = block_ends[-1]
-    blocks_NbO = g_PO.view(Nb, -1, g_PO.shape[1]).sum(dim=1, dtype=torch.float64)
-    prefix = torch.cat([blocks_NbO.new_zeros(1, g_PO.shape[1]), blocks_NbO.cumsum(0)])
-    ends = torch.tensor(block_ends, device=g_PO.device)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    return (prefix[ends] - prefix[starts]).to(g_PO.dtype)
+def _slot_sums(g_PO: torch.Tensor, offs: torch.Tensor, empty: list[int]) -> torch.Tensor:
+    """db_SO[s] = sum of g over slot s's padded rows (padding rows hold 0), as one more grouped
+    GEMM: ones^T @ g per group (fp32 accumulation, fixed order). A float64 block-sum + prefix-sum
+    version cost ~0.6 ms per bias on an H100 (E=64 x 1024 rows) against ~0.85 ms per GEMM."""
+    ones_PW = g_PO.new_ones(g_PO.shape[0], 16)  # 16 columns: 16-byte-aligned strides
+    db_SO = _gmm(ones_PW.t(), g_PO.contiguous(), offs)[:, 0]
+    if empty:
+        db_SO[empty] = 0
+    return db_SO
 
 
 class _GroupedTokenExpertMLP(torch.autograd.Function):
@@ -231,7 +231,6 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
             for s, (lo, hi) in enumerate(zip((0,) + ctx.slot_ends[:-1], ctx.slot_ends, strict=True))
             if lo == hi
         ]
-        block_ends = [e // ctx.block_size for e in ctx.slot_ends]
 
         def weight_grad(x, g):
             dw = _gmm(x.t(), g, offs)
@@ -240,7 +239,7 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
             return dw
 
         dw2 = weight_grad(h_PF, g_PD) if need[8] else None
-        db2 = _slot_sums(g_PD, block_ends) if ctx.has_bias[2] and need[9] else None
+        db2 = _slot_sums(g_PD, offs, empty) if ctx.has_bias[2] and need[9] else None
         dh_PF = _gmm(g_PD, w2.transpose(1, 2), offs)
         if swiglu:
             du_PF = dh_PF * s_PF
@@ -252,9 +251,9 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
             da_PF = torch.cat([da_PF, du_PF], dim=1)
             du_PF = None
         dw1 = weight_grad(x_PD, da_PF) if need[4] else None
-        db1 = _slot_sums(da_PF, block_ends) if ctx.has_bias[0] and need[5] else None
+        db1 = _slot_sums(da_PF, offs, empty) if ctx.has_bias[0] and need[5] else None
         dw3 = weight_grad(x_PD, du_PF) if du_PF is not None and need[6] else None
-        db3 = _slot_sums(du_PF, block_ends) if du_PF is not None and need[7] else None
+        db3 = _slot_sums(du_PF, offs, empty) if du_PF is not None and need[7] else None
         dx_TD = None
         if need[0]:
             dx_PD = _gmm(da_PF, w1.transpose(1, 2), offs)

@@ -24,9 +24,17 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     a = p.parse_args()
     prob = Problem(
-        dtype="bf16", experts=a.experts, rows_per_expert=a.rows_per_expert, skew="uniform",
-        top_k=2, model_dim=1024, hidden_size=4096, activation=a.activation,
-        block_size=a.block_size, device="cuda", seed=0,
+        dtype="bf16",
+        experts=a.experts,
+        rows_per_expert=a.rows_per_expert,
+        skew="uniform",
+        top_k=2,
+        model_dim=1024,
+        hidden_size=4096,
+        activation=a.activation,
+        block_size=a.block_size,
+        device="cuda",
+        seed=0,
     )
     for provider in a.providers.split(","):
         t = leaves(provider, prob)

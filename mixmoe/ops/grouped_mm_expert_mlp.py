@@ -24,7 +24,7 @@ without rows get zero gradients. Every reduction runs in a fixed order (determin
 
 The op is numerically the same function as the fused ops (tests compare forward and every
 gradient with the reference composition, on CPU where ``torch._grouped_mm`` also runs float32);
-``token_expert_mlp`` takes it on CUDA for 16-bit inputs on compute capability >= 9.0 unless
+``token_expert_mlp`` takes it on CUDA for bf16 inputs on compute capability >= 9.0 unless
 ``MIXMOE_GROUPED_MM=0``, and never inside ``torch.compile`` (see ``grouped_mm_path_applies``).
 """
 
@@ -69,10 +69,10 @@ def grouped_mm_path_applies(
     activation: str,
 ) -> bool:
     """True when ``token_expert_mlp`` runs ``grouped_mm_token_expert_mlp`` by default: a
-    slot-sorted layout, CUDA bf16/fp16 tensors of one dtype on a GPU of compute capability >= 9.0
+    slot-sorted layout, CUDA bf16 tensors of one dtype on a GPU of compute capability >= 9.0
     (CUTLASS's grouped GEMM), feature sizes the GEMM accepts, at least one row."""
-    if x_TD.device.type != "cuda" or x_TD.dtype not in (torch.bfloat16, torch.float16):
-        return False
+    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
+        return False  # fp16 and fp32 keep the Triton kernels: only bf16 was checked on a GPU
     if not hasattr(torch, "_grouped_mm") or not grouped_mm_enabled():
         return False
     if torch.compiler.is_compiling():

@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--routing",
         type=_words,
         default=("uniform", "zipf:1.2", "hot:0.4"),
-        help="comma list of uniform, zipf:S, hot:P, counts:PATH",
+        help="comma list of uniform, zipf:S, hot:P, counts:PATH (bench layer --save-counts), "
+        "trace:PATH (a trace file or the directory of bench layer --trace)",
     )
     p.add_argument(
         "--profile",

@@ -4,7 +4,9 @@ Per strategy: the predicted forward / backward / step time, the bottleneck rank'
 and replica communication and what overlap hides, the replicas the planner would choose and the
 speedup over a2a; ``--per-rank`` adds one row per rank. ``--vs-world`` / ``--vs-routing`` sweep W
 or the routing (table and ``--sweep-png``); ``--layers`` etc. add the model-level step
-(``mixmoe.simulate.model``). ``--validate FILE`` compares the simulator with stored ``bench
+(``mixmoe.simulate.model``). ``--replay TRACE`` replays one rank of a CMD trace under
+``--profile`` (``--replay-strategy``: and under each strategy, from the one ``--routing`` source's
+count matrices; ``mixmoe.simulate.replay``). ``--validate FILE`` compares the simulator with stored ``bench
 layer`` measurements (``--remeasure`` regenerates them on this machine first). The engine is
 ``mixmoe.simulate``; every second comes from the planner's cost model.
 """
@@ -96,9 +98,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--replay",
         default="",
-        help="replay this CMD trace with its MoE all_to_alls re-predicted under --profile",
+        help="replay this CMD trace with its MoE all_to_alls re-predicted under --profile "
+        "(and under --replay-strategy)",
     )
-    p.add_argument("--ep-size", type=int, default=2, help="--replay: expert-parallel group size")
+    p.add_argument(
+        "--replay-strategy",
+        type=_words,
+        default=(),
+        help="--replay: also re-predict the MoE communication under these strategies (comma "
+        "list of a2a, shadow, mix) from the count matrices of the one --routing source "
+        "(trace:PATH or counts:FILE) and the layer shape flags (--world-size is the EP group)",
+    )
+    p.add_argument(
+        "--ep-size", type=int, default=2, help="--replay (profile only): expert-parallel group size"
+    )
     p.add_argument(
         "--trace-rank", type=int, default=None, help="--replay: the rank to replay (first)"
     )
@@ -299,13 +312,92 @@ def _replay(args: argparse.Namespace) -> int:
             markdown=args.markdown,
         )
     )  # fmt: skip
+    if args.replay_strategy:
+        _replay_strategies(args, profile)
     return 0
+
+
+def _replay_strategies(args: argparse.Namespace, profile) -> None:
+    from mixmoe.simulate.replay import replay_strategies, token_calls_note
+    from mixmoe.simulate.routing import counts_source
+    from mixmoe.validation import check_int
+
+    if len(args.routing) != 1:
+        raise ValueError(
+            f"--replay-strategy needs one --routing source, got {list(args.routing)}; pass "
+            "--routing trace:PATH (the run's traces) or counts:FILE (bench layer --save-counts)"
+        )
+    for name in ("world_size", "tokens", "top_k", "model_dim", "hidden_size"):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1)
+    check_int("--max-replicas", args.max_replicas, 0)
+    shape = _shape(args, args.world_size)
+    routing = args.routing[0]
+    counts = counts_source(
+        routing,
+        shape.world_size,
+        shape.num_experts,
+        args.tokens,
+        args.top_k,
+        seed=args.seed,
+        contiguous=args.contiguous_experts,
+    )
+    results = replay_strategies(
+        args.replay,
+        counts,
+        shape,
+        profile,
+        top_k=args.top_k,
+        max_replicas=args.max_replicas,
+        strategies=args.replay_strategy,
+        rank=args.trace_rank,
+    )
+    first = results[0]
+    print(
+        f"\nrank {first.rank} (group rank {first.rank % shape.world_size}) re-predicted per "
+        f"strategy: {first.layer_steps} MoE layer steps (count exchanges), {len(counts)} count "
+        f"matrices from {routing}"
+        + (" (one matrix for every layer step)" if len(counts) == 1 < first.layer_steps else "")
+        + f"; layer D={shape.model_dim} F={shape.hidden_dim} W={shape.world_size} "
+        f"E={shape.experts_per_rank} K={args.top_k} {args.dtype}"
+    )
+    base = next((r for r in results if r.strategy == "a2a"), None)
+    print(
+        render_table(
+            ["strategy", "iteration ms", "MoE a2a measured ms", "a2a calls",
+             "predicted collectives ms", "of which wait ms", "replicas", "replayed ms",
+             "vs a2a"],
+            [[r.strategy, f"{r.iteration_ms:.3f}", f"{r.a2a_measured_ms:.3f}", r.a2a_calls,
+              f"{r.collective_ms:.3f}", f"{r.wait_ms:.3f}", r.replicas, f"{r.replayed_ms:.3f}",
+              f"{base.replayed_ms / r.replayed_ms:.3f}" if base else "-"]
+             for r in results],
+            markdown=args.markdown,
+        )
+    )  # fmt: skip
+    print(
+        "assumed: replayed = iteration - the rank's measured MoE all-to-alls + per layer step "
+        "(step - this rank's compute) of the strategy's plan on the planners' cost model "
+        "(exposed token all-to-alls after overlap, replica transfer, and the wait for the slowest "
+        "rank); everything else is kept as measured, the rank's expert compute included (rows a "
+        "strategy moves between ranks are not re-timed)"
+    )
+    note = token_calls_note(first)
+    if note:
+        print(note)
 
 
 def run(args: argparse.Namespace) -> int:
     from mixmoe.placement.profile_io import describe, load_profile
     from mixmoe.validation import check_int
 
+    if args.replay_strategy:
+        from mixmoe.dispatch.strategies import strategy_spec
+
+        for name in args.replay_strategy:
+            strategy_spec(name)  # a clear error for a strategy that is not a2a, shadow or mix
+        if not args.replay:
+            raise ValueError(
+                "--replay-strategy re-predicts a trace: give the trace with --replay TRACE"
+            )
     if args.validate:
         return _validate(args)
     if args.replay:

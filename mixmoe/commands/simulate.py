@@ -78,6 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks share saturated cores (gloo ranks on a busy CPU host): step = mean over "
         "ranks, not max",
     )
+    p.add_argument(
+        "--processors",
+        type=int,
+        default=None,
+        help="ranks share this many cores (gloo ranks on a CPU host with fewer cores than "
+        "ranks): processor sharing, a rank that waits gives its core to the others; also adds "
+        "its figures to --validate",
+    )
     p.add_argument("--vs-world", type=_ints, default=(), help="sweep W (comma list)")
     p.add_argument("--vs-routing", type=_words, default=(), help="sweep the routing (comma list)")
     p.add_argument("--png", default="", help="per-rank stacked bars of the first routing here")
@@ -170,6 +178,7 @@ def _mean_preds(args, shape, profile, routing: str):
             strategies=args.strategy,
             fixed_s=args.fixed_ms / 1e3,
             shared=args.shared_processors,
+            processors=args.processors,
         )
         for C in steps
     ]
@@ -239,7 +248,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     if args.remeasure:
         measure(args.validate)
-    rows = compare(read_records(args.validate), fixed_ms=args.fixed_ms)
+    rows = compare(read_records(args.validate), fixed_ms=args.fixed_ms, processors=args.processors)
     headers = [
         "case",
         "strategy",
@@ -273,6 +282,15 @@ def _validate(args: argparse.Namespace) -> int:
         ]
         for r in rows
     ]
+    if args.processors is not None:  # the processor-sharing columns
+        headers[-1:-1] = ["ps ms", "ps err", "ps ratio", "ps ratio err"]
+        for row, r in zip(cells, rows, strict=True):
+            row[-1:-1] = [
+                f"{r['predicted_ps_ms']:.2f}",
+                f"{100 * r['error_ps']:.1f}%",
+                f"{r['ratio_ps']:.3f}" if "ratio_ps" in r else "-",
+                f"{r['ratio_error_ps_points']:.1f}" if "ratio_ps" in r else "-",
+            ]
     print(render_table(headers, cells, markdown=args.markdown))
     s = summarize(rows)
     print(
@@ -288,6 +306,20 @@ def _validate(args: argparse.Namespace) -> int:
         f"within 10%; ratio error median {s['shared_ratio_error_median_points']:.1f} points, "
         f"{s['shared_ratios_within_5_points']}/{s['ratios']} within 5"
     )
+    if args.processors is not None:
+        print(
+            f"processor sharing ({args.processors} cores): step error median "
+            f"{100 * s['ps_step_error_median']:.1f}%, {s['ps_within_10pct']}/{s['cases']} within "
+            f"10%; ratio error median {s['ps_ratio_error_median_points']:.1f} points, "
+            f"{s['ps_ratios_within_5_points']}/{s['ratios']} within 5; fastest right in "
+            f"{s['ps_fastest_agree']}/{s['case_count']}"
+        )
+        for W, w in sorted(s["ps_by_world"].items()):
+            print(
+                f"  W={W}: step error median {100 * w['step']:.1f}% (max over ranks "
+                f"{100 * w['step_max']:.1f}%), ratio error median {w['ratio']:.1f} points "
+                f"(max over ranks {w['ratio_max']:.1f})"
+            )
     print(
         f"fastest strategy predicted = measured in {s['fastest_agree']}/{s['case_count']} cases "
         f"(shared: {s['shared_fastest_agree']}/{s['case_count']}); measured fastest is a2a in "

@@ -20,8 +20,9 @@ Recording costs a few microseconds per span inside the timed steps.
 
 from __future__ import annotations
 
+import functools
 import sys
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -177,6 +178,15 @@ def _check_agreement(outputs: dict[str, torch.Tensor], dtype: torch.dtype) -> No
         )
 
 
+def _traced_op(
+    recorder, step: int, state: str, strategy: str, name: str
+) -> AbstractContextManager[None]:
+    """``recorder.op`` of one stage of a timed step (nothing without a recorder)."""
+    if recorder is None:
+        return nullcontext()
+    return recorder.op(name, batch_id=step, mg_state=state, description=f"strategy={strategy}")
+
+
 def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
     """Run the interleaved benchmark on this rank; all ranks return the synchronised results."""
     rank = 0 if comm is None else comm.rank
@@ -204,13 +214,9 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
         for s, layer in layers.items():
             if comm is not None:
                 comm.barrier()
-
-            def op(name: str, s=s, i=i):
-                if recorder is None:
-                    return nullcontext()
-                state = "warmup" if i < cfg.warmup else "steady"
-                return recorder.op(name, batch_id=i, mg_state=state, description=f"strategy={s}")
-
+            op = functools.partial(
+                _traced_op, recorder, i, "warmup" if i < cfg.warmup else "steady", s
+            )
             timer = StageTimer(torch.device(cfg.device))
             timer.mark()
             with op("forward_step"):

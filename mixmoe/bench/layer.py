@@ -9,12 +9,22 @@ per strategy (per-step times; ``mixmoe.bench.results.append_jsonl`` adds config 
 Every step is forward + backward + optimizer step (SGD), so anything a strategy caches across
 steps (replicas) is paid for as in training. Warm-up steps are printed but excluded from every
 statistic. With several ranks, a step's time is the maximum over ranks (synchronised).
+
+``trace`` (a directory): every rank records its timed steps with a ``TraceRecorder`` and writes
+``trace_rank{R}.txt`` there (CMD lines, docs/formats.md section 3): per step and strategy the ops
+``forward_step``, ``backward_step``, ``optimizer_step`` (``batch_id`` the step, ``mg_state``
+warmup / steady, ``description`` ``strategy=S``) with the layer's spans inside, the count
+exchange carrying this rank's per-expert counts (``mixmoe simulate --routing trace:DIR``).
+Recording costs a few microseconds per span inside the timed steps.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -48,6 +58,7 @@ class LayerBenchConfig:
     jsonl: str | None = None
     profile: str = ""  # preset name or calibrate JSON for the planners ('' = the device default)
     plan_async: bool | None = None  # MoEConfig.plan_async (mix; None: background on CUDA only)
+    trace: str = ""  # a directory: per-rank CMD traces of the timed steps ('' = no tracing)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -167,6 +178,15 @@ def _check_agreement(outputs: dict[str, torch.Tensor], dtype: torch.dtype) -> No
         )
 
 
+def _traced_op(
+    recorder, step: int, state: str, strategy: str, name: str
+) -> AbstractContextManager[None]:
+    """``recorder.op`` of one stage of a timed step (nothing without a recorder)."""
+    if recorder is None:
+        return nullcontext()
+    return recorder.op(name, batch_id=step, mg_state=state, description=f"strategy={strategy}")
+
+
 def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
     """Run the interleaved benchmark on this rank; all ranks return the synchronised results."""
     rank = 0 if comm is None else comm.rank
@@ -185,18 +205,29 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
     del first
     total = cfg.warmup + cfg.steps
     progress = _Progress(total * len(layers), "bench layer") if rank == 0 else None
-    for _ in range(total):
+    recorder = None
+    if cfg.trace:
+        from mixmoe.tracing import TraceRecorder
+
+        recorder = TraceRecorder(rank=rank, stage_id=0, device=cfg.device)
+    for i in range(total):
         for s, layer in layers.items():
             if comm is not None:
                 comm.barrier()
+            op = functools.partial(
+                _traced_op, recorder, i, "warmup" if i < cfg.warmup else "steady", s
+            )
             timer = StageTimer(torch.device(cfg.device))
             timer.mark()
-            y_TD, aux = layer(x_TD)
+            with op("forward_step"):
+                y_TD, aux = layer(x_TD)
             timer.mark()
-            torch.autograd.backward([y_TD, aux.loss], [dy_TD, torch.ones_like(aux.loss)])
+            with op("backward_step"):
+                torch.autograd.backward([y_TD, aux.loss], [dy_TD, torch.ones_like(aux.loss)])
             timer.mark()
-            opts[s].step()
-            opts[s].zero_grad(set_to_none=True)
+            with op("optimizer_step"):
+                opts[s].step()
+                opts[s].zero_grad(set_to_none=True)
             timer.mark()
             fwd, bwd, opt = timer.elapsed_ms()
             r = results[s]
@@ -214,6 +245,10 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
             r.step_ms, r.fwd_ms, r.bwd_ms = (row.tolist() for row in times)
     for r in results.values():
         r.counts_WN = counts_WN
+    if recorder is not None:
+        out = Path(cfg.trace)
+        out.mkdir(parents=True, exist_ok=True)
+        recorder.write_cmd(out / f"trace_rank{rank}.txt")
     return list(results.values())
 
 

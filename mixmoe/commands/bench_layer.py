@@ -82,6 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write the first forward's count matrix [W][N] here (for `mixmoe simulate "
         "--routing counts:PATH`; '' for none)",
     )
+    p.add_argument(
+        "--trace",
+        default="",
+        help="write every rank's CMD trace of the timed steps to DIR/trace_rank{R}.txt (the "
+        "count exchanges carry per-expert counts: `mixmoe simulate --routing trace:DIR`; '' "
+        "for none)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
@@ -106,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
         jsonl=args.jsonl or None,
         profile=args.profile,
         plan_async=PLAN_MODES[args.plan],
+        trace=args.trace,
     )
 
 
@@ -120,6 +128,8 @@ def report(cfg: LayerBenchConfig, results: list[StrategyResult], save_counts: st
         for row in rows
     ]
     print(render_table(headers, cells))
+    if cfg.trace:
+        print(f"traces written to {cfg.trace}/trace_rank{{0..{cfg.world_size - 1}}}.txt")
     if save_counts and results and results[0].counts_WN is not None:
         from mixmoe.formats.counts import write_counts
 

@@ -4,7 +4,9 @@ Per strategy: the predicted forward / backward / step time, the bottleneck rank'
 and replica communication and what overlap hides, the replicas the planner would choose and the
 speedup over a2a; ``--per-rank`` adds one row per rank. ``--vs-world`` / ``--vs-routing`` sweep W
 or the routing (table and ``--sweep-png``); ``--layers`` etc. add the model-level step
-(``mixmoe.simulate.model``). ``--validate FILE`` compares the simulator with stored ``bench
+(``mixmoe.simulate.model``). ``--replay TRACE`` replays one rank of a CMD trace under
+``--profile`` (``--replay-strategy``: and under each strategy, from the one ``--routing`` source's
+count matrices; ``mixmoe.simulate.replay``). ``--validate FILE`` compares the simulator with stored ``bench
 layer`` measurements (``--remeasure`` regenerates them on this machine first). The engine is
 ``mixmoe.simulate``; every second comes from the planner's cost model.
 """
@@ -51,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--routing",
         type=_words,
         default=("uniform", "zipf:1.2", "hot:0.4"),
-        help="comma list of uniform, zipf:S, hot:P, counts:PATH",
+        help="comma list of uniform, zipf:S, hot:P, counts:PATH (bench layer --save-counts), "
+        "trace:PATH (a trace file or the directory of bench layer --trace)",
     )
     p.add_argument(
         "--profile",
@@ -75,6 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks share saturated cores (gloo ranks on a busy CPU host): step = mean over "
         "ranks, not max",
     )
+    p.add_argument(
+        "--processors",
+        type=int,
+        default=None,
+        help="ranks share this many cores (gloo ranks on a CPU host with fewer cores than "
+        "ranks): processor sharing, a rank that waits gives its core to the others; also adds "
+        "its figures to --validate",
+    )
     p.add_argument("--vs-world", type=_ints, default=(), help="sweep W (comma list)")
     p.add_argument("--vs-routing", type=_words, default=(), help="sweep the routing (comma list)")
     p.add_argument("--png", default="", help="per-rank stacked bars of the first routing here")
@@ -95,9 +106,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--replay",
         default="",
-        help="replay this CMD trace with its MoE all_to_alls re-predicted under --profile",
+        help="replay this CMD trace with its MoE all_to_alls re-predicted under --profile "
+        "(and under --replay-strategy)",
     )
-    p.add_argument("--ep-size", type=int, default=2, help="--replay: expert-parallel group size")
+    p.add_argument(
+        "--replay-strategy",
+        type=_words,
+        default=(),
+        help="--replay: also re-predict the MoE communication under these strategies (comma "
+        "list of a2a, shadow, mix) from the count matrices of the one --routing source "
+        "(trace:PATH or counts:FILE) and the layer shape flags (--world-size is the EP group)",
+    )
+    p.add_argument(
+        "--ep-size", type=int, default=2, help="--replay (profile only): expert-parallel group size"
+    )
     p.add_argument(
         "--trace-rank", type=int, default=None, help="--replay: the rank to replay (first)"
     )
@@ -156,6 +178,7 @@ def _mean_preds(args, shape, profile, routing: str):
             strategies=args.strategy,
             fixed_s=args.fixed_ms / 1e3,
             shared=args.shared_processors,
+            processors=args.processors,
         )
         for C in steps
     ]
@@ -225,7 +248,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     if args.remeasure:
         measure(args.validate)
-    rows = compare(read_records(args.validate), fixed_ms=args.fixed_ms)
+    rows = compare(read_records(args.validate), fixed_ms=args.fixed_ms, processors=args.processors)
     headers = [
         "case",
         "strategy",
@@ -259,6 +282,15 @@ def _validate(args: argparse.Namespace) -> int:
         ]
         for r in rows
     ]
+    if args.processors is not None:  # the processor-sharing columns
+        headers[-1:-1] = ["ps ms", "ps err", "ps ratio", "ps ratio err"]
+        for row, r in zip(cells, rows, strict=True):
+            row[-1:-1] = [
+                f"{r['predicted_ps_ms']:.2f}",
+                f"{100 * r['error_ps']:.1f}%",
+                f"{r['ratio_ps']:.3f}" if "ratio_ps" in r else "-",
+                f"{r['ratio_error_ps_points']:.1f}" if "ratio_ps" in r else "-",
+            ]
     print(render_table(headers, cells, markdown=args.markdown))
     s = summarize(rows)
     print(
@@ -274,6 +306,20 @@ def _validate(args: argparse.Namespace) -> int:
         f"within 10%; ratio error median {s['shared_ratio_error_median_points']:.1f} points, "
         f"{s['shared_ratios_within_5_points']}/{s['ratios']} within 5"
     )
+    if args.processors is not None:
+        print(
+            f"processor sharing ({args.processors} cores): step error median "
+            f"{100 * s['ps_step_error_median']:.1f}%, {s['ps_within_10pct']}/{s['cases']} within "
+            f"10%; ratio error median {s['ps_ratio_error_median_points']:.1f} points, "
+            f"{s['ps_ratios_within_5_points']}/{s['ratios']} within 5; fastest right in "
+            f"{s['ps_fastest_agree']}/{s['case_count']}"
+        )
+        for W, w in sorted(s["ps_by_world"].items()):
+            print(
+                f"  W={W}: step error median {100 * w['step']:.1f}% (max over ranks "
+                f"{100 * w['step_max']:.1f}%), ratio error median {w['ratio']:.1f} points "
+                f"(max over ranks {w['ratio_max']:.1f})"
+            )
     print(
         f"fastest strategy predicted = measured in {s['fastest_agree']}/{s['case_count']} cases "
         f"(shared: {s['shared_fastest_agree']}/{s['case_count']}); measured fastest is a2a in "
@@ -298,13 +344,92 @@ def _replay(args: argparse.Namespace) -> int:
             markdown=args.markdown,
         )
     )  # fmt: skip
+    if args.replay_strategy:
+        _replay_strategies(args, profile)
     return 0
+
+
+def _replay_strategies(args: argparse.Namespace, profile) -> None:
+    from mixmoe.simulate.replay import replay_strategies, token_calls_note
+    from mixmoe.simulate.routing import counts_source
+    from mixmoe.validation import check_int
+
+    if len(args.routing) != 1:
+        raise ValueError(
+            f"--replay-strategy needs one --routing source, got {list(args.routing)}; pass "
+            "--routing trace:PATH (the run's traces) or counts:FILE (bench layer --save-counts)"
+        )
+    for name in ("world_size", "tokens", "top_k", "model_dim", "hidden_size"):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1)
+    check_int("--max-replicas", args.max_replicas, 0)
+    shape = _shape(args, args.world_size)
+    routing = args.routing[0]
+    counts = counts_source(
+        routing,
+        shape.world_size,
+        shape.num_experts,
+        args.tokens,
+        args.top_k,
+        seed=args.seed,
+        contiguous=args.contiguous_experts,
+    )
+    results = replay_strategies(
+        args.replay,
+        counts,
+        shape,
+        profile,
+        top_k=args.top_k,
+        max_replicas=args.max_replicas,
+        strategies=args.replay_strategy,
+        rank=args.trace_rank,
+    )
+    first = results[0]
+    print(
+        f"\nrank {first.rank} (group rank {first.rank % shape.world_size}) re-predicted per "
+        f"strategy: {first.layer_steps} MoE layer steps (count exchanges), {len(counts)} count "
+        f"matrices from {routing}"
+        + (" (one matrix for every layer step)" if len(counts) == 1 < first.layer_steps else "")
+        + f"; layer D={shape.model_dim} F={shape.hidden_dim} W={shape.world_size} "
+        f"E={shape.experts_per_rank} K={args.top_k} {args.dtype}"
+    )
+    base = next((r for r in results if r.strategy == "a2a"), None)
+    print(
+        render_table(
+            ["strategy", "iteration ms", "MoE a2a measured ms", "a2a calls",
+             "predicted collectives ms", "of which wait ms", "replicas", "replayed ms",
+             "vs a2a"],
+            [[r.strategy, f"{r.iteration_ms:.3f}", f"{r.a2a_measured_ms:.3f}", r.a2a_calls,
+              f"{r.collective_ms:.3f}", f"{r.wait_ms:.3f}", r.replicas, f"{r.replayed_ms:.3f}",
+              f"{base.replayed_ms / r.replayed_ms:.3f}" if base else "-"]
+             for r in results],
+            markdown=args.markdown,
+        )
+    )  # fmt: skip
+    print(
+        "assumed: replayed = iteration - the rank's measured MoE all-to-alls + per layer step "
+        "(step - this rank's compute) of the strategy's plan on the planners' cost model "
+        "(exposed token all-to-alls after overlap, replica transfer, and the wait for the slowest "
+        "rank); everything else is kept as measured, the rank's expert compute included (rows a "
+        "strategy moves between ranks are not re-timed)"
+    )
+    note = token_calls_note(first)
+    if note:
+        print(note)
 
 
 def run(args: argparse.Namespace) -> int:
     from mixmoe.placement.profile_io import describe, load_profile
     from mixmoe.validation import check_int
 
+    if args.replay_strategy:
+        from mixmoe.dispatch.strategies import strategy_spec
+
+        for name in args.replay_strategy:
+            strategy_spec(name)  # a clear error for a strategy that is not a2a, shadow or mix
+        if not args.replay:
+            raise ValueError(
+                "--replay-strategy re-predicts a trace: give the trace with --replay TRACE"
+            )
     if args.validate:
         return _validate(args)
     if args.replay:

@@ -196,6 +196,7 @@ class ExpertParallelDispatcher:
             group="exp",
             shape=(counts_N.numel() + _HEADER,),
             dtype=torch.int64,
+            counts=counts_N,  # this rank's row of C, for the simulator (converted at flush)
         ):
             every = count_matrix_to_host(self.comm.all_gather_rows(torch.cat([header, counts_N])))
         fingerprints_W = every[:, 0]

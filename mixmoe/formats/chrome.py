@@ -64,6 +64,8 @@ def _sub_args(sub: SubOp, op_index: int) -> dict[str, Any]:
     args["comm_func"] = sub.comm_func
     args.update(group=sub.group, shape=_shape(sub.shape), dtype=sub.dtype)
     args.update(in_splits=_shape(sub.in_splits), out_splits=_shape(sub.out_splits))
+    if sub.counts is not None:  # the count exchange only; absent elsewhere (older files too)
+        args["counts"] = list(sub.counts)
     args["extra"] = dict(sub.extra)
     return args
 
@@ -210,6 +212,7 @@ def read_chrome_trace(path: str | os.PathLike[str]) -> list[CmdOp]:
                     in_splits=_ints(args.get("in_splits")),
                     out_splits=_ints(args.get("out_splits")),
                     extra=_pairs(args.get("extra")),
+                    counts=_ints(args.get("counts")),
                 )
             )
     if not ops:

@@ -10,7 +10,9 @@ One operation per line::
   monotonic clock. The short form stops after ``group_kind`` (six fields, ``duration=None``).
 - ``sub_operations`` is a Python list of strings, each ``key=value,...``; values may be lists
   (``input__shape=[2048, 4096]``, ``in_splits=[3, 1]``), so sub-op fields split only at bracket
-  depth 0. mixmoe adds the keys ``name``, ``kind``, ``in_splits`` and ``out_splits``.
+  depth 0. mixmoe adds the keys ``name``, ``kind``, ``in_splits``, ``out_splits`` and, on the
+  layer's count exchange, ``counts`` (rows this rank routed to each expert that step, c_N).
+  Readers that predate a key keep it in ``extra``, so older readers read newer files.
 - ``description`` is free text (commas, parentheses, ``k=v`` pairs): it ends only at a comma
   followed by one of the op's known keys.
 
@@ -65,7 +67,9 @@ class SubOp:
 
     ``timestamp_ms`` is the END (same clock as the op); ``start_ms`` derives from it.
     ``in_splits[j]`` / ``out_splits[j]`` are the rows sent to / received from rank j of the group
-    (all-to-alls only). ``extra`` keeps unknown keys in file order (e.g. ``trace_src_func``).
+    (all-to-alls only). ``counts[g]`` (the MoE layer's count exchange only) is the rows this rank
+    routed to expert g in that step: its row of the step's count matrix C [W, N].
+    ``extra`` keeps unknown keys in file order (e.g. ``trace_src_func``).
     """
 
     name: str | None = None
@@ -79,6 +83,7 @@ class SubOp:
     in_splits: tuple[int, ...] | None = None
     out_splits: tuple[int, ...] | None = None
     extra: tuple[tuple[str, str], ...] = ()
+    counts: tuple[int, ...] | None = None
 
     @property
     def start_ms(self) -> float | None:
@@ -245,6 +250,7 @@ _SUB_TYPED = {
     "timestamp",
     "in_splits",
     "out_splits",
+    "counts",
 }
 
 
@@ -264,6 +270,7 @@ def parse_sub_op(text: str) -> SubOp:
         in_splits=_ints_or_none("in_splits", typed.get("in_splits", "None")),
         out_splits=_ints_or_none("out_splits", typed.get("out_splits", "None")),
         extra=tuple((k, v) for k, v in kv if k not in _SUB_TYPED),
+        counts=_ints_or_none("counts", typed.get("counts", "None")),
     )
 
 
@@ -280,7 +287,11 @@ def format_sub_op(sub: SubOp) -> str:
         parts.append(f"input__shape={_fmt_ints(sub.shape)}")
     if sub.dtype is not None:
         parts.append(f"input__dtype={sub.dtype}")
-    for key, ints in (("in_splits", sub.in_splits), ("out_splits", sub.out_splits)):
+    for key, ints in (
+        ("in_splits", sub.in_splits),
+        ("out_splits", sub.out_splits),
+        ("counts", sub.counts),
+    ):
         if ints is not None:
             parts.append(f"{key}={_fmt_ints(ints)}")
     for key, value in (("group", sub.group), ("comm_func", sub.comm_func)):

@@ -7,6 +7,10 @@ Legend: W ranks, N experts, T tokens per rank, K top-k.
   puts the hottest experts on rank 0 as ``bench layer``'s synthetic ids do);
 - ``counts:PATH``: the recorded matrices of a counts file (``mixmoe.formats.counts``, written by
   ``mixmoe bench layer --save-counts``); W and N must match the simulated shape.
+- ``trace:PATH``: one matrix per count exchange recorded in the layer's traces (``mixmoe bench
+  layer --trace DIR``, or any ``TraceRecorder`` run): PATH is a trace file holding every rank
+  (a merged Chrome trace) or a directory of per-rank files
+  (``mixmoe.formats.traces.trace_count_steps``); W is the number of ranks in the traces.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from mixmoe.bench.routing import RoutingSpec, synthetic_counts
 from mixmoe.formats.counts import read_counts
+from mixmoe.formats.traces import read_traces, trace_count_steps, trace_paths
 
 __all__ = ["counts_source"]
 
@@ -32,27 +37,32 @@ def counts_source(
     """The count matrices (int64 [W, N], one per step) of ``source`` (see the module doc)."""
     if not isinstance(source, str):
         raise TypeError(f"routing must be a string, got {source!r}")
-    if source.startswith("counts:"):
-        path = source.removeprefix("counts:")
-        record = read_counts(path)
-        W, N = record["world_size"], record["num_experts"]
+    if source.startswith(("counts:", "trace:")):
+        kind, path = source.split(":", 1)
+        if kind == "counts":
+            steps = read_counts(path)["steps"]
+        else:
+            steps = trace_count_steps(read_traces(trace_paths(path)), where=f"trace {path!r}")
+        W, N = len(steps[0]), len(steps[0][0])
         if (W, N) != (world_size, num_experts):
             raise ValueError(
-                f"counts file {path!r} holds W={W}, N={N} but the simulated layer has "
+                f"{kind} {path!r} holds W={W}, N={N} but the simulated layer has "
                 f"W={world_size}, N={num_experts}; pass --world-size {W} and experts matching N"
             )
-        return [torch.tensor(C, dtype=torch.int64) for C in record["steps"]]
+        return [torch.tensor(C, dtype=torch.int64) for C in steps]
     try:
         spec = RoutingSpec.parse(source)
     except ValueError:
         raise ValueError(
             f"routing {source!r} is not understood; use uniform, zipf:S (S > 0), hot:P "
-            "(0 <= P <= 1) or counts:PATH (a file from `mixmoe bench layer --save-counts`)"
+            "(0 <= P <= 1), counts:PATH (a file from `mixmoe bench layer --save-counts`) or "
+            "trace:PATH (the traces of `mixmoe bench layer --trace DIR`)"
         ) from None
     if spec.kind == "gate":
         raise ValueError(
             "routing 'gate' needs a trained gate; record its counts with `mixmoe bench layer "
             "--routing gate --save-counts FILE` and simulate with --routing counts:FILE"
+            " (or --trace DIR and --routing trace:DIR)"
         )
     gen = torch.Generator().manual_seed(seed)
     return [

@@ -13,7 +13,8 @@ after. Run it on a quiet machine: the records say how busy it was.
 one row per (case, strategy) with the relative error of the step time and, per case, the error
 of the predicted speedup ratios mix/a2a and shadow/a2a in points (100 x |pred - meas|), under
 the cost model's own aggregation (max over ranks: a processor per rank) and under ``shared``
-(mean over ranks: ranks sharing saturated cores; ``mixmoe.simulate.layer``).
+(mean over ranks: ranks sharing saturated cores; ``mixmoe.simulate.layer``) and, given the
+cores the ranks shared (``processors``), under processor sharing (``*_ps`` keys).
 """
 
 from __future__ import annotations
@@ -179,9 +180,13 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-def compare(records: list[dict[str, Any]], fixed_ms: float = 0.0) -> list[dict[str, Any]]:
+def compare(
+    records: list[dict[str, Any]], fixed_ms: float = 0.0, processors: int | None = None
+) -> list[dict[str, Any]]:
     """One row per record: measured and predicted step (ms), relative error, replicas (measured
-    by the run, predicted by the planner), and the case's ratio errors (points)."""
+    by the run, predicted by the planner), and the case's ratio errors (points); with
+    ``processors`` also the processor-sharing prediction (``predicted_ps_ms``, ``error_ps``,
+    ``ratio_ps``, ``ratio_error_ps_points``)."""
     rows = []
     by_case: dict[str, dict[str, dict[str, Any]]] = {}
     for rec in records:
@@ -206,6 +211,10 @@ def compare(records: list[dict[str, Any]], fixed_ms: float = 0.0) -> list[dict[s
         )
         preds = predict_layer(first["counts_WN"], shape, profile, **kw)
         shared = predict_layer(first["counts_WN"], shape, profile, shared=True, **kw)
+        pred_ps: dict[str, float] = {}
+        if processors is not None:
+            ps = predict_layer(first["counts_WN"], shape, profile, processors=processors, **kw)
+            pred_ps = {s: p.step_s * 1e3 for s, p in ps.items()}
         meas = {s: r["step_ms"] for s, r in recs.items()}
         pred = {s: p.step_s * 1e3 for s, p in preds.items()}
         pred_sh = {s: p.step_s * 1e3 for s, p in shared.items()}
@@ -231,6 +240,15 @@ def compare(records: list[dict[str, Any]], fixed_ms: float = 0.0) -> list[dict[s
                 row["ratio_error_shared_points"] = 100 * abs(
                     row["ratio_shared"] - row["ratio_measured"]
                 )
+            if pred_ps:
+                row["world_size"] = case.world_size
+                row["predicted_ps_ms"] = pred_ps[s]
+                row["error_ps"] = abs(pred_ps[s] - meas[s]) / meas[s]
+                if "ratio_measured" in row:
+                    row["ratio_ps"] = pred_ps[s] / pred_ps["a2a"]
+                    row["ratio_error_ps_points"] = 100 * abs(
+                        row["ratio_ps"] - row["ratio_measured"]
+                    )
             rows.append(row)
     return rows
 
@@ -259,6 +277,42 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
         "ratios": len(ratio),
         "replicas_agree": sum(r["replicas_measured"] == r["replicas_predicted"] for r in rows),
         **_fastest_agreement(rows),
+        **(_ps_summary(rows) if rows and "error_ps" in rows[0] else {}),
+    }
+
+
+def _ps_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The processor-sharing figures of ``compare(..., processors=P)`` rows, overall and per W
+    (next to the max-over-ranks figures of the same W)."""
+    import statistics
+
+    def ratios(sel: list[dict[str, Any]], key: str) -> list[float]:
+        return [r[key] for r in sel if key in r]
+
+    errs, ratio = [r["error_ps"] for r in rows], ratios(rows, "ratio_error_ps_points")
+    by_world = {}
+    for W in sorted({r["world_size"] for r in rows}):
+        sel = [r for r in rows if r["world_size"] == W]
+        by_world[W] = {
+            "step": statistics.median(r["error_ps"] for r in sel),
+            "step_max": statistics.median(r["error"] for r in sel),
+            "ratio": statistics.median(ratios(sel, "ratio_error_ps_points") or [float("nan")]),
+            "ratio_max": statistics.median(ratios(sel, "ratio_error_points") or [float("nan")]),
+        }
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["strategy"]] = r
+    agree = sum(
+        min(c, key=lambda s: c[s]["measured_ms"]) == min(c, key=lambda s: c[s]["predicted_ps_ms"])
+        for c in by_case.values()
+    )
+    return {
+        "ps_step_error_median": statistics.median(errs),
+        "ps_within_10pct": sum(e <= 0.10 for e in errs),
+        "ps_ratio_error_median_points": statistics.median(ratio) if ratio else float("nan"),
+        "ps_ratios_within_5_points": sum(e <= 5 for e in ratio),
+        "ps_fastest_agree": agree,
+        "ps_by_world": by_world,
     }
 
 

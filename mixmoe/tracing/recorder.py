@@ -145,6 +145,7 @@ class TraceRecorder:
             timestamp_ms=end,
             in_splits=_ints(span.in_splits),
             out_splits=_ints(span.out_splits),
+            counts=_ints(span.counts),
         )
 
     def _resolve(self, op: _PendingOp) -> CmdOp:

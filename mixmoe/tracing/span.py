@@ -39,6 +39,7 @@ class PendingSpan:
     dtype: Any
     in_splits: Any
     out_splits: Any
+    counts: Any
     start: Any
     end: Any
 
@@ -85,6 +86,7 @@ def trace_span(
     dtype: torch.dtype | str | None = None,
     in_splits: Sequence[int] | torch.Tensor | None = None,
     out_splits: Sequence[int] | torch.Tensor | None = None,
+    counts: Sequence[int] | torch.Tensor | None = None,
 ) -> Any:
     """Context manager wrapping one stage of work (e.g. ``"moe.gate"``, ``"moe.dispatch"``).
 
@@ -96,7 +98,10 @@ def trace_span(
     ``kind`` is ``"compute"``, ``"comm"`` or ``"host"``. Collectives pass ``kind="comm"``,
     ``comm_func`` (``all_to_all``, ``allgather``, ``allreduce``, ``reduce_scatter``), the ``group``
     name (``exp``, ``dp``, ...), the input ``shape``/``dtype`` and, for all-to-alls,
-    ``in_splits[j]``/``out_splits[j]`` = rows sent to / received from rank j of the group.
+    ``in_splits[j]``/``out_splits[j]`` = rows sent to / received from rank j of the group;
+    the MoE layer's count exchange passes ``counts`` (c_N: rows this rank routes to each expert
+    this step), from which ``mixmoe simulate --routing trace:PATH`` rebuilds the step's count
+    matrix. Tensors are kept as given and converted at the recorder's flush (no sync here).
     """
     if kind not in SPAN_KINDS:
         raise ValueError(f"trace_span kind={kind!r}; use one of {SPAN_KINDS}")
@@ -105,5 +110,5 @@ def trace_span(
         return record_function(name)
     if comm_func is not None and kind != "comm":
         raise ValueError(f"trace_span {name!r} names comm_func={comm_func!r}: pass kind='comm'")
-    meta = (name, kind, comm_func, group, shape, dtype, in_splits, out_splits)
+    meta = (name, kind, comm_func, group, shape, dtype, in_splits, out_splits, counts)
     return _RecordedSpan(frame, name, meta)

@@ -69,6 +69,8 @@ def _ops(rng: random.Random, rank: int) -> list[CmdOp]:
                     timestamp_ms=t,
                     in_splits=(rng.randint(0, 9), rng.randint(0, 9)),
                     out_splits=(rng.randint(0, 9), rng.randint(0, 9)),
+                    # the count exchange's per-expert counts (an additive key): on some sub-ops
+                    counts=tuple(rng.randint(0, 99) for _ in range(5)) if j == 1 else None,
                 )
             )
         dur = round(rng.uniform(5.0, 20.0), 6)
@@ -115,6 +117,7 @@ def _close_ops(a: list[CmdOp], b: list[CmdOp]) -> None:
         assert x.duration_ms == pytest.approx(y.duration_ms, abs=2e-6)
         assert x.timestamp_ms == pytest.approx(y.timestamp_ms, abs=2e-6)
         assert [s.in_splits for s in x.sub_ops] == [s.in_splits for s in y.sub_ops]
+        assert [s.counts for s in x.sub_ops] == [s.counts for s in y.sub_ops]
         assert [s.name for s in x.sub_ops] == [s.name for s in y.sub_ops]
 
 

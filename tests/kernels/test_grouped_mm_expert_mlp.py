@@ -168,3 +168,38 @@ def test_slot_ends_of_the_one_device_layout(gen):
     layout = expert_row_layout(ids_TK, 4, 16)
     assert layout.schedule.slot_ends == (16, 16, 32, 32)
     assert layout.schedule.block_slot_Nb.tolist() == [0, 2]
+
+
+def test_grouped_path_transformers_weight_layout(gen):
+    """transformers' experts keep ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F] and
+    mixmoe reads them as transposed views (column-major GEMM operands): the gradients reach the
+    stored parameters, equal to the loop's."""
+    T, K, N, D, Fh = 40, 2, 5, 16, 24
+    ids_TK = torch.randint(0, N - 1, (T, K), generator=gen)
+    layout = expert_row_layout(ids_TK, N, 16)
+    gate_up = (torch.randn(N, 2 * Fh, D, generator=gen) * D**-0.5).requires_grad_()
+    down = (torch.randn(N, D, Fh, generator=gen) * Fh**-0.5).requires_grad_()
+    x = torch.randn(T, D, generator=gen).requires_grad_()
+    gate = torch.rand(T, K, generator=gen).requires_grad_()
+    weights = ExpertWeights(gate_up.transpose(1, 2), down.transpose(1, 2))
+    y = grouped_mm_token_expert_mlp(
+        x, layout.token_P, layout.pos_TK, gate, weights, layout.schedule, "swiglu"
+    )
+    ref_w = {
+        "w1": gate_up.detach().double()[:, :Fh].transpose(1, 2).requires_grad_(),
+        "w3": gate_up.detach().double()[:, Fh:].transpose(1, 2).requires_grad_(),
+        "w2": down.detach().double().transpose(1, 2).requires_grad_(),
+    }
+    ref_x, ref_gate = x.detach().double().requires_grad_(), gate.detach().double().requires_grad_()
+    ref = loop_reference(ref_x, ids_TK, ref_gate, ref_w, "swiglu")
+    torch.testing.assert_close(y.double(), ref.detach(), **TOL[torch.float32])
+    dy = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    dx, dg, dgu, ddown = torch.autograd.grad(y, [x, gate, gate_up, down], dy.float())
+    rx, rg, r1, r3, r2 = torch.autograd.grad(
+        ref, [ref_x, ref_gate, ref_w["w1"], ref_w["w3"], ref_w["w2"]], dy
+    )
+    torch.testing.assert_close(dx.double(), rx, **TOL[torch.float32])
+    torch.testing.assert_close(dg.double(), rg, **TOL[torch.float32])
+    gate_up_ref = torch.cat([r1.transpose(1, 2), r3.transpose(1, 2)], dim=1)
+    torch.testing.assert_close(dgu.double(), gate_up_ref, **TOL[torch.float32])
+    torch.testing.assert_close(ddown.double(), r2.transpose(1, 2), **TOL[torch.float32])

@@ -24,13 +24,17 @@ tensors of one dtype with a mixmoe activation here).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from mixmoe.ops.expert_mlp import ExpertWeights, is_gate_up_concatenated
+from mixmoe.ops.expert_mlp import (
+    ACTIVATIONS,
+    ExpertWeights,
+    activate,
+    activate_backward,
+    expert_params,
+    gate_up_fits,
+)
 from mixmoe.ops.grouped_linear import _row_pieces
 from mixmoe.schedule.blocks import BlockSchedule
-
-_ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
 
 
 def cpu_path_applies(
@@ -38,42 +42,16 @@ def cpu_path_applies(
 ) -> bool:
     """True when ``cpu_token_expert_mlp`` handles this call: CPU tensors, one floating dtype for
     ``x_TD`` and every weight, a mixmoe activation, at least one token and one choice."""
-    params = [
-        p
-        for p in (weights.w1_SDF, weights.w2_SFD, weights.b1_SF, weights.b2_SD)
-        + (weights.w3_SDF, weights.b3_SF)
-        if p is not None
-    ]
-    if activation == "swiglu":
-        gate_up_ok = weights.w3_SDF is not None or is_gate_up_concatenated(weights)
-    else:
-        gate_up_ok = weights.w3_SDF is None
+    params = expert_params(weights)
     return (
         x_TD.device.type == "cpu"
         and x_TD.dtype.is_floating_point
         and all(p.device.type == "cpu" and p.dtype == x_TD.dtype for p in params)
-        and activation in _ACTIVATIONS
-        and gate_up_ok
+        and activation in ACTIVATIONS
+        and gate_up_fits(weights, activation)
         and x_TD.shape[0] > 0
         and pos_TK.numel() > 0
     )
-
-
-def _act(a: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "gelu":
-        return F.gelu(a)
-    if activation == "relu":
-        return F.relu(a)
-    return F.silu(a)
-
-
-def _act_backward(grad: torch.Tensor, a: torch.Tensor, activation: str) -> torch.Tensor:
-    """d act(a) given d out, the derivative each reference op's own autograd uses."""
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward(grad, a)
-    if activation == "relu":
-        return grad.masked_fill(a <= 0, 0.0)
-    return torch.ops.aten.silu_backward(grad, a)
 
 
 def _linear_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
@@ -122,7 +100,7 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
                 torch.ops.aten.silu.out(a_PF[rows], out=s_PF[rows])
                 torch.mul(s_PF[rows], u_PF[rows], out=h_PF[rows])
             else:
-                h_PF[rows] = _act(a_PF[rows], activation)
+                h_PF[rows] = activate(a_PF[rows], activation)
             _linear_into(out_PD[rows], h_PF[rows], w2[s], None if b2 is None else b2[s])
         rows_TKD = out_PD.index_select(0, pos_TK.reshape(-1)).view(T, pos_TK.shape[1], -1)
         if weights_TK is None:
@@ -198,7 +176,7 @@ class _CpuTokenExpertMLP(torch.autograd.Function):
                 da = torch.ops.aten.silu_backward(dh.mul_(u), a)
             else:
                 du = None
-                da = _act_backward(dh, a, ctx.activation)
+                da = activate_backward(dh, a, ctx.activation)
             x = x_PD[rows]
             if w3 is None and du is not None:  # [gate | up] in one weight: one GEMM each
                 da = torch.cat([da, du], dim=1)

@@ -61,12 +61,42 @@ def split_gate_up(weights: ExpertWeights) -> ExpertWeights:
     )
 
 
+ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
+
+
 def activate(h_PF: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "gelu":
         return F.gelu(h_PF)
     if activation == "relu":
         return F.relu(h_PF)
     return F.silu(h_PF)  # silu, and the gate half of swiglu
+
+
+def activate_backward(grad: torch.Tensor, a: torch.Tensor, activation: str) -> torch.Tensor:
+    """d activate(a) given d out, the derivative each activation's own autograd uses (the
+    hand-written backward passes of the CPU and grouped-GEMM bodies)."""
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward(grad, a)
+    if activation == "relu":
+        return grad.masked_fill(a <= 0, 0.0)
+    return torch.ops.aten.silu_backward(grad, a)
+
+
+def expert_params(weights: ExpertWeights) -> list[torch.Tensor]:
+    """Every tensor of ``weights`` that is not None."""
+    return [
+        p
+        for p in (weights.w1_SDF, weights.w2_SFD, weights.b1_SF, weights.b2_SD)
+        + (weights.w3_SDF, weights.b3_SF)
+        if p is not None
+    ]
+
+
+def gate_up_fits(weights: ExpertWeights, activation: str) -> bool:
+    """The weights match the activation: SwiGLU with w3 or a [gate | up] w1; others without w3."""
+    if activation == "swiglu":
+        return weights.w3_SDF is not None or is_gate_up_concatenated(weights)
+    return weights.w3_SDF is None
 
 
 def expert_mlp(

@@ -35,11 +35,17 @@ import os
 import torch
 import torch.nn.functional as F
 
-from mixmoe.ops.expert_mlp import ExpertWeights, is_gate_up_concatenated
+from mixmoe.ops.expert_mlp import (
+    ACTIVATIONS,
+    ExpertWeights,
+    activate,
+    activate_backward,
+    expert_params,
+    gate_up_fits,
+)
 from mixmoe.schedule.blocks import BlockSchedule
 
 GROUPED_MM_ENV = "MIXMOE_GROUPED_MM"
-_ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
 
 
 def grouped_mm_enabled() -> bool:
@@ -50,15 +56,6 @@ def grouped_mm_enabled() -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{GROUPED_MM_ENV}={value!r} is not understood; set it to 1 or 0")
-
-
-def _params(weights: ExpertWeights) -> list[torch.Tensor]:
-    return [
-        p
-        for p in (weights.w1_SDF, weights.w2_SFD, weights.b1_SF, weights.b2_SD)
-        + (weights.w3_SDF, weights.b3_SF)
-        if p is not None
-    ]
 
 
 def grouped_mm_path_applies(
@@ -92,10 +89,6 @@ def layout_fits(
     activation: str,
 ) -> bool:
     """The device-independent part of ``grouped_mm_path_applies``."""
-    if activation == "swiglu":
-        gate_up_ok = weights.w3_SDF is not None or is_gate_up_concatenated(weights)
-    else:
-        gate_up_ok = weights.w3_SDF is None
     D, Fh = weights.w2_SFD.shape[2], weights.w2_SFD.shape[1]
     return (
         schedule.slot_ends is not None
@@ -103,28 +96,12 @@ def layout_fits(
         and schedule.num_padded_rows > 0
         and x_TD.shape[0] > 0
         and pos_TK.numel() > 0
-        and activation in _ACTIVATIONS
-        and gate_up_ok
+        and activation in ACTIVATIONS
+        and gate_up_fits(weights, activation)
         and D % 8 == 0
         and Fh % 8 == 0  # 16-byte strides for 16-bit operands
-        and all(p.device == x_TD.device and p.dtype == x_TD.dtype for p in _params(weights))
+        and all(p.device == x_TD.device and p.dtype == x_TD.dtype for p in expert_params(weights))
     )
-
-
-def _act(a: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "gelu":
-        return F.gelu(a)
-    if activation == "relu":
-        return F.relu(a)
-    return F.silu(a)
-
-
-def _act_backward(grad: torch.Tensor, a: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward(grad, a)
-    if activation == "relu":
-        return grad.masked_fill(a <= 0, 0.0)
-    return torch.ops.aten.silu_backward(grad, a)
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -178,7 +155,7 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
             h_PF = s_PF * u_PF
         else:
             s_PF = None
-            h_PF = _act(a_PF, activation)
+            h_PF = activate(a_PF, activation)
         out_PD = _gmm(h_PF, w2, offs)
         _add_bias(out_PD, b2, slot_P)
         kept_TK1 = (pos_TK < P).unsqueeze(-1)
@@ -246,7 +223,7 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
             da_PF = torch.ops.aten.silu_backward(dh_PF * u_PF, a_PF)
         else:
             du_PF = None
-            da_PF = _act_backward(dh_PF, a_PF, ctx.activation)
+            da_PF = activate_backward(dh_PF, a_PF, ctx.activation)
         if cat:
             da_PF = torch.cat([da_PF, du_PF], dim=1)
             du_PF = None

@@ -36,7 +36,7 @@ from torch import nn
 
 from mixmoe.bench.spawn import spawn_gloo, under_torchrun
 from mixmoe.bench.timing import StageTimer, median
-from mixmoe.validation import check_int
+from mixmoe.validation import check_choice, check_device, check_int, torch_dtype
 
 FAMILIES = ("mixtral", "qwen2_moe")
 IMPLEMENTATIONS = ("all_to_all", "mixmoe_a2a", "mixmoe_shadow", "mixmoe_mix")
@@ -47,8 +47,9 @@ EXPERTS_DEFAULT = ("eager", "grouped_mm", "mixmoe")
 ROUTINGS = ("uniform", "skewed")
 BASELINE = "all_to_all"
 EXPERTS_BASELINE = "eager"
-# float32: implementations sum the same products in different orders
-CHECK_RTOL = 1e-4
+# float32: implementations sum the same products in different orders; bf16 rounds every
+# intermediate, and the implementations round in different places
+CHECK_RTOL = {"float32": 1e-4, "bf16": 2e-2}
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,18 @@ class HFBenchConfig:
     lr: float = 1e-4
     threads: int = 1
     seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        check_device(self.device)
+        check_choice("dtype", self.dtype, tuple(CHECK_RTOL))
+        if self.world_size > 1 and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(
+                f"device={self.device!r} dtype={self.dtype!r} are for the one-device run "
+                "(world_size=1); on ranks the model is float32 and its device follows the process "
+                "group (gloo: CPU; NCCL under torchrun: each rank's GPU)"
+            )
         for name, lo in (
             ("world_size", 1),
             ("batch", 1),
@@ -396,22 +407,23 @@ def add_balance_bound(records: list[dict]) -> None:
 
 
 def _check_first_losses(
-    first: dict[str, float], routing: str, rank: int, baseline: str = BASELINE
+    first: dict[str, float], routing: str, rank: int, baseline: str = BASELINE, rtol: float = 1e-4
 ) -> None:
     base = first[baseline]
     for impl, loss in first.items():
-        if abs(loss - base) > CHECK_RTOL * abs(base):
+        if abs(loss - base) > rtol * abs(base):
             raise RuntimeError(
                 f"{impl} disagrees with {baseline} before timing ({routing} routing, rank {rank}):"
                 f" first-step loss {loss!r} vs {base!r}"
             )
 
 
-def run_single_device(cfg: HFBenchConfig, device: str = "cpu") -> list[dict]:
-    """One device: the same random-init model under each experts implementation
-    (``model.set_experts_implementation(name)``; ``mixmoe`` registered by ``import mixmoe.hf``),
-    stepped in turn on the same batches; ratios to ``eager``, and ``vs_fastest_hf``: the step
-    over the fastest of transformers' implementations in the run."""
+def run_single_device(cfg: HFBenchConfig) -> list[dict]:
+    """One device (``cfg.device``, the model in ``cfg.dtype``): the same random-init model under
+    each experts implementation (``model.set_experts_implementation(name)``; ``mixmoe``
+    registered by ``import mixmoe.hf``), stepped in turn on the same batches (CUDA events on a
+    GPU); ratios to ``eager``, and ``vs_fastest_hf``: the step over the fastest of transformers'
+    implementations in the run."""
     import copy
 
     import mixmoe.hf  # noqa: F401  registers the "mixmoe" experts implementation
@@ -420,7 +432,9 @@ def run_single_device(cfg: HFBenchConfig, device: str = "cpu") -> list[dict]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    base_model = tf.AutoModelForCausalLM.from_config(model_config(cfg.shape)).to(device)
+    device = cfg.device
+    base_model = tf.AutoModelForCausalLM.from_config(model_config(cfg.shape))
+    base_model = base_model.to(device, torch_dtype(cfg.dtype))
     records = []
     for routing in cfg.routings:
         models, opts, counters = {}, {}, {}
@@ -440,7 +454,13 @@ def run_single_device(cfg: HFBenchConfig, device: str = "cpu") -> list[dict]:
             data,
             cfg.warmup,
             torch.device(device),
-            partial(_check_first_losses, routing=routing, rank=0, baseline=cfg.baseline),
+            partial(
+                _check_first_losses,
+                routing=routing,
+                rank=0,
+                baseline=cfg.baseline,
+                rtol=CHECK_RTOL[cfg.dtype],
+            ),
         )
         base = median(times[cfg.baseline])
         hf = [median(times[i]) for i in cfg.implementations if i != "mixmoe"]
@@ -451,6 +471,7 @@ def run_single_device(cfg: HFBenchConfig, device: str = "cpu") -> list[dict]:
                     "routing": routing,
                     "implementation": impl,
                     "device": device,
+                    "dtype": cfg.dtype,
                     "median_ms": median(times[impl]),
                     "min_ms": min(times[impl]),
                     "ratio": median(times[impl]) / base,

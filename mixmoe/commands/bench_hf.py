@@ -73,6 +73,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=d.threads, help="torch threads per rank (0: leave)"
     )
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--device",
+        default=d.device,
+        help="one device only (--world-size 1): cpu or cuda (CUDA-event timing)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=("float32", "bf16"),
+        help="one device only: the model's dtype (bf16 takes mixmoe's grouped-GEMM path on Hopper)",
+    )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--jsonl", default=None, help="append the records (with the environment) here")
 
@@ -103,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         threads=args.threads,
         seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
     )
     records = run_hf_bench(cfg)
     if records is None:  # a torchrun rank other than 0
@@ -111,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         f"{shape.family}: hidden {shape.hidden_size}, intermediate {shape.intermediate_size}, "
         f"{shape.num_experts} experts, top-{shape.top_k}, {shape.layers} layers; "
         + (
-            "one device (experts implementations)"
+            f"one device ({cfg.device}, {cfg.dtype}; experts implementations)"
             if cfg.world_size == 1
             else f"{cfg.world_size} ranks (FSDP x EP)"
         )

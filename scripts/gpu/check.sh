@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's checks, in one call of the device tool (see README "Kernels").
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
-# Stages: env, install, gpu-tests, suite, kernels, layer, layer-ab, hf, hf-ab.
+# Stages: env, install, gpu-tests, suite, kernels, layer, layer-ab, hf, hf-ab, hf-bench.
+# hf-bench: a transformers Mixtral's train step under each experts implementation (issue 14's one-device target).
 # layer-ab / hf-ab: the grouped-GEMM path (MIXMOE_GROUPED_MM=1, default) then the Triton kernels (=0). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -38,6 +39,9 @@ for stage in "$@"; do case $stage in
   hf-ab) for mode in 1 0; do echo "--- MIXMOE_GROUPED_MM=$mode" >> "$OUT/hf.log"
        MIXMOE_GROUPED_MM=$mode timeout "${HF_S:-120}" $PY scripts/gpu/hf_mixtral_vs_mixmoe.py --experts ${HF_EXPERTS:-16,64} >> "$OUT/hf.log" 2>&1; done
        echo "=== hf-ab ($(date +%T))"; tail -n 30 "$OUT/hf.log";;
+  hf-bench) run hf-bench "${HF_S:-240}" $PY -m mixmoe bench hf --world-size 1 --device cuda --dtype bf16 \
+       --hidden-size 1024 --intermediate-size 4096 --num-experts ${HF_E:-16} --layers 2 --heads 16 \
+       --batch 8 --seq-len 1024 --implementations eager,grouped_mm,mixmoe --steps 10 --warmup 3 --markdown;;
   hf) run hf "${HF_S:-240}" $PY scripts/gpu/hf_mixtral_vs_mixmoe.py --experts ${HF_EXPERTS:-4,16,64};;
   *) echo "unknown stage $stage"; exit 2;;
 esac; done

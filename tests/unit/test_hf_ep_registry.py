@@ -108,6 +108,8 @@ def test_register_a_tuned_mix():
         ({"hot_expert": 8}, "hot_expert=8"),
         ({"world_size": 1}, "on one device: use some of"),
         ({"world_size": 1, "implementations": ("mixmoe",)}, "baseline 'eager'"),
+        ({"dtype": "bf16"}, "one-device run"),
+        ({"world_size": 1, "implementations": ("eager",), "dtype": "fp16"}, "dtype"),
     ],
 )
 def test_bench_config_errors(kwargs, match):
@@ -136,13 +138,27 @@ def test_single_device_bench_compares_experts_implementations(capsys):
     argv += ["--seq-len", "16", "--steps", "1", "--warmup", "0", "--routing", "uniform,skewed"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "one device (experts implementations)" in out and "vs fastest hf" in out
+    assert "one device (cpu, float32; experts implementations)" in out and "vs fastest hf" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("uniform", "skewed"))]
     assert sorted((r[0], r[1]) for r in rows) == sorted(
         (routing, impl)
         for routing in ("uniform", "skewed")
         for impl in ("eager", "grouped_mm", "mixmoe")
     ), out
+
+
+def test_single_device_bench_bf16_and_device_errors(capsys):
+    """``--dtype bf16`` runs the model in bf16 (first-step losses agree within bf16's tolerance);
+    ``--device cuda`` without a GPU is a one-line error."""
+    argv = ["bench", "hf", "--world-size", "1", "--hidden-size", "64", "--intermediate-size"]
+    argv += ["128", "--num-experts", "4", "--layers", "1", "--vocab-size", "128", "--batch", "2"]
+    argv += ["--seq-len", "16", "--steps", "1", "--warmup", "0", "--routing", "uniform"]
+    assert cli.main(argv + ["--dtype", "bf16"]) == 0
+    assert "one device (cpu, bf16; experts implementations)" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert cli.main(argv + ["--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "CUDA is not available" in err[0], err
 
 
 def _record(routing: str, impl: str, ms: float) -> dict:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixmoe.schedule.blocks import BlockSchedule, build_block_schedule
+from mixmoe.schedule.blocks import BlockSchedule, build_block_schedule, slot_ends
 from mixmoe.schedule.sort import num_blocks, sort_by_expert
 
 
@@ -61,11 +61,8 @@ def expert_row_layout(ids_TK: torch.Tensor, num_experts: int, block_size: int) -
         block_size,
         num_rows=sum(counts_host),
     )
-    ends, end = [], 0
-    for c in counts_host:  # one segment per expert, in expert order: blocks sorted by slot
-        end += -(-c // block_size) * block_size
-        ends.append(end)
-    schedule = dataclasses.replace(schedule, slot_ends=tuple(ends))
+    ends = slot_ends(counts_host, list(range(num_experts)), num_experts, block_size)
+    schedule = dataclasses.replace(schedule, slot_ends=ends)  # one segment per expert, in order
     src_P = schedule.src_P
     token_P = torch.where(src_P >= 0, order_R[src_P.clamp(min=0)] // K, T)
     pos_R = torch.full((T * K,), schedule.num_padded_rows, dtype=torch.int64, device=device)

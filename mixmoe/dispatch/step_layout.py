@@ -14,17 +14,24 @@ buffer is one gather. It is reached in two stable sorts, so that the first part 
    [replica experts | the rest]. Replica and sent experts are both ascending in the plan's order,
    so the result equals one stable sort by the final key. One host -> device upload of the
    step's small integer lists.
+
+Every work item's blocks come in slot order (``BlockSchedule.slot_ends``), so bf16 on a Hopper
+GPU runs each through torch's grouped GEMM (``mixmoe.ops.grouped_mm_expert_mlp``). The own and
+replica items are slot-ordered by construction; the received rows stay source-major in their
+buffer (the all_to_all's order, both ways) and are *computed* slot-major: the item's
+``token_P``/``pos_TK`` map between the two.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from mixmoe.dispatch.step import ExpertWork
 from mixmoe.dispatch.step_plan import StepPlan
-from mixmoe.schedule.blocks import BlockSchedule, build_block_schedule
+from mixmoe.schedule.blocks import BlockSchedule, build_block_schedule, slot_ends
 from mixmoe.schedule.sort import num_blocks, sort_by_expert
 from mixmoe.types import Routing
 
@@ -68,10 +75,34 @@ def _upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     return list(torch.split(every, [len(values) for values in lists]))
 
 
-def _schedule(counts_G, slots_G, counts: list[int], block_size: int) -> BlockSchedule:
-    return build_block_schedule(
+def _schedule(
+    counts_G, slots_G, counts: list[int], slots: list[int], num_slots: int, block_size: int
+) -> BlockSchedule:
+    """The block schedule of segments (device ``counts_G``/``slots_G``, host ``counts``/``slots``),
+    with ``slot_ends`` when the segments come in slot order (every work item here does: the
+    one-device grouped GEMM can then run on it)."""
+    schedule = build_block_schedule(
         counts_G, slots_G, num_blocks(counts, block_size), block_size, num_rows=sum(counts)
     )
+    ends = slot_ends(counts, slots, num_slots, block_size)
+    return dataclasses.replace(schedule, slot_ends=ends)
+
+
+def _slot_major(counts: list[int], slots: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The receive buffer's segments (source-major) reordered slot-major (each slot's segments in
+    source order), and per reordered segment the offset from its row in that order to its row in
+    the receive buffer: (counts, slots, delta)."""
+    order = sorted(range(len(counts)), key=lambda g: (slots[g], g))
+    start, acc = [], 0
+    for c in counts:
+        start.append(acc)
+        acc += c
+    counts_new, delta, acc = [], [], 0
+    for g in order:
+        counts_new.append(counts[g])
+        delta.append(start[g] - acc)
+        acc += counts[g]
+    return counts_new, [slots[g] for g in order], delta
 
 
 def _positions(order_R, first: int, schedule: BlockSchedule, R: int) -> torch.Tensor:
@@ -105,7 +136,7 @@ def build_own_layout(
     order_R = sort_by_expert(torch.where(ids_TK >= 0, key_TK, -1), N).order_R
     own_c = counts[first : first + E]
     counts_E = torch.tensor(own_c, dtype=torch.int64).to(device)  # E ints: no sync on a GPU
-    sched = _schedule(counts_E, torch.arange(E, device=device), own_c, B)
+    sched = _schedule(counts_E, torch.arange(E, device=device), own_c, list(range(E)), E, B)
     own = ExpertWork(
         source="local",
         weights="owned",
@@ -137,8 +168,11 @@ def build_step_layout(
     device = ids_TK.device
     rep_c = [counts[g] for g in step.rep_experts]
     H = len(rep_c)
-    rep_H, rep_cG, rep_sG, recv_cG, recv_sG = _upload(
-        [list(step.rep_experts), rep_c, list(range(H)), step.recv_counts, step.recv_slots],
+    # the received rows are computed slot-major (blocks sorted by slot); the buffer stays
+    # source-major, as the all_to_all delivers and returns it
+    recv_c, recv_s, recv_delta = _slot_major(step.recv_counts, step.recv_slots)
+    rep_H, rep_cG, rep_sG, recv_cG, recv_sG, recv_dG = _upload(
+        [list(step.rep_experts), rep_c, list(range(H)), recv_c, recv_s, recv_delta],
         device,
     )
     n_own = own.num_own
@@ -151,7 +185,7 @@ def build_step_layout(
     n_rep, n_send = sum(rep_c), sum(counts[g] for g in step.send_experts)
     replica = None
     if with_replicas:
-        sched_rep = _schedule(rep_cG, rep_sG, rep_c, B)
+        sched_rep = _schedule(rep_cG, rep_sG, rep_c, list(range(H)), H, B)
         replica = ExpertWork(
             source="local",
             weights="replica",
@@ -161,13 +195,21 @@ def build_step_layout(
             schedule=sched_rep,
             span="moe.experts_local",
         )
-    sched_recv = _schedule(recv_cG, recv_sG, step.recv_counts, B)
+    sched_recv = _schedule(recv_cG, recv_sG, recv_c, recv_s, len(step.own_experts), B)
     n_recv = sched_recv.num_rows
+    # buffer row of each slot-major row: its row plus its segment's offset
+    seg_P = sched_recv.block_seg_Nb.repeat_interleave(B, output_size=sched_recv.num_padded_rows)
+    src_P = sched_recv.src_P
+    seg_R = torch.repeat_interleave(
+        torch.arange(len(recv_c), device=device), recv_cG, output_size=n_recv
+    )
+    pos_recv = torch.empty(n_recv, dtype=torch.int64, device=device)
+    pos_recv[torch.arange(n_recv, device=device) + recv_dG[seg_R]] = sched_recv.padded_position_R()
     received = ExpertWork(
         source="received",
         weights="owned",
-        token_P=torch.where(sched_recv.src_P >= 0, sched_recv.src_P, n_recv),
-        pos_TK=sched_recv.padded_position_R().view(n_recv, 1),
+        token_P=torch.where(src_P >= 0, src_P + recv_dG[seg_P], n_recv),
+        pos_TK=pos_recv.view(n_recv, 1),
         weights_TK=None,
         schedule=sched_recv,
         span="moe.experts_remote",

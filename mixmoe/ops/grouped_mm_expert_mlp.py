@@ -3,8 +3,8 @@
 Legend: T tokens, K top-k, D model dim, F hidden dim, P padded rows, S weight slots, Nb blocks,
 B block size.
 
-When every slot's blocks are contiguous and in slot order (``BlockSchedule.slot_ends``, set by
-the one-device layout), the padded layout is exactly what ``torch._grouped_mm`` takes: one group
+When every slot's blocks are contiguous and in slot order (``BlockSchedule.slot_ends``: the
+one-device layout and every expert-parallel work item), the padded layout is exactly what ``torch._grouped_mm`` takes: one group
 per slot, group ``s`` = padded rows ``[slot_ends[s-1], slot_ends[s])``, weights ``w[s]``. On a
 Hopper GPU that is CUTLASS's grouped GEMM (about twice the rate of mixmoe's Triton GEMM measured
 on an H100, scripts/gpu/NOTES.md). The rows around it are mixmoe's: ``x_TD`` gathered once by

@@ -77,6 +77,23 @@ class BlockSchedule:
         return (self.seg_block_start_G[seg_R] + within_R // B) * B + within_R % B
 
 
+def slot_ends(
+    counts_G: list[int], slots_G: list[int], num_slots: int, block_size: int
+) -> tuple[int, ...] | None:
+    """``BlockSchedule.slot_ends`` of segments with host counts and slots, in layout order: the
+    padded row where each slot's blocks end, or None when the segments' slots decrease somewhere
+    (the blocks are then not sorted by slot)."""
+    if any(b < a for a, b in zip(slots_G, slots_G[1:], strict=False)):
+        return None
+    ends, end, g = [], 0, 0
+    for s in range(num_slots):
+        while g < len(slots_G) and slots_G[g] == s:
+            end += -(-counts_G[g] // block_size) * block_size
+            g += 1
+        ends.append(end)
+    return tuple(ends) if g == len(slots_G) else None
+
+
 def build_block_schedule(
     seg_counts_G: torch.Tensor,
     seg_slot_G: torch.Tensor,

@@ -206,3 +206,13 @@ def test_row_layout_hand_example():
     # expert 0: 1 row -> block [x, pad]; expert 1: 3 rows -> [x, x], [x, pad]; expert 2: [x, pad]
     assert lay.token_P.tolist() == [0, 3, 0, 1, 2, 3, 1, 3]
     assert lay.pos_TK.tolist() == [[2, 0], [6, 3], [4, 8]]
+
+
+def test_slot_ends_of_segments_in_slot_order():
+    from mixmoe.schedule.blocks import slot_ends
+
+    # slot 0: 5 rows (2 blocks of 4) + 0 rows; slot 1: none; slot 2: 4 + 1 rows (1 + 1 blocks)
+    assert slot_ends([5, 0, 4, 1], [0, 0, 2, 2], 3, 4) == (8, 8, 16)
+    assert slot_ends([], [], 2, 4) == (0, 0)
+    assert slot_ends([3, 3], [1, 0], 2, 4) is None  # a slot comes back: not sorted by slot
+    assert slot_ends([3], [2], 2, 4) is None  # a slot past num_slots

@@ -70,6 +70,17 @@ def _check_local(work, ids_TK, slot_of: dict[int, int], name: str) -> None:
     assert work.schedule.num_rows == len(used), name
 
 
+def _check_slot_ends(work, num_slots: int, name: str) -> None:
+    """Every work item's blocks come in slot order, and ``slot_ends`` says where each slot's
+    blocks end (what the grouped-GEMM path takes as its group offsets)."""
+    ends, B = work.schedule.slot_ends, work.schedule.block_size
+    assert ends is not None and len(ends) == num_slots, (name, ends)
+    assert (ends[-1] if ends else 0) == work.schedule.num_padded_rows, name
+    for b, slot in enumerate(work.schedule.block_slot_Nb.tolist()):
+        lo = ends[slot - 1] if slot else 0
+        assert lo <= b * B < ends[slot], (name, b, slot, ends)
+
+
 def _rank_layout(ids_TK, C_WN, plan, r: int, E: int, B: int, with_replicas: bool):
     T, K = ids_TK.shape
     routing = Routing(ids_TK, torch.rand(T, K, dtype=torch.float64), torch.zeros(T, C_WN.shape[1]))
@@ -102,9 +113,12 @@ def test_step_layout_computes_every_row_once_and_returns_it(W, E, K, planner):
         own_slot = {r * E + e: e for e in range(E)}
         assert own.num_own == sum(C_WN[r, r * E : (r + 1) * E].tolist())
         _check_local(lay.own, ids_TK, own_slot, f"rank {r} own")
+        _check_slot_ends(lay.own, E, f"rank {r} own")
+        _check_slot_ends(lay.received, E, f"rank {r} received")
         if any_replica:
             rep_slot = {g: h for h, g in enumerate(step.rep_experts)}
             _check_local(lay.replica, ids_TK, rep_slot, f"rank {r} replica")
+            _check_slot_ends(lay.replica, len(step.rep_experts), f"rank {r} replica")
         else:
             assert lay.replica is None
         # rows sent away: exactly the choices of experts neither owned nor replicated here,
@@ -187,3 +201,35 @@ def test_step_layout_is_built_on_the_routing_device_whatever_the_default():
                 t = getattr(getattr(got, item), name)
                 assert t.device.type == "cpu", (item, name)
                 assert torch.equal(t, getattr(getattr(want, item), name)), (item, name)
+
+
+def test_received_rows_run_on_the_grouped_gemm_path():
+    """The received work item (several source segments per slot, slot-major) through the
+    grouped-GEMM body (``torch._grouped_mm`` runs float32 on CPU) equals the reference ops."""
+    from mixmoe.ops.expert_mlp import ExpertWeights
+    from mixmoe.ops.grouped_mm_expert_mlp import grouped_mm_token_expert_mlp
+    from mixmoe.ops.token_expert_mlp import token_expert_mlp
+
+    W, E, K, B, D, Fh = 3, 2, 2, 4, 8, 16
+    gen = torch.Generator().manual_seed(7)
+    ids = [_ids(T, K, W * E, gen, hot=False) for T in (23, 30, 17)]
+    C_WN = torch.stack([expert_counts(ids_TK, W * E) for ids_TK in ids])
+    plan = _plan("none", C_WN, E)
+    _, _, lay = _rank_layout(ids[1], C_WN, plan, 1, E, B, False)
+    work = lay.received
+    n_recv = work.pos_TK.shape[0]
+    assert n_recv > 0 and work.schedule.num_blocks > E  # several segments per slot
+    x = torch.randn(n_recv, D, generator=gen, requires_grad=True)
+    w1 = torch.randn(E, D, Fh, generator=gen, requires_grad=True)
+    w2 = torch.randn(E, Fh, D, generator=gen, requires_grad=True)
+    args = (work.token_P, work.pos_TK, None, ExpertWeights(w1, w2), work.schedule, "gelu")
+    y = grouped_mm_token_expert_mlp(x, *args)
+    ref = token_expert_mlp(x, *args, fused=False)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    dy = torch.randn(y.shape, generator=gen)
+    for a, r in zip(
+        torch.autograd.grad(y, [x, w1, w2], dy),
+        torch.autograd.grad(ref, [x, w1, w2], dy),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)

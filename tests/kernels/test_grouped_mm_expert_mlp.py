@@ -203,3 +203,43 @@ def test_grouped_path_transformers_weight_layout(gen):
     gate_up_ref = torch.cat([r1.transpose(1, 2), r3.transpose(1, 2)], dim=1)
     torch.testing.assert_close(dgu.double(), gate_up_ref, **TOL[torch.float32])
     torch.testing.assert_close(ddown.double(), r2.transpose(1, 2), **TOL[torch.float32])
+
+
+def test_grouped_mm_switch(monkeypatch):
+    from mixmoe.ops.grouped_mm_expert_mlp import grouped_mm_enabled
+
+    monkeypatch.delenv("MIXMOE_GROUPED_MM", raising=False)
+    assert grouped_mm_enabled()
+    for value, expected in (("1", True), ("on", True), ("", True), ("0", False), ("off", False)):
+        monkeypatch.setenv("MIXMOE_GROUPED_MM", value)
+        assert grouped_mm_enabled() is expected
+    monkeypatch.setenv("MIXMOE_GROUPED_MM", "2")
+    with pytest.raises(ValueError, match="MIXMOE_GROUPED_MM='2'"):
+        grouped_mm_enabled()
+
+
+def test_layout_fits_each_condition(gen):
+    """``layout_fits`` says no to every call the grouped body cannot run, one condition at a time."""
+    import dataclasses
+
+    ids_TK, x, gate, w, layout = _case("swiglu", True, torch.float32, gen)
+    sched, pos = layout.schedule, layout.pos_TK
+    full = ExpertWeights(w["w1"], w["w2"], w["b1"], w["b2"], w["w3"], w["b3"])
+    assert layout_fits(x, pos, full, sched, "swiglu")
+    cat = ExpertWeights(torch.cat([w["w1"], w["w3"]], 2), w["w2"])
+    assert layout_fits(x, pos, cat, sched, "swiglu")
+    no_up = ExpertWeights(w["w1"], w["w2"])
+    assert not layout_fits(x, pos, no_up, sched, "swiglu")  # SwiGLU without its up half
+    assert not layout_fits(x, pos, full, sched, "gelu")  # w3 given to a one-GEMM activation
+    assert layout_fits(x, pos, no_up, sched, "gelu")
+    assert not layout_fits(x, pos, no_up, sched, "tanh")
+    assert not layout_fits(x, pos, no_up, dataclasses.replace(sched, slot_ends=None), "gelu")
+    short = dataclasses.replace(sched, slot_ends=sched.slot_ends[:-1])
+    assert not layout_fits(x, pos, no_up, short, "gelu")  # one end per weight slot
+    assert not layout_fits(x[:0], pos, no_up, sched, "gelu")
+    assert not layout_fits(x, pos[:0], no_up, sched, "gelu")
+    other = ExpertWeights(w["w1"].double(), w["w2"])
+    assert not layout_fits(x, pos, other, sched, "gelu")  # one dtype for x and every weight
+    assert not layout_fits(x.double(), pos, no_up, sched, "gelu")
+    wide = ExpertWeights(torch.zeros(5, 20, 24), torch.zeros(5, 24, 20))  # D = 20: not 8 | D
+    assert not layout_fits(torch.zeros(40, 20), pos, wide, sched, "gelu")

@@ -62,7 +62,11 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     ),
     "ops": (
         ["mixmoe/ops"],
-        ["tests/unit/test_ops.py", "tests/kernels/test_fused_ops.py"],
+        [
+            "tests/unit/test_ops.py",
+            "tests/kernels/test_fused_ops.py",
+            "tests/kernels/test_grouped_mm_expert_mlp.py",
+        ],
         ["tests/unit", "tests/kernels"],
     ),
     "parallel": (

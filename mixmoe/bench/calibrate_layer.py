@@ -16,12 +16,17 @@ E:
    replicates (up to the layer's ``max_replicas`` per rank; the plan is recomputed here from the
    run's counts, the planner being deterministic).
 
+On one rank (W = 1, no process group: ``comm`` None) the runs are ``local`` under uniform routing
+at every T of ``layer_tokens`` (nothing moves, nothing is replicated): they give
+``step_fixed_s`` and the per-row figures; ``replica_fixed_s`` cannot be fitted there (0.0 from
+the fit; ``mixmoe.bench.calibrate`` takes it from the link preset and says so).
+
 Fit. With the base profile (the sweeps' three figures, fixed costs 0.0) the cost model predicts
 every run; b is the rank it finds slowest.
 
 - ``step_fixed_s`` and the seconds per row computed: intercept and slope of a least-squares line
   of (measured step - the model's communication at b) against rows computed at b over the uniform
-  ``a2a`` runs (balanced ranks: the max over ranks is then also the mean, whatever the host).
+  ``a2a`` (or ``local``) runs (balanced ranks: the max over ranks is then also the mean, whatever the host).
   ``row_overhead_s`` = slope - flops_per_row / gemm_flops; when the slope is below the sweep's
   GEMM seconds per row (a sweep slowed by noise), ``gemm_flops`` = flops_per_row / slope instead
   and ``row_overhead_s`` = 0. A negative slope: 0, the sweep's rate and the mean residual; a
@@ -58,16 +63,22 @@ REPLICATE = HardwareProfile("calibrate-replicate", 1e6, 1e15, 1e-9)
 
 
 def layer_runs(comm, cfg) -> list[dict[str, Any]]:
-    """Every rank (``comm`` of W ranks, ``cfg`` a ``CalibrateConfig``): the runs of the module
-    doc, one record each (tokens, routing, strategy, step_s, replicas, counts_WN); the same on
-    all ranks. The runs are interleaved step by step (one step of each, ``warmup + repeats``
-    times), so a change of load on a shared machine reaches them all alike."""
+    """Every rank (``comm`` of W ranks, or None on one rank without a process group; ``cfg`` a
+    ``CalibrateConfig``): the runs of the module doc, one record each (tokens, routing, strategy,
+    step_s, replicas, counts_WN); the same on all ranks. The runs are interleaved step by step
+    (one step of each, ``warmup + repeats`` times), so a change of load on a shared machine
+    reaches them all alike."""
     from mixmoe.bench.layer import LayerBenchConfig, _inputs, build_layer
     from mixmoe.bench.timing import StageTimer
     from mixmoe.placement.profile_io import profile_record, save_profile
 
+    W, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
     tokens = sorted(cfg.layer_tokens)
-    runs = [(T, "uniform", "a2a") for T in tokens] + [(tokens[-1], HOT, s) for s in ("a2a", "mix")]
+    if W == 1:
+        runs = [(T, "uniform", "local") for T in tokens]
+    else:
+        runs = [(T, "uniform", "a2a") for T in tokens]
+        runs += [(tokens[-1], HOT, s) for s in ("a2a", "mix")]
     dtype = "float32" if cfg.device == "cpu" else "bfloat16"
     device = torch.device(cfg.device)
     steps = []
@@ -85,21 +96,25 @@ def layer_runs(comm, cfg) -> list[dict[str, Any]]:
                 device=cfg.device,
                 routing=routing,
                 strategies=(strategy,),
-                world_size=comm.world_size,
+                world_size=W,
                 profile=str(forced),
             )
-            x_TD, dy_TD, ids_TK = _inputs(bench, comm.rank)
+            x_TD, dy_TD, ids_TK = _inputs(bench, rank)
             layer = build_layer(bench, strategy, ids_TK, comm)
             with torch.no_grad():
                 counts_N = layer(x_TD)[1].counts_N.to(torch.int64)
-            counts_WN = comm.all_gather_rows(counts_N).cpu().tolist()
+            if comm is None:
+                counts_WN = [counts_N.cpu().tolist()]
+            else:
+                counts_WN = comm.all_gather_rows(counts_N).cpu().tolist()
             opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
             steps.append((layer, opt, x_TD, dy_TD, counts_WN))
     times = torch.zeros(len(runs), cfg.warmup + cfg.repeats, dtype=torch.float64)
     replicas = [0] * len(runs)
     for i in range(cfg.warmup + cfg.repeats):
         for j, (layer, opt, x_TD, dy_TD, _) in enumerate(steps):
-            comm.barrier()
+            if comm is not None:
+                comm.barrier()
             timer = StageTimer(device)
             timer.mark()
             y_TD, aux = layer(x_TD)
@@ -109,7 +124,8 @@ def layer_runs(comm, cfg) -> list[dict[str, Any]]:
             timer.mark()
             times[j, i] = timer.elapsed_ms()[0] / 1e3
             replicas[j] = int((aux.stats or {}).get("replicas", 0))
-    times = comm.all_reduce_max(times.to(device)).cpu()  # a step takes as long as its slowest rank
+    if comm is not None:  # a step takes as long as its slowest rank
+        times = comm.all_reduce_max(times.to(device)).cpu()
     return [
         {
             "tokens": T,
@@ -127,10 +143,10 @@ def _loads(run: dict[str, Any], shape: LayerShape, base: HardwareProfile):
     """(loads_4W, overlap) of a run: its plan recomputed from its counts (deterministic), with
     the layer configuration ``bench layer`` ran (``LayerBenchConfig.moe_config``)."""
     from mixmoe.config import MoEConfig
-    from mixmoe.dispatch.strategies import strategy_spec
+    from mixmoe.dispatch.strategies import planning_spec
 
     C_WN = counts_as_tensor(run["counts_WN"], shape)
-    spec = strategy_spec(run["strategy"])
+    spec = planning_spec(run["strategy"], shape.world_size)
     config = MoEConfig(
         model_dim=shape.model_dim,
         hidden_dim=shape.hidden_dim,
@@ -160,7 +176,7 @@ def fit_fixed_costs(
     t_gemm = shape.flops_per_row / base.gemm_flops  # seconds per row of the sweep's GEMM rate
     xs, ys = [], []
     for i, r in enumerate(runs):
-        if r["strategy"] == "a2a" and r["routing"] == "uniform":
+        if r["strategy"] in ("a2a", "local") and r["routing"] == "uniform":
             pred, b = _step(loads[i][0], shape, base, loads[i][1])
             rows_b = float(loads[i][0][0, b])
             xs.append(rows_b)
@@ -181,7 +197,7 @@ def fit_fixed_costs(
     record = {
         "method": (
             "step_fixed_s, per-row seconds: least-squares line of (measured step - the base "
-            f"model's communication) against rows at the slowest rank over a2a uniform runs "
+            f"model's communication) against rows at the slowest rank over a2a (local) uniform runs "
             f"({how}); replica_fixed_s: {rep_how}"
         ),
         "gemm_flops_sweep": base.gemm_flops,

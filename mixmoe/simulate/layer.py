@@ -4,7 +4,9 @@ Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN [W, N] (C[s,
 routes to expert g).
 
 For each strategy (``a2a``, ``shadow``, ``mix``) the plan is the one the layer would run: the
-strategy's planner and overlap flag from ``mixmoe.dispatch.strategies.STRATEGY_SPECS``. Every
+strategy's planner and overlap flag from ``mixmoe.dispatch.strategies.STRATEGY_SPECS``; at W = 1
+``local`` (every expert on the one device: nothing moves, ``planning_spec``) prices the one-device
+step (expert compute and the fixed costs; no communication). Every
 second comes from ``StepModel.seconds_W`` (``mixmoe.placement.cost_model``); nothing is
 re-derived here. The per-rank breakdown is read off the same function with the terms switched on
 one at a time:
@@ -54,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from mixmoe.config import MoEConfig
-from mixmoe.dispatch.strategies import strategy_spec
+from mixmoe.dispatch.strategies import planning_spec
 from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
 from mixmoe.placement.profile import HardwareProfile
 
@@ -150,7 +152,7 @@ def predict_layer(
     )
     out = {}
     for name in strategies:
-        spec = strategy_spec(name)
+        spec = planning_spec(name, shape.world_size)
         plan = spec.planner(C_WN, shape, profile, config)
         loads_4W = plan_loads(C_WN, plan.replicas, shape.experts_per_rank)
         any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())

@@ -9,6 +9,12 @@ planners) and append one JSON line per (case, strategy): the case, the measured 
 first forward's count matrix, the replicas the run used, the profile, ``uptime`` before and
 after. Run it on a quiet machine: the records say how busy it was.
 
+One-device cases (``world_size=1``: a one-GPU machine, or one CPU process) calibrate one rank
+(``mixmoe calibrate --world-size 1``: GEMM sweep and ``local`` layer runs measured, the link
+figures a preset's) and run ``bench layer --world-size 1`` (strategy ``local``) in this process
+on the case's ``device`` (float32 on CPU, bfloat16 on CUDA, as calibrate); the prediction is
+the simulator's ``local`` step (expert compute and the fixed costs, no communication).
+
 ``compare`` re-predicts every record from its stored counts and profile (no timing) and returns
 one row per (case, strategy) with the relative error of the step time and, per case, the error
 of the predicted speedup ratios mix/a2a and shadow/a2a in points (100 x |pred - meas|), under
@@ -19,6 +25,7 @@ cores the ranks shared (``processors``), under processor sharing (``*_ps`` keys)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,7 +39,16 @@ from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.simulate.layer import STRATEGIES, predict_layer
 
-__all__ = ["DEFAULT_CASES", "ValidationCase", "compare", "measure", "read_records", "summarize"]
+__all__ = [
+    "DEFAULT_CASES",
+    "ONE_DEVICE_CASES",
+    "ValidationCase",
+    "cases_for",
+    "compare",
+    "measure",
+    "read_records",
+    "summarize",
+]
 
 KIND = "simulator_validation"
 
@@ -47,12 +63,24 @@ class ValidationCase:
     routing: str
     top_k: int = 2
     max_replicas: int = 4
+    device: str = "cpu"
 
     def label(self) -> str:
+        where = "" if self.device == "cpu" else f" {self.device}"
         return (
             f"W={self.world_size} D={self.model_dim} F={self.hidden_size} T={self.tokens} "
-            f"E={self.experts_per_rank} {self.routing}"
+            f"E={self.experts_per_rank} {self.routing}{where}"
         )
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """What ``bench layer`` runs for the case: local on one rank, else a2a, shadow, mix."""
+        return ("local",) if self.world_size == 1 else STRATEGIES
+
+    @property
+    def dtype(self) -> str:
+        """The dtype calibrate and the benchmark use on the case's device."""
+        return "float32" if self.device == "cpu" else "bfloat16"
 
 
 SHAPES = ((128, 512, 1024, 4), (256, 1024, 512, 2))  # (D, F, T, E): two small shapes
@@ -63,6 +91,30 @@ DEFAULT_CASES = tuple(
     for D, F, T, E in SHAPES
     for routing in ROUTINGS
 )
+# one device (``--validate-world 1``): the two shapes under uniform routing
+ONE_DEVICE_CASES = tuple(ValidationCase(1, D, F, T, E, "uniform") for D, F, T, E in SHAPES)
+
+
+def cases_for(worlds: Iterable[int], device: str = "cpu") -> tuple[ValidationCase, ...]:
+    """The default cases of the given W (1: ``ONE_DEVICE_CASES`` on ``device``; W >= 2 run on
+    spawned gloo ranks, so only on CPU)."""
+    worlds = tuple(worlds)
+    if device != "cpu" and any(W != 1 for W in worlds):
+        raise ValueError(
+            f"cases on {device} run on one rank only (W >= 2 spawns gloo CPU ranks); measure "
+            f"W={[W for W in worlds if W != 1]} with --device cpu"
+        )
+    out = []
+    for W in worlds:
+        if W == 1:
+            out += [dataclasses.replace(c, device=device) for c in ONE_DEVICE_CASES]
+        elif W >= 2:
+            out += [c for c in DEFAULT_CASES if c.world_size == W] or [
+                dataclasses.replace(c, world_size=W) for c in DEFAULT_CASES if c.world_size == 2
+            ]
+        else:
+            raise ValueError(f"validation world sizes must be >= 1, got {W}")
+    return tuple(out)
 
 
 def _uptime() -> str:
@@ -70,6 +122,18 @@ def _uptime() -> str:
         return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def _one_thread(fn, *args):
+    """``fn(*args)`` with one torch thread (as every spawned rank runs), restoring the count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure(
@@ -83,7 +147,7 @@ def measure(
 ) -> Path:
     """Calibrate per W, then run every case; appends records to ``out_path`` (see module doc)."""
     from mixmoe.bench.calibrate import CalibrateConfig, calibrate
-    from mixmoe.bench.layer import LayerBenchConfig
+    from mixmoe.bench.layer import LayerBenchConfig, run_rank
     from mixmoe.bench.multiprocess import run_distributed
     from mixmoe.bench.timing import median
     from mixmoe.placement.profile_io import profile_record, save_profile
@@ -102,10 +166,12 @@ def measure(
                 world_size=case.world_size,
                 repeats=calibrate_repeats,
                 warmup=2,
-                name=f"calibrated-gloo-w{case.world_size}",
+                device=case.device,
+                name=f"calibrated-{'gloo' if case.device == 'cpu' else case.device}-w"
+                f"{case.world_size}",
             )
             cal_uptime = _uptime()
-            profile, _ = calibrate(cal)
+            profile, _ = _one_thread(calibrate, cal) if case.world_size == 1 else calibrate(cal)
             path = os.path.join(tmp, f"case{i}.json")
             save_profile(path, profile_record(profile, source=cal_uptime, measured=True))
             bench = LayerBenchConfig(
@@ -117,13 +183,18 @@ def measure(
                 steps=steps,
                 warmup=warmup,
                 routing=case.routing,
-                strategies=STRATEGIES,
+                strategies=case.strategies,
                 world_size=case.world_size,
                 threads=1,
                 profile=path,
+                device=case.device,
+                dtype=case.dtype,
             )
             before = _uptime()
-            results = run_distributed(bench)
+            if case.world_size == 1:  # in this process, as `bench layer --world-size 1`
+                results = _one_thread(run_rank, bench)
+            else:
+                results = run_distributed(bench)
             after = _uptime()
             m = slice(warmup, None)
             with open(out, "a") as f:
@@ -200,7 +271,7 @@ def compare(
             hidden_dim=case.hidden_size,
             experts_per_rank=case.experts_per_rank,
             world_size=case.world_size,
-            bytes_per_element=4,
+            bytes_per_element=4 if case.device == "cpu" else 2,
         )
         profile = HardwareProfile(**first["profile"])
         kw: dict[str, Any] = dict(

@@ -97,7 +97,7 @@ def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> Non
 
 def test_calibrate_bad_input(capsys) -> None:
     assert "rows needs at least two" in _error(capsys, ["calibrate", "--rows", "64"])
-    assert "world_size must be >= 2" in _error(capsys, ["calibrate", "--world-size", "1"])
+    assert "world_size must be >= 1" in _error(capsys, ["calibrate", "--world-size", "0"])
     assert "layer_tokens needs at least two distinct" in _error(
         capsys, ["calibrate", "--layer-tokens", "64"]
     )

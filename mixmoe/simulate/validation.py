@@ -124,14 +124,17 @@ def _uptime() -> str:
         return "unknown"
 
 
-def _one_thread(fn, *args):
-    """``fn(*args)`` with one torch thread (as every spawned rank runs), restoring the count."""
+def _one_thread(fn, cfg):
+    """``fn(cfg)`` on CPU with one torch thread (as every spawned rank runs; the count is
+    restored after); on another device as is."""
     import torch
 
+    if cfg.device != "cpu":
+        return fn(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return fn(*args)
+        return fn(cfg)
     finally:
         torch.set_num_threads(threads)
 

@@ -21,7 +21,8 @@ Legend: E experts, R rows per expert, D model dim, F expert hidden dim, W ranks.
    ``measurements`` records which method gave the numbers.
 3. The fixed costs (``step_fixed_s``, ``row_overhead_s``, ``replica_fixed_s``): a fit to short
    runs of the real layer at ``layer_tokens`` tokens per rank (``mixmoe.bench.calibrate_layer``;
-   ``layer_tokens=()`` skips it and leaves them 0.0).
+   ``layer_tokens=()`` skips it and leaves them 0.0); with ``processors`` (ranks sharing that
+   many cores) the fit aggregates ranks as ``simulate --processors`` does.
 
 One rank (``world_size=1``: a one-GPU machine, or one CPU process; no process group, also when
 torchrun launched one process). The GEMM sweep and the fixed-cost fit (``local`` layer runs:
@@ -67,7 +68,8 @@ class CalibrateConfig:
     distinct sizes, or () to skip the fit and leave them 0.0); links: on one rank
     (world_size=1), the preset whose link figures (and replica_fixed_s) the profile takes, not
     measured ("": ``gpu`` on CUDA, ``cpu`` on CPU); with world_size >= 2 the links are measured
-    and ``links`` must stay ""."""
+    and ``links`` must stay ""; processors: the cores the ranks share (None: a core per rank),
+    the fixed costs then fitted under the simulator's processor-sharing aggregation."""
 
     model_dim: int = 256
     hidden_size: int = 1024
@@ -82,6 +84,7 @@ class CalibrateConfig:
     device: str = "cpu"
     name: str = "calibrated"
     links: str = ""
+    processors: int | None = None
 
     def __post_init__(self) -> None:
         for name, lo in (
@@ -119,6 +122,8 @@ class CalibrateConfig:
                 f"measured; on {self.world_size} ranks the all_to_all sweep measures it: drop "
                 "--links"
             )
+        if self.processors is not None:
+            check_int("processors", self.processors, 1)
         if self.links and self.links not in PRESETS:
             raise ValueError(
                 f"links={self.links!r} is not a preset; use one of {', '.join(PRESETS)}"
@@ -308,7 +313,7 @@ def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[st
             world_size=cfg.world_size,
             bytes_per_element=4 if cfg.device == "cpu" else 2,
         )
-        profile, fixed = fit_fixed_costs(profile, runs, shape)
+        profile, fixed = fit_fixed_costs(profile, runs, shape, cfg.processors)
     if not a2a:  # nothing replicated on one rank: the preset's figure, not measured
         replica = PRESETS[links_preset(cfg)].profile.replica_fixed_s
         profile = dataclasses.replace(profile, replica_fixed_s=replica)

@@ -38,7 +38,14 @@ every run; b is the rank it finds slowest.
   beyond its bytes on the link: packing, the replica slots' extra work item, the gradient return
   and its reduction, and, where ranks share cores, the balance replication does not buy.
 
-``measurements["fixed_costs"]`` keeps every run, the method and the fit.
+Under ``processors=P`` (``mixmoe calibrate --processors P``: the W ranks share P cores) every
+predicted step above (the communication at b, the bisection's mix and a2a) is aggregated by
+processor sharing, the simulator's ``aggregate_ranks_s`` (what ``simulate --processors P``
+predicts with), instead of the max over ranks: the fit then does not put the core sharing into
+``replica_fixed_s``. Use such a profile with ``--processors P``.
+
+``measurements["fixed_costs"]`` keeps every run (with its counts), the base profile, the
+aggregation, the method and the fit: ``fit_fixed_costs`` can be redone from it alone.
 """
 
 from __future__ import annotations
@@ -158,26 +165,48 @@ def _loads(run: dict[str, Any], shape: LayerShape, base: HardwareProfile):
     return plan_loads(C_WN, plan.replicas, shape.experts_per_rank), spec.overlap
 
 
-def _step(loads_4W: torch.Tensor, shape: LayerShape, profile: HardwareProfile, overlap: bool):
-    """The cost model's step (max over ranks) and its slowest rank."""
+def _step(
+    loads_4W: torch.Tensor,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    overlap: bool,
+    processors: int | None = None,
+):
+    """The cost model's step and its slowest rank: the max over ranks, or, given the cores the
+    ranks share, the simulator's processor-sharing aggregation (``aggregate_ranks_s``)."""
+    from mixmoe.simulate.layer import aggregate_ranks_s
+
     any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
     compute, comm = StepModel(shape, profile, overlap).seconds_W(loads_4W, any_remote, any_hot)
     total = compute + comm
-    return float(total.max()), int(total.argmax())
+    return aggregate_ranks_s(total, processors), int(total.argmax())
 
 
 def fit_fixed_costs(
-    base: HardwareProfile, runs: list[dict[str, Any]], shape: LayerShape
+    base: HardwareProfile,
+    runs: list[dict[str, Any]],
+    shape: LayerShape,
+    processors: int | None = None,
 ) -> tuple[HardwareProfile, dict[str, Any]]:
     """``base`` with the fixed costs fitted to ``runs`` (``layer_runs``; see the module doc), and
     the fit's record (per run: measured, predicted before and after, rows and replicas per
-    rank). ``shape``: the runs' layer (its bytes_per_element as run)."""
+    rank, its counts). ``shape``: the runs' layer (its bytes_per_element as run).
+    ``processors``: the cores the ranks shared; every predicted step of the fit is then
+    aggregated by processor sharing (``mixmoe.simulate.layer.aggregate_ranks_s``, what
+    ``simulate --processors`` predicts with) instead of the max over ranks."""
+    if processors is not None and (
+        isinstance(processors, bool) or not isinstance(processors, int) or processors < 1
+    ):
+        raise ValueError(
+            f"processors must be an int >= 1 (the cores the ranks share), got {processors!r}"
+        )
+    P = processors
     loads = [_loads(r, shape, base) for r in runs]
     t_gemm = shape.flops_per_row / base.gemm_flops  # seconds per row of the sweep's GEMM rate
     xs, ys = [], []
     for i, r in enumerate(runs):
         if r["strategy"] in ("a2a", "local") and r["routing"] == "uniform":
-            pred, b = _step(loads[i][0], shape, base, loads[i][1])
+            pred, b = _step(loads[i][0], shape, base, loads[i][1], P)
             rows_b = float(loads[i][0][0, b])
             xs.append(rows_b)
             ys.append(r["step_s"] - (pred - rows_b * t_gemm))  # measured minus communication
@@ -192,10 +221,16 @@ def fit_fixed_costs(
         gemm = shape.flops_per_row / t_row
         fitted = dataclasses.replace(base, gemm_flops=gemm, step_fixed_s=fixed)
         how += "; the per-row slope beat the sweep's rate: gemm_flops = flops_per_row / slope"
-    replica, rep_how = _solve_replica(fitted, runs, loads, shape)
+    replica, rep_how = _solve_replica(fitted, runs, loads, shape, P)
     fitted = dataclasses.replace(fitted, replica_fixed_s=replica)
+    aggregation = (
+        "the max over ranks"
+        if P is None or P >= shape.world_size
+        else f"processor sharing of {P} cores (simulate --processors {P})"
+    )
     record = {
         "method": (
+            f"every predicted step aggregated by {aggregation}; "
             "step_fixed_s, per-row seconds: least-squares line of (measured step - the base "
             f"model's communication) against rows at the slowest rank over a2a (local) uniform runs "
             f"({how}); replica_fixed_s: {rep_how}"
@@ -205,11 +240,13 @@ def fit_fixed_costs(
         "step_fixed_s": fitted.step_fixed_s,
         "row_overhead_s": fitted.row_overhead_s,
         "replica_fixed_s": replica,
+        "processors": P,
+        "base_profile": dataclasses.asdict(base),  # what an offline re-fit starts from
         "runs": [
             {
-                **{k: v for k, v in r.items() if k != "counts_WN"},
-                "predicted_base_s": _step(ld, shape, base, ov)[0],
-                "predicted_s": _step(ld, shape, fitted, ov)[0],
+                **r,  # counts_WN included: the fit can be redone from the record alone
+                "predicted_base_s": _step(ld, shape, base, ov, P)[0],
+                "predicted_s": _step(ld, shape, fitted, ov, P)[0],
                 "rows_W": [int(v) for v in ld[0].tolist()],
                 "replica_W": [int(v) for v in ld[3].tolist()],
             }
@@ -236,7 +273,11 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float, str]:
 
 
 def _solve_replica(
-    profile: HardwareProfile, runs: list[dict[str, Any]], loads: list, shape: LayerShape
+    profile: HardwareProfile,
+    runs: list[dict[str, Any]],
+    loads: list,
+    shape: LayerShape,
+    processors: int | None = None,
 ) -> tuple[float, str]:
     """The replica_fixed_s >= 0 at which the model's mix - a2a difference on the skewed pair of
     runs (same counts) equals the measured one: the planner's decision is a comparison, so the
@@ -245,12 +286,13 @@ def _solve_replica(
     by = {r["strategy"]: i for i, r in enumerate(runs) if r["routing"] == HOT}
     if set(by) != {"a2a", "mix"} or not bool(loads[by["mix"]][0][3].any()):
         return 0.0, "0: no replicated run"
-    a2a_s = _step(loads[by["a2a"]][0], shape, profile, loads[by["a2a"]][1])[0]
+    a2a_s = _step(loads[by["a2a"]][0], shape, profile, loads[by["a2a"]][1], processors)[0]
     target = a2a_s + runs[by["mix"]]["step_s"] - runs[by["a2a"]]["step_s"]
     mix_4W, overlap = loads[by["mix"]]
 
-    def step(kappa: float) -> float:
-        return _step(mix_4W, shape, dataclasses.replace(profile, replica_fixed_s=kappa), overlap)[0]
+    def step(kappa: float) -> float:  # non-decreasing in kappa (max or processor sharing)
+        fitted = dataclasses.replace(profile, replica_fixed_s=kappa)
+        return _step(mix_4W, shape, fitted, overlap, processors)[0]
 
     how = "bisection: the model's mix - a2a equals the measured mix - a2a on the skewed runs"
     if step(0.0) >= target:

@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens per rank of the layer runs the fixed costs are fitted to (comma list; '' "
         "skips the fit: fixed costs 0.0)",
     )
+    p.add_argument(
+        "--processors",
+        type=int,
+        default=None,
+        help="the ranks share this many cores (gloo ranks on a CPU host with fewer cores than "
+        "ranks): fit the fixed costs under the processor sharing of simulate --processors "
+        "(then predict with --processors too)",
+    )
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed repeats (median)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed repeats first")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
@@ -85,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         rows=args.rows,
         world_size=world,
         links=args.links,
+        processors=args.processors,
         a2a_bytes=args.a2a_bytes,
         layer_tokens=args.layer_tokens,
         repeats=args.repeats,

@@ -272,7 +272,8 @@ def _validate(args: argparse.Namespace) -> int:
     from mixmoe.simulate.validation import cases_for, compare, measure, read_records, summarize
 
     if args.remeasure:
-        measure(args.validate, cases_for(args.validate_world, args.device))
+        cases = cases_for(args.validate_world, args.device)
+        measure(args.validate, cases, processors=args.processors)
     rows = compare(read_records(args.validate), fixed_ms=args.fixed_ms, processors=args.processors)
     headers = [
         "case",
@@ -337,7 +338,9 @@ def _validate(args: argparse.Namespace) -> int:
             f"{100 * s['ps_step_error_median']:.1f}%, {s['ps_within_10pct']}/{s['cases']} within "
             f"10%; ratio error median {s['ps_ratio_error_median_points']:.1f} points, "
             f"{s['ps_ratios_within_5_points']}/{s['ratios']} within 5; fastest right in "
-            f"{s['ps_fastest_agree']}/{s['case_count']}"
+            f"{s['ps_fastest_agree']}/{s['case_count']}; fixed costs re-fitted under processor "
+            f"sharing in {s['ps_refit_cases']}/{s['case_count']} cases (the others keep the "
+            "stored profile: their records hold no calibration runs)"
         )
         for W, w in sorted(s["ps_by_world"].items()):
             print(

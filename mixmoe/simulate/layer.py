@@ -63,6 +63,7 @@ from mixmoe.placement.profile import HardwareProfile
 __all__ = [
     "STRATEGIES",
     "StrategyPrediction",
+    "aggregate_ranks_s",
     "predict_layer",
     "processor_sharing_s",
     "speedups",
@@ -110,6 +111,18 @@ def processor_sharing_s(work_W: torch.Tensor, processors: int) -> float:
         t += (w - done) / min(1.0, processors / (W - k))
         done = w
     return t
+
+
+def aggregate_ranks_s(seconds_W: torch.Tensor, processors: int | None = None) -> float:
+    """The step of W ranks that take ``seconds_W`` each (float64 [W], at the calibrated per-rank
+    rate): the max over ranks (a processor per rank: ``processors`` None or >= W), else the
+    processor-sharing finish time of W ranks on ``processors`` processors, the calibrated rate
+    being the all-busy share processors / W of a processor (module doc). The one aggregation
+    of the simulator and of the calibration's fit under ``--processors``."""
+    W = seconds_W.numel()
+    if processors is None or processors >= W:
+        return float(seconds_W.max())
+    return processor_sharing_s(seconds_W * (processors / W), processors)
 
 
 def predict_layer(
@@ -173,13 +186,8 @@ def predict_layer(
         fwd_W, bwd_W = compute_W / 3 + exposed_W / 2, compute_W * 2 / 3 + exposed_W / 2
         if shared:
             step, fwd, bwd = (float(v.mean()) for v in (total_W, fwd_W, bwd_W))
-        elif processors is not None and processors < shape.world_size:
-            share = processors / shape.world_size  # of a processor, every rank busy
-            step, fwd, bwd = (
-                processor_sharing_s(v * share, processors) for v in (total_W, fwd_W, bwd_W)
-            )
-        else:
-            fwd, bwd = float(fwd_W.max()), float(bwd_W.max())
+        else:  # the max over ranks, or processor sharing when ranks outnumber processors
+            step, fwd, bwd = (aggregate_ranks_s(v, processors) for v in (total_W, fwd_W, bwd_W))
         out[name] = StrategyPrediction(
             strategy=name,
             compute_W=_tuple(compute_W),

@@ -20,7 +20,11 @@ one row per (case, strategy) with the relative error of the step time and, per c
 of the predicted speedup ratios mix/a2a and shadow/a2a in points (100 x |pred - meas|), under
 the cost model's own aggregation (max over ranks: a processor per rank) and under ``shared``
 (mean over ranks: ranks sharing saturated cores; ``mixmoe.simulate.layer``) and, given the
-cores the ranks shared (``processors``), under processor sharing (``*_ps`` keys).
+cores the ranks shared (``processors``), under processor sharing (``*_ps`` keys). For the
+processor-sharing figures the fixed costs are fitted again under the same aggregation from the
+calibration runs a record stores (``calibration``: base profile and layer runs, kept since the
+fit under ``--processors`` exists; ``refit_ps`` says whether it was done); a record without
+them keeps its stored profile (fitted under the max over ranks).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ __all__ = [
     "compare",
     "measure",
     "read_records",
+    "refit_profile",
     "summarize",
 ]
 
@@ -146,9 +151,11 @@ def measure(
     steps: int = 8,
     warmup: int = 3,
     calibrate_repeats: int = 8,
+    processors: int | None = None,
     log=print,
 ) -> Path:
-    """Calibrate per W, then run every case; appends records to ``out_path`` (see module doc)."""
+    """Calibrate per W, then run every case; appends records to ``out_path`` (see module doc).
+    ``processors``: the cores the ranks share, given to the calibration's fixed-cost fit."""
     from mixmoe.bench.calibrate import CalibrateConfig, calibrate
     from mixmoe.bench.layer import LayerBenchConfig, run_rank
     from mixmoe.bench.multiprocess import run_distributed
@@ -170,11 +177,12 @@ def measure(
                 repeats=calibrate_repeats,
                 warmup=2,
                 device=case.device,
+                processors=processors,
                 name=f"calibrated-{'gloo' if case.device == 'cpu' else case.device}-w"
                 f"{case.world_size}",
             )
             cal_uptime = _uptime()
-            profile, _ = _one_thread(calibrate, cal) if case.world_size == 1 else calibrate(cal)
+            profile, cal_m = _one_thread(calibrate, cal) if case.world_size == 1 else calibrate(cal)
             path = os.path.join(tmp, f"case{i}.json")
             save_profile(path, profile_record(profile, source=cal_uptime, measured=True))
             bench = LayerBenchConfig(
@@ -214,6 +222,8 @@ def measure(
                         "replicas": int(r.stats.get("replicas", 0)),
                         "counts_WN": r.counts_WN,
                         "profile": asdict(profile),
+                        # the fit's inputs: compare re-fits them under --processors offline
+                        "calibration": _fit_inputs(cal_m["fixed_costs"]),
                         "uptime_calibrate": cal_uptime,
                         "uptime_before": before,
                         "uptime_after": after,
@@ -227,6 +237,36 @@ def measure(
                 + f" | {after}"
             )
     return out
+
+
+def _fit_inputs(fixed: dict[str, Any]) -> dict[str, Any] | None:
+    """What ``fit_fixed_costs`` needs to be redone: the base profile, the layer runs (with their
+    counts) and the aggregation they were fitted under (None when the fit was skipped)."""
+    if "runs" not in fixed:
+        return None
+    keep = ("tokens", "routing", "strategy", "step_s", "replicas", "counts_WN")
+    return {
+        "base_profile": fixed["base_profile"],
+        "processors": fixed["processors"],
+        "runs": [{k: r[k] for k in keep} for r in fixed["runs"]],
+    }
+
+
+def refit_profile(
+    rec: dict[str, Any], shape: LayerShape, processors: int | None
+) -> HardwareProfile | None:
+    """The record's profile with its fixed costs fitted again from the calibration runs it
+    stores, every prediction of the fit aggregated under ``processors`` (None: the max over
+    ranks); None when the record stores no calibration runs (records measured before they
+    were kept)."""
+    from mixmoe.bench.calibrate_layer import fit_fixed_costs
+
+    cal = rec.get("calibration")
+    if not cal:
+        return None
+    base = HardwareProfile(**cal["base_profile"])
+    fitted, _ = fit_fixed_costs(base, cal["runs"], shape, processors)
+    return dataclasses.replace(fitted, name=rec["profile"]["name"])
 
 
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -286,8 +326,12 @@ def compare(
         preds = predict_layer(first["counts_WN"], shape, profile, **kw)
         shared = predict_layer(first["counts_WN"], shape, profile, shared=True, **kw)
         pred_ps: dict[str, float] = {}
+        refit = None
         if processors is not None:
-            ps = predict_layer(first["counts_WN"], shape, profile, processors=processors, **kw)
+            # fitted under the same aggregation when the record keeps its calibration runs
+            refit = refit_profile(first, shape, processors)
+            ps_profile = profile if refit is None else refit
+            ps = predict_layer(first["counts_WN"], shape, ps_profile, processors=processors, **kw)
             pred_ps = {s: p.step_s * 1e3 for s, p in ps.items()}
         meas = {s: r["step_ms"] for s, r in recs.items()}
         pred = {s: p.step_s * 1e3 for s, p in preds.items()}
@@ -316,6 +360,7 @@ def compare(
                 )
             if pred_ps:
                 row["world_size"] = case.world_size
+                row["refit_ps"] = refit is not None
                 row["predicted_ps_ms"] = pred_ps[s]
                 row["error_ps"] = abs(pred_ps[s] - meas[s]) / meas[s]
                 if "ratio_measured" in row:
@@ -381,6 +426,7 @@ def _ps_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for c in by_case.values()
     )
     return {
+        "ps_refit_cases": len({r["case"] for r in rows if r["refit_ps"]}),
         "ps_step_error_median": statistics.median(errs),
         "ps_within_10pct": sum(e <= 0.10 for e in errs),
         "ps_ratio_error_median_points": statistics.median(ratio) if ratio else float("nan"),

@@ -90,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="ranks share this many cores (gloo ranks on a CPU host with fewer cores than "
         "ranks): processor sharing, a rank that waits gives its core to the others; also adds "
-        "its figures to --validate",
+        "its figures to --validate (records that store their calibration runs re-fitted under "
+        "it) and is given to --remeasure's calibration",
     )
     p.add_argument("--vs-world", type=_ints, default=(), help="sweep W (comma list)")
     p.add_argument("--vs-routing", type=_words, default=(), help="sweep the routing (comma list)")

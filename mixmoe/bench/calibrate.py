@@ -21,11 +21,23 @@ Legend: E experts, R rows per expert, D model dim, F expert hidden dim, W ranks.
    ``measurements`` records which method gave the numbers.
 3. The fixed costs (``step_fixed_s``, ``row_overhead_s``, ``replica_fixed_s``): a fit to short
    runs of the real layer at ``layer_tokens`` tokens per rank (``mixmoe.bench.calibrate_layer``;
-   ``layer_tokens=()`` skips it and leaves them 0.0).
+   ``layer_tokens=()`` skips it and leaves them 0.0); with ``processors`` (ranks sharing that
+   many cores) the fit aggregates ranks as ``simulate --processors`` does.
+
+One rank (``world_size=1``: a one-GPU machine, or one CPU process; no process group, also when
+torchrun launched one process). The GEMM sweep and the fixed-cost fit (``local`` layer runs:
+``step_fixed_s``, ``row_overhead_s``) are measured as above. A single rank has no link, so
+``link_bandwidth`` and ``link_latency`` are NOT measured: they are the figures of the preset
+named by ``links`` (default ``gpu`` on CUDA, ``cpu`` on CPU), and so is ``replica_fixed_s`` (one
+rank holds no replica). ``measurements["not_measured"]`` lists them and ``measurements["links"]``
+names the preset and its source; the CLI prints it. The profile then predicts one-device steps
+(``mixmoe simulate --world-size 1``) from measured figures; multi-rank predictions from it rest
+on the preset's link.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +47,14 @@ import torch.nn.functional as F
 
 from mixmoe.bench.timing import median
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.profile_io import PRESETS
 from mixmoe.validation import check_int
 
 __all__ = [
     "CalibrateConfig",
     "calibrate",
     "fit_line",
+    "links_preset",
     "measure_a2a",
     "measure_gemm",
     "measure_ranks",
@@ -51,7 +65,11 @@ __all__ = [
 class CalibrateConfig:
     """rows: rows per expert of the GEMM sweep; a2a_bytes: bytes each rank sends per all_to_all;
     layer_tokens: tokens per rank of the layer runs the fixed costs are fitted to (at least two
-    distinct sizes, or () to skip the fit and leave them 0.0)."""
+    distinct sizes, or () to skip the fit and leave them 0.0); links: on one rank
+    (world_size=1), the preset whose link figures (and replica_fixed_s) the profile takes, not
+    measured ("": ``gpu`` on CUDA, ``cpu`` on CPU); with world_size >= 2 the links are measured
+    and ``links`` must stay ""; processors: the cores the ranks share (None: a core per rank),
+    the fixed costs then fitted under the simulator's processor-sharing aggregation."""
 
     model_dim: int = 256
     hidden_size: int = 1024
@@ -65,13 +83,15 @@ class CalibrateConfig:
     threads: int = 1
     device: str = "cpu"
     name: str = "calibrated"
+    links: str = ""
+    processors: int | None = None
 
     def __post_init__(self) -> None:
         for name, lo in (
             ("model_dim", 1),
             ("hidden_size", 1),
             ("experts", 1),
-            ("world_size", 2),
+            ("world_size", 1),
             ("repeats", 1),
             ("warmup", 0),
             ("threads", 1),
@@ -96,6 +116,26 @@ class CalibrateConfig:
             )
         if not self.name:
             raise ValueError("name must be a non-empty string")
+        if self.links and self.world_size > 1:
+            raise ValueError(
+                f"links={self.links!r} is for one rank (world_size 1), where no link can be "
+                f"measured; on {self.world_size} ranks the all_to_all sweep measures it: drop "
+                "--links"
+            )
+        if self.processors is not None:
+            check_int("processors", self.processors, 1)
+        if self.links and self.links not in PRESETS:
+            raise ValueError(
+                f"links={self.links!r} is not a preset; use one of {', '.join(PRESETS)}"
+            )
+
+
+def links_preset(cfg: CalibrateConfig) -> str:
+    """The preset whose link figures a one-rank calibration takes: ``cfg.links``, else ``gpu``
+    on CUDA and ``cpu`` on CPU."""
+    if cfg.links:
+        return cfg.links
+    return "cpu" if torch.device(cfg.device).type == "cpu" else "gpu"
 
 
 def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
@@ -159,15 +199,18 @@ def _rank_sweeps(comm, cfg: CalibrateConfig) -> tuple[list[dict], list[dict], li
     """Every rank at once: the expert MLP sweep (each rank's times all-reduced to the slowest:
     the per-rank rate while W ranks share the machine, as in a W-rank benchmark), the
     all_to_all sweep, then the layer runs of the fixed-cost fit; every rank returns the same
-    figures."""
+    figures. ``comm`` None: one rank without a process group (no all_to_all sweep: [])."""
     gemm = measure_gemm(cfg)
-    device = torch.device(cfg.device)
-    times = torch.tensor([[p["fwd_s"], p["bwd_s"]] for p in gemm], dtype=torch.float64)
-    slowest = comm.all_reduce_max(times.to(device)).cpu().tolist()
-    for p, (f, b) in zip(gemm, slowest, strict=True):
-        p.update(fwd_s=f, bwd_s=b, fwd_flops=p["flops_fwd_bwd"] / 3 / f)
-        p["bwd_flops"] = p["flops_fwd_bwd"] * 2 / 3 / b
-    a2a = _a2a_rank(comm, cfg)
+    if comm is None:
+        a2a: list[dict] = []
+    else:
+        device = torch.device(cfg.device)
+        times = torch.tensor([[p["fwd_s"], p["bwd_s"]] for p in gemm], dtype=torch.float64)
+        slowest = comm.all_reduce_max(times.to(device)).cpu().tolist()
+        for p, (f, b) in zip(gemm, slowest, strict=True):
+            p.update(fwd_s=f, bwd_s=b, fwd_flops=p["flops_fwd_bwd"] / 3 / f)
+            p["bwd_flops"] = p["flops_fwd_bwd"] * 2 / 3 / b
+        a2a = _a2a_rank(comm, cfg)
     if not cfg.layer_tokens:
         return gemm, a2a, []
     from mixmoe.bench.calibrate_layer import layer_runs
@@ -204,7 +247,15 @@ def _a2a_rank(comm, cfg: CalibrateConfig) -> list[dict[str, float]]:
 
 def measure_ranks(cfg: CalibrateConfig, comm=None) -> tuple[list[dict], list[dict], list[dict]]:
     """(expert MLP sweep, all_to_all sweep, layer runs) measured on ``comm`` (torchrun's group)
-    or on W spawned gloo ranks (CPU), all ranks at once."""
+    or on W spawned gloo ranks (CPU), all ranks at once; on one rank (``cfg.world_size`` 1) in
+    this process on ``cfg.device``, without a process group (no all_to_all sweep)."""
+    W = cfg.world_size if comm is None else comm.world_size
+    if W != cfg.world_size:
+        raise ValueError(
+            f"world_size {cfg.world_size} but torchrun launched {W} ranks; give --world-size {W}"
+        )
+    if W == 1:
+        return _rank_sweeps(None, cfg)
     if comm is not None:
         return _rank_sweeps(comm, cfg)
     if cfg.device != "cpu":
@@ -232,6 +283,52 @@ def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[st
     gemm_method = "least-squares slope"
     if slope_g <= 0:  # a noisy machine: fall back to the mean rate over the sweep
         slope_g, gemm_method = sum(secs) / sum(flops), "mean rate (the fit's slope was <= 0)"
+    measurements: dict[str, Any] = {
+        "gemm": gemm,
+        "gemm_fit": {"intercept_s": icpt_g, "flops": 1.0 / slope_g, "method": gemm_method},
+        "all_to_all": a2a,
+    }
+    if a2a:
+        profile, measurements["a2a_fit"] = _fit_links(cfg.name, 1.0 / slope_g, a2a)
+    else:  # one rank: no link to measure; the preset's figures, said so
+        preset = links_preset(cfg)
+        links = PRESETS[preset].profile
+        profile = HardwareProfile(cfg.name, 1.0 / slope_g, links.link_bandwidth, links.link_latency)
+        measurements["a2a_fit"] = {
+            "bandwidth": links.link_bandwidth,
+            "intercept_s": links.link_latency,
+            "method": f"NOT MEASURED (one rank has no link): preset {preset!r}",
+        }
+        measurements["links"] = {"preset": preset, "source": PRESETS[preset].source}
+        measurements["not_measured"] = ["link_bandwidth", "link_latency", "replica_fixed_s"]
+    fixed: dict[str, Any] = {"method": "not fitted (layer_tokens=()): 0.0"}
+    if runs:
+        from mixmoe.bench.calibrate_layer import fit_fixed_costs
+        from mixmoe.placement.cost_model import LayerShape
+
+        shape = LayerShape(
+            model_dim=cfg.model_dim,
+            hidden_dim=cfg.hidden_size,
+            experts_per_rank=cfg.experts,
+            world_size=cfg.world_size,
+            bytes_per_element=4 if cfg.device == "cpu" else 2,
+        )
+        profile, fixed = fit_fixed_costs(profile, runs, shape, cfg.processors)
+    if not a2a:  # nothing replicated on one rank: the preset's figure, not measured
+        replica = PRESETS[links_preset(cfg)].profile.replica_fixed_s
+        profile = dataclasses.replace(profile, replica_fixed_s=replica)
+        fixed["replica_fixed_s"] = replica
+        fixed["method"] += (
+            f"; replica_fixed_s NOT MEASURED (one rank): preset {links_preset(cfg)!r}"
+        )
+    measurements["fixed_costs"] = fixed
+    return profile, measurements
+
+
+def _fit_links(
+    name: str, gemm_flops: float, a2a: list[dict[str, float]]
+) -> tuple[HardwareProfile, dict[str, Any]]:
+    """The profile with the link figures fitted to the all_to_all sweep, and the fit's record."""
     sent = [p["bytes_to_others"] for p in a2a]
     a2a_s = [p["s"] for p in a2a]
     lat, slope_a = fit_line(sent, a2a_s)
@@ -242,30 +339,10 @@ def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[st
         slope_a = max(a2a_s[i] - lat, a2a_s[i] / 2) / sent[i]
         a2a_method = "fallback: latency = fastest call, bandwidth at the largest size"
     lat_floor = min(a2a_s) / 2
-    profile = HardwareProfile(cfg.name, 1.0 / slope_g, 1.0 / slope_a, max(lat, lat_floor))
-    fixed: dict[str, Any] = {"method": "not fitted (layer_tokens=()): 0.0"}
-    if runs:
-        from mixmoe.bench.calibrate_layer import fit_fixed_costs
-        from mixmoe.placement.cost_model import LayerShape
-
-        shape = LayerShape(
-            model_dim=cfg.model_dim,
-            hidden_dim=cfg.hidden_size,
-            experts_per_rank=cfg.experts,
-            world_size=comm.world_size if comm is not None else cfg.world_size,
-            bytes_per_element=4 if cfg.device == "cpu" else 2,
-        )
-        profile, fixed = fit_fixed_costs(profile, runs, shape)
-    measurements = {
-        "gemm": gemm,
-        "gemm_fit": {"intercept_s": icpt_g, "flops": 1.0 / slope_g, "method": gemm_method},
-        "all_to_all": a2a,
-        "a2a_fit": {
-            "intercept_s": lat,
-            "bandwidth": 1.0 / slope_a,
-            "latency_floor_s": lat_floor,
-            "method": a2a_method,
-        },
-        "fixed_costs": fixed,
+    profile = HardwareProfile(name, gemm_flops, 1.0 / slope_a, max(lat, lat_floor))
+    return profile, {
+        "intercept_s": lat,
+        "bandwidth": 1.0 / slope_a,
+        "latency_floor_s": lat_floor,
+        "method": a2a_method,
     }
-    return profile, measurements

@@ -16,12 +16,17 @@ E:
    replicates (up to the layer's ``max_replicas`` per rank; the plan is recomputed here from the
    run's counts, the planner being deterministic).
 
+On one rank (W = 1, no process group: ``comm`` None) the runs are ``local`` under uniform routing
+at every T of ``layer_tokens`` (nothing moves, nothing is replicated): they give
+``step_fixed_s`` and the per-row figures; ``replica_fixed_s`` cannot be fitted there (0.0 from
+the fit; ``mixmoe.bench.calibrate`` takes it from the link preset and says so).
+
 Fit. With the base profile (the sweeps' three figures, fixed costs 0.0) the cost model predicts
 every run; b is the rank it finds slowest.
 
 - ``step_fixed_s`` and the seconds per row computed: intercept and slope of a least-squares line
   of (measured step - the model's communication at b) against rows computed at b over the uniform
-  ``a2a`` runs (balanced ranks: the max over ranks is then also the mean, whatever the host).
+  ``a2a`` (or ``local``) runs (balanced ranks: the max over ranks is then also the mean, whatever the host).
   ``row_overhead_s`` = slope - flops_per_row / gemm_flops; when the slope is below the sweep's
   GEMM seconds per row (a sweep slowed by noise), ``gemm_flops`` = flops_per_row / slope instead
   and ``row_overhead_s`` = 0. A negative slope: 0, the sweep's rate and the mean residual; a
@@ -33,7 +38,14 @@ every run; b is the rank it finds slowest.
   beyond its bytes on the link: packing, the replica slots' extra work item, the gradient return
   and its reduction, and, where ranks share cores, the balance replication does not buy.
 
-``measurements["fixed_costs"]`` keeps every run, the method and the fit.
+Under ``processors=P`` (``mixmoe calibrate --processors P``: the W ranks share P cores) every
+predicted step above (the communication at b, the bisection's mix and a2a) is aggregated by
+processor sharing, the simulator's ``aggregate_ranks_s`` (what ``simulate --processors P``
+predicts with), instead of the max over ranks: the fit then does not put the core sharing into
+``replica_fixed_s``. Use such a profile with ``--processors P``.
+
+``measurements["fixed_costs"]`` keeps every run (with its counts), the base profile, the
+aggregation, the method and the fit: ``fit_fixed_costs`` can be redone from it alone.
 """
 
 from __future__ import annotations
@@ -58,16 +70,22 @@ REPLICATE = HardwareProfile("calibrate-replicate", 1e6, 1e15, 1e-9)
 
 
 def layer_runs(comm, cfg) -> list[dict[str, Any]]:
-    """Every rank (``comm`` of W ranks, ``cfg`` a ``CalibrateConfig``): the runs of the module
-    doc, one record each (tokens, routing, strategy, step_s, replicas, counts_WN); the same on
-    all ranks. The runs are interleaved step by step (one step of each, ``warmup + repeats``
-    times), so a change of load on a shared machine reaches them all alike."""
+    """Every rank (``comm`` of W ranks, or None on one rank without a process group; ``cfg`` a
+    ``CalibrateConfig``): the runs of the module doc, one record each (tokens, routing, strategy,
+    step_s, replicas, counts_WN); the same on all ranks. The runs are interleaved step by step
+    (one step of each, ``warmup + repeats`` times), so a change of load on a shared machine
+    reaches them all alike."""
     from mixmoe.bench.layer import LayerBenchConfig, _inputs, build_layer
     from mixmoe.bench.timing import StageTimer
     from mixmoe.placement.profile_io import profile_record, save_profile
 
+    W, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
     tokens = sorted(cfg.layer_tokens)
-    runs = [(T, "uniform", "a2a") for T in tokens] + [(tokens[-1], HOT, s) for s in ("a2a", "mix")]
+    if W == 1:
+        runs = [(T, "uniform", "local") for T in tokens]
+    else:
+        runs = [(T, "uniform", "a2a") for T in tokens]
+        runs += [(tokens[-1], HOT, s) for s in ("a2a", "mix")]
     dtype = "float32" if cfg.device == "cpu" else "bfloat16"
     device = torch.device(cfg.device)
     steps = []
@@ -85,21 +103,25 @@ def layer_runs(comm, cfg) -> list[dict[str, Any]]:
                 device=cfg.device,
                 routing=routing,
                 strategies=(strategy,),
-                world_size=comm.world_size,
+                world_size=W,
                 profile=str(forced),
             )
-            x_TD, dy_TD, ids_TK = _inputs(bench, comm.rank)
+            x_TD, dy_TD, ids_TK = _inputs(bench, rank)
             layer = build_layer(bench, strategy, ids_TK, comm)
             with torch.no_grad():
                 counts_N = layer(x_TD)[1].counts_N.to(torch.int64)
-            counts_WN = comm.all_gather_rows(counts_N).cpu().tolist()
+            if comm is None:
+                counts_WN = [counts_N.cpu().tolist()]
+            else:
+                counts_WN = comm.all_gather_rows(counts_N).cpu().tolist()
             opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
             steps.append((layer, opt, x_TD, dy_TD, counts_WN))
     times = torch.zeros(len(runs), cfg.warmup + cfg.repeats, dtype=torch.float64)
     replicas = [0] * len(runs)
     for i in range(cfg.warmup + cfg.repeats):
         for j, (layer, opt, x_TD, dy_TD, _) in enumerate(steps):
-            comm.barrier()
+            if comm is not None:
+                comm.barrier()
             timer = StageTimer(device)
             timer.mark()
             y_TD, aux = layer(x_TD)
@@ -109,7 +131,8 @@ def layer_runs(comm, cfg) -> list[dict[str, Any]]:
             timer.mark()
             times[j, i] = timer.elapsed_ms()[0] / 1e3
             replicas[j] = int((aux.stats or {}).get("replicas", 0))
-    times = comm.all_reduce_max(times.to(device)).cpu()  # a step takes as long as its slowest rank
+    if comm is not None:  # a step takes as long as its slowest rank
+        times = comm.all_reduce_max(times.to(device)).cpu()
     return [
         {
             "tokens": T,
@@ -127,10 +150,10 @@ def _loads(run: dict[str, Any], shape: LayerShape, base: HardwareProfile):
     """(loads_4W, overlap) of a run: its plan recomputed from its counts (deterministic), with
     the layer configuration ``bench layer`` ran (``LayerBenchConfig.moe_config``)."""
     from mixmoe.config import MoEConfig
-    from mixmoe.dispatch.strategies import strategy_spec
+    from mixmoe.dispatch.strategies import planning_spec
 
     C_WN = counts_as_tensor(run["counts_WN"], shape)
-    spec = strategy_spec(run["strategy"])
+    spec = planning_spec(run["strategy"], shape.world_size)
     config = MoEConfig(
         model_dim=shape.model_dim,
         hidden_dim=shape.hidden_dim,
@@ -142,26 +165,48 @@ def _loads(run: dict[str, Any], shape: LayerShape, base: HardwareProfile):
     return plan_loads(C_WN, plan.replicas, shape.experts_per_rank), spec.overlap
 
 
-def _step(loads_4W: torch.Tensor, shape: LayerShape, profile: HardwareProfile, overlap: bool):
-    """The cost model's step (max over ranks) and its slowest rank."""
+def _step(
+    loads_4W: torch.Tensor,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    overlap: bool,
+    processors: int | None = None,
+):
+    """The cost model's step and its slowest rank: the max over ranks, or, given the cores the
+    ranks share, the simulator's processor-sharing aggregation (``aggregate_ranks_s``)."""
+    from mixmoe.simulate.layer import aggregate_ranks_s
+
     any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
     compute, comm = StepModel(shape, profile, overlap).seconds_W(loads_4W, any_remote, any_hot)
     total = compute + comm
-    return float(total.max()), int(total.argmax())
+    return aggregate_ranks_s(total, processors), int(total.argmax())
 
 
 def fit_fixed_costs(
-    base: HardwareProfile, runs: list[dict[str, Any]], shape: LayerShape
+    base: HardwareProfile,
+    runs: list[dict[str, Any]],
+    shape: LayerShape,
+    processors: int | None = None,
 ) -> tuple[HardwareProfile, dict[str, Any]]:
     """``base`` with the fixed costs fitted to ``runs`` (``layer_runs``; see the module doc), and
     the fit's record (per run: measured, predicted before and after, rows and replicas per
-    rank). ``shape``: the runs' layer (its bytes_per_element as run)."""
+    rank, its counts). ``shape``: the runs' layer (its bytes_per_element as run).
+    ``processors``: the cores the ranks shared; every predicted step of the fit is then
+    aggregated by processor sharing (``mixmoe.simulate.layer.aggregate_ranks_s``, what
+    ``simulate --processors`` predicts with) instead of the max over ranks."""
+    if processors is not None and (
+        isinstance(processors, bool) or not isinstance(processors, int) or processors < 1
+    ):
+        raise ValueError(
+            f"processors must be an int >= 1 (the cores the ranks share), got {processors!r}"
+        )
+    P = processors
     loads = [_loads(r, shape, base) for r in runs]
     t_gemm = shape.flops_per_row / base.gemm_flops  # seconds per row of the sweep's GEMM rate
     xs, ys = [], []
     for i, r in enumerate(runs):
-        if r["strategy"] == "a2a" and r["routing"] == "uniform":
-            pred, b = _step(loads[i][0], shape, base, loads[i][1])
+        if r["strategy"] in ("a2a", "local") and r["routing"] == "uniform":
+            pred, b = _step(loads[i][0], shape, base, loads[i][1], P)
             rows_b = float(loads[i][0][0, b])
             xs.append(rows_b)
             ys.append(r["step_s"] - (pred - rows_b * t_gemm))  # measured minus communication
@@ -176,12 +221,18 @@ def fit_fixed_costs(
         gemm = shape.flops_per_row / t_row
         fitted = dataclasses.replace(base, gemm_flops=gemm, step_fixed_s=fixed)
         how += "; the per-row slope beat the sweep's rate: gemm_flops = flops_per_row / slope"
-    replica, rep_how = _solve_replica(fitted, runs, loads, shape)
+    replica, rep_how = _solve_replica(fitted, runs, loads, shape, P)
     fitted = dataclasses.replace(fitted, replica_fixed_s=replica)
+    aggregation = (
+        "the max over ranks"
+        if P is None or P >= shape.world_size
+        else f"processor sharing of {P} cores (simulate --processors {P})"
+    )
     record = {
         "method": (
+            f"every predicted step aggregated by {aggregation}; "
             "step_fixed_s, per-row seconds: least-squares line of (measured step - the base "
-            f"model's communication) against rows at the slowest rank over a2a uniform runs "
+            f"model's communication) against rows at the slowest rank over a2a (local) uniform runs "
             f"({how}); replica_fixed_s: {rep_how}"
         ),
         "gemm_flops_sweep": base.gemm_flops,
@@ -189,11 +240,13 @@ def fit_fixed_costs(
         "step_fixed_s": fitted.step_fixed_s,
         "row_overhead_s": fitted.row_overhead_s,
         "replica_fixed_s": replica,
+        "processors": P,
+        "base_profile": dataclasses.asdict(base),  # what an offline re-fit starts from
         "runs": [
             {
-                **{k: v for k, v in r.items() if k != "counts_WN"},
-                "predicted_base_s": _step(ld, shape, base, ov)[0],
-                "predicted_s": _step(ld, shape, fitted, ov)[0],
+                **r,  # counts_WN included: the fit can be redone from the record alone
+                "predicted_base_s": _step(ld, shape, base, ov, P)[0],
+                "predicted_s": _step(ld, shape, fitted, ov, P)[0],
                 "rows_W": [int(v) for v in ld[0].tolist()],
                 "replica_W": [int(v) for v in ld[3].tolist()],
             }
@@ -220,7 +273,11 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float, str]:
 
 
 def _solve_replica(
-    profile: HardwareProfile, runs: list[dict[str, Any]], loads: list, shape: LayerShape
+    profile: HardwareProfile,
+    runs: list[dict[str, Any]],
+    loads: list,
+    shape: LayerShape,
+    processors: int | None = None,
 ) -> tuple[float, str]:
     """The replica_fixed_s >= 0 at which the model's mix - a2a difference on the skewed pair of
     runs (same counts) equals the measured one: the planner's decision is a comparison, so the
@@ -229,12 +286,13 @@ def _solve_replica(
     by = {r["strategy"]: i for i, r in enumerate(runs) if r["routing"] == HOT}
     if set(by) != {"a2a", "mix"} or not bool(loads[by["mix"]][0][3].any()):
         return 0.0, "0: no replicated run"
-    a2a_s = _step(loads[by["a2a"]][0], shape, profile, loads[by["a2a"]][1])[0]
+    a2a_s = _step(loads[by["a2a"]][0], shape, profile, loads[by["a2a"]][1], processors)[0]
     target = a2a_s + runs[by["mix"]]["step_s"] - runs[by["a2a"]]["step_s"]
     mix_4W, overlap = loads[by["mix"]]
 
-    def step(kappa: float) -> float:
-        return _step(mix_4W, shape, dataclasses.replace(profile, replica_fixed_s=kappa), overlap)[0]
+    def step(kappa: float) -> float:  # non-decreasing in kappa (max or processor sharing)
+        fitted = dataclasses.replace(profile, replica_fixed_s=kappa)
+        return _step(mix_4W, shape, fitted, overlap, processors)[0]
 
     how = "bisection: the model's mix - a2a equals the measured mix - a2a on the skewed runs"
     if step(0.0) >= target:

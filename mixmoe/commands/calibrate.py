@@ -3,12 +3,15 @@
 The JSON (``mixmoe.placement.profile_io``) is what every ``--profile`` flag and
 ``parallelize_moe(profile=load_profile(path))`` accept. Prints the sweeps and the fitted profile;
 the engine is ``mixmoe.bench.calibrate``. Under torchrun (NCCL on GPUs) the all_to_all sweep runs
-on the launched group, otherwise on ``--world-size`` spawned gloo CPU ranks.
+on the launched group, otherwise on ``--world-size`` spawned gloo CPU ranks. ``--world-size 1``
+(or torchrun with one process) calibrates one device in this process, without a process group:
+the link figures come from the ``--links`` preset and are printed and stored as NOT measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 
 from mixmoe.bench.calibrate import CalibrateConfig, calibrate
@@ -36,7 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rows", type=_ints, default=d.rows, help="rows per expert of the GEMM sweep (comma list)"
     )
     p.add_argument(
-        "--world-size", type=int, default=d.world_size, help="ranks of the all_to_all sweep"
+        "--world-size",
+        type=int,
+        default=None,
+        help=f"ranks of the all_to_all sweep (default: torchrun's, else {d.world_size}); 1: one "
+        "device, link figures from --links (not measured)",
+    )
+    p.add_argument(
+        "--links",
+        default="",
+        help="--world-size 1: the preset whose link figures (and replica_fixed_s) the profile "
+        "takes, NOT measured (default: gpu on cuda, cpu on cpu)",
     )
     p.add_argument(
         "--a2a-bytes",
@@ -51,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens per rank of the layer runs the fixed costs are fitted to (comma list; '' "
         "skips the fit: fixed costs 0.0)",
     )
+    p.add_argument(
+        "--processors",
+        type=int,
+        default=None,
+        help="the ranks share this many cores (gloo ranks on a CPU host with fewer cores than "
+        "ranks): fit the fixed costs under the processor sharing of simulate --processors "
+        "(then predict with --processors too)",
+    )
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed repeats (median)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed repeats first")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
@@ -60,12 +81,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
+    from mixmoe.bench.spawn import under_torchrun
+
+    world = args.world_size
+    if world is None:
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else CalibrateConfig.world_size
     return CalibrateConfig(
         model_dim=args.model_dim,
         hidden_size=args.hidden_size,
         experts=args.experts,
         rows=args.rows,
-        world_size=args.world_size,
+        world_size=world,
+        links=args.links,
+        processors=args.processors,
         a2a_bytes=args.a2a_bytes,
         layer_tokens=args.layer_tokens,
         repeats=args.repeats,
@@ -84,10 +112,15 @@ def run(args: argparse.Namespace) -> int:
     comm = None
     from mixmoe.bench.spawn import under_torchrun
 
-    if under_torchrun():  # its group
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:  # its group
         from mixmoe.comm import init_distributed
 
         comm = init_distributed("auto")
+    elif under_torchrun() and cfg.world_size != 1:
+        raise ValueError(
+            f"--world-size {cfg.world_size} but torchrun launched 1 rank; give --world-size 1"
+        )
+    # one rank (torchrun with one process included): no process group, the same code everywhere
     profile, measurements = calibrate(cfg, comm)
     if comm is not None and comm.rank != 0:
         return 0
@@ -108,21 +141,15 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     world = comm.world_size if comm is not None else cfg.world_size
-    print(f"\nall_to_all_single on {world} ranks")
-    print(
-        render_table(
-            ["bytes/rank", "to others", "ms", "GB/s"],
-            [
-                [
-                    p["bytes_per_rank"],
-                    p["bytes_to_others"],
-                    f"{p['s'] * 1e3:.3f}",
-                    f"{p['bytes_to_others'] / p['s'] / 1e9:.3f}",
-                ]
-                for p in measurements["all_to_all"]
-            ],
+    links = measurements.get("links")
+    if links is not None:
+        print(
+            f"\nall_to_all: NOT MEASURED (one rank has no link); link_bandwidth, link_latency and "
+            f"replica_fixed_s from preset {links['preset']!r}: {links['source']}"
         )
-    )
+    else:
+        print(f"\nall_to_all_single on {world} ranks")
+        _print_a2a(measurements)
     fit = measurements["fixed_costs"]
     if "runs" in fit:
         print(f"\nlayer runs for the fixed costs ({fit['method']})")
@@ -147,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
         f"measured by `mixmoe calibrate` on {platform.node() or 'this host'} ({cfg.device}, "
         f"{world} ranks, {cfg.threads} thread(s) per rank, torch {torch.__version__})"
     )
+    if links is not None:
+        source += (
+            f"; link_bandwidth, link_latency, replica_fixed_s NOT measured: preset "
+            f"{links['preset']!r}"
+        )
     record = profile_record(profile, source=source, measured=True, measurements=measurements)
     record["config"] = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     out = save_profile(args.out, record)
@@ -157,4 +189,25 @@ def run(args: argparse.Namespace) -> int:
         f"{profile.step_fixed_s * 1e3:.3f} ms, row_overhead = {profile.row_overhead_s * 1e6:.3f} "
         f"us, replica_fixed = {profile.replica_fixed_s * 1e3:.3f} ms -> {out}"
     )
+    if links is not None:
+        print(
+            f"not measured (preset {links['preset']!r}): {', '.join(measurements['not_measured'])}"
+        )
     return 0
+
+
+def _print_a2a(measurements: dict) -> None:
+    print(
+        render_table(
+            ["bytes/rank", "to others", "ms", "GB/s"],
+            [
+                [
+                    p["bytes_per_rank"],
+                    p["bytes_to_others"],
+                    f"{p['s'] * 1e3:.3f}",
+                    f"{p['bytes_to_others'] / p['s'] / 1e9:.3f}",
+                ]
+                for p in measurements["all_to_all"]
+            ],
+        )
+    )

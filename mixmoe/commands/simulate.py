@@ -62,7 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="preset (cpu, gpu, h100-nvlink, a100-nvlink, h100-pcie, a100-pcie, h100-ib, a100-ib,"
         " v100-pcie, v100-nvlink) or the JSON of `mixmoe calibrate`",
     )
-    p.add_argument("--strategy", type=_words, default=("a2a", "shadow", "mix"), help="strategies")
+    p.add_argument(
+        "--strategy",
+        type=_words,
+        default=(),
+        help="strategies (default a2a,shadow,mix; local at --world-size 1: one device, no "
+        "communication)",
+    )
     p.add_argument("--max-replicas", type=int, default=4, help="mix: replica slots per rank")
     p.add_argument(
         "--contiguous-experts",
@@ -84,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="ranks share this many cores (gloo ranks on a CPU host with fewer cores than "
         "ranks): processor sharing, a rank that waits gives its core to the others; also adds "
-        "its figures to --validate",
+        "its figures to --validate (records that store their calibration runs re-fitted under "
+        "it) and is given to --remeasure's calibration",
     )
     p.add_argument("--vs-world", type=_ints, default=(), help="sweep W (comma list)")
     p.add_argument("--vs-routing", type=_words, default=(), help="sweep the routing (comma list)")
@@ -128,6 +135,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --validate: first calibrate and measure on this machine (appends; minutes)",
     )
+    p.add_argument(
+        "--validate-world",
+        type=_ints,
+        default=(2, 4),
+        help="with --remeasure: the W of the cases to measure (comma list; 1: one device, "
+        "bench layer --world-size 1 against the simulator's local step)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="with --remeasure: cpu, or cuda for one-device cases (--validate-world 1)",
+    )
 
 
 def _shape(args: argparse.Namespace, world: int):
@@ -154,6 +173,13 @@ def _shape(args: argparse.Namespace, world: int):
     )
 
 
+def _strategies(args: argparse.Namespace, world: int) -> tuple[str, ...]:
+    """--strategy, or its default on ``world`` ranks: a2a, shadow, mix; local on one rank."""
+    if args.strategy:
+        return tuple(args.strategy)
+    return ("local",) if world == 1 else ("a2a", "shadow", "mix")
+
+
 def _mean_preds(args, shape, profile, routing: str):
     """Predictions averaged over the source's steps (per-rank detail of the first step)."""
     from mixmoe.simulate.layer import predict_layer
@@ -175,7 +201,7 @@ def _mean_preds(args, shape, profile, routing: str):
             profile,
             top_k=args.top_k,
             max_replicas=args.max_replicas,
-            strategies=args.strategy,
+            strategies=_strategies(args, shape.world_size),
             fixed_s=args.fixed_ms / 1e3,
             shared=args.shared_processors,
             processors=args.processors,
@@ -244,10 +270,11 @@ HEADERS = [
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from mixmoe.simulate.validation import compare, measure, read_records, summarize
+    from mixmoe.simulate.validation import cases_for, compare, measure, read_records, summarize
 
     if args.remeasure:
-        measure(args.validate)
+        cases = cases_for(args.validate_world, args.device)
+        measure(args.validate, cases, processors=args.processors)
     rows = compare(read_records(args.validate), fixed_ms=args.fixed_ms, processors=args.processors)
     headers = [
         "case",
@@ -312,7 +339,9 @@ def _validate(args: argparse.Namespace) -> int:
             f"{100 * s['ps_step_error_median']:.1f}%, {s['ps_within_10pct']}/{s['cases']} within "
             f"10%; ratio error median {s['ps_ratio_error_median_points']:.1f} points, "
             f"{s['ps_ratios_within_5_points']}/{s['ratios']} within 5; fastest right in "
-            f"{s['ps_fastest_agree']}/{s['case_count']}"
+            f"{s['ps_fastest_agree']}/{s['case_count']}; fixed costs re-fitted under processor "
+            f"sharing in {s['ps_refit_cases']}/{s['case_count']} cases (the others keep the "
+            "stored profile: their records hold no calibration runs)"
         )
         for W, w in sorted(s["ps_by_world"].items()):
             print(
@@ -441,7 +470,7 @@ def run(args: argparse.Namespace) -> int:
     source, measured = describe(args.profile)
     shape = _shape(args, args.world_size)
     t0 = time.perf_counter()
-    base = "a2a" if "a2a" in args.strategy else None
+    base = "a2a" if "a2a" in _strategies(args, shape.world_size) else None
     cells, records, first = [], [], None
     for routing in args.routing:
         preds = _mean_preds(args, shape, profile, routing)
@@ -492,7 +521,10 @@ def run(args: argparse.Namespace) -> int:
         print(
             render_table(
                 [label, *strategies],
-                [[x, *(_fmt_ms(got[(x, s)]) for s in strategies)] for x in xs],
+                [
+                    [x, *(_fmt_ms(got[(x, s)]) if (x, s) in got else "-" for s in strategies)]
+                    for x in xs
+                ],
                 markdown=args.markdown,
             )
         )

@@ -258,8 +258,8 @@ class ExpertParallelDispatcher:
             if not moving:
                 return x_RD[:0], None
             if self.spec.overlap:
-                return all_to_all_start(self.comm, x_RD, out_splits, in_splits)
-            return all_to_all(self.comm, x_RD, out_splits, in_splits), None
+                return all_to_all_start(self.comm, x_RD, out_splits, in_splits, (name, "exp"))
+            return all_to_all(self.comm, x_RD, out_splits, in_splits, (name, "exp")), None
 
     def _fetch(self, weights: ExpertWeights, plan: Plan, step: StepPlan, versions: list[int]):
         """Replica weights for this step (None if nothing is replicated) and whether the fetch

@@ -90,7 +90,8 @@ def fetch_replicas(
     """Packed replica rows [H, Q] on this rank (``cached_HQ`` when every rank agreed the cache is
     valid: nothing moves forward, gradients still go home in backward)."""
     send = pack_experts(owned, plan.send_local_ids)
-    return cached_all_to_all(comm, send, plan.out_splits, plan.in_splits, cached_HQ)
+    trace = ("moe.replica_fetch", "exp")  # the gradient return's span: moe.replica_fetch.backward
+    return cached_all_to_all(comm, send, plan.out_splits, plan.in_splits, cached_HQ, trace)
 
 
 def weights_version(weights: ExpertWeights) -> int:

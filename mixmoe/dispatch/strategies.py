@@ -53,6 +53,34 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
 }
 
 
+# ``local`` (W = 1, every expert on the one device) priced by the cost model: nothing moves,
+# nothing is replicated (``plan_none``'s loads). Not an expert-parallel strategy: the layer runs
+# it without a dispatcher, so it is not in STRATEGY_SPECS; the calibration and the simulator
+# price it through ``planning_spec``.
+LOCAL_SPEC = StrategySpec(
+    "local", lambda C, shape, prof, cfg: plan_none(C, shape, prof), False, False
+)
+
+
+def planning_spec(name: str, world_size: int) -> StrategySpec:
+    """The spec whose planner prices strategy ``name`` on ``world_size`` ranks: ``strategy_spec``
+    for a2a / shadow / mix (W >= 2), ``LOCAL_SPEC`` for ``local`` (W = 1 only)."""
+    if name == "local":
+        if world_size != 1:
+            raise ValueError(
+                f"strategy 'local' runs on one rank, got world_size {world_size}; use a2a, "
+                "shadow or mix on several ranks"
+            )
+        return LOCAL_SPEC
+    spec = strategy_spec(name)
+    if world_size == 1:
+        raise ValueError(
+            f"strategy {name!r} is expert-parallel and needs world_size >= 2; on one rank the "
+            "strategy is 'local'"
+        )
+    return spec
+
+
 def strategy_spec(name: str) -> StrategySpec:
     """The spec of an expert-parallel strategy; a clear error for anything else."""
     if name not in STRATEGY_SPECS:

@@ -4,7 +4,9 @@ Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN [W, N] (C[s,
 routes to expert g).
 
 For each strategy (``a2a``, ``shadow``, ``mix``) the plan is the one the layer would run: the
-strategy's planner and overlap flag from ``mixmoe.dispatch.strategies.STRATEGY_SPECS``. Every
+strategy's planner and overlap flag from ``mixmoe.dispatch.strategies.STRATEGY_SPECS``; at W = 1
+``local`` (every expert on the one device: nothing moves, ``planning_spec``) prices the one-device
+step (expert compute and the fixed costs; no communication). Every
 second comes from ``StepModel.seconds_W`` (``mixmoe.placement.cost_model``); nothing is
 re-derived here. The per-rank breakdown is read off the same function with the terms switched on
 one at a time:
@@ -54,13 +56,14 @@ from dataclasses import dataclass
 import torch
 
 from mixmoe.config import MoEConfig
-from mixmoe.dispatch.strategies import strategy_spec
+from mixmoe.dispatch.strategies import planning_spec
 from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
 from mixmoe.placement.profile import HardwareProfile
 
 __all__ = [
     "STRATEGIES",
     "StrategyPrediction",
+    "aggregate_ranks_s",
     "predict_layer",
     "processor_sharing_s",
     "speedups",
@@ -110,6 +113,18 @@ def processor_sharing_s(work_W: torch.Tensor, processors: int) -> float:
     return t
 
 
+def aggregate_ranks_s(seconds_W: torch.Tensor, processors: int | None = None) -> float:
+    """The step of W ranks that take ``seconds_W`` each (float64 [W], at the calibrated per-rank
+    rate): the max over ranks (a processor per rank: ``processors`` None or >= W), else the
+    processor-sharing finish time of W ranks on ``processors`` processors, the calibrated rate
+    being the all-busy share processors / W of a processor (module doc). The one aggregation
+    of the simulator and of the calibration's fit under ``--processors``."""
+    W = seconds_W.numel()
+    if processors is None or processors >= W:
+        return float(seconds_W.max())
+    return processor_sharing_s(seconds_W * (processors / W), processors)
+
+
 def predict_layer(
     counts_WN: object,
     shape: LayerShape,
@@ -150,7 +165,7 @@ def predict_layer(
     )
     out = {}
     for name in strategies:
-        spec = strategy_spec(name)
+        spec = planning_spec(name, shape.world_size)
         plan = spec.planner(C_WN, shape, profile, config)
         loads_4W = plan_loads(C_WN, plan.replicas, shape.experts_per_rank)
         any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
@@ -171,13 +186,8 @@ def predict_layer(
         fwd_W, bwd_W = compute_W / 3 + exposed_W / 2, compute_W * 2 / 3 + exposed_W / 2
         if shared:
             step, fwd, bwd = (float(v.mean()) for v in (total_W, fwd_W, bwd_W))
-        elif processors is not None and processors < shape.world_size:
-            share = processors / shape.world_size  # of a processor, every rank busy
-            step, fwd, bwd = (
-                processor_sharing_s(v * share, processors) for v in (total_W, fwd_W, bwd_W)
-            )
-        else:
-            fwd, bwd = float(fwd_W.max()), float(bwd_W.max())
+        else:  # the max over ranks, or processor sharing when ranks outnumber processors
+            step, fwd, bwd = (aggregate_ranks_s(v, processors) for v in (total_W, fwd_W, bwd_W))
         out[name] = StrategyPrediction(
             strategy=name,
             compute_W=_tuple(compute_W),

@@ -39,9 +39,16 @@ result:
   pipeline sends and the optimizer;
 - the trace's MoE all-to-alls are all of the layer's collectives: 4 token all-to-alls per layer
   step (dispatch and return, forward and backward, as the cost model prices them) plus the
-  replica exchanges. A trace with fewer (mixmoe's own recorder times the forward all-to-alls
-  only; the backward ones run inside ``backward_step``) keeps the unrecorded ones as measured
-  and gets them predicted again: the result says how many it found (``token_calls``).
+  replica exchanges (fetch and gradient return). mixmoe's layer records every one that runs,
+  the backward ones as ``NAME.backward`` spans inside ``backward_step`` (``mixmoe.comm.autograd``;
+  docs/formats.md section 3); all of them are subtracted. A trace with fewer token all-to-alls
+  gets the missing ones predicted anyway, and the result says how many it found
+  (``token_calls``, ``token_calls_note``): either they did not run (a layer whose input needs
+  no gradient, as in ``bench layer``, never runs the dispatch's backward) or the trace does not
+  record them (another producer, or a mixmoe trace written before the backward exchanges were
+  recorded: then they are also kept inside the measured ops, so counted twice);
+- an asynchronous exchange (``mix``'s token all-to-alls, forward and backward) is recorded by its
+  launch; the wait for it is spent in the ops around it and kept as measured.
 """
 
 from __future__ import annotations
@@ -153,8 +160,9 @@ class StrategyReplay:
     """One strategy's replay of one rank (milliseconds; module doc).
 
     layer_steps: MoE count exchanges of the rank (each one layer step); a2a_calls: its measured
-    MoE all-to-alls (token and replica), a2a_measured_ms their sum; token_calls: those of them
-    that are token exchanges (not ``moe.replica_fetch``; the model prices 4 per layer step);
+    MoE all-to-alls (token and replica, forward and backward), a2a_measured_ms their sum;
+    token_calls: those of them that are token exchanges (not ``moe.replica_fetch`` or its
+    ``.backward``; the model prices 4 per layer step);
     collective_ms: the predicted MoE collective time summed over the layer steps, wait_ms the
     part of it spent waiting for the slowest rank; replicas: replica copies the planner chose,
     summed over the layer steps; replayed_ms = iteration_ms - a2a_measured_ms + collective_ms."""
@@ -204,7 +212,7 @@ def replay_strategies(
         )
     a2a = [s for s in subs if _moe_all_to_all(s)]
     measured = sum(s.duration_ms for s in a2a)  # type: ignore[misc]
-    token_calls = sum(s.name != "moe.replica_fetch" for s in a2a)
+    token_calls = sum(not s.name.startswith("moe.replica_fetch") for s in a2a)
     r = rank % shape.world_size
     preds = [
         predict_layer(
@@ -253,7 +261,10 @@ def token_calls_note(r: StrategyReplay) -> str:
     return (
         f"note: rank {r.rank}'s trace holds {r.token_calls} MoE token all-to-alls for "
         f"{r.layer_steps} layer steps; the cost model prices {TOKEN_COLLECTIVES} per layer step "
-        f"(forward and backward); those not in the trace are kept inside the measured ops AND "
-        "predicted, so the replay counts them twice (mixmoe's recorder times the forward ones "
-        "only)"
+        "(dispatch and return, forward and backward) and predicts them all. mixmoe's layer "
+        "records every exchange that runs (backward ones as NAME.backward): fewer means some did "
+        "not run (an input that needs no gradient skips the dispatch's backward, as in bench "
+        "layer: the prediction includes one the run did not make), or, in a trace of another "
+        "producer or an older mixmoe, that they ran unrecorded: kept inside the measured ops AND "
+        "predicted, counted twice"
     )

@@ -9,16 +9,27 @@ planners) and append one JSON line per (case, strategy): the case, the measured 
 first forward's count matrix, the replicas the run used, the profile, ``uptime`` before and
 after. Run it on a quiet machine: the records say how busy it was.
 
+One-device cases (``world_size=1``: a one-GPU machine, or one CPU process) calibrate one rank
+(``mixmoe calibrate --world-size 1``: GEMM sweep and ``local`` layer runs measured, the link
+figures a preset's) and run ``bench layer --world-size 1`` (strategy ``local``) in this process
+on the case's ``device`` (float32 on CPU, bfloat16 on CUDA, as calibrate); the prediction is
+the simulator's ``local`` step (expert compute and the fixed costs, no communication).
+
 ``compare`` re-predicts every record from its stored counts and profile (no timing) and returns
 one row per (case, strategy) with the relative error of the step time and, per case, the error
 of the predicted speedup ratios mix/a2a and shadow/a2a in points (100 x |pred - meas|), under
 the cost model's own aggregation (max over ranks: a processor per rank) and under ``shared``
 (mean over ranks: ranks sharing saturated cores; ``mixmoe.simulate.layer``) and, given the
-cores the ranks shared (``processors``), under processor sharing (``*_ps`` keys).
+cores the ranks shared (``processors``), under processor sharing (``*_ps`` keys). For the
+processor-sharing figures the fixed costs are fitted again under the same aggregation from the
+calibration runs a record stores (``calibration``: base profile and layer runs, kept since the
+fit under ``--processors`` exists; ``refit_ps`` says whether it was done); a record without
+them keeps its stored profile (fitted under the max over ranks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,7 +43,17 @@ from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.simulate.layer import STRATEGIES, predict_layer
 
-__all__ = ["DEFAULT_CASES", "ValidationCase", "compare", "measure", "read_records", "summarize"]
+__all__ = [
+    "DEFAULT_CASES",
+    "ONE_DEVICE_CASES",
+    "ValidationCase",
+    "cases_for",
+    "compare",
+    "measure",
+    "read_records",
+    "refit_profile",
+    "summarize",
+]
 
 KIND = "simulator_validation"
 
@@ -47,12 +68,24 @@ class ValidationCase:
     routing: str
     top_k: int = 2
     max_replicas: int = 4
+    device: str = "cpu"
 
     def label(self) -> str:
+        where = "" if self.device == "cpu" else f" {self.device}"
         return (
             f"W={self.world_size} D={self.model_dim} F={self.hidden_size} T={self.tokens} "
-            f"E={self.experts_per_rank} {self.routing}"
+            f"E={self.experts_per_rank} {self.routing}{where}"
         )
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """What ``bench layer`` runs for the case: local on one rank, else a2a, shadow, mix."""
+        return ("local",) if self.world_size == 1 else STRATEGIES
+
+    @property
+    def dtype(self) -> str:
+        """The dtype calibrate and the benchmark use on the case's device."""
+        return "float32" if self.device == "cpu" else "bfloat16"
 
 
 SHAPES = ((128, 512, 1024, 4), (256, 1024, 512, 2))  # (D, F, T, E): two small shapes
@@ -63,6 +96,30 @@ DEFAULT_CASES = tuple(
     for D, F, T, E in SHAPES
     for routing in ROUTINGS
 )
+# one device (``--validate-world 1``): the two shapes under uniform routing
+ONE_DEVICE_CASES = tuple(ValidationCase(1, D, F, T, E, "uniform") for D, F, T, E in SHAPES)
+
+
+def cases_for(worlds: Iterable[int], device: str = "cpu") -> tuple[ValidationCase, ...]:
+    """The default cases of the given W (1: ``ONE_DEVICE_CASES`` on ``device``; W >= 2 run on
+    spawned gloo ranks, so only on CPU)."""
+    worlds = tuple(worlds)
+    if device != "cpu" and any(W != 1 for W in worlds):
+        raise ValueError(
+            f"cases on {device} run on one rank only (W >= 2 spawns gloo CPU ranks); measure "
+            f"W={[W for W in worlds if W != 1]} with --device cpu"
+        )
+    out = []
+    for W in worlds:
+        if W == 1:
+            out += [dataclasses.replace(c, device=device) for c in ONE_DEVICE_CASES]
+        elif W >= 2:
+            out += [c for c in DEFAULT_CASES if c.world_size == W] or [
+                dataclasses.replace(c, world_size=W) for c in DEFAULT_CASES if c.world_size == 2
+            ]
+        else:
+            raise ValueError(f"validation world sizes must be >= 1, got {W}")
+    return tuple(out)
 
 
 def _uptime() -> str:
@@ -72,6 +129,21 @@ def _uptime() -> str:
         return "unknown"
 
 
+def _one_thread(fn, cfg):
+    """``fn(cfg)`` on CPU with one torch thread (as every spawned rank runs; the count is
+    restored after); on another device as is."""
+    import torch
+
+    if cfg.device != "cpu":
+        return fn(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure(
     out_path: str | os.PathLike[str],
     cases: Iterable[ValidationCase] = DEFAULT_CASES,
@@ -79,11 +151,13 @@ def measure(
     steps: int = 8,
     warmup: int = 3,
     calibrate_repeats: int = 8,
+    processors: int | None = None,
     log=print,
 ) -> Path:
-    """Calibrate per W, then run every case; appends records to ``out_path`` (see module doc)."""
+    """Calibrate per W, then run every case; appends records to ``out_path`` (see module doc).
+    ``processors``: the cores the ranks share, given to the calibration's fixed-cost fit."""
     from mixmoe.bench.calibrate import CalibrateConfig, calibrate
-    from mixmoe.bench.layer import LayerBenchConfig
+    from mixmoe.bench.layer import LayerBenchConfig, run_rank
     from mixmoe.bench.multiprocess import run_distributed
     from mixmoe.bench.timing import median
     from mixmoe.placement.profile_io import profile_record, save_profile
@@ -102,10 +176,13 @@ def measure(
                 world_size=case.world_size,
                 repeats=calibrate_repeats,
                 warmup=2,
-                name=f"calibrated-gloo-w{case.world_size}",
+                device=case.device,
+                processors=processors,
+                name=f"calibrated-{'gloo' if case.device == 'cpu' else case.device}-w"
+                f"{case.world_size}",
             )
             cal_uptime = _uptime()
-            profile, _ = calibrate(cal)
+            profile, cal_m = _one_thread(calibrate, cal) if case.world_size == 1 else calibrate(cal)
             path = os.path.join(tmp, f"case{i}.json")
             save_profile(path, profile_record(profile, source=cal_uptime, measured=True))
             bench = LayerBenchConfig(
@@ -117,13 +194,18 @@ def measure(
                 steps=steps,
                 warmup=warmup,
                 routing=case.routing,
-                strategies=STRATEGIES,
+                strategies=case.strategies,
                 world_size=case.world_size,
                 threads=1,
                 profile=path,
+                device=case.device,
+                dtype=case.dtype,
             )
             before = _uptime()
-            results = run_distributed(bench)
+            if case.world_size == 1:  # in this process, as `bench layer --world-size 1`
+                results = _one_thread(run_rank, bench)
+            else:
+                results = run_distributed(bench)
             after = _uptime()
             m = slice(warmup, None)
             with open(out, "a") as f:
@@ -140,6 +222,8 @@ def measure(
                         "replicas": int(r.stats.get("replicas", 0)),
                         "counts_WN": r.counts_WN,
                         "profile": asdict(profile),
+                        # the fit's inputs: compare re-fits them under --processors offline
+                        "calibration": _fit_inputs(cal_m["fixed_costs"]),
                         "uptime_calibrate": cal_uptime,
                         "uptime_before": before,
                         "uptime_after": after,
@@ -153,6 +237,36 @@ def measure(
                 + f" | {after}"
             )
     return out
+
+
+def _fit_inputs(fixed: dict[str, Any]) -> dict[str, Any] | None:
+    """What ``fit_fixed_costs`` needs to be redone: the base profile, the layer runs (with their
+    counts) and the aggregation they were fitted under (None when the fit was skipped)."""
+    if "runs" not in fixed:
+        return None
+    keep = ("tokens", "routing", "strategy", "step_s", "replicas", "counts_WN")
+    return {
+        "base_profile": fixed["base_profile"],
+        "processors": fixed["processors"],
+        "runs": [{k: r[k] for k in keep} for r in fixed["runs"]],
+    }
+
+
+def refit_profile(
+    rec: dict[str, Any], shape: LayerShape, processors: int | None
+) -> HardwareProfile | None:
+    """The record's profile with its fixed costs fitted again from the calibration runs it
+    stores, every prediction of the fit aggregated under ``processors`` (None: the max over
+    ranks); None when the record stores no calibration runs (records measured before they
+    were kept)."""
+    from mixmoe.bench.calibrate_layer import fit_fixed_costs
+
+    cal = rec.get("calibration")
+    if not cal:
+        return None
+    base = HardwareProfile(**cal["base_profile"])
+    fitted, _ = fit_fixed_costs(base, cal["runs"], shape, processors)
+    return dataclasses.replace(fitted, name=rec["profile"]["name"])
 
 
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -200,7 +314,7 @@ def compare(
             hidden_dim=case.hidden_size,
             experts_per_rank=case.experts_per_rank,
             world_size=case.world_size,
-            bytes_per_element=4,
+            bytes_per_element=4 if case.device == "cpu" else 2,
         )
         profile = HardwareProfile(**first["profile"])
         kw: dict[str, Any] = dict(
@@ -212,8 +326,12 @@ def compare(
         preds = predict_layer(first["counts_WN"], shape, profile, **kw)
         shared = predict_layer(first["counts_WN"], shape, profile, shared=True, **kw)
         pred_ps: dict[str, float] = {}
+        refit = None
         if processors is not None:
-            ps = predict_layer(first["counts_WN"], shape, profile, processors=processors, **kw)
+            # fitted under the same aggregation when the record keeps its calibration runs
+            refit = refit_profile(first, shape, processors)
+            ps_profile = profile if refit is None else refit
+            ps = predict_layer(first["counts_WN"], shape, ps_profile, processors=processors, **kw)
             pred_ps = {s: p.step_s * 1e3 for s, p in ps.items()}
         meas = {s: r["step_ms"] for s, r in recs.items()}
         pred = {s: p.step_s * 1e3 for s, p in preds.items()}
@@ -242,6 +360,7 @@ def compare(
                 )
             if pred_ps:
                 row["world_size"] = case.world_size
+                row["refit_ps"] = refit is not None
                 row["predicted_ps_ms"] = pred_ps[s]
                 row["error_ps"] = abs(pred_ps[s] - meas[s]) / meas[s]
                 if "ratio_measured" in row:
@@ -307,6 +426,7 @@ def _ps_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for c in by_case.values()
     )
     return {
+        "ps_refit_cases": len({r["case"] for r in rows if r["refit_ps"]}),
         "ps_step_error_median": statistics.median(errs),
         "ps_within_10pct": sum(e <= 0.10 for e in errs),
         "ps_ratio_error_median_points": statistics.median(ratio) if ratio else float("nan"),

@@ -83,14 +83,29 @@ class TraceRecorder:
         self._pending: list[_PendingOp] = []
         self._loose: list[PendingSpan] = []
         self._done: list[CmdOp] = []
+        self._open: list[Frame] = []  # frames of activate() / op() now open, innermost last
+
+    def _close(self, frame: Frame) -> None:
+        """Drop ``frame`` (by identity: frames compare by value) from the open frames."""
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i] is frame:
+                del self._open[i]
+                return
+
+    def _current(self) -> Frame | None:
+        """The innermost open frame (read by ``trace_span``'s fallback on autograd threads)."""
+        return self._open[-1] if self._open else None
 
     @contextmanager
     def activate(self) -> Iterator[TraceRecorder]:
         """Make this recorder the one ``trace_span`` reports to, in this context (thread/task)."""
-        token = ACTIVE.set(Frame(self._clock, self._loose, None))
+        frame = Frame(self._clock, self._loose, None, self._current)
+        token = ACTIVE.set(frame)
+        self._open.append(frame)
         try:
             yield self
         finally:
+            self._close(frame)
             ACTIVE.reset(token)
 
     @contextmanager
@@ -117,7 +132,9 @@ class TraceRecorder:
                 f"outer op first, or use trace_span({name!r}) for a sub-operation"
             )
         pending = _PendingOp(name, batch_id, mg_state, description, group_kind, shape, dtype)
-        token = ACTIVE.set(Frame(self._clock, pending.spans, name))
+        frame = Frame(self._clock, pending.spans, name, self._current)
+        token = ACTIVE.set(frame)
+        self._open.append(frame)
         try:
             with record_function(name):
                 pending.start = self._clock.mark()
@@ -126,6 +143,7 @@ class TraceRecorder:
                 finally:
                     pending.end = self._clock.mark()
         finally:
+            self._close(frame)
             ACTIVE.reset(token)
             self._pending.append(pending)
 

@@ -9,7 +9,7 @@ kind check on top of the label (measured by hand, CPU, torch 2.13: 4.7 us per ba
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.profiler import record_function
 
-__all__ = ["SPAN_KINDS", "Frame", "PendingSpan", "trace_span"]
+__all__ = ["SPAN_KINDS", "Frame", "PendingSpan", "recorder_lookup", "trace_span"]
 
 SPAN_KINDS = ("compute", "comm", "host")
 
@@ -46,11 +46,13 @@ class PendingSpan:
 
 class Frame(NamedTuple):
     """What the ContextVar holds while a recorder is active: its clock, the list finished spans
-    go to (the open op's, or the recorder's list of spans outside any op) and the open op name."""
+    go to (the open op's, or the recorder's list of spans outside any op), the open op name, and
+    ``current``: the recorder's innermost open frame now, from any thread (``recorder_lookup``)."""
 
     clock: Any
     sink: list[PendingSpan]
     op_name: str | None
+    current: Callable[[], Frame | None] | None = None
 
 
 ACTIVE: ContextVar[Frame | None] = ContextVar("mixmoe_trace_frame", default=None)
@@ -76,6 +78,18 @@ class _RecordedSpan:
         self._label.__exit__(*exc)
 
 
+def recorder_lookup() -> Callable[[], Frame | None] | None:
+    """The active recorder's "innermost open frame now" function, or None without a recorder.
+
+    For code that records in autograd backward: CPU graphs run backward on the calling thread
+    (the ContextVar is seen), but a graph with device nodes runs it on autograd worker threads,
+    where a ContextVar set by the caller may not be (version-dependent). Capture this in
+    forward and pass it to ``trace_span(..., fallback=...)`` in backward: the span then goes to
+    the op the recorder has open at that moment (``backward_step``)."""
+    frame = ACTIVE.get()
+    return None if frame is None else frame.current
+
+
 def trace_span(
     name: str,
     *,
@@ -87,6 +101,7 @@ def trace_span(
     in_splits: Sequence[int] | torch.Tensor | None = None,
     out_splits: Sequence[int] | torch.Tensor | None = None,
     counts: Sequence[int] | torch.Tensor | None = None,
+    fallback: Callable[[], Frame | None] | None = None,
 ) -> Any:
     """Context manager wrapping one stage of work (e.g. ``"moe.gate"``, ``"moe.dispatch"``).
 
@@ -102,10 +117,14 @@ def trace_span(
     the MoE layer's count exchange passes ``counts`` (c_N: rows this rank routes to each expert
     this step), from which ``mixmoe simulate --routing trace:PATH`` rebuilds the step's count
     matrix. Tensors are kept as given and converted at the recorder's flush (no sync here).
+    ``fallback`` (``recorder_lookup()`` captured earlier): the frame to record into when no
+    recorder is active in this context (an autograd worker thread).
     """
     if kind not in SPAN_KINDS:
         raise ValueError(f"trace_span kind={kind!r}; use one of {SPAN_KINDS}")
     frame = ACTIVE.get()
+    if frame is None and fallback is not None:
+        frame = fallback()
     if frame is None:
         return record_function(name)
     if comm_func is not None and kind != "comm":

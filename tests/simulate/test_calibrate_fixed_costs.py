@@ -63,3 +63,77 @@ def test_fit_never_goes_negative() -> None:
     fitted, record = fit_fixed_costs(BASE, runs, SHAPE)
     assert fitted.step_fixed_s >= 0 and fitted.row_overhead_s == 0.0
     assert fitted.replica_fixed_s == 0.0 and "0: the model already predicts" in record["method"]
+
+
+SHAPE4 = dataclasses.replace(SHAPE, world_size=4)
+
+
+def _runs4(truth: HardwareProfile, processors: int | None) -> list[dict]:
+    """W=4 runs whose "measured" steps are the model's under ``processors`` cores."""
+    gen = torch.Generator().manual_seed(1)
+    runs = []
+    for T, routing, strategies in ((256, "uniform", ("a2a",)), (512, "uniform", ("a2a",)),
+                                   (1024, "uniform", ("a2a",)), (1024, HOT, ("a2a", "mix"))):  # fmt: skip
+        C = synthetic_counts(RoutingSpec.parse(routing), 4, T, 2, 8, gen).tolist()
+        for s in strategies:
+            run = {"tokens": T, "routing": routing, "strategy": s, "replicas": 0, "counts_WN": C}
+            loads_4W, overlap = _loads(run, SHAPE4, BASE)
+            run["step_s"] = _step(loads_4W, SHAPE4, truth, overlap, processors)[0]
+            runs.append(run)
+    return runs
+
+
+def test_fit_under_processor_sharing_recovers_what_the_max_inflates() -> None:
+    # 4 ranks on 2 cores: the runs follow processor sharing. Fitted under the same aggregation
+    # the replica cost comes back; fitted under the max over ranks the sharing lands in it
+    truth = dataclasses.replace(BASE, step_fixed_s=4e-3, replica_fixed_s=5e-3)
+    runs = _runs4(truth, processors=2)
+    fitted, record = fit_fixed_costs(BASE, runs, SHAPE4, processors=2)
+    assert fitted.replica_fixed_s == pytest.approx(5e-3, rel=1e-6)
+    assert fitted.step_fixed_s == pytest.approx(4e-3, rel=1e-3)
+    assert record["processors"] == 2 and "processor sharing of 2 cores" in record["method"]
+    assert [r["predicted_s"] for r in record["runs"]] == pytest.approx(
+        [r["step_s"] for r in runs], rel=1e-3
+    )
+    # the record alone redoes the fit (base profile and runs with their counts)
+    again, _ = fit_fixed_costs(HardwareProfile(**record["base_profile"]), record["runs"], SHAPE4, 2)
+    assert again == fitted
+    under_max, _ = fit_fixed_costs(BASE, runs, SHAPE4)
+    assert under_max.replica_fixed_s != pytest.approx(5e-3, rel=0.05)
+    # P >= W is the max over ranks exactly
+    assert fit_fixed_costs(BASE, runs, SHAPE4, 4)[0] == under_max
+    with pytest.raises(ValueError, match="processors must be an int >= 1"):
+        fit_fixed_costs(BASE, runs, SHAPE4, 0)
+
+
+def test_validation_refits_stored_calibration_runs_under_processor_sharing() -> None:
+    from mixmoe.simulate.layer import predict_layer
+    from mixmoe.simulate.validation import compare, summarize
+
+    truth = dataclasses.replace(BASE, step_fixed_s=4e-3, replica_fixed_s=5e-3)
+    runs = _runs4(truth, processors=2)
+    stored, record = fit_fixed_costs(BASE, runs, SHAPE4)  # as calibrate fitted it: the max
+    case = {"world_size": 4, "model_dim": 64, "hidden_size": 256, "tokens": 1024,
+            "experts_per_rank": 2, "routing": HOT}  # fmt: skip
+    counts = runs[-1]["counts_WN"]
+    calibration = {"base_profile": record["base_profile"], "processors": None, "runs": runs}
+    recs = [
+        {"case": case, "strategy": s, "step_ms": 30.0 + i, "replicas": 0, "counts_WN": counts,
+         "profile": dataclasses.asdict(stored), "calibration": calibration}
+        for i, s in enumerate(("a2a", "mix"))
+    ]  # fmt: skip
+    rows = compare(recs, processors=2)
+    want = predict_layer(counts, SHAPE4, fit_fixed_costs(BASE, runs, SHAPE4, 2)[0], top_k=2,
+                         strategies=("a2a", "mix"), processors=2)  # fmt: skip
+    assert [r["refit_ps"] for r in rows] == [True, True]
+    assert [r["predicted_ps_ms"] for r in rows] == pytest.approx(
+        [want[s].step_s * 1e3 for s in ("a2a", "mix")], rel=1e-12
+    )
+    # the max-over-ranks columns keep the stored profile; without calibration runs so do the ps
+    plain = predict_layer(counts, SHAPE4, stored, top_k=2, strategies=("a2a", "mix"))
+    assert [r["predicted_ms"] for r in rows] == pytest.approx(
+        [plain[s].step_s * 1e3 for s in ("a2a", "mix")], rel=1e-12
+    )
+    old = compare([{k: v for k, v in r.items() if k != "calibration"} for r in recs], processors=2)
+    assert [r["refit_ps"] for r in old] == [False, False]
+    assert summarize(rows)["ps_refit_cases"] == 1 and summarize(old)["ps_refit_cases"] == 0

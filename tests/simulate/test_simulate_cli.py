@@ -72,7 +72,7 @@ def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> Non
     argv = ["calibrate", "--model-dim", "32", "--hidden-size", "64", "--experts", "2",
             "--rows", "32,256", "--a2a-bytes", "1024,262144", "--repeats", "2", "--warmup", "1",
             "--world-size", "2", "--name", "tiny", "--out", str(out),
-            "--layer-tokens", "64,128"]  # fmt: skip
+            "--layer-tokens", "64,128", "--processors", "1"]  # fmt: skip
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "all_to_all_single on 2 ranks" in text and "profile tiny" in text
@@ -88,6 +88,12 @@ def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> Non
         ("a2a", 64), ("a2a", 128), ("a2a", 128), ("mix", 128)
     ]  # fmt: skip
     assert all(r["step_s"] > 0 for r in fit["runs"]) and "least-squares" in fit["method"]
+    # --processors 1: the fit aggregated as simulate --processors 1 predicts; kept re-fittable
+    assert fit["processors"] == 1 and "processor sharing of 1 cores" in fit["method"]
+    assert (
+        all(len(r["counts_WN"]) == 2 for r in fit["runs"]) and "gemm_flops" in fit["base_profile"]
+    )
+    assert rec["config"]["processors"] == 1
     assert (prof.step_fixed_s, prof.row_overhead_s, prof.replica_fixed_s) == (
         fit["step_fixed_s"], fit["row_overhead_s"], fit["replica_fixed_s"]
     )  # fmt: skip
@@ -97,7 +103,8 @@ def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> Non
 
 def test_calibrate_bad_input(capsys) -> None:
     assert "rows needs at least two" in _error(capsys, ["calibrate", "--rows", "64"])
-    assert "world_size must be >= 2" in _error(capsys, ["calibrate", "--world-size", "1"])
+    assert "world_size must be >= 1" in _error(capsys, ["calibrate", "--world-size", "0"])
     assert "layer_tokens needs at least two distinct" in _error(
         capsys, ["calibrate", "--layer-tokens", "64"]
     )
+    assert "processors must be >= 1" in _error(capsys, ["calibrate", "--processors", "0"])

@@ -18,6 +18,7 @@ from mixmoe.formats.traces import read_traces, trace_count_steps, trace_paths
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.simulate.layer import predict_layer
+from mixmoe.simulate.replay import replay_strategies, token_calls_note
 from mixmoe.simulate.routing import counts_source
 
 pytestmark = pytest.mark.dist
@@ -56,6 +57,26 @@ def test_trace_counts_equal_saved_counts_and_predictions(tmp_path, capsys) -> No
                          top_k=K)  # fmt: skip
     for C_WN in from_trace:
         assert predict_layer(C_WN, shape, profile, top_k=K) == want
+
+    # the traces hold the backward token all-to-alls too (in backward_step, the forward's keys,
+    # splits swapped). bench layer's input needs no gradient, so autograd never runs the
+    # dispatch's backward: 3 token all-to-alls per layer step ran and are recorded, and the
+    # replay says the cost model prices 4
+    ops = read_traces([traces / "trace_rank0.txt"])[0]
+    for fwd, bwd in zip(ops[0::3], ops[1::3], strict=True):
+        assert (fwd.name, bwd.name) == ("forward_step", "backward_step")
+        f = {s.name: s for s in fwd.sub_ops}
+        b = {s.name: s for s in bwd.sub_ops if s.comm_func == "all_to_all"}
+        assert sorted(b) == ["moe.return.backward"]
+        sub = b["moe.return.backward"]
+        assert (sub.group, sub.kind, sub.dtype) == ("exp", "comm", "torch.float32")
+        assert (sub.in_splits, sub.out_splits) == (f["moe.return"].out_splits,
+                                                   f["moe.return"].in_splits)  # fmt: skip
+        assert sub.shape == (sum(sub.in_splits), D) and sub.duration_ms >= 0
+    (r,) = replay_strategies(traces / "trace_rank0.txt", from_trace, shape, profile, top_k=K,
+                             strategies=("a2a",))  # fmt: skip
+    assert (r.layer_steps, r.token_calls) == (4, 12)
+    assert "holds 12 MoE token all-to-alls for 4 layer steps" in token_calls_note(r)
 
     # the CLI takes the same source and prints the same table as counts:FILE
     tables = []

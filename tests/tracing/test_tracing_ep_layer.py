@@ -1,8 +1,12 @@
 """The expert-parallel layer traces itself: a 2-rank ``mix`` run records its count exchange,
-replica fetch, token all-to-alls (with split sizes) and compute stages; the CMD files read back
-with the recorded durations, and the splits of the two ranks agree with each other."""
+replica fetch, token all-to-alls (with split sizes) and compute stages, and in backward the
+reverse exchanges (``NAME.backward``, splits swapped); the CMD files read back with the recorded
+durations, and the splits of the two ranks agree with each other. An ``a2a`` run whose backward
+runs on another thread (as autograd's device threads do) still records into ``backward_step``."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -25,7 +29,7 @@ def _worker(comm, tmp: str) -> dict:
         layer.gate.wg.bias[0] = 1.5  # a hot expert on rank 0, so mix replicates it
     parallelize_moe(layer, comm, "mix", profile=REPLICATE)
     gen = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(70 + 30 * comm.rank, 16, generator=gen)
+    x = torch.randn(70 + 30 * comm.rank, 16, generator=gen).requires_grad_()  # dispatch backward
     rec = TraceRecorder(rank=comm.rank, stage_id=0, device="cpu")
     with rec.activate():
         with rec.op("forward_step", batch_id=0, mg_state="steady"):
@@ -37,6 +41,18 @@ def _worker(comm, tmp: str) -> dict:
         (s.name, s.duration_ms, s.in_splits, s.out_splits) for s in rec.records()[0].sub_ops
     ]
     return {"path": str(path), "recorded": recorded, "stats": aux.stats}
+
+
+def _backward_exchanges(forward, backward) -> dict:
+    """The backward all-to-alls by name, checked against the forward ones they reverse."""
+    fwd = {s.name: s for s in forward.sub_ops}
+    bwd = {s.name: s for s in backward.sub_ops if s.comm_func == "all_to_all"}
+    for name, sub in bwd.items():
+        assert name.endswith(".backward") and (sub.kind, sub.group) == ("comm", "exp")
+        f = fwd[name.removesuffix(".backward")]
+        assert (sub.in_splits, sub.out_splits) == (f.out_splits, f.in_splits)
+        assert sub.shape[0] == sum(sub.in_splits) and sub.duration_ms >= 0
+    return bwd
 
 
 def test_mix_layer_trace_round_trips(tmp_path) -> None:
@@ -81,5 +97,42 @@ def test_mix_layer_trace_round_trips(tmp_path) -> None:
             subs[a]["moe.replica_fetch"].in_splits[b] == subs[b]["moe.replica_fetch"].out_splits[a]
         )
     assert subs[0]["moe.dispatch"].shape[0] == sum(subs[0]["moe.dispatch"].in_splits)
+    # backward: the token exchanges (async under mix: timed by their launch) and the replica
+    # gradients going home, in backward_step, with the forward's keys and swapped splits
+    for rank in (0, 1):
+        forward, backward = by_rank[rank]
+        assert backward.name == "backward_step"
+        assert sorted(_backward_exchanges(forward, backward)) == [
+            "moe.dispatch.backward", "moe.replica_fetch.backward", "moe.return.backward"
+        ]  # fmt: skip
     chrome = write_chrome_trace([o["path"] for o in out], tmp_path / "trace.json")
     assert chrome.stat().st_size > 0
+
+
+def _a2a_worker(comm, tmp: str) -> str:
+    torch.manual_seed(0)
+    layer = MoE(MoEConfig(model_dim=16, hidden_dim=24, num_experts=4, top_k=2, gate=GateConfig()))
+    parallelize_moe(layer, comm, "a2a")
+    gen = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(50 + 20 * comm.rank, 16, generator=gen).requires_grad_()
+    rec = TraceRecorder(rank=comm.rank, stage_id=0, device="cpu")
+    with rec.activate():
+        with rec.op("forward_step", batch_id=0, mg_state="steady"):
+            y, _ = layer(x)
+        with rec.op("backward_step", batch_id=0, mg_state="steady"):
+            # a fresh thread has no recorder in its context: the exchanges find the recorder's
+            # open op through the lookup captured in forward
+            worker = threading.Thread(target=lambda: y.square().sum().backward())
+            worker.start()
+            worker.join()
+    assert x.grad is not None
+    return str(rec.write_cmd(f"{tmp}/a2a{comm.rank}.txt"))
+
+
+def test_a2a_backward_exchanges_recorded_from_another_thread(tmp_path) -> None:
+    from mixmoe.bench.spawn import spawn_gloo
+
+    paths = spawn_gloo(_a2a_worker, 2, str(tmp_path))
+    for rank, ops in read_traces(paths).items():
+        assert [op.name for op in ops] == ["forward_step", "backward_step"], rank
+        assert sorted(_backward_exchanges(*ops)) == ["moe.dispatch.backward", "moe.return.backward"]

@@ -174,7 +174,6 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
         )
         ctx.activation = activation
         ctx.slot_ends, ctx.block_size = slot_ends, block_size
-        ctx.has_bias = (b1 is not None, b3 is not None, b2 is not None)
         return y_TD
 
     @staticmethod
@@ -191,9 +190,9 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
 
         dweights_TK = None
         if weights_TK is not None and need[3]:
-            acc = torch.float64 if dy_TD.dtype == torch.float64 else torch.float32
-            dots_TK = (rows_TKD.to(acc) * dy_TD.to(acc).unsqueeze(1)).sum(dim=-1)
-            dweights_TK = torch.where(pos_TK < P, dots_TK, 0.0).to(weights_TK.dtype)
+            # fp32 products and sums (inputs are 16-bit or fp32); a dropped choice's row is 0
+            dots_TK = (rows_TKD.float() * dy_TD.float().unsqueeze(1)).sum(dim=-1)
+            dweights_TK = dots_TK.to(weights_TK.dtype)
 
         # g_PD[p] = weight(p) * dy_TD[token(p)], exactly 0 on padding rows
         g_PD = dy_TD.index_select(0, token_P.clamp(max=T - 1))
@@ -216,7 +215,7 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
             return dw
 
         dw2 = weight_grad(h_PF, g_PD) if need[8] else None
-        db2 = _slot_sums(g_PD, offs, empty) if ctx.has_bias[2] and need[9] else None
+        db2 = _slot_sums(g_PD, offs, empty) if need[9] else None
         dh_PF = _gmm(g_PD, w2.transpose(1, 2), offs)
         if swiglu:
             du_PF = dh_PF * s_PF
@@ -228,7 +227,7 @@ class _GroupedTokenExpertMLP(torch.autograd.Function):
             da_PF = torch.cat([da_PF, du_PF], dim=1)
             du_PF = None
         dw1 = weight_grad(x_PD, da_PF) if need[4] else None
-        db1 = _slot_sums(da_PF, offs, empty) if ctx.has_bias[0] and need[5] else None
+        db1 = _slot_sums(da_PF, offs, empty) if need[5] else None
         dw3 = weight_grad(x_PD, du_PF) if du_PF is not None and need[6] else None
         db3 = _slot_sums(du_PF, offs, empty) if du_PF is not None and need[7] else None
         dx_TD = None

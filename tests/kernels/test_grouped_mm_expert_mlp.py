@@ -53,8 +53,10 @@ def loop_reference(x_TD, ids_TK, gate_TK, w, activation):
 
 
 def _case(activation, bias, dtype, gen, T=40, K=2, N=5, D=16, Fh=24, B=16):
+    """ids_TK, x, gate, the weights by name, the one-device layout."""
     ids_TK = torch.randint(0, N - 1, (T, K), generator=gen)  # expert N - 1 never gets a row
-    ids_TK[3, 1] = ids_TK[7, 0] = -1  # dropped choices
+    if T > 7:
+        ids_TK[3, 1] = ids_TK[7, 0] = -1  # dropped choices
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
@@ -77,8 +79,8 @@ def _grads(y, inputs, dy):
     return torch.autograd.grad(y, inputs, dy.to(y.dtype), allow_unused=True, materialize_grads=True)
 
 
-def _check(activation, bias, dtype, gen, use_gate=True, concatenated=False):
-    ids_TK, x, gate, w, layout = _case(activation, bias, dtype, gen)
+def _check(activation, bias, dtype, gen, use_gate=True, concatenated=False, **shape):
+    ids_TK, x, gate, w, layout = _case(activation, bias, dtype, gen, **shape)
     gate = gate if use_gate else None
     if concatenated:  # transformers' [gate | up] in one weight
         w1 = torch.cat([w["w1"], w["w3"]], dim=2).detach().requires_grad_()
@@ -129,6 +131,12 @@ def test_grouped_path_matches_loop_float32(activation, bias, gen):
 @pytest.mark.parametrize("bias", [True, False])
 def test_grouped_path_swiglu_concatenated_gate_up(bias, gen):
     _check("swiglu", bias, torch.float32, gen, concatenated=True)
+
+
+def test_grouped_path_top3_and_one_token(gen):
+    """K = 3 (every choice's weight in the combine and its gradient) and a single token."""
+    _check("gelu", True, torch.float32, gen, K=3)
+    _check("swiglu", False, torch.float32, gen, T=1, K=2)
 
 
 def test_grouped_path_unit_gate_weights_and_bf16(gen):
@@ -243,3 +251,9 @@ def test_layout_fits_each_condition(gen):
     assert not layout_fits(x.double(), pos, no_up, sched, "gelu")
     wide = ExpertWeights(torch.zeros(5, 20, 24), torch.zeros(5, 24, 20))  # D = 20: not 8 | D
     assert not layout_fits(torch.zeros(40, 20), pos, wide, sched, "gelu")
+    dropped = expert_row_layout(torch.full_like(ids_TK, -1), 5, 16)  # no row: P = 0
+    assert not layout_fits(x, dropped.pos_TK, no_up, dropped.schedule, "gelu")
+    # bf16 on CPU is still not the default path (it is CUDA's, Hopper's)
+    bf = ExpertWeights(w["w1"].bfloat16(), w["w2"].bfloat16())
+    assert layout_fits(x.bfloat16(), pos, bf, sched, "gelu")
+    assert not grouped_mm_path_applies(x.bfloat16(), pos, bf, sched, "gelu")

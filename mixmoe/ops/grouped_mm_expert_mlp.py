@@ -95,7 +95,6 @@ def layout_fits(
         and len(schedule.slot_ends) == weights.num_slots
         and schedule.num_padded_rows > 0
         and x_TD.shape[0] > 0
-        and pos_TK.numel() > 0
         and activation in ACTIVATIONS
         and gate_up_fits(weights, activation)
         and D % 8 == 0

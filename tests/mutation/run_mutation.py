@@ -101,6 +101,9 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/unit/test_step_layout.py",  # the layout's contract, no process
             "tests/unit/test_replicas.py",
             "tests/unit/test_ep_world_of_one.py",  # the engine with nothing to move
+            "tests/unit/test_ep_planner_inputs.py",  # the planner's shape, the handshake
+            "tests/unit/test_ep_dispatch_step.py",  # own rows handed over once, stats
+            "tests/unit/test_plan_background.py",  # the async plan, plans_async
             "tests/distributed/test_gradient_accumulation.py",  # 2 ranks, every strategy
             "tests/distributed/test_strategies.py::test_strategies_match_single_rank[2]",
             "tests/distributed/test_count_exchange.py",

@@ -62,7 +62,11 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     ),
     "ops": (
         ["mixmoe/ops"],
-        ["tests/unit/test_ops.py", "tests/kernels/test_fused_ops.py"],
+        [
+            "tests/unit/test_ops.py",
+            "tests/kernels/test_fused_ops.py",
+            "tests/kernels/test_cpu_expert_mlp.py",  # the CPU fused expert MLP
+        ],
         ["tests/unit", "tests/kernels"],
     ),
     "parallel": (

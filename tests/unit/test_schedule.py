@@ -206,3 +206,14 @@ def test_row_layout_hand_example():
     # expert 0: 1 row -> block [x, pad]; expert 1: 3 rows -> [x, x], [x, pad]; expert 2: [x, pad]
     assert lay.token_P.tolist() == [0, 3, 0, 1, 2, 3, 1, 3]
     assert lay.pos_TK.tolist() == [[2, 0], [6, 3], [4, 8]]
+
+
+def test_row_layout_is_built_on_the_ids_device_whatever_the_default():
+    """The layout follows ``ids_TK``'s device, not torch's default one (here: meta)."""
+    ids = torch.tensor([[1, 0], [2, 1], [1, -1]])
+    with torch.device("meta"):
+        lay = expert_row_layout(ids, 3, block_size=2)
+    for t in (lay.token_P, lay.pos_TK, lay.counts_N, lay.schedule.block_slot_Nb):
+        assert t.device == ids.device
+    assert lay.token_P.tolist() == [0, 3, 0, 1, 2, 3, 1, 3]
+    assert lay.pos_TK.tolist() == [[2, 0], [6, 3], [4, 8]]

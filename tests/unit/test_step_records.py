@@ -57,3 +57,63 @@ def test_a_local_step_hands_the_experts_only_the_tokens() -> None:
         ("local", "owned", "moe.experts")
     ]
     assert ExpertOutputs(torch.zeros(3, 8)).received_RD is None
+
+
+def test_an_unparallelized_layer_names_its_dispatcher_local() -> None:
+    """Like the expert-parallel dispatchers' ``name`` (the strategy they run)."""
+    layer = MoE(MoEConfig(model_dim=8, hidden_dim=12, num_experts=4))
+    assert layer.dispatcher.name == "local"
+
+
+def test_strategy_registry_is_the_documented_one() -> None:
+    """``strategies.py``: a2a and shadow exchange synchronously and cache nothing; mix overlaps
+    the exchange with the local blocks, caches replicas and may plan in the background. (The
+    flags change only speed and the replica traffic, never the numbers: the equality tests
+    cannot see them.)"""
+    flags = {
+        name: (spec.name, spec.overlap, spec.cache_replicas, spec.plan_async)
+        for name, spec in STRATEGY_SPECS.items()
+    }
+    assert flags == {
+        "a2a": ("a2a", False, False, False),
+        "shadow": ("shadow", False, False, False),
+        "mix": ("mix", True, True, True),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["a2a", "shadow"])
+def test_only_mix_plans_in_the_background_even_when_asked(strategy: str) -> None:
+    from mixmoe.comm import LocalCommunicator
+    from mixmoe.parallel import parallelize_moe
+
+    cfg = MoEConfig(model_dim=8, hidden_dim=12, num_experts=4, plan_async=True)
+    layer = parallelize_moe(MoE(cfg, dtype=torch.float64), LocalCommunicator(), strategy)
+    assert not layer.dispatcher.plans_async("cpu") and not layer.dispatcher.plans_async("cuda")
+    layer(torch.randn(5, 8, dtype=torch.float64))
+    assert layer.dispatcher._planner_thread is None
+
+
+def test_config_fingerprint_is_31_bits_and_tells_every_agreed_field_apart() -> None:
+    """Ranks compare fingerprints to refuse a config, strategy or world size that differs: each
+    of them must change the digest, which must fit a non-negative int32."""
+    from mixmoe.dispatch.strategies import config_fingerprint
+
+    base = {"model_dim": 8, "hidden_dim": 12, "num_experts": 4, "top_k": 2}
+    changed = {
+        "num_experts": 8,
+        "top_k": 1,
+        "model_dim": 16,
+        "hidden_dim": 24,
+        "activation": "swiglu",
+        "bias": False,
+        "block_size": 32,
+        "max_replicas": 1,
+    }
+    want = config_fingerprint(MoEConfig(**base), 2, "mix")
+    assert want == config_fingerprint(MoEConfig(**base), 2, "mix")  # a pure function
+    prints = {"base": want, "a2a": config_fingerprint(MoEConfig(**base), 2, "a2a")}
+    prints["W=4"] = config_fingerprint(MoEConfig(**base), 4, "mix")
+    for field, value in changed.items():
+        prints[field] = config_fingerprint(MoEConfig(**{**base, field: value}), 2, "mix")
+    assert len(set(prints.values())) == len(prints), prints
+    assert all(0 <= p < 2**31 for p in prints.values()), prints

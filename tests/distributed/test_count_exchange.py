@@ -48,6 +48,7 @@ def _worker(comm) -> dict:
         "y_before": y_before.detach(),
         "y_after": y_after.detach(),
         "replicas": aux.stats["replicas"],
+        "stats": aux.stats,
         "error": error,
     }
 
@@ -63,3 +64,9 @@ def test_count_exchange_versions_and_fingerprints() -> None:
         assert got["replicas"] > 0  # the versions matter: they key the replica cache
         torch.testing.assert_close(got["y_after"], got["y_before"], rtol=0, atol=0)
         assert "fingerprints differ" in got["error"], (r, got["error"])
+    # the step's stats are the group's (one plan): every routed row is computed on one rank, so
+    # the mean over the 2 ranks is half of all rows (40 + 33 tokens, top-2)
+    stats = out[0]["stats"]
+    assert out[1]["stats"] == stats
+    assert stats["mean_rows"] == (40 + 33) * 2 / 2, stats
+    assert (40 + 33) * 2 / 2 <= stats["max_rows"] <= (40 + 33) * 2, stats

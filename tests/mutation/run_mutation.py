@@ -65,6 +65,7 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
         [
             "tests/unit/test_ops.py",
             "tests/kernels/test_fused_ops.py",
+            "tests/kernels/test_cpu_expert_mlp.py",  # the CPU fused expert MLP
             "tests/kernels/test_grouped_mm_expert_mlp.py",
         ],
         ["tests/unit", "tests/kernels"],
@@ -105,11 +106,15 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/unit/test_step_layout.py",  # the layout's contract, no process
             "tests/unit/test_replicas.py",
             "tests/unit/test_ep_world_of_one.py",  # the engine with nothing to move
+            "tests/unit/test_ep_planner_inputs.py",  # the planner's shape, the handshake
+            "tests/unit/test_ep_dispatch_step.py",  # own rows handed over once, stats
+            "tests/unit/test_plan_background.py",  # the async plan, plans_async
+            "tests/unit/test_step_records.py",  # frozen records, the strategy registry
+            "tests/unit/test_step_plan.py",
+            "tests/unit/test_schedule.py",  # expert_row_layout
             "tests/distributed/test_gradient_accumulation.py",  # 2 ranks, every strategy
             "tests/distributed/test_strategies.py::test_strategies_match_single_rank[2]",
             "tests/distributed/test_count_exchange.py",
-            "tests/unit/test_step_plan.py",
-            "tests/unit/test_schedule.py",  # expert_row_layout
         ],
         [
             "tests/unit/test_layer_vs_reference.py",  # the local dispatcher

@@ -328,3 +328,15 @@ def test_combine_rows_without_weights_sums_the_chosen_rows():
     assert_close(y, expected)
     order_T1 = torch.tensor([[5], [0], [2]])
     assert torch.equal(combine_rows(out_P, order_T1, None), out_P[[5, 0, 2]])
+
+
+def test_expert_weights_are_frozen_with_optional_parts_none():
+    """A layer's weights record is handed to every work item of a step: never rewritten. Only
+    w1 and w2 are required; biases and w3 default to None (no bias, not SwiGLU-split)."""
+    import dataclasses
+
+    w = ExpertWeights(torch.randn(2, 4, 6), torch.randn(2, 6, 4))
+    assert (w.b1_SF, w.b2_SD, w.w3_SDF, w.b3_SF) == (None, None, None, None)
+    assert w.num_slots == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        w.b1_SF = torch.zeros(2, 6)

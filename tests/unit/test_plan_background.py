@@ -146,7 +146,7 @@ def test_default_plans_in_the_background_on_cuda_only() -> None:
     parallelize_moe(layer, LocalCommunicator(), "mix")
     d = layer.dispatcher
     assert d.plans_async("cuda") and d.plans_async(torch.device("cuda", 0))
-    assert not d.plans_async("cpu")
+    assert not d.plans_async("cpu") and not d.plans_async()  # the default device: the CPU
     layer(_x())
     assert d._planner_thread is None
     forced = _layer(True).dispatcher

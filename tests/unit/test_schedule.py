@@ -216,3 +216,14 @@ def test_slot_ends_of_segments_in_slot_order():
     assert slot_ends([], [], 2, 4) == (0, 0)
     assert slot_ends([3, 3], [1, 0], 2, 4) is None  # a slot comes back: not sorted by slot
     assert slot_ends([3], [2], 2, 4) is None  # a slot past num_slots
+
+
+def test_row_layout_is_built_on_the_ids_device_whatever_the_default():
+    """The layout follows ``ids_TK``'s device, not torch's default one (here: meta)."""
+    ids = torch.tensor([[1, 0], [2, 1], [1, -1]])
+    with torch.device("meta"):
+        lay = expert_row_layout(ids, 3, block_size=2)
+    for t in (lay.token_P, lay.pos_TK, lay.counts_N, lay.schedule.block_slot_Nb):
+        assert t.device == ids.device
+    assert lay.token_P.tolist() == [0, 3, 0, 1, 2, 3, 1, 3]
+    assert lay.pos_TK.tolist() == [[2, 0], [6, 3], [4, 8]]

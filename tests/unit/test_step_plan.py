@@ -4,6 +4,8 @@ computed at s if s owns g or holds a replica of g, else at the owner g // E."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ def loop_twin(C: list[list[int]], plan, r: int, E: int) -> dict:
             out_splits[s] += n
     moved = sum(C[s][g] for s in range(W) for g in range(N) if plan.computed_at(s, g, E) != s)
     return {
+        "own_experts": tuple(g for g in range(N) if g // E == r),
         "send_experts": send,
         "in_splits": in_splits,
         "out_splits": out_splits,
@@ -80,3 +83,11 @@ def test_step_plan_with_a_replicated_hot_expert(W, E):
         step = build_step_plan(C_WN, plan, r, E)
         want = loop_twin(C_WN.tolist(), plan, r, E)
         assert {k: getattr(step, k) for k in want} == want
+
+
+def test_step_plan_is_frozen():
+    """One step's bookkeeping is read by the layout, the fetch and combine: never rewritten."""
+    C_WN = torch.tensor([[3, 1], [0, 2]])
+    step = build_step_plan(C_WN, plan_none(C_WN, LayerShape(8, 16, 1, 2, 4), REPLICATE), 0, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.rows_moved = 0

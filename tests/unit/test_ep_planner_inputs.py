@@ -1,0 +1,130 @@
+"""What the expert-parallel dispatcher hands its planner and its ranks, in one process: the
+``LayerShape`` of the step (the bytes of the activations' dtype on the wire, 3 GEMMs per expert for
+SwiGLU and 2 otherwise) and the hardware profile (the device's default, or the one given); and the
+handshake's error when ranks disagree, naming every rank's strategy and sizes (a stand-in
+communicator plays the second rank). A wrong shape or profile changes only which plan is picked,
+never the layer's numbers, so the equality tests cannot see it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mixmoe import MoE, MoEConfig
+from mixmoe.comm import LocalCommunicator
+from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
+from mixmoe.parallel import parallelize_moe
+from mixmoe.placement.cost_model import LayerShape
+from mixmoe.placement.profile import CPU_PROFILE, HardwareProfile
+
+
+def _planned(
+    activation: str, dtype: torch.dtype, strategy: str, profile: HardwareProfile | None = None
+):
+    """(shape, profile) of the one plan of a forward of a 4-expert layer over a world of one."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(model_dim=8, hidden_dim=12, num_experts=4, activation=activation)
+    layer = parallelize_moe(MoE(cfg, dtype=dtype), LocalCommunicator(), strategy, profile)
+    spec = layer.dispatcher.spec
+    seen = []
+
+    def planner(C, shape, prof, config):
+        seen.append((shape, prof))
+        return spec.planner(C, shape, prof, config)
+
+    layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
+    x = torch.randn(9, 8, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layer(x)
+    layer.dispatcher.close()
+    assert len(seen) == 1, seen
+    return seen[0]
+
+
+@pytest.mark.parametrize("strategy", ["a2a", "mix"])
+@pytest.mark.parametrize(
+    ("activation", "dtype", "nbytes", "gemms"),
+    [
+        ("swiglu", torch.float64, 8, 3),
+        ("gelu", torch.float32, 4, 2),
+        ("silu", torch.bfloat16, 2, 2),
+        ("swiglu", torch.float16, 2, 3),
+    ],
+)
+def test_the_planner_prices_the_layer_as_it_runs(strategy, activation, dtype, nbytes, gemms):
+    shape, profile = _planned(activation, dtype, strategy)
+    want = LayerShape(
+        model_dim=8,
+        hidden_dim=12,
+        experts_per_rank=4,
+        world_size=1,
+        bytes_per_element=nbytes,
+        gemms_per_expert=gemms,
+    )
+    assert shape == want
+    assert type(shape.bytes_per_element) is int
+    assert profile is CPU_PROFILE  # the CPU step's default profile
+
+
+def test_the_planner_gets_the_profile_given() -> None:
+    mine = dataclasses.replace(CPU_PROFILE, name="mine", link_latency=1e-3)
+    _, profile = _planned("gelu", torch.float32, "mix", mine)
+    assert profile is mine
+
+
+class _SecondRank(LocalCommunicator):
+    """A world of two for the handshake only: rank 1's row is the other dispatcher's."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.other: ExpertParallelDispatcher | None = None
+
+    def all_gather_rows(self, x_C: torch.Tensor) -> torch.Tensor:
+        theirs = []
+        self.other.comm = LocalCommunicator()  # its own row, gathered alone
+        self.other.comm.all_gather_rows = lambda row: theirs.append(row) or row[None]
+        self.other._handshake(x_C.device)
+        return torch.stack([x_C, theirs[0]])
+
+
+def test_handshake_error_names_every_rank_strategy_and_sizes() -> None:
+    comm = _SecondRank()
+    mine = MoEConfig(model_dim=8, hidden_dim=12, num_experts=4, top_k=2)
+    theirs = MoEConfig(model_dim=16, hidden_dim=24, num_experts=6, top_k=3)
+    dispatcher = ExpertParallelDispatcher(comm, mine, "mix")
+    comm.other = ExpertParallelDispatcher(LocalCommunicator(), theirs, "shadow")
+    with pytest.raises(ValueError) as err:
+        dispatcher._handshake(torch.device("cpu"))
+    assert (
+        "(rank 0: strategy='mix', num_experts=4, top_k=2, model_dim=8, hidden_dim=12; "
+        "rank 1: strategy='shadow', num_experts=6, top_k=3, model_dim=16, hidden_dim=24)"
+    ) in str(err.value)
+    assert not dispatcher._handshake_done
+
+
+def test_handshake_passes_when_ranks_agree() -> None:
+    comm = _SecondRank()
+    cfg = MoEConfig(model_dim=8, hidden_dim=12, num_experts=4, top_k=2)
+    dispatcher = ExpertParallelDispatcher(comm, cfg, "a2a")
+    comm.other = ExpertParallelDispatcher(comm, cfg, "a2a")  # the same fingerprint (W = 2)
+    dispatcher._handshake(torch.device("cpu"))
+    assert dispatcher._handshake_done
+
+
+def test_the_handshake_runs_once_before_the_first_count_exchange() -> None:
+    """One all_gather of the config row at the first step, then only the count exchange."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(model_dim=8, hidden_dim=12, num_experts=4)
+    comm = LocalCommunicator()
+    gathered = []
+    comm.all_gather_rows = lambda row: gathered.append(row.numel()) or row[None].clone()
+    layer = parallelize_moe(MoE(cfg, dtype=torch.float64), comm, "a2a")
+    x = torch.randn(9, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layer(x)
+        assert gathered == [6, 2 + 4]  # the handshake's 6 fields; fingerprint, version, counts
+        layer(x)
+    assert gathered == [6, 6, 6]

@@ -258,3 +258,27 @@ def test_layout_fits_each_condition(gen):
     bf = ExpertWeights(w["w1"].bfloat16(), w["w2"].bfloat16())
     assert layout_fits(x.bfloat16(), pos, bf, sched, "gelu")
     assert not grouped_mm_path_applies(x.bfloat16(), pos, bf, sched, "gelu")
+
+
+def test_grouped_path_when_the_last_padded_row_is_a_real_row(gen):
+    """Every expert's rows fill whole blocks: the last padded row holds a routed row (no padding
+    at the end of the layout to hide an off-by-one in the reads of the output rows)."""
+    T, K, N, D, Fh, B = 32, 2, 4, 8, 16, 16
+    ids_TK = (torch.arange(T * K) % N).view(T, K)  # 16 rows per expert: whole blocks
+    layout = expert_row_layout(ids_TK, N, B)
+    assert layout.schedule.num_padded_rows == T * K
+    x = torch.randn(T, D, generator=gen, requires_grad=True)
+    gate = torch.rand(T, K, generator=gen, requires_grad=True)
+    w1 = torch.randn(N, D, Fh, generator=gen, requires_grad=True)
+    w2 = torch.randn(N, Fh, D, generator=gen, requires_grad=True)
+    args = (layout.token_P, layout.pos_TK, gate, ExpertWeights(w1, w2), layout.schedule, "gelu")
+    y = grouped_mm_token_expert_mlp(x, *args)
+    ref = token_expert_mlp(x, *args, fused=False)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    dy = torch.randn(y.shape, generator=gen)
+    for a, r in zip(
+        torch.autograd.grad(y, [x, gate, w1, w2], dy),
+        torch.autograd.grad(ref, [x, gate, w1, w2], dy),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)

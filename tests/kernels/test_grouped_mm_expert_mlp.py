@@ -282,3 +282,19 @@ def test_grouped_path_when_the_last_padded_row_is_a_real_row(gen):
         strict=True,
     ):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_path_with_some_inputs_frozen(gen):
+    """Only some inputs need gradients (the input is data, the first expert weight is frozen, the
+    router and the second weight train): those gradients equal the reference's, the others are
+    not returned."""
+    ids_TK, x, gate, w, layout = _case("gelu", False, torch.float32, gen)
+    x, w1 = x.detach(), w["w1"].detach()
+    args = (layout.token_P, layout.pos_TK, gate, ExpertWeights(w1, w["w2"]), layout.schedule)
+    y = grouped_mm_token_expert_mlp(x, *args, "gelu")
+    ref = token_expert_mlp(x, *args, "gelu", fused=False)
+    dy = torch.randn(y.shape, generator=gen)
+    ours = torch.autograd.grad(y, [gate, w["w2"]], dy)
+    theirs = torch.autograd.grad(ref, [gate, w["w2"]], dy)
+    for a, r in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)

@@ -180,12 +180,11 @@ def _strategies(args: argparse.Namespace, world: int) -> tuple[str, ...]:
     return ("local",) if world == 1 else ("a2a", "shadow", "mix")
 
 
-def _mean_preds(args, shape, profile, routing: str):
-    """Predictions averaged over the source's steps (per-rank detail of the first step)."""
-    from mixmoe.simulate.layer import predict_layer
+def _counts(args: argparse.Namespace, shape, routing: str):
+    """The count matrices of ``routing`` for this shape (the source's per-step list)."""
     from mixmoe.simulate.routing import counts_source
 
-    steps = counts_source(
+    return counts_source(
         routing,
         shape.world_size,
         shape.num_experts,
@@ -194,6 +193,13 @@ def _mean_preds(args, shape, profile, routing: str):
         seed=args.seed,
         contiguous=args.contiguous_experts,
     )
+
+
+def _mean_preds(args, shape, profile, routing: str):
+    """Predictions averaged over the source's steps (per-rank detail of the first step)."""
+    from mixmoe.simulate.layer import predict_layer
+
+    steps = _counts(args, shape, routing)
     every = [
         predict_layer(
             C,
@@ -380,7 +386,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _replay_strategies(args: argparse.Namespace, profile) -> None:
     from mixmoe.simulate.replay import replay_strategies, token_calls_note
-    from mixmoe.simulate.routing import counts_source
     from mixmoe.validation import check_int
 
     if len(args.routing) != 1:
@@ -393,15 +398,7 @@ def _replay_strategies(args: argparse.Namespace, profile) -> None:
     check_int("--max-replicas", args.max_replicas, 0)
     shape = _shape(args, args.world_size)
     routing = args.routing[0]
-    counts = counts_source(
-        routing,
-        shape.world_size,
-        shape.num_experts,
-        args.tokens,
-        args.top_k,
-        seed=args.seed,
-        contiguous=args.contiguous_experts,
-    )
+    counts = _counts(args, shape, routing)
     results = replay_strategies(
         args.replay,
         counts,

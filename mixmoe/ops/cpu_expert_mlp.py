@@ -31,6 +31,7 @@ from mixmoe.ops.expert_mlp import (
     activate,
     activate_backward,
     expert_params,
+    function_inputs,
     gate_up_fits,
 )
 from mixmoe.ops.grouped_linear import _row_pieces
@@ -230,18 +231,8 @@ def cpu_token_expert_mlp(
 ) -> torch.Tensor:
     """``token_expert_mlp``'s fused computation on CPU (check ``cpu_path_applies`` first)."""
     pieces = _row_pieces(schedule.block_slot_Nb, schedule.block_rows_Nb, schedule.block_size)
-    w = weights
     return _CpuTokenExpertMLP.apply(
-        x_TD,
-        token_P.to(torch.int64),
-        pos_TK.to(torch.int64),
-        weights_TK,
-        w.w1_SDF,
-        w.b1_SF,
-        w.w3_SDF,
-        w.b3_SF,
-        w.w2_SFD,
-        w.b2_SD,
+        *function_inputs(x_TD, token_P, pos_TK, weights_TK, weights),
         pieces,
         activation,
     )

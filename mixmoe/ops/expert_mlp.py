@@ -92,6 +92,30 @@ def expert_params(weights: ExpertWeights) -> list[torch.Tensor]:
     ]
 
 
+def function_inputs(
+    x_TD: torch.Tensor,
+    token_P: torch.Tensor,
+    pos_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    weights: ExpertWeights,
+) -> tuple:
+    """The leading inputs of the hand-written expert-MLP autograd functions (CPU and grouped
+    GEMM): ``x_TD, token_P, pos_TK`` (int64), ``weights_TK``, then w1, b1, w3, b3, w2, b2."""
+    w = weights
+    return (
+        x_TD,
+        token_P.to(torch.int64),
+        pos_TK.to(torch.int64),
+        weights_TK,
+        w.w1_SDF,
+        w.b1_SF,
+        w.w3_SDF,
+        w.b3_SF,
+        w.w2_SFD,
+        w.b2_SD,
+    )
+
+
 def gate_up_fits(weights: ExpertWeights, activation: str) -> bool:
     """The weights match the activation: SwiGLU with w3 or a [gate | up] w1; others without w3."""
     if activation == "swiglu":

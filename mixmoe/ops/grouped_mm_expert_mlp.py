@@ -41,6 +41,7 @@ from mixmoe.ops.expert_mlp import (
     activate,
     activate_backward,
     expert_params,
+    function_inputs,
     gate_up_fits,
 )
 from mixmoe.schedule.blocks import BlockSchedule
@@ -256,18 +257,8 @@ def grouped_mm_token_expert_mlp(
             "dtype and device for x and every weight, D and F multiples of 8 and at least one row; "
             "use token_expert_mlp, which picks a path that fits"
         )
-    w = weights
     return _GroupedTokenExpertMLP.apply(
-        x_TD,
-        token_P.to(torch.int64),
-        pos_TK.to(torch.int64),
-        weights_TK,
-        w.w1_SDF,
-        w.b1_SF,
-        w.w3_SDF,
-        w.b3_SF,
-        w.w2_SFD,
-        w.b2_SD,
+        *function_inputs(x_TD, token_P, pos_TK, weights_TK, weights),
         (tuple(schedule.slot_ends), schedule.block_size),
         activation,
     )

@@ -250,3 +250,32 @@ def test_swiglu_with_gate_and_up_in_one_weight(make_layout, gen, bias, fused):
     theirs = torch.autograd.grad(ref, [ref_x, ref_gate] + [ref_cat[n] for n in names], dy)
     for name, a, r in zip(["x", "gate"] + names, ours, theirs, strict=True):
         torch.testing.assert_close(a, r, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_relu_gradient_at_exactly_zero_is_zero():
+    """``activate_backward`` follows torch's convention for relu at 0 (gradient 0), which the
+    hand-written backward passes rely on to equal the reference's autograd."""
+    from mixmoe.ops.expert_mlp import activate_backward
+
+    a = torch.tensor([-1.0, 0.0, 2.0], requires_grad=True)
+    (ref,) = torch.autograd.grad(torch.relu(a).sum(), a)
+    got = activate_backward(torch.ones(3), a.detach(), "relu")
+    assert torch.equal(got, ref) and got[1] == 0
+
+
+def test_concatenated_gate_up_off_the_cpu_body(gen):
+    """SwiGLU with [gate | up] in one w1 on a call the CPU body does not take (zero tokens): the
+    fused ops get the split weights (an unsplit w1 would reach them with w3 None)."""
+    from mixmoe.dispatch.layout import expert_row_layout
+
+    D, Fh, N = 8, 12, 3
+    layout = expert_row_layout(torch.zeros(0, 2, dtype=torch.int64), N, 16)
+    w1 = torch.randn(N, D, 2 * Fh, generator=gen, requires_grad=True)
+    w2 = torch.randn(N, Fh, D, generator=gen, requires_grad=True)
+    x = torch.zeros(0, D, requires_grad=True)
+    weights = ExpertWeights(w1, w2)
+    assert not cpu_path_applies(x, layout.pos_TK, weights, "swiglu")
+    y = token_expert_mlp(x, layout.token_P, layout.pos_TK, None, weights, layout.schedule, "swiglu")
+    assert y.shape == (0, D)
+    dw1, dw2 = torch.autograd.grad(y.sum(), [w1, w2], allow_unused=True, materialize_grads=True)
+    assert torch.count_nonzero(dw1) == 0 and torch.count_nonzero(dw2) == 0

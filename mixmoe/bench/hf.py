@@ -498,19 +498,18 @@ def run_hf_bench(cfg: HFBenchConfig) -> list[dict] | None:
     if under_torchrun():
         from mixmoe.comm import init_distributed
 
-        comm = init_distributed("auto")
-        if comm.world_size != cfg.world_size:
-            raise ValueError(
-                f"--world-size {cfg.world_size} but torchrun launched {comm.world_size} ranks"
-            )
-        # one directory for every rank of this host: rank 0 writes, the others wait
-        path = os.path.join(
-            tempfile.gettempdir(), f"mixmoe-bench-hf-{os.environ.get('MASTER_PORT', '0')}"
-        )
-        if comm.rank == 0:
+        # every rank writes its own copy (seeded: the same model) BEFORE it joins the group:
+        # once torch.distributed is up, transformers writes a checkpoint on global rank 0 only,
+        # and the ranks of other hosts could not read that one
+        prefix = f"mixmoe-bench-hf-rank{os.environ['RANK']}-"
+        with tempfile.TemporaryDirectory(prefix=prefix) as path:
             save_random_model(cfg.shape, path, cfg.seed)
-        comm.barrier()
-        records = run_rank(cfg, comm, path)
+            comm = init_distributed("auto")
+            if comm.world_size != cfg.world_size:
+                raise ValueError(
+                    f"--world-size {cfg.world_size} but torchrun launched {comm.world_size} ranks"
+                )
+            records = run_rank(cfg, comm, path)
         return records if comm.rank == 0 else None
     with tempfile.TemporaryDirectory(prefix="mixmoe-bench-hf-") as path:
         save_random_model(cfg.shape, path, cfg.seed)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's checks, in one call of the device tool (see README "Kernels").
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
-# Stages: env, install, gpu-tests, suite, kernels, layer, layer-ab, hf, hf-ab, hf-bench.
+# Stages: env, install, gpu-tests, suite, kernels, layer, layer-ab, hf, hf-ab, hf-bench, calibrate.
+# calibrate: one-GPU calibration, then the simulator's local-step predictions against bench layer (issue 9).
 # hf-bench: a transformers Mixtral's train step under each experts implementation (issue 14's one-device target).
 # layer-ab / hf-ab: the grouped-GEMM path (MIXMOE_GROUPED_MM=1, default) then the Triton kernels (=0). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -42,6 +43,10 @@ for stage in "$@"; do case $stage in
   hf-bench) run hf-bench "${HF_S:-240}" $PY -m mixmoe bench hf --world-size 1 --device cuda --dtype bf16 \
        --hidden-size 1024 --intermediate-size 4096 --num-experts ${HF_E:-16} --layers 2 --heads 16 \
        --batch 8 --seq-len 1024 --implementations eager,grouped_mm,mixmoe --steps 10 --warmup 3 --markdown;;
+  calibrate) run calibrate "${CAL_S:-300}" $PY -m torch.distributed.run --nproc-per-node 1 -m mixmoe \
+       calibrate --device cuda --world-size 1 --out "$OUT/gpu1.json"
+       run validate-1gpu "${VAL_S:-300}" $PY -m mixmoe simulate --validate "$OUT/one.jsonl" --remeasure \
+         --validate-world 1 --device cuda;;
   hf) run hf "${HF_S:-240}" $PY scripts/gpu/hf_mixtral_vs_mixmoe.py --experts ${HF_EXPERTS:-4,16,64};;
   *) echo "unknown stage $stage"; exit 2;;
 esac; done

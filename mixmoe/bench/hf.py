@@ -36,6 +36,7 @@ from torch import nn
 
 from mixmoe.bench.spawn import spawn_gloo, under_torchrun
 from mixmoe.bench.timing import StageTimer, median
+from mixmoe.placement.profile_io import load_profile
 from mixmoe.validation import check_choice, check_device, check_int, torch_dtype
 
 FAMILIES = ("mixtral", "qwen2_moe")
@@ -106,6 +107,7 @@ class HFBenchConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
+    profile: str = ""  # preset name or calibrate JSON for the mixmoe planners ('' = the default)
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -141,6 +143,13 @@ class HFBenchConfig:
                 f"num_experts={self.shape.num_experts} is not divisible by world_size="
                 f"{self.world_size}; use a multiple of {self.world_size}"
             )
+        if self.profile:
+            if self.world_size == 1:
+                raise ValueError(
+                    f"profile={self.profile!r} is for the planners of the EP implementations "
+                    "(world_size >= 2); one device has no planner"
+                )
+            load_profile(self.profile)  # fails early: unknown preset, missing file
         if not 0 <= self.hot_expert < self.shape.num_experts:
             raise ValueError(
                 f"hot_expert={self.hot_expert} is not an expert id; use 0..{self.shape.num_experts - 1}"
@@ -328,6 +337,13 @@ def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.profile:  # the mixmoe implementations plan with this profile, under their own names
+        import mixmoe.hf  # noqa: F401  first: its import registers the defaults
+        from mixmoe.models.hf_ep import EP_CLASSES, register_ep_implementation
+
+        profile = load_profile(cfg.profile)
+        for name, cls in EP_CLASSES.items():
+            register_ep_implementation(name, cls.strategy, profile=profile)
     W = comm.world_size
     records = []
     for routing in cfg.routings:

@@ -84,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("float32", "bf16"),
         help="one device only: the model's dtype (bf16 takes mixmoe's grouped-GEMM path on Hopper)",
     )
+    p.add_argument(
+        "--profile",
+        default=d.profile,
+        help="hardware profile the mixmoe_* planners use: a preset (cpu, gpu, h100-nvlink, ...) "
+        "or the JSON of `mixmoe calibrate` ('' for the device's default)",
+    )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--jsonl", default=None, help="append the records (with the environment) here")
 
@@ -116,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         dtype=args.dtype,
+        profile=args.profile,
     )
     records = run_hf_bench(cfg)
     if records is None:  # a torchrun rank other than 0
@@ -131,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         + f", {cfg.batch} x {cfg.seq_len} tokens per rank; "
         f"train step (fwd+bwd+AdamW), median of {cfg.steps} after {cfg.warmup} warm-up, "
         f"{cfg.threads} thread(s) per rank"
+        + (f"; mixmoe planners on profile {cfg.profile}" if cfg.profile else "")
     )
     single = cfg.world_size == 1
     rows = [

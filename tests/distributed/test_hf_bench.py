@@ -19,6 +19,8 @@ pytest.importorskip("accelerate")
 
 from mixmoe import cli  # noqa: E402
 from mixmoe.bench.hf import IMPLEMENTATIONS  # noqa: E402
+from mixmoe.placement.profile import HardwareProfile  # noqa: E402
+from mixmoe.placement.profile_io import profile_record, save_profile  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -45,11 +47,43 @@ def test_bench_hf_on_two_spawned_ranks_reports_every_implementation_and_routing(
             assert r["replicas_per_step"] == 0
         if r["implementation"] == "all_to_all":
             assert r["ratio"] == 1.0
+        if r["implementation"] == "mixmoe_mix":  # the CPU profile never copies a 32-wide expert
+            assert r["replicas_per_step"] == 0
     skewed = [r for r in records if r["routing"] == "skewed"]
     uniform = [r for r in records if r["routing"] == "uniform"]
     # the skew hook sends about half of all slots to the hot expert; the uniform run does not
     assert min(r["hot_share"] for r in skewed) > 0.4 > max(r["hot_share"] for r in uniform)
     assert all(r["balance_bound"] > 0 for r in skewed)
+
+
+def test_bench_hf_profile_reaches_the_mixmoe_planners(tmp_path):
+    """``--profile``: the mixmoe implementations plan with it. A compute-bound profile makes a
+    replica of the hot expert pay where the default CPU profile never copies one (above)."""
+    path = save_profile(
+        tmp_path / "compute_bound.json",
+        profile_record(
+            HardwareProfile(
+                "compute-bound", gemm_flops=1e6, link_bandwidth=1e12, link_latency=1e-9
+            ),
+            source="test",
+            measured=False,
+        ),
+    )
+    out = tmp_path / "hf.jsonl"
+    argv = ["bench", "hf", "--world-size", "2", *TINY, "--routing", "skewed"]
+    argv += ["--implementations", "all_to_all,mixmoe_mix", "--profile", str(path)]
+    assert cli.main([*argv, "--jsonl", str(out)]) == 0
+    mix = next(r for r in _records(out) if r["implementation"] == "mixmoe_mix")
+    assert mix["replicas_per_step"] > 0
+    assert mix["config"]["profile"] == str(path)
+
+
+def test_bench_hf_profile_errors_are_one_line(tmp_path, capsys):
+    argv = ["bench", "hf", "--world-size", "2", *TINY, "--profile", str(tmp_path / "no.json")]
+    assert cli.main(argv) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["bench", "hf", "--world-size", "1", "--profile", "cpu"]) == 2
+    assert "one device has no planner" in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -39,10 +39,20 @@ every run; b is the rank it finds slowest.
   and its reduction, and, where ranks share cores, the balance replication does not buy.
 
 Under ``processors=P`` (``mixmoe calibrate --processors P``: the W ranks share P cores) every
-predicted step above (the communication at b, the bisection's mix and a2a) is aggregated by
-processor sharing, the simulator's ``aggregate_ranks_s`` (what ``simulate --processors P``
-predicts with), instead of the max over ranks: the fit then does not put the core sharing into
-``replica_fixed_s``. Use such a profile with ``--processors P``.
+predicted step above (the communication at b, the bisection's mix) is aggregated by processor
+sharing, the simulator's ``aggregate_ranks_s`` (what ``simulate --processors P`` predicts with),
+instead of the max over ranks, and with P < W ``replica_fixed_s`` is the value at which the
+model's mix step equals the measured mix step (bisection), not the difference to a2a: the
+difference carries the model's error on the skewed a2a run into ``replica_fixed_s``, where it is
+charged per replica (the owner of a hot expert serving W - 1 of them under ``shadow``). Measured
+on the 2-core VM (W=4, D=256 F=1024 E=2, gloo, 4 calibrations): processor sharing over-predicts
+the skewed a2a run by 12-17% (243.6-252.8 ms vs 212.4-223.2 ms), and the difference fit put
+28-31 ms per replica where the mix step alone gives 8-15 ms; per-rank CPU time of the layer
+(``time.process_time`` around each span, README "Simulator validation") puts a replica's own
+cost at about 2-3 ms of CPU per replica served and 6-7 ms per replica held, 5-13 ms of a rank
+at the all-busy share. Under the max over ranks (P None or P >= W) the difference is kept:
+there it prices, on purpose, the balance replication does not buy where ranks share cores (the
+planner decides by comparing plans). Use such a profile with ``--processors P``.
 
 ``measurements["fixed_costs"]`` keeps every run (with its counts), the base profile, the
 aggregation, the method and the fit: ``fit_fixed_costs`` can be redone from it alone.
@@ -173,10 +183,12 @@ def _step(
     processors: int | None = None,
 ):
     """The cost model's step and its slowest rank: the max over ranks, or, given the cores the
-    ranks share, the simulator's processor-sharing aggregation (``aggregate_ranks_s``)."""
-    from mixmoe.simulate.layer import aggregate_ranks_s
+    ranks share, the simulator's processor-sharing aggregation (``aggregate_ranks_s``, the
+    overlap as it prices it: ``overlap_under``)."""
+    from mixmoe.simulate.layer import aggregate_ranks_s, overlap_under
 
     any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
+    overlap = overlap_under(overlap, processors, shape.world_size)
     compute, comm = StepModel(shape, profile, overlap).seconds_W(loads_4W, any_remote, any_hot)
     total = compute + comm
     return aggregate_ranks_s(total, processors), int(total.argmax())
@@ -221,7 +233,8 @@ def fit_fixed_costs(
         gemm = shape.flops_per_row / t_row
         fitted = dataclasses.replace(base, gemm_flops=gemm, step_fixed_s=fixed)
         how += "; the per-row slope beat the sweep's rate: gemm_flops = flops_per_row / slope"
-    replica, rep_how = _solve_replica(fitted, runs, loads, shape, P)
+    absolute = P is not None and P < shape.world_size  # processor sharing: the mix step alone
+    replica, rep_how = _solve_replica(fitted, runs, loads, shape, P, absolute)
     fitted = dataclasses.replace(fitted, replica_fixed_s=replica)
     aggregation = (
         "the max over ranks"
@@ -278,25 +291,33 @@ def _solve_replica(
     loads: list,
     shape: LayerShape,
     processors: int | None = None,
+    absolute: bool = False,
 ) -> tuple[float, str]:
     """The replica_fixed_s >= 0 at which the model's mix - a2a difference on the skewed pair of
     runs (same counts) equals the measured one: the planner's decision is a comparison, so the
-    difference is what must be right. 0 when nothing was replicated, or when the model already
-    predicts mix at or above a2a + the measured difference."""
+    difference is what must be right. ``absolute`` (processor sharing, module doc): at which the
+    model's mix step equals the measured mix step instead. 0 when nothing was replicated, or
+    when the model already predicts mix at or above the target."""
     by = {r["strategy"]: i for i, r in enumerate(runs) if r["routing"] == HOT}
     if set(by) != {"a2a", "mix"} or not bool(loads[by["mix"]][0][3].any()):
         return 0.0, "0: no replicated run"
-    a2a_s = _step(loads[by["a2a"]][0], shape, profile, loads[by["a2a"]][1], processors)[0]
-    target = a2a_s + runs[by["mix"]]["step_s"] - runs[by["a2a"]]["step_s"]
+    if absolute:
+        target = runs[by["mix"]]["step_s"]
+        how = "bisection: the model's mix step equals the measured mix step on the skewed run"
+        above = "0: the model already predicts the mix step at or above the measured one"
+    else:
+        a2a_s = _step(loads[by["a2a"]][0], shape, profile, loads[by["a2a"]][1], processors)[0]
+        target = a2a_s + runs[by["mix"]]["step_s"] - runs[by["a2a"]]["step_s"]
+        how = "bisection: the model's mix - a2a equals the measured mix - a2a on the skewed runs"
+        above = "0: the model already predicts mix - a2a at or above the measured difference"
     mix_4W, overlap = loads[by["mix"]]
 
     def step(kappa: float) -> float:  # non-decreasing in kappa (max or processor sharing)
         fitted = dataclasses.replace(profile, replica_fixed_s=kappa)
         return _step(mix_4W, shape, fitted, overlap, processors)[0]
 
-    how = "bisection: the model's mix - a2a equals the measured mix - a2a on the skewed runs"
     if step(0.0) >= target:
-        return 0.0, "0: the model already predicts mix - a2a at or above the measured difference"
+        return 0.0, above
     lo, hi = 0.0, max(target, 1e-9)  # one replica alone at this cost exceeds the target
     for _ in range(60):
         mid = (lo + hi) / 2

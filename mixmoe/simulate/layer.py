@@ -40,7 +40,12 @@ min(1, P / W) of a processor; each rank's compute + exposed seconds is turned in
 seconds at that share and step_s (fwd_s, bwd_s) is the time the last rank finishes
 (``processor_sharing_s``). It lies between ``shared``'s mean (every rank saturated until the
 end) and the max over ranks (a processor per rank, P >= W: exactly the max); no parameter
-beyond P. Measured on the 2-core development VM (W=4, hot:0.8, a2a; ``bench layer --trace``):
+beyond P. With P < W the token exchange hides nothing (``mix``'s overlap is not priced:
+``overlap_under``): the aggregation counts a rank's communication seconds as processor work,
+and overlapping work with work on a saturated processor frees none; exposed_W is then
+token + weight and hidden_W 0. Measured (W=4, D=256 F=1024 T=512 E=2, uniform, gloo, 2 cores,
+``time.process_time`` per rank around every span): ``a2a`` 55.4-60.3 ms of CPU per rank and
+step, ``mix`` (no replica, token exchange overlapped) 55.4-60.1 ms, the same work. Measured on the 2-core development VM (W=4, hot:0.8, a2a; ``bench layer --trace``):
 the hot rank's forward expert rows ran at 180 rows/ms while the other ranks waited, against
 72-83 rows/ms per rank when all four computed (README, "Simulator validation").
 
@@ -64,6 +69,7 @@ __all__ = [
     "STRATEGIES",
     "StrategyPrediction",
     "aggregate_ranks_s",
+    "overlap_under",
     "predict_layer",
     "processor_sharing_s",
     "speedups",
@@ -125,6 +131,14 @@ def aggregate_ranks_s(seconds_W: torch.Tensor, processors: int | None = None) ->
     return processor_sharing_s(seconds_W * (processors / W), processors)
 
 
+def overlap_under(overlap: bool, processors: int | None, world_size: int) -> bool:
+    """The token exchange's overlap as priced under an aggregation: the strategy's ``overlap``
+    with a processor per rank (``processors`` None or >= ``world_size``), none when the ranks
+    share fewer processors (module doc). The one rule of ``predict_layer`` and of the
+    calibration's fit under ``--processors``."""
+    return overlap and (processors is None or processors >= world_size)
+
+
 def predict_layer(
     counts_WN: object,
     shape: LayerShape,
@@ -136,11 +150,15 @@ def predict_layer(
     fixed_s: float = 0.0,
     shared: bool = False,
     processors: int | None = None,
+    plan_profile: HardwareProfile | None = None,
 ) -> dict[str, StrategyPrediction]:
     """Predictions per strategy for one step's counts (int CPU tensor [W, N] or nested lists).
 
     ``top_k`` and ``max_replicas`` complete the layer configuration the planners see;
-    ``shared`` / ``processors``: how ranks sharing processors aggregate (module doc)."""
+    ``shared`` / ``processors``: how ranks sharing processors aggregate (module doc).
+    ``plan_profile``: the profile the planners plan with when it is not ``profile`` (a measured
+    run planned with one profile, priced with another: ``simulate --validate`` re-fitting a
+    record's fixed costs prices the plan the run used)."""
     if not strategies:
         raise ValueError("no strategy given; use one or more of a2a, shadow, mix")
     if processors is not None:
@@ -155,6 +173,7 @@ def predict_layer(
     if isinstance(fixed_s, bool) or not isinstance(fixed_s, (int, float)) or not fixed_s >= 0:
         raise ValueError(f"fixed_s must be a number >= 0, got {fixed_s!r}")
     C_WN = counts_as_tensor(counts_WN, shape)
+    W = shape.world_size
     config = MoEConfig(
         model_dim=shape.model_dim,
         hidden_dim=shape.hidden_dim,
@@ -166,7 +185,7 @@ def predict_layer(
     out = {}
     for name in strategies:
         spec = planning_spec(name, shape.world_size)
-        plan = spec.planner(C_WN, shape, profile, config)
+        plan = spec.planner(C_WN, shape, plan_profile or profile, config)
         loads_4W = plan_loads(C_WN, plan.replicas, shape.experts_per_rank)
         any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
         compute_W, exposed_W = StepModel(shape, profile, spec.overlap).seconds_W(
@@ -179,10 +198,16 @@ def predict_layer(
         total_W = compute_W + exposed_W
         step = float(total_W.max())
         # the planner's own prediction must be this one: one cost model
-        assert abs(step - plan.prediction.step_s) <= 1e-12 * max(step, 1e-30), (
+        assert plan_profile not in (None, profile) or abs(
+            step - plan.prediction.step_s
+        ) <= 1e-12 * max(step, 1e-30), (
             step,
             plan.prediction.step_s,
         )
+        if processors is not None and not overlap_under(spec.overlap, processors, W):
+            exposed_W = token_W + weight_W  # nothing hidden on saturated shared processors
+            hidden_W = torch.zeros_like(exposed_W)
+            total_W = compute_W + exposed_W
         fwd_W, bwd_W = compute_W / 3 + exposed_W / 2, compute_W * 2 / 3 + exposed_W / 2
         if shared:
             step, fwd, bwd = (float(v.mean()) for v in (total_W, fwd_W, bwd_W))

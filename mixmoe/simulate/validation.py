@@ -331,7 +331,15 @@ def compare(
             # fitted under the same aggregation when the record keeps its calibration runs
             refit = refit_profile(first, shape, processors)
             ps_profile = profile if refit is None else refit
-            ps = predict_layer(first["counts_WN"], shape, ps_profile, processors=processors, **kw)
+            # the plan the run used (its profile's), priced with the re-fitted costs
+            ps = predict_layer(
+                first["counts_WN"],
+                shape,
+                ps_profile,
+                processors=processors,
+                plan_profile=profile,
+                **kw,
+            )
             pred_ps = {s: p.step_s * 1e3 for s, p in ps.items()}
         meas = {s: r["step_ms"] for s, r in recs.items()}
         pred = {s: p.step_s * 1e3 for s, p in preds.items()}

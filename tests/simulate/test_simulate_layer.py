@@ -47,6 +47,20 @@ def test_hand_computed_example() -> None:
     assert [fixed[s].step_s - p[s].step_s for s in p] == [3.0, 3.0, 3.0]
 
 
+def test_plan_of_one_profile_priced_with_another() -> None:
+    # plan_profile plans (a cheap link: mix replicates expert 0 on rank 1), profile prices it:
+    # rank 0 computes its 10 rows, rank 1 6 + 2 + 3 = 11; 3 remote rows each, hidden under the
+    # local rows; the replica 2 x 0.5 + 9.5 = 10.5 s on both ranks: max(20.5, 21.5)
+    cheap = HardwareProfile("cheap", gemm_flops=384.0, link_bandwidth=3200.0, link_latency=5e-3)
+    p = predict_layer(C, SHAPE, UNIT, top_k=2, plan_profile=cheap)
+    assert p["mix"].hot == (0,) and p["mix"].rows_W == (10, 11)
+    assert p["mix"].compute_W == (10.0, 11.0) and p["mix"].exposed_W == (10.5, 10.5)
+    assert p["mix"].step_s == 21.5 and p["a2a"].step_s == 27.0
+    own = predict_layer(C, SHAPE, UNIT, top_k=2)
+    assert own["mix"].hot == ()  # UNIT's own plan replicates nothing
+    assert predict_layer(C, SHAPE, UNIT, top_k=2, plan_profile=UNIT) == own
+
+
 @pytest.mark.parametrize("routing", ["uniform", "zipf:1.2", "hot:0.6"])
 def test_steps_are_the_planners_predictions(routing: str) -> None:
     shape = LayerShape(512, 1024, 4, 8, 2)

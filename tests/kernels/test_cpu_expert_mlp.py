@@ -81,12 +81,14 @@ def _weights(w) -> ExpertWeights:
     return ExpertWeights(w["w1"], w["w2"], w.get("b1"), w.get("b2"), w.get("w3"), w.get("b3"))
 
 
-def _check(schedule, token_P, pos_TK, x, gate, w, activation, dtype, expect_cpu_path):
+def _check(schedule, token_P, pos_TK, x, gate, w, activation, dtype, expect_cpu_path, fused=True):
+    """``dtype`` picks the tolerance; the output must be in ``promote(x, w)``."""
     weights = _weights(w)
     assert cpu_path_applies(x, pos_TK, weights, activation) is expect_cpu_path
-    y = token_expert_mlp(x, token_P, pos_TK, gate, weights, schedule, activation)
+    y = token_expert_mlp(x, token_P, pos_TK, gate, weights, schedule, activation, fused=fused)
     on_path = type(y.grad_fn).__name__ == "_CpuTokenExpertMLPBackward"
-    assert on_path is expect_cpu_path
+    assert on_path is (expect_cpu_path and fused)
+    assert y.dtype == torch.promote_types(x.dtype, w["w1"].dtype)
     # reference in float64 from float64 copies of the same inputs
     ref_in = {n: p.detach().double().requires_grad_() for n, p in w.items()}
     ref_x = x.detach().double().requires_grad_()
@@ -177,11 +179,42 @@ def test_calls_off_the_cpu_path_run_the_fused_ops(make_layout, gen):
     )
     w["b2"] = w["b2"].detach().float().requires_grad_()  # another dtype: not this path
     assert not cpu_path_applies(x, pos_TK, _weights(w), "gelu")
+    _check(schedule, token_P, pos_TK, x, gate, w, "gelu", torch.float32, expect_cpu_path=False)
     w["b2"] = w["b2"].detach().double().requires_grad_()
     assert cpu_path_applies(x, pos_TK, _weights(w), "gelu")
 
     empty = build_empty(gen)
     _check(*empty, "gelu", torch.float64, expect_cpu_path=False)
+
+
+MIXED = [
+    (torch.float32, torch.float64),
+    (torch.float64, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), MIXED, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference-composition"])
+def test_mixed_dtypes_run_in_the_promoted_dtype(
+    make_layout, gen, x_dtype, w_dtype, activation, fused
+):
+    """``x`` in one dtype, the weights in another (e.g. a float32 input through float64
+    experts): computed in ``promote(x, w)``, as the Triton launchers document (the CPU ops cast
+    the same way; the CPU body takes one dtype only, so the fused ops run it). Forward and every
+    gradient equal the float64 loop at the lower precision's tolerance; each gradient comes back
+    in its input's dtype. Before, every such call raised inside ``grouped_linear``."""
+    case = ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16)
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout, case, gen, activation, True, torch.float64
+    )
+    x = x.detach().to(x_dtype).requires_grad_()
+    gate = gate.detach().to(torch.promote_types(x_dtype, torch.float32)).requires_grad_()
+    w = {n: p.detach().to(w_dtype).requires_grad_() for n, p in w.items()}
+    low = min((x_dtype, w_dtype), key=lambda d: torch.finfo(d).bits)
+    _check(schedule, token_P, pos_TK, x, gate, w, activation, low, False, fused=fused)
 
 
 def build_empty(gen):

@@ -187,6 +187,27 @@ def test_calls_off_the_cpu_path_run_the_fused_ops(make_layout, gen):
     _check(*empty, "gelu", torch.float64, expect_cpu_path=False)
 
 
+def test_one_token_with_one_choice_takes_the_cpu_path(make_layout, gen):
+    """The smallest call the body takes (T = 1, K = 1: e.g. a rank that received one row): on
+    the path, equal to the loop."""
+    args = _case(make_layout, ([1], [0], 1, 1, 16), gen, "swiglu", True, torch.float64)
+    _check(*args, "swiglu", torch.float64, expect_cpu_path=True)
+
+
+def test_tokens_without_choices_run_off_the_cpu_path(make_layout, gen):
+    """K = 0 (tokens but no choice): the body needs one choice; the fused ops return zeros and
+    zero gradients."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout, ([0], [0], 3, 0, 16), gen, "gelu", True, torch.float64
+    )
+    weights = _weights(w)
+    assert not cpu_path_applies(x, pos_TK, weights, "gelu")
+    y = token_expert_mlp(x, token_P, pos_TK, gate, weights, schedule, "gelu")
+    assert torch.equal(y, torch.zeros(3, x.shape[1], dtype=torch.float64))
+    for grad in torch.autograd.grad(y.sum(), [x, gate, *w.values()]):
+        assert not grad.any()
+
+
 MIXED = [
     (torch.float32, torch.float64),
     (torch.float64, torch.float32),

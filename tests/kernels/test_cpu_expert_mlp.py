@@ -135,6 +135,15 @@ def test_cpu_path_low_precision(make_layout, dtype, activation, gen):
     _check(*args, activation, dtype, expect_cpu_path=True)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_cpu_path_with_four_choices(make_layout, gen, activation):
+    """K = 4 (the weighted K-sum runs one pass per choice: the layouts above have K <= 2)."""
+    args = _case(
+        make_layout, ([20, 9, 30], [0, 2, 1], 20, 4, 16), gen, activation, True, torch.float64
+    )
+    _check(*args, activation, torch.float64, expect_cpu_path=True)
+
+
 def test_cpu_path_unit_gate_weights(make_layout, gen):
     """``weights_TK=None`` (unit weights, e.g. received rows back in return order with K = 1)."""
     schedule, token_P, pos_TK, x, _, w = _case(
@@ -169,6 +178,53 @@ def test_cpu_path_gradients_of_some_inputs_only(make_layout, gen):
     )
     (ref_dx,) = torch.autograd.grad(ref.sum(), [ref_x])
     torch.testing.assert_close(dx, ref_dx)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_cpu_path_each_input_alone_requires_a_gradient(make_layout, gen, activation):
+    """One input alone requires a gradient (x, the gate weights, or one weight or bias; the rest
+    frozen or data, e.g. a first layer's input): its gradient equals the one of the backward
+    where every input requires one, and the frozen ones get none."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout,
+        ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16),
+        gen,
+        activation,
+        True,
+        torch.float64,
+    )
+    inputs = {"x": x, "gate": gate, **w}
+
+    def run(ins):
+        weights = _weights({n: ins[n] for n in w})
+        return token_expert_mlp(
+            ins["x"], token_P, pos_TK, ins["gate"], weights, schedule, activation
+        )
+
+    y = run(inputs)
+    assert type(y.grad_fn).__name__ == "_CpuTokenExpertMLPBackward"
+    dy = torch.randn(y.shape, generator=gen, dtype=y.dtype)
+    full = dict(zip(inputs, torch.autograd.grad(y, list(inputs.values()), dy), strict=True))
+    for name in inputs:
+        some = {n: t if n == name else t.detach() for n, t in inputs.items()}
+        (grad,) = torch.autograd.grad(run(some), [some[name]], dy)
+        torch.testing.assert_close(grad, full[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("bias", ["b1", "b3", "b2"])
+def test_cpu_path_swiglu_with_one_bias(make_layout, gen, bias):
+    """SwiGLU with one of its three biases only (each bias's gradient belongs to its own
+    weight, whatever the others have)."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout,
+        ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16),
+        gen,
+        "swiglu",
+        True,
+        torch.float64,
+    )
+    w = {n: p for n, p in w.items() if n.startswith("w") or n == bias}
+    _check(schedule, token_P, pos_TK, x, gate, w, "swiglu", torch.float64, True)
 
 
 def test_calls_off_the_cpu_path_run_the_fused_ops(make_layout, gen):

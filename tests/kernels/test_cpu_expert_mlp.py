@@ -144,6 +144,35 @@ def test_cpu_path_with_four_choices(make_layout, gen, activation):
     _check(*args, activation, torch.float64, expect_cpu_path=True)
 
 
+def test_cpu_path_gate_grad_accumulates_in_float32_at_width_4096(make_layout, gen):
+    """bf16 at a realistic model width (D = 4096): the gradient of each gate weight is a
+    4096-term dot product of the output gradient with the expert's output row and must be
+    accumulated in float32 (issue 16's gap 4, for the CPU body). K = 1, so the rows are exactly
+    the output of the same call with unit gates; against their float64 dot product: relative
+    error below 1e-4 (float32: ~1e-7; a bf16 product or sum: ~1e-3)."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout,
+        ([20, 0, 13, 7], [1, 0, 2, 1], 48, 1, 16),
+        gen,
+        "gelu",
+        False,
+        torch.bfloat16,
+        D=4096,
+        Fh=16,
+    )
+    args = (token_P, pos_TK)
+    y = token_expert_mlp(x, *args, gate, _weights(w), schedule, "gelu")
+    assert type(y.grad_fn).__name__ == "_CpuTokenExpertMLPBackward"
+    dy = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    (dgate,) = torch.autograd.grad(y, [gate], dy)
+    assert dgate.dtype == torch.float32
+    with torch.no_grad():  # unit gates: y is the expert rows themselves (dropped: zero)
+        rows_TD = token_expert_mlp(x, *args, torch.ones_like(gate), _weights(w), schedule, "gelu")
+        truth = (rows_TD.double() * dy.double()).sum(dim=-1, keepdim=True)
+    err = ((dgate.double() - truth).norm() / truth.norm()).item()
+    assert err < 1e-4, f"gate gradient relative error {err:.3g} (float32 gives ~1e-7)"
+
+
 def test_cpu_path_unit_gate_weights(make_layout, gen):
     """``weights_TK=None`` (unit weights, e.g. received rows back in return order with K = 1)."""
     schedule, token_P, pos_TK, x, _, w = _case(

@@ -59,8 +59,12 @@ def grouped_linear(
     block_rows_Nb: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
-    """``y_PO``: each block of ``x_PI`` times its slot's weight (+ bias), masked rows zero."""
+    """``y_PO``: each block of ``x_PI`` times its slot's weight (+ bias), masked rows zero.
+    Dtype ``promote(x, w)``: mixed inputs (and the bias) are cast to it first, as the Triton
+    launcher does (``mixmoe.kernels.grouped_gemm``); one dtype: no copy."""
     out_dtype = torch.promote_types(x_PI.dtype, w_SIO.dtype)
+    x_PI, w_SIO = x_PI.to(out_dtype), w_SIO.to(out_dtype)
+    b_SO = None if b_SO is None else b_SO.to(out_dtype)
     y_PO = x_PI.new_empty(x_PI.shape[0], w_SIO.shape[2], dtype=out_dtype)  # valid rows written
     for slot, first, n in _row_pieces(block_slot_Nb, block_rows_Nb, block_size):
         rows = slice(first, first + n)
@@ -116,7 +120,21 @@ def slot_weight_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU body of the weight gradient: one GEMM per piece of valid rows (``_row_pieces``), so
     padding rows are never read (whatever they hold); a slot's first piece writes, later pieces
-    accumulate, slots without rows get zeros."""
+    accumulate, slots without rows get zeros. ``dw_SIO`` in ``x_PI``'s dtype, ``db_SO`` in
+    ``dy_PO``'s; mixed inputs are multiplied in their promoted dtype (the Triton launcher's
+    contract, ``mixmoe.kernels.grouped_weight_grad``)."""
+    if x_PI.dtype != dy_PO.dtype:
+        dtype = torch.promote_types(x_PI.dtype, dy_PO.dtype)
+        dw_SIO, db_SO = slot_weight_grad(
+            x_PI.to(dtype),
+            dy_PO.to(dtype),
+            block_slot_Nb,
+            block_rows_Nb,
+            num_slots,
+            block_size,
+            with_bias,
+        )
+        return dw_SIO.to(x_PI.dtype), db_SO.to(dy_PO.dtype)
     dw_SIO = x_PI.new_empty(num_slots, x_PI.shape[1], dy_PO.shape[1])
     db_SO = dy_PO.new_zeros(num_slots, dy_PO.shape[1] if with_bias else 0)
     written = set()

@@ -11,7 +11,8 @@ tests' twin). The default runs the fused ops (``mixmoe.ops.fused_linear``): the 
 token-choice order and the K choices are summed in a fixed order. On CUDA they are Triton kernels.
 On CPU the same computation runs as one autograd function over the pieces of valid rows
 (``mixmoe.ops.cpu_expert_mlp``: each input gathered once, no pass over padding rows), for CPU
-tensors of one dtype; other CPU calls (e.g. zero tokens) run the fused ops' torch
+tensors of one dtype; other CPU calls (e.g. zero tokens, or ``x`` and the weights in different
+dtypes: computed in ``promote(x, w)``, as the Triton launchers do) run the fused ops' torch
 implementations. On a Hopper GPU, bf16 inputs over a slot-sorted layout (one device) run
 through torch's grouped GEMM instead (``mixmoe.ops.grouped_mm_expert_mlp``;
 ``MIXMOE_GROUPED_MM=0`` keeps the Triton kernels). Same numbers up to float rounding, same autograd (dx, dW, db, d weights_TK).

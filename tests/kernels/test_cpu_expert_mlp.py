@@ -81,12 +81,14 @@ def _weights(w) -> ExpertWeights:
     return ExpertWeights(w["w1"], w["w2"], w.get("b1"), w.get("b2"), w.get("w3"), w.get("b3"))
 
 
-def _check(schedule, token_P, pos_TK, x, gate, w, activation, dtype, expect_cpu_path):
+def _check(schedule, token_P, pos_TK, x, gate, w, activation, dtype, expect_cpu_path, fused=True):
+    """``dtype`` picks the tolerance; the output must be in ``promote(x, w)``."""
     weights = _weights(w)
     assert cpu_path_applies(x, pos_TK, weights, activation) is expect_cpu_path
-    y = token_expert_mlp(x, token_P, pos_TK, gate, weights, schedule, activation)
+    y = token_expert_mlp(x, token_P, pos_TK, gate, weights, schedule, activation, fused=fused)
     on_path = type(y.grad_fn).__name__ == "_CpuTokenExpertMLPBackward"
-    assert on_path is expect_cpu_path
+    assert on_path is (expect_cpu_path and fused)
+    assert y.dtype == torch.promote_types(x.dtype, w["w1"].dtype)
     # reference in float64 from float64 copies of the same inputs
     ref_in = {n: p.detach().double().requires_grad_() for n, p in w.items()}
     ref_x = x.detach().double().requires_grad_()
@@ -133,6 +135,44 @@ def test_cpu_path_low_precision(make_layout, dtype, activation, gen):
     _check(*args, activation, dtype, expect_cpu_path=True)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_cpu_path_with_four_choices(make_layout, gen, activation):
+    """K = 4 (the weighted K-sum runs one pass per choice: the layouts above have K <= 2)."""
+    args = _case(
+        make_layout, ([20, 9, 30], [0, 2, 1], 20, 4, 16), gen, activation, True, torch.float64
+    )
+    _check(*args, activation, torch.float64, expect_cpu_path=True)
+
+
+def test_cpu_path_gate_grad_accumulates_in_float32_at_width_4096(make_layout, gen):
+    """bf16 at a realistic model width (D = 4096): the gradient of each gate weight is a
+    4096-term dot product of the output gradient with the expert's output row and must be
+    accumulated in float32 (issue 16's gap 4, for the CPU body). K = 1, so the rows are exactly
+    the output of the same call with unit gates; against their float64 dot product: relative
+    error below 1e-4 (float32: ~1e-7; a bf16 product or sum: ~1e-3)."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout,
+        ([20, 0, 13, 7], [1, 0, 2, 1], 48, 1, 16),
+        gen,
+        "gelu",
+        False,
+        torch.bfloat16,
+        D=4096,
+        Fh=16,
+    )
+    args = (token_P, pos_TK)
+    y = token_expert_mlp(x, *args, gate, _weights(w), schedule, "gelu")
+    assert type(y.grad_fn).__name__ == "_CpuTokenExpertMLPBackward"
+    dy = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    (dgate,) = torch.autograd.grad(y, [gate], dy)
+    assert dgate.dtype == torch.float32
+    with torch.no_grad():  # unit gates: y is the expert rows themselves (dropped: zero)
+        rows_TD = token_expert_mlp(x, *args, torch.ones_like(gate), _weights(w), schedule, "gelu")
+        truth = (rows_TD.double() * dy.double()).sum(dim=-1, keepdim=True)
+    err = ((dgate.double() - truth).norm() / truth.norm()).item()
+    assert err < 1e-4, f"gate gradient relative error {err:.3g} (float32 gives ~1e-7)"
+
+
 def test_cpu_path_unit_gate_weights(make_layout, gen):
     """``weights_TK=None`` (unit weights, e.g. received rows back in return order with K = 1)."""
     schedule, token_P, pos_TK, x, _, w = _case(
@@ -169,6 +209,53 @@ def test_cpu_path_gradients_of_some_inputs_only(make_layout, gen):
     torch.testing.assert_close(dx, ref_dx)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_cpu_path_each_input_alone_requires_a_gradient(make_layout, gen, activation):
+    """One input alone requires a gradient (x, the gate weights, or one weight or bias; the rest
+    frozen or data, e.g. a first layer's input): its gradient equals the one of the backward
+    where every input requires one, and the frozen ones get none."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout,
+        ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16),
+        gen,
+        activation,
+        True,
+        torch.float64,
+    )
+    inputs = {"x": x, "gate": gate, **w}
+
+    def run(ins):
+        weights = _weights({n: ins[n] for n in w})
+        return token_expert_mlp(
+            ins["x"], token_P, pos_TK, ins["gate"], weights, schedule, activation
+        )
+
+    y = run(inputs)
+    assert type(y.grad_fn).__name__ == "_CpuTokenExpertMLPBackward"
+    dy = torch.randn(y.shape, generator=gen, dtype=y.dtype)
+    full = dict(zip(inputs, torch.autograd.grad(y, list(inputs.values()), dy), strict=True))
+    for name in inputs:
+        some = {n: t if n == name else t.detach() for n, t in inputs.items()}
+        (grad,) = torch.autograd.grad(run(some), [some[name]], dy)
+        torch.testing.assert_close(grad, full[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("bias", ["b1", "b3", "b2"])
+def test_cpu_path_swiglu_with_one_bias(make_layout, gen, bias):
+    """SwiGLU with one of its three biases only (each bias's gradient belongs to its own
+    weight, whatever the others have)."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout,
+        ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16),
+        gen,
+        "swiglu",
+        True,
+        torch.float64,
+    )
+    w = {n: p for n, p in w.items() if n.startswith("w") or n == bias}
+    _check(schedule, token_P, pos_TK, x, gate, w, "swiglu", torch.float64, True)
+
+
 def test_calls_off_the_cpu_path_run_the_fused_ops(make_layout, gen):
     """Zero tokens and mixed dtypes are not taken: the fused ops run them, same results."""
     case = ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16)
@@ -177,11 +264,63 @@ def test_calls_off_the_cpu_path_run_the_fused_ops(make_layout, gen):
     )
     w["b2"] = w["b2"].detach().float().requires_grad_()  # another dtype: not this path
     assert not cpu_path_applies(x, pos_TK, _weights(w), "gelu")
+    _check(schedule, token_P, pos_TK, x, gate, w, "gelu", torch.float32, expect_cpu_path=False)
     w["b2"] = w["b2"].detach().double().requires_grad_()
     assert cpu_path_applies(x, pos_TK, _weights(w), "gelu")
 
     empty = build_empty(gen)
     _check(*empty, "gelu", torch.float64, expect_cpu_path=False)
+
+
+def test_one_token_with_one_choice_takes_the_cpu_path(make_layout, gen):
+    """The smallest call the body takes (T = 1, K = 1: e.g. a rank that received one row): on
+    the path, equal to the loop."""
+    args = _case(make_layout, ([1], [0], 1, 1, 16), gen, "swiglu", True, torch.float64)
+    _check(*args, "swiglu", torch.float64, expect_cpu_path=True)
+
+
+def test_tokens_without_choices_run_off_the_cpu_path(make_layout, gen):
+    """K = 0 (tokens but no choice): the body needs one choice; the fused ops return zeros and
+    zero gradients."""
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout, ([0], [0], 3, 0, 16), gen, "gelu", True, torch.float64
+    )
+    weights = _weights(w)
+    assert not cpu_path_applies(x, pos_TK, weights, "gelu")
+    y = token_expert_mlp(x, token_P, pos_TK, gate, weights, schedule, "gelu")
+    assert torch.equal(y, torch.zeros(3, x.shape[1], dtype=torch.float64))
+    for grad in torch.autograd.grad(y.sum(), [x, gate, *w.values()]):
+        assert not grad.any()
+
+
+MIXED = [
+    (torch.float32, torch.float64),
+    (torch.float64, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), MIXED, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference-composition"])
+def test_mixed_dtypes_run_in_the_promoted_dtype(
+    make_layout, gen, x_dtype, w_dtype, activation, fused
+):
+    """``x`` in one dtype, the weights in another (e.g. a float32 input through float64
+    experts): computed in ``promote(x, w)``, as the Triton launchers document (the CPU ops cast
+    the same way; the CPU body takes one dtype only, so the fused ops run it). Forward and every
+    gradient equal the float64 loop at the lower precision's tolerance; each gradient comes back
+    in its input's dtype. Before, every such call raised inside ``grouped_linear``."""
+    case = ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16)
+    schedule, token_P, pos_TK, x, gate, w = _case(
+        make_layout, case, gen, activation, True, torch.float64
+    )
+    x = x.detach().to(x_dtype).requires_grad_()
+    gate = gate.detach().to(torch.promote_types(x_dtype, torch.float32)).requires_grad_()
+    w = {n: p.detach().to(w_dtype).requires_grad_() for n, p in w.items()}
+    low = min((x_dtype, w_dtype), key=lambda d: torch.finfo(d).bits)
+    _check(schedule, token_P, pos_TK, x, gate, w, activation, low, False, fused=fused)
 
 
 def build_empty(gen):

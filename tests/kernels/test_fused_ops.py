@@ -107,6 +107,90 @@ def test_autograd_matches_the_composition(layout_case, make_layout, bias, gen):
         torch.testing.assert_close(a, r)
 
 
+# one token (T = 1: gathering from a single row), a full last block (the last padded row is a
+# real row, not padding: reads clamped to P - 1 must reach it), four choices per token
+EDGE_LAYOUTS = {
+    "one-token": ([1], [0], 1, 1, 16),
+    "full-last-block": ([3, 16], [1, 0], 20, 2, 16),
+    "k4": ([20, 9, 30], [0, 2, 1], 20, 4, 16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_LAYOUTS))
+def test_edge_layouts_match_the_composition(case, make_layout, gen):
+    c = _setup(make_layout, EDGE_LAYOUTS[case], gen, dtype=torch.float64)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    pairs = [
+        (
+            lambda: gather_grouped_linear(
+                c["x"], c["token_P"], c["pos_TK"], c["w"], c["b"], *_meta(c)
+            ),
+            lambda: grouped_linear(gather_rows(c["x"], c["token_P"]), c["w"], c["b"], *_meta(c)),
+            [c["x"], c["w"], c["b"]],
+        ),
+        (
+            lambda: grouped_linear_combine(
+                c["h"], c["w"], c["b"], *_meta(c), c["pos_TK"], c["weights"]
+            ),
+            lambda: combine_rows(
+                grouped_linear(c["h"], c["w"], c["b"], *_meta(c)), c["pos_TK"], c["weights"]
+            ),
+            [c["h"], c["w"], c["b"], c["weights"]],
+        ),
+    ]
+    for fused, ref, inputs in pairs:
+        y, r = fused(), ref()
+        assert torch.equal(y, r)
+        for a, b in zip(
+            _grads(y, inputs, torch.Generator().manual_seed(seed)),
+            _grads(r, inputs, torch.Generator().manual_seed(seed)),
+            strict=True,
+        ):
+            torch.testing.assert_close(a, b)
+
+
+def test_grads_of_some_inputs_only(make_layout, gen):
+    """Each input of the two public ops alone requires a gradient (the others frozen): its
+    gradient equals the one of the backward where every input requires one, and the frozen
+    inputs get none."""
+    c = _setup(make_layout, ([5, 0, 17, 1], [2, 0, 2, 1], 12, 2, 16), gen, dtype=torch.float64)
+    ops = {
+        "gather": (
+            lambda x, w, b: gather_grouped_linear(x, c["token_P"], c["pos_TK"], w, b, *_meta(c)),
+            [c["x"], c["w"], c["b"]],
+        ),
+        "combine": (
+            lambda h, w, b, g: grouped_linear_combine(h, w, b, *_meta(c), c["pos_TK"], g),
+            [c["h"], c["w"], c["b"], c["weights"]],
+        ),
+    }
+    for op, inputs in ops.values():
+        y = op(*inputs)
+        dy = torch.randn(y.shape, generator=gen, dtype=y.dtype)
+        full = torch.autograd.grad(y, inputs, dy)
+        for i in range(len(inputs)):
+            some = [t if j == i else t.detach() for j, t in enumerate(inputs)]
+            (grad,) = torch.autograd.grad(op(*some), [some[i]], dy)
+            torch.testing.assert_close(grad, full[i], rtol=0, atol=0)
+
+
+def test_combine_weights_grad_is_zero_for_dropped_choices_and_accumulates_in_float32(gen):
+    """``combine_weights_grad`` as its docstring states it: 0 for a dropped choice whatever its
+    row holds, and the dots returned in float32 (float64 for float64 inputs)."""
+    T, K, O, P = 6, 2, 8, 16
+    pos_TK = torch.randint(0, P, (T, K), generator=gen)
+    pos_TK[0, 1] = pos_TK[3, 0] = P  # dropped
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        dy_TO = torch.randn(T, O, generator=gen).to(dtype)
+        rows_RO = torch.randn(T * K, O, generator=gen).to(dtype)  # dropped rows not zero
+        d = combine_weights_grad(dy_TO, rows_RO, pos_TK, P)
+        assert d.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        dots = (rows_RO.view(T, K, O).double() * dy_TO.double().unsqueeze(1)).sum(-1)
+        expect = torch.where(pos_TK < P, dots, 0.0)
+        torch.testing.assert_close(d.double(), expect, rtol=1e-6, atol=1e-6)
+        assert d[0, 1] == 0 and d[3, 0] == 0
+
+
 def test_combine_weight_grad_accumulates_in_float32_at_width_4096(make_layout, gen):
     """bf16 expert outputs at a realistic width (O = 4096), float32 routing weights: the gradient
     of each routing weight is a 4096-term dot product and must be accumulated in float32.
@@ -171,6 +255,10 @@ def test_opcheck(make_layout, gen):
             (h.detach(), None, dy_TO, token_P, scale_P, *meta[:2], w.shape[0], meta[2], True),
         ),
         (combine_weights_grad, (dy_TO, rows, pos_TK, P)),
+        (  # dy already padded and scaled: the op must not scale the caller's dy in place
+            gathered_weight_grad,
+            (h.detach(), None, h.detach(), None, scale_P, *meta[:2], w.shape[0], meta[2], True),
+        ),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

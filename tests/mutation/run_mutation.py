@@ -63,9 +63,9 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "ops": (
         ["mixmoe/ops"],
         [
+            "tests/kernels/test_cpu_expert_mlp.py",  # the CPU fused expert MLP: 10 s
+            "tests/kernels/test_fused_ops.py",  # the fused ops: torch impls first, then Triton's
             "tests/unit/test_ops.py",
-            "tests/kernels/test_fused_ops.py",
-            "tests/kernels/test_cpu_expert_mlp.py",  # the CPU fused expert MLP
             "tests/kernels/test_grouped_mm_expert_mlp.py",
         ],
         ["tests/unit", "tests/kernels"],

@@ -89,6 +89,7 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "comm": (
         ["mixmoe/comm"],
         [
+            "tests/unit/test_process_group.py",  # init, groups' layout, FSDP version: one process
             "tests/distributed/test_comm.py::test_local_communicator_is_a_world_of_one",
             "tests/distributed/test_gradient_accumulation.py",  # every all_to_all, 2 ranks
             "tests/distributed/test_comm.py",  # each collective on 3 ranks, uneven splits

@@ -53,7 +53,12 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "schedule": (["mixmoe/schedule"], ["tests/unit/test_schedule.py"], ["tests/unit"]),
     "placement": (  # a wrong cost changes which plan is picked, not the layer's numbers
         ["mixmoe/placement"],
-        ["tests/placement"],
+        [  # the search forms against each other and against the spelled-out greedy first
+            "tests/placement/test_placement_planner.py::test_every_search_path_decides_alike",
+            "tests/placement/test_placement_planner.py::"
+            "test_rescan_planner_matches_its_spelled_out_greedy",
+            "tests/placement",
+        ],
         [
             "tests/unit/test_step_plan.py",
             "tests/unit/test_bench_planner.py",
@@ -89,6 +94,7 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "comm": (
         ["mixmoe/comm"],
         [
+            "tests/unit/test_process_group.py",  # init, groups' layout, FSDP version: one process
             "tests/distributed/test_comm.py::test_local_communicator_is_a_world_of_one",
             "tests/distributed/test_gradient_accumulation.py",  # every all_to_all, 2 ranks
             "tests/distributed/test_comm.py",  # each collective on 3 ranks, uneven splits

@@ -181,16 +181,15 @@ def test_cpu_path_unit_gate_weights(make_layout, gen):
     _check(schedule, token_P, pos_TK, x, None, w, "swiglu", torch.float64, True)
 
 
+def _swiglu_bias_case(make_layout, gen):
+    """SwiGLU with every bias, float64, an expert without rows and one with a single row."""
+    layout = ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16)
+    return _case(make_layout, layout, gen, "swiglu", True, torch.float64)
+
+
 def test_cpu_path_gradients_of_some_inputs_only(make_layout, gen):
     """Frozen weights and gate: only dx is asked for (and must still be right)."""
-    schedule, token_P, pos_TK, x, gate, w = _case(
-        make_layout,
-        ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16),
-        gen,
-        "swiglu",
-        True,
-        torch.float64,
-    )
+    schedule, token_P, pos_TK, x, gate, w = _swiglu_bias_case(make_layout, gen)
     frozen = {n: p.detach() for n, p in w.items()}
     y = token_expert_mlp(x, token_P, pos_TK, gate.detach(), _weights(frozen), schedule, "swiglu")
     (dx,) = torch.autograd.grad(y.sum(), [x])
@@ -244,14 +243,7 @@ def test_cpu_path_each_input_alone_requires_a_gradient(make_layout, gen, activat
 def test_cpu_path_swiglu_with_one_bias(make_layout, gen, bias):
     """SwiGLU with one of its three biases only (each bias's gradient belongs to its own
     weight, whatever the others have)."""
-    schedule, token_P, pos_TK, x, gate, w = _case(
-        make_layout,
-        ([16, 3, 0, 1, 33], [1, 3, 0, 1, 0], 30, 2, 16),
-        gen,
-        "swiglu",
-        True,
-        torch.float64,
-    )
+    schedule, token_P, pos_TK, x, gate, w = _swiglu_bias_case(make_layout, gen)
     w = {n: p for n, p in w.items() if n.startswith("w") or n == bias}
     _check(schedule, token_P, pos_TK, x, gate, w, "swiglu", torch.float64, True)
 

@@ -187,7 +187,14 @@ def run(args: argparse.Namespace) -> int:
         f"link_bandwidth = {profile.link_bandwidth / 1e9:.3f} GB/s, "
         f"link_latency = {profile.link_latency * 1e6:.1f} us, step_fixed = "
         f"{profile.step_fixed_s * 1e3:.3f} ms, row_overhead = {profile.row_overhead_s * 1e6:.3f} "
-        f"us, replica_fixed = {profile.replica_fixed_s * 1e3:.3f} ms -> {out}"
+        f"us, replica_fixed = {profile.replica_fixed_s * 1e3:.3f} ms"
+        + (
+            f", shared_core_efficiency = {profile.shared_core_efficiency:.3f} "
+            f"(predict with simulate --processors {cfg.processors})"
+            if cfg.processors is not None and cfg.processors < world
+            else ""
+        )
+        + f" -> {out}"
     )
     if links is not None:
         print(

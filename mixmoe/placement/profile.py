@@ -59,9 +59,17 @@ class HardwareProfile:
     row_overhead_s:  seconds per row computed at a rank, on top of its GEMM FLOPs (default 0.0).
     replica_fixed_s: seconds per replica a rank serves (as owner) or holds, on top of its bytes
                      on the link (default 0.0).
+    shared_core_efficiency: where ranks outnumber the cores they share (``simulate --processors
+                     P`` with P < W, never the planner's max over ranks), the share of P cores'
+                     work the oversubscribed ranks get, in (0, 1]: 1.0 (default) is fair
+                     processor sharing; below 1, a rank that runs while others wait runs
+                     1 / efficiency faster than the all-busy share suggests
+                     (``mixmoe.simulate.layer.processor_sharing_s``). ``mixmoe calibrate
+                     --processors P`` fits it to its skewed ``a2a`` run.
 
-    The first three numbers must be positive and finite, the fixed costs finite and >= 0
-    (``ValueError`` naming the field otherwise; ``TypeError`` if a field is not a real number).
+    The first three numbers must be positive and finite, the fixed costs finite and >= 0, the
+    efficiency in (0, 1] (``ValueError`` naming the field otherwise; ``TypeError`` if a field is
+    not a real number).
     """
 
     name: str
@@ -71,18 +79,31 @@ class HardwareProfile:
     step_fixed_s: float = 0.0
     row_overhead_s: float = 0.0
     replica_fixed_s: float = 0.0
+    shared_core_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"HardwareProfile.name must be a non-empty string, got {self.name!r}")
-        for field_name in ("gemm_flops", "link_bandwidth", "link_latency", *FIXED_COSTS):
+        for field_name in (
+            "gemm_flops",
+            "link_bandwidth",
+            "link_latency",
+            *FIXED_COSTS,
+            "shared_core_efficiency",
+        ):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(
                     f"HardwareProfile.{field_name} must be a real number, got {value!r} "
                     f"({type(value).__name__})"
                 )
-            if field_name in FIXED_COSTS:
+            if field_name == "shared_core_efficiency":
+                if not (math.isfinite(value) and 0 < value <= 1):
+                    raise ValueError(
+                        f"HardwareProfile.shared_core_efficiency must be in (0, 1], got "
+                        f"{value!r}; use 1.0 for fair sharing of the cores"
+                    )
+            elif field_name in FIXED_COSTS:
                 if not (math.isfinite(value) and value >= 0):
                     raise ValueError(
                         f"HardwareProfile.{field_name} must be finite and >= 0 seconds, got "

@@ -9,11 +9,12 @@ JSON layout (one object)::
     {"format": "mixmoe-hardware-profile", "version": 1,
      "name": ..., "gemm_flops": ..., "link_bandwidth": ..., "link_latency": ...,
      "step_fixed_s": ..., "row_overhead_s": ..., "replica_fixed_s": ...,   # optional, 0.0
+     "shared_core_efficiency": ...,                                        # optional, 1.0
      "measured": true|false, "source": "how the numbers were obtained",
      "measurements": {...}}          # optional: calibrate's raw sweeps, kept for the record
 
 The fixed costs (``HardwareProfile``) are optional: files written before they existed load with
-0.0 (the cost model without them).
+0.0 (the cost model without them); so is ``shared_core_efficiency`` (1.0: fair sharing).
 
 Presets are ESTIMATES, not measurements: vendor peak x a stated efficiency, the efficiency being
 a typical sustained fraction (dense bf16 GEMM ~60% of the tensor-core peak, grouped GEMMs on
@@ -171,6 +172,7 @@ def profile_record(
         "link_bandwidth": profile.link_bandwidth,
         "link_latency": profile.link_latency,
         **{k: getattr(profile, k) for k in FIXED_COSTS},
+        "shared_core_efficiency": profile.shared_core_efficiency,
         "measured": bool(measured),
         "source": source,
     }
@@ -235,6 +237,7 @@ def load_profile(spec: str | os.PathLike[str] | HardwareProfile) -> HardwareProf
     record = read_profile_record(text)
     keys = ("gemm_flops", "link_bandwidth", "link_latency", *FIXED_COSTS)
     values = [record.get(k, 0.0) for k in keys]  # the fixed costs are optional (older files)
+    values.append(record.get("shared_core_efficiency", 1.0))  # optional too: fair sharing
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values) or not all(
         math.isfinite(v) for v in values
     ):

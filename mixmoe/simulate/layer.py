@@ -39,8 +39,12 @@ hands its share to the others. The calibrated per-rank rate is the all-ranks-bus
 min(1, P / W) of a processor; each rank's compute + exposed seconds is turned into processor
 seconds at that share and step_s (fwd_s, bwd_s) is the time the last rank finishes
 (``processor_sharing_s``). It lies between ``shared``'s mean (every rank saturated until the
-end) and the max over ranks (a processor per rank, P >= W: exactly the max); no parameter
-beyond P. With P < W the token exchange hides nothing (``mix``'s overlap is not priced:
+end) and the max over ranks (a processor per rank, P >= W: exactly the max). One parameter
+beyond P, the profile's ``shared_core_efficiency`` e (default 1.0: fair sharing): while more
+ranks than cores work, they get e x P cores' worth of work (e P / n each), so the
+calibrated all-busy share is e P / W and a rank that runs alone afterwards runs 1 / e faster
+than fair sharing of the all-busy rate suggests. ``mixmoe calibrate --processors P`` fits e to
+its skewed ``a2a`` run (``mixmoe.bench.calibrate_layer``). With P < W the token exchange hides nothing (``mix``'s overlap is not priced:
 ``overlap_under``): the aggregation counts a rank's communication seconds as processor work,
 and overlapping work with work on a saturated processor frees none; exposed_W is then
 token + weight and hidden_W 0. Measured (W=4, D=256 F=1024 T=512 E=2, uniform, gloo, 2 cores,
@@ -101,34 +105,40 @@ def _tuple(x: torch.Tensor) -> tuple[float, ...]:
     return tuple(x.tolist())
 
 
-def processor_sharing_s(work_W: torch.Tensor, processors: int) -> float:
-    """When the last of W jobs finishes on ``processors`` processors shared fairly among the
-    unfinished jobs, each job taking at most one processor. ``work_W``: float64 [W], processor
-    seconds of each job (all start at 0). With processors >= W: ``work_W.max()`` exactly.
+def processor_sharing_s(work_W: torch.Tensor, processors: int, efficiency: float = 1.0) -> float:
+    """When the last of W jobs finishes on ``processors`` processors shared among the unfinished
+    jobs, each job taking at most one processor. ``work_W``: float64 [W], processor seconds of
+    each job (all start at 0). With processors >= W: ``work_W.max()`` exactly.
 
     The jobs finish in order of their work; between two finishes the n unfinished jobs each
-    advance at min(1, processors / n): the k-th finish (ascending work w_(k), k from 0) comes
-    after (w_(k) - w_(k-1)) / min(1, processors / (W - k)) more seconds."""
+    advance at 1 while n <= processors, else at ``efficiency`` x processors / n (``efficiency``
+    in (0, 1], 1.0: fair sharing): the k-th finish (ascending work w_(k), k from 0) comes
+    after (w_(k) - w_(k-1)) / that rate more seconds."""
     W = work_W.numel()
     if processors >= W:
         return float(work_W.max())
     t, done = 0.0, 0.0
     for k, w in enumerate(sorted(work_W.tolist())):
-        t += (w - done) / min(1.0, processors / (W - k))
+        n = W - k
+        t += (w - done) / (1.0 if n <= processors else efficiency * processors / n)
         done = w
     return t
 
 
-def aggregate_ranks_s(seconds_W: torch.Tensor, processors: int | None = None) -> float:
+def aggregate_ranks_s(
+    seconds_W: torch.Tensor, processors: int | None = None, efficiency: float = 1.0
+) -> float:
     """The step of W ranks that take ``seconds_W`` each (float64 [W], at the calibrated per-rank
     rate): the max over ranks (a processor per rank: ``processors`` None or >= W), else the
     processor-sharing finish time of W ranks on ``processors`` processors, the calibrated rate
-    being the all-busy share processors / W of a processor (module doc). The one aggregation
-    of the simulator and of the calibration's fit under ``--processors``."""
+    being the all-busy share ``efficiency`` x processors / W of a processor (module doc;
+    ``efficiency``: the profile's ``shared_core_efficiency``). The one aggregation of the
+    simulator and of the calibration's fit under ``--processors``."""
     W = seconds_W.numel()
     if processors is None or processors >= W:
         return float(seconds_W.max())
-    return processor_sharing_s(seconds_W * (processors / W), processors)
+    share = efficiency * processors / W
+    return processor_sharing_s(seconds_W * share, processors, efficiency)
 
 
 def overlap_under(overlap: bool, processors: int | None, world_size: int) -> bool:
@@ -212,7 +222,10 @@ def predict_layer(
         if shared:
             step, fwd, bwd = (float(v.mean()) for v in (total_W, fwd_W, bwd_W))
         else:  # the max over ranks, or processor sharing when ranks outnumber processors
-            step, fwd, bwd = (aggregate_ranks_s(v, processors) for v in (total_W, fwd_W, bwd_W))
+            eff = profile.shared_core_efficiency
+            step, fwd, bwd = (
+                aggregate_ranks_s(v, processors, eff) for v in (total_W, fwd_W, bwd_W)
+            )
         out[name] = StrategyPrediction(
             strategy=name,
             compute_W=_tuple(compute_W),

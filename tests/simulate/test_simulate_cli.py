@@ -98,6 +98,12 @@ def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> Non
         fit["step_fixed_s"], fit["row_overhead_s"], fit["replica_fixed_s"]
     )  # fmt: skip
     assert min(prof.step_fixed_s, prof.row_overhead_s, prof.replica_fixed_s) >= 0
+    # ranks outnumber cores: the efficiency of the shared core is fitted, kept and printed
+    assert 0.5 <= prof.shared_core_efficiency <= 1.0
+    assert prof.shared_core_efficiency == fit["shared_core_efficiency"]
+    assert "shared_core_efficiency:" in fit["method"]
+    assert f"shared_core_efficiency = {prof.shared_core_efficiency:.3f}" in text
+    assert "predict with simulate --processors 1" in text
     assert "layer runs for the fixed costs" in text and "replica_fixed" in text
 
 

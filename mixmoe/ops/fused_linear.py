@@ -134,8 +134,8 @@ def _gather_backward(ctx, dy_PO):
         )
         dx = dx.to(x_TI.dtype)
     if ctx.needs_input_grad[3] or (ctx.with_bias and ctx.needs_input_grad[4]):
-        dw, db = gathered_weight_grad(
-            x_TI,
+        dw, db = gathered_weight_grad(  # x in the forward's dtype: dw comes back in x's dtype
+            x_TI.to(torch.promote_types(x_TI.dtype, w_SIO.dtype)),
             token_P,
             dy_PO,
             None,
@@ -244,8 +244,8 @@ def _combine_backward(ctx, dy_TO, _unused_rows_grad):
             dy_TO, token_P, scale_P, w_SIO.transpose(1, 2), block_slot_Nb, block_rows_Nb, B
         ).to(h_PI.dtype)
     if ctx.needs_input_grad[1] or (ctx.with_bias and ctx.needs_input_grad[2]):
-        dw, db = gathered_weight_grad(
-            h_PI,
+        dw, db = gathered_weight_grad(  # h in the forward's dtype: dw comes back in h's dtype
+            h_PI.to(torch.promote_types(h_PI.dtype, w_SIO.dtype)),
             None,
             dy_TO,
             token_P,

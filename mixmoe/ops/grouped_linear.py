@@ -193,8 +193,10 @@ def _backward(ctx, dy_PO):
             dy_PO, w_SIO.transpose(1, 2), None, block_slot_Nb, block_rows_Nb, ctx.block_size
         ).to(x_PI.dtype)
     if ctx.needs_input_grad[1] or (ctx.with_bias and ctx.needs_input_grad[2]):
+        # x in the forward's dtype: the op returns dw in x's dtype, which would round the
+        # gradient of float32 weights fed a bfloat16 x to bfloat16 (the op casts x anyway)
         dw, db = grouped_weight_grad(
-            x_PI,
+            x_PI.to(torch.promote_types(x_PI.dtype, w_SIO.dtype)),
             dy_PO,
             block_slot_Nb,
             block_rows_Nb,

@@ -45,6 +45,8 @@ def triton_impls_on_cpu(
     ):
         for op, (module, name, takes_config) in TRITON_IMPLS.items():
             fn = getattr(importlib.import_module(module), name)
+            # lib.impl accepts a name no op has (the CPU kernel would silently stay): look it up
+            getattr(torch.ops.mixmoe, op)
             fn = functools.partial(fn, config=config) if takes_config else fn
             lib.impl(op, wrap(op, fn) if wrap else fn, "CPU")
         yield

@@ -27,7 +27,7 @@ from mixmoe.ops.fused_linear import (
     grouped_linear_combine,
     scaled_gather_grouped_linear,
 )
-from mixmoe.ops.grouped_linear import grouped_linear
+from mixmoe.ops.grouped_linear import grouped_linear, grouped_weight_grad
 from mixmoe.ops.rows import combine_rows, gather_rows
 from mixmoe.ops.token_expert_mlp import token_expert_mlp
 
@@ -216,6 +216,98 @@ def test_combine_weight_grad_accumulates_in_float32_at_width_4096(make_layout, g
         truth = (rows_TKO.double() * dy.double().unsqueeze(1)).sum(dim=-1)
     err = ((dweights.double() - truth).norm() / truth.norm()).item()
     assert err < 1e-4, f"routing-weight gradient relative error {err:.3g} (float32 gives ~1e-7)"
+
+
+def _slot_sums_per_row(x_PI, dy_PO, scale_P, schedule, num_slots):
+    """dw[s] = sum of x[p]^T (scale[p] dy[p]), db[s] = sum of scale[p] dy[p] over the valid rows
+    p of slot s, one row at a time."""
+    B = schedule.block_size
+    dw = torch.zeros(num_slots, x_PI.shape[1], dy_PO.shape[1], dtype=torch.float64)
+    db = torch.zeros(num_slots, dy_PO.shape[1], dtype=torch.float64)
+    for p in range(x_PI.shape[0]):
+        if p % B >= int(schedule.block_rows_Nb[p // B]):
+            continue  # padding
+        s = int(schedule.block_slot_Nb[p // B])
+        dy = scale_P[p] * dy_PO[p]
+        dw[s] += torch.outer(x_PI[p], dy)
+        db[s] += dy
+    return dw, db
+
+
+def test_gathered_weight_grad_scales_an_already_padded_dy(make_layout, gen):
+    """``gathered_weight_grad`` with ``dy`` already in the padded layout (no ``dy`` index) and a
+    row scale: the branch no mixmoe backward takes today (the combine's backward gathers ``dy``
+    through ``token_P``), reachable by a direct call. Against a per-row loop; padding rows of
+    both operands hold garbage that must not count, and the caller's ``dy`` is left as it was."""
+    c = _setup(make_layout, ([5, 0, 17, 1], [2, 0, 2, 1], 12, 2, 16), gen, dtype=torch.float64)
+    s, S = c["schedule"], c["w"].shape[0]
+    P, O = s.num_padded_rows, c["w"].shape[2]
+    h_PI = c["h"].detach()
+    dy_PO = torch.randn(P, O, generator=gen, dtype=torch.float64)
+    scale_P = torch.rand(P, generator=gen, dtype=torch.float64) + 0.5
+    before = dy_PO.clone()
+    dw, db = gathered_weight_grad(h_PI, None, dy_PO, None, scale_P, *_meta(c)[:2], S, 16, True)
+    dw_ref, db_ref = _slot_sums_per_row(h_PI, dy_PO, scale_P, s, S)
+    torch.testing.assert_close(dw, dw_ref)
+    torch.testing.assert_close(db, db_ref)
+    assert torch.equal(dy_PO, before)
+
+
+def test_mixed_dtype_weight_grads_keep_the_weights_precision(make_layout, gen):
+    """bfloat16 inputs through float32 weights run in float32, so the weight and bias gradients
+    of both ops are float32 sums of products of the same values: against float64 on those
+    values, relative error below 1e-5 (float32: ~1e-7; rounded to bfloat16 on the way: ~2e-3)."""
+    c = _setup(make_layout, ([20, 0, 33, 7], [1, 0, 2, 1], 40, 2, 16), gen, I=64, O=48)
+    x, h = (c[k].detach().bfloat16().requires_grad_() for k in ("x", "h"))
+    w, b = c["w"], c["b"]
+    cases = {
+        "gather": (
+            lambda x, w, b: gather_grouped_linear(x, c["token_P"], c["pos_TK"], w, b, *_meta(c)),
+            x,
+        ),
+        "combine": (
+            lambda h, w, b: grouped_linear_combine(
+                h, w, b, *_meta(c), c["pos_TK"], c["weights"].detach()
+            ),
+            h,
+        ),
+    }
+    for name, (op, inp) in cases.items():
+        y = op(inp, w, b)
+        assert y.dtype == torch.float32, name
+        dy = torch.randn(y.shape, generator=gen)
+        dw, db = torch.autograd.grad(y, [w, b], dy)
+        ref = [t.detach().double().requires_grad_() for t in (inp, w, b)]
+        dw_ref, db_ref = torch.autograd.grad(op(*ref), ref[1:], dy.double())
+        for g, r in ((dw, dw_ref), (db, db_ref)):
+            assert g.dtype == torch.float32, name
+            err = ((g.double() - r).norm() / r.norm()).item()
+            assert err < 1e-5, f"{name}: weight gradient relative error {err:.3g}"
+
+
+def test_ops_are_registered_under_their_public_names():
+    """Each op is ``torch.ops.mixmoe.NAME`` (the name users, ``torch.compile`` graphs and the
+    Triton swap of ``_triton_swap.TRITON_IMPLS`` look it up by), and the swap lists every
+    ``mixmoe::`` op: an op under any other name keeps its CPU kernel inside the swap, and the
+    Triton-path tests below would compare the CPU implementation with itself."""
+    from _triton_swap import TRITON_IMPLS
+
+    ops = {
+        "grouped_linear": grouped_linear,
+        "grouped_weight_grad": grouped_weight_grad,
+        "gather_grouped_linear": gather_grouped_linear,
+        "grouped_linear_combine": _grouped_linear_combine,
+        "scaled_gather_grouped_linear": scaled_gather_grouped_linear,
+        "gathered_weight_grad": gathered_weight_grad,
+        "combine_weights_grad": combine_weights_grad,
+    }
+    for name, op in ops.items():
+        overload = getattr(torch.ops.mixmoe, name).default
+        assert overload is op._opoverload, name
+        assert overload._schema.name == f"mixmoe::{name}"
+    registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("mixmoe::")}
+    assert registered == {f"mixmoe::{name}" for name in ops}
+    assert set(TRITON_IMPLS) == set(ops)
 
 
 def test_gradcheck(make_layout, gen):

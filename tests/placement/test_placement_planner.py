@@ -586,6 +586,56 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
     assert len(sources_listed) > 50
 
 
+# The last expert with remote rows, off the bottleneck b: replicating it changes none of b's
+# loads but ends the token phase (its 4 all-to-all latencies leave every rank), which can be all
+# the step needs. (counts, shape, profile, max_replicas, the hot set an exhaustive greedy finds)
+LAST_REMOTE_CASES = [
+    # test_mix_properties' counterexample. CPU profile, fp16, no overlap: rank 0's 422 own rows
+    # (1.6594 ms of compute) + 4 x 200 us of token latency = 2.45937 ms make it the bottleneck;
+    # rank 1's one row to expert 2 is the only one that travels. Replicating expert 2 swaps the
+    # token latency for the weight collectives' 2 x 200 us on rank 0 (2.0594 ms); rank 1 pays
+    # 3.9 us of compute + 400 us + 55.1 us of weights + 2 ms fixed = 2.45908 ms: 0.29 us lower.
+    ([[422, 0, 0], [0, 0, 1], [0, 0, 0]], LayerShape(64, 256, 1, 3, 2), CPU_PROFILE, 1, (2,)),
+    # a second round: once expert 0 keeps rank 1's 1978 rows at home, rank 0's single row to
+    # expert 2 is the last remote one, and the new bottleneck (rank 1) neither owns nor sends it
+    ([[119, 0, 1], [1978, 1996, 0], [0, 0, 0]], LayerShape(64, 16, 1, 3, 2), LINK_BOUND, 4, (0, 2)),
+    # six acceptances; the last, expert 4 (rank 0's 2 rows to rank 2), is off the bottleneck 3
+    (
+        [
+            [0, 0, 1596, 0, 2, 0, 0, 1],
+            [0, 0, 0, 0, 0, 0, 936, 1860],
+            [0, 0, 468, 1483, 1, 0, 1, 0],
+            [0, 1741, 0, 1222, 0, 0, 142, 0],
+        ],
+        LayerShape(64, 16, 2, 4, 4),
+        LINK_BOUND,
+        3,
+        (1, 2, 3, 4, 6, 7),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(LAST_REMOTE_CASES)))
+def test_the_expert_that_ends_the_token_phase_is_found_off_the_bottleneck(
+    case: int, monkeypatch
+) -> None:
+    """Every search form, at every width, finds the expert whose replica ends the token phase
+    although it does not touch the bottleneck, as the rescan twin (which tries every candidate
+    every pass) and the greedy spelled out with ``predict`` do: the same plan, exactly."""
+    import mixmoe.placement.planner as planner
+
+    counts_WN, shape, profile, max_replicas, hot = LAST_REMOTE_CASES[case]
+    want = plan_mix_rescan(counts_WN, shape, profile, max_replicas, overlap=False)
+    assert want.hot == hot == _reference_mix_hot(counts_WN, shape, profile, max_replicas, False)
+    for path, (list_limit, host_limit, batch_limit) in PATHS.items():
+        monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
+        monkeypatch.setattr(planner, "HOST_LIMIT", host_limit)
+        monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
+        for width in (1, 8, 10**6):
+            got = plan_mix(counts_WN, shape, profile, max_replicas, False, search_width=width)
+            assert got == want, (path, width)
+
+
 def test_counts_with_sums_is_one_checked_pass() -> None:
     """Row blocks (forced small) give the plain sums; a negative count in any block is found."""
     import mixmoe.placement.cost_model as cost_model

@@ -586,6 +586,41 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
     assert len(sources_listed) > 50
 
 
+def _force_path(monkeypatch, path: str) -> None:
+    import mixmoe.placement.planner as planner
+
+    list_limit, host_limit, batch_limit = PATHS[path]
+    monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
+    monkeypatch.setattr(planner, "HOST_LIMIT", host_limit)
+    monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
+
+
+def test_search_paths_agree_where_totals_tie(monkeypatch) -> None:
+    """On the unit profile (D = F = 1, seconds of a few small integers) with 0-3 rows per
+    segment, a candidate's new totals often land exactly on the step: it must be rejected
+    (every acceptance strictly lowers the step). Every search form, at several widths and caps,
+    gives the plan of the tensor shortlist, whose prediction is ``predict``'s."""
+    gen = torch.Generator().manual_seed(11)
+    plans, hot = {}, 0
+    for case in range(60):
+        W, E = 2 + case % 3, 1 + case % 2
+        counts_WN = torch.randint(0, 4, (W, W * E), generator=gen)
+        counts_WN *= torch.rand(W, W * E, generator=gen) < 0.6
+        shape = LayerShape(1, 1, E, W, 4)
+        for max_replicas, width, overlap in ((2, 1, False), (1, 2, True), (3, 10**6, False)):
+            for path in PATHS:
+                _force_path(monkeypatch, path)
+                plans[path] = plan_mix(
+                    counts_WN, shape, UNIT, max_replicas, overlap, search_width=width
+                )
+            want = plans["shortlist"]
+            assert all(plan == want for plan in plans.values()), (case, max_replicas, width)
+            assert want.prediction == predict(counts_WN, want.replicas, shape, UNIT, overlap)
+            assert (want.prediction.step_s < want.baseline.step_s) == bool(want.hot)
+            hot += len(want.hot)
+    assert hot > 30  # the toys replicate
+
+
 # The last expert with remote rows, off the bottleneck b: replicating it changes none of b's
 # loads but ends the token phase (its 4 all-to-all latencies leave every rank), which can be all
 # the step needs. (counts, shape, profile, max_replicas, the hot set an exhaustive greedy finds)
@@ -622,15 +657,11 @@ def test_the_expert_that_ends_the_token_phase_is_found_off_the_bottleneck(
     """Every search form, at every width, finds the expert whose replica ends the token phase
     although it does not touch the bottleneck, as the rescan twin (which tries every candidate
     every pass) and the greedy spelled out with ``predict`` do: the same plan, exactly."""
-    import mixmoe.placement.planner as planner
-
     counts_WN, shape, profile, max_replicas, hot = LAST_REMOTE_CASES[case]
     want = plan_mix_rescan(counts_WN, shape, profile, max_replicas, overlap=False)
     assert want.hot == hot == _reference_mix_hot(counts_WN, shape, profile, max_replicas, False)
-    for path, (list_limit, host_limit, batch_limit) in PATHS.items():
-        monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
-        monkeypatch.setattr(planner, "HOST_LIMIT", host_limit)
-        monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
+    for path in PATHS:
+        _force_path(monkeypatch, path)
         for width in (1, 8, 10**6):
             got = plan_mix(counts_WN, shape, profile, max_replicas, False, search_width=width)
             assert got == want, (path, width)

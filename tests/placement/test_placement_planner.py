@@ -632,6 +632,29 @@ def test_search_paths_agree_on_small_toys(
     assert hot >= 30  # the toys replicate
 
 
+def test_one_row_sources_count_as_replica_holders_at_width_one(monkeypatch) -> None:
+    """The bottleneck's own candidates are scored with one replica served per source, sources
+    of a single row included: undercounting them lists candidates that then fail their
+    evaluation, and at width 1 such a candidate takes the round's only evaluation (counting
+    only sources of 2 rows or more, the host form planned nothing here). W = 4, E = 3, tiny
+    experts, many one-row segments."""
+    counts_WN = [
+        [1, 0, 0, 15, 1, 0, 0, 0, 25, 0, 1, 0],
+        [0, 1, 0, 0, 26, 1, 28, 0, 26, 0, 0, 0],
+        [1, 0, 0, 1, 0, 1, 0, 1, 0, 0, 29, 1],
+        [19, 0, 28, 12, 0, 24, 1, 7, 1, 20, 8, 19],
+    ]
+    shape = LayerShape(64, 16, 3, 4, 4)
+    plans = {}
+    for path in PATHS:
+        _force_path(monkeypatch, path)
+        plans[path] = plan_mix(counts_WN, shape, TOKEN_BOUND, 1, False, search_width=1)
+    want = plans["shortlist"]
+    assert want.hot == (2, 10)
+    assert all(plan == want for plan in plans.values())
+    assert want.prediction == predict(counts_WN, want.replicas, shape, TOKEN_BOUND, False)
+
+
 # The last expert with remote rows, off the bottleneck b: replicating it changes none of b's
 # loads but ends the token phase (its 4 all-to-all latencies leave every rank), which can be all
 # the step needs. (counts, shape, profile, max_replicas, the hot set an exhaustive greedy finds)

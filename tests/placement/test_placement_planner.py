@@ -632,27 +632,59 @@ def test_search_paths_agree_on_small_toys(
     assert hot >= 30  # the toys replicate
 
 
-def test_one_row_sources_count_as_replica_holders_at_width_one(monkeypatch) -> None:
-    """The bottleneck's own candidates are scored with one replica served per source, sources
-    of a single row included: undercounting them lists candidates that then fail their
-    evaluation, and at width 1 such a candidate takes the round's only evaluation (counting
-    only sources of 2 rows or more, the host form planned nothing here). W = 4, E = 3, tiny
-    experts, many one-row segments."""
-    counts_WN = [
-        [1, 0, 0, 15, 1, 0, 0, 0, 25, 0, 1, 0],
-        [0, 1, 0, 0, 26, 1, 28, 0, 26, 0, 0, 0],
-        [1, 0, 0, 1, 0, 1, 0, 1, 0, 0, 29, 1],
-        [19, 0, 28, 12, 0, 24, 1, 7, 1, 20, 8, 19],
-    ]
-    shape = LayerShape(64, 16, 3, 4, 4)
+# Narrow searches (width 1) where a candidate listed by mistake would take the round's only
+# evaluation: (counts, shape, profile, max_replicas, overlap, the plan's hot set)
+NARROW_CASES = [
+    # many one-row sources: the bottleneck's own candidates serve a replica to each of them
+    (
+        [
+            [1, 0, 0, 15, 1, 0, 0, 0, 25, 0, 1, 0],
+            [0, 1, 0, 0, 26, 1, 28, 0, 26, 0, 0, 0],
+            [1, 0, 0, 1, 0, 1, 0, 1, 0, 0, 29, 1],
+            [19, 0, 28, 12, 0, 24, 1, 7, 1, 20, 8, 19],
+        ],
+        LayerShape(64, 16, 3, 4, 4),
+        TOKEN_BOUND,
+        1,
+        False,
+        (2, 10),
+    ),
+    # the bottleneck's own candidates leave remote rows: their scores keep the token phase
+    # (and, as every trial does, the weight phase)
+    (
+        [
+            [26, 0, 0, 1, 0, 0, 10, 1, 0, 12, 1, 0, 0, 13, 1],
+            [1, 5, 0, 0, 0, 0, 0, 0, 0, 20, 0, 1, 25, 0, 21],
+            [0, 1, 1, 0, 0, 0, 0, 10, 0, 0, 0, 0, 23, 0, 0],
+            [1, 22, 11, 0, 1, 0, 20, 1, 1, 12, 1, 21, 0, 0, 19],
+            [0, 0, 0, 0, 20, 20, 16, 1, 21, 7, 1, 0, 18, 0, 14],
+        ],
+        LayerShape(64, 16, 3, 5, 4),
+        TOKEN_BOUND,
+        3,
+        True,
+        (4, 5, 8, 12),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(NARROW_CASES)))
+def test_the_bottlenecks_own_candidates_are_scored_exactly_at_width_one(
+    case: int, monkeypatch
+) -> None:
+    """The bottleneck's own candidates are scored with exactly the loads and flags the
+    evaluation then uses: a candidate listed by mistake fails its evaluation, and at width 1 it
+    takes the round's only one (the forms on the host then planned less than the tensor
+    shortlist here). Every form gives the shortlist's plan, whose prediction is ``predict``'s."""
+    counts_WN, shape, profile, max_replicas, overlap, hot = NARROW_CASES[case]
     plans = {}
     for path in PATHS:
         _force_path(monkeypatch, path)
-        plans[path] = plan_mix(counts_WN, shape, TOKEN_BOUND, 1, False, search_width=1)
+        plans[path] = plan_mix(counts_WN, shape, profile, max_replicas, overlap, search_width=1)
     want = plans["shortlist"]
-    assert want.hot == (2, 10)
+    assert want.hot == hot
     assert all(plan == want for plan in plans.values())
-    assert want.prediction == predict(counts_WN, want.replicas, shape, TOKEN_BOUND, False)
+    assert want.prediction == predict(counts_WN, want.replicas, shape, profile, overlap)
 
 
 # The last expert with remote rows, off the bottleneck b: replicating it changes none of b's
@@ -681,6 +713,9 @@ LAST_REMOTE_CASES = [
         3,
         (1, 2, 3, 4, 6, 7),
     ),
+    # the last remote row goes to the bottleneck's own expert (ranks 0 and 1 tie: b = 0): its
+    # score at b must drop the token phase too
+    ([[0, 0], [1, 1]], LayerShape(64, 256, 1, 2, 4), GPU_PROFILE, 3, (0,)),
 ]
 
 
@@ -689,8 +724,9 @@ def test_the_expert_that_ends_the_token_phase_is_found_off_the_bottleneck(
     case: int, monkeypatch
 ) -> None:
     """Every search form, at every width, finds the expert whose replica ends the token phase
-    although it does not touch the bottleneck, as the rescan twin (which tries every candidate
-    every pass) and the greedy spelled out with ``predict`` do: the same plan, exactly."""
+    although it does not touch the bottleneck (the last case: the bottleneck's own), as the
+    rescan twin (which tries every candidate every pass) and the greedy spelled out with
+    ``predict`` do: the same plan, exactly."""
     counts_WN, shape, profile, max_replicas, hot = LAST_REMOTE_CASES[case]
     want = plan_mix_rescan(counts_WN, shape, profile, max_replicas, overlap=False)
     assert want.hot == hot == _reference_mix_hot(counts_WN, shape, profile, max_replicas, False)

@@ -665,6 +665,21 @@ NARROW_CASES = [
         True,
         (4, 5, 8, 12),
     ),
+    # unit profile, overlap: own candidates whose new total at the bottleneck lands exactly on
+    # the step (not below it: not listed)
+    (
+        [
+            [1, 0, 1, 0, 2, 1, 0, 0, 1, 2, 2, 1],
+            [2, 1, 0, 2, 1, 0, 0, 0, 0, 0, 1, 1],
+            [2, 1, 1, 1, 0, 1, 1, 0, 2, 0, 1, 0],
+            [0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0],
+        ],
+        LayerShape(1, 1, 3, 4, 4),
+        UNIT,
+        3,
+        True,
+        (0, 1, 4),
+    ),
 ]
 
 

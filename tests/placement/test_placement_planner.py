@@ -680,6 +680,9 @@ NARROW_CASES = [
         True,
         (0, 1, 4),
     ),
+    # after expert 1, the last remote row goes to the bottleneck's own expert 0 while overlap
+    # hides the bottleneck's token phase: only its own lighter loads make expert 0 pay
+    ([[0, 6], [1, 1]], LayerShape(1, 1, 1, 2, 4), UNIT, 1, True, (0, 1)),
 ]
 
 

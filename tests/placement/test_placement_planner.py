@@ -683,6 +683,23 @@ NARROW_CASES = [
     # after expert 1, the last remote row goes to the bottleneck's own expert 0 while overlap
     # hides the bottleneck's token phase: only its own lighter loads make expert 0 pay
     ([[0, 6], [1, 1]], LayerShape(1, 1, 1, 2, 4), UNIT, 1, True, (0, 1)),
+    # four rounds; after experts 1, 3 and 4, 415 remote rows are left, fewer than expert 1's
+    # 625: whether the token phase ends is asked of the last open candidate only, not of any
+    (
+        [
+            [1, 1, 32, 260, 0, 0],
+            [0, 94, 0, 7, 0, 1],
+            [1, 273, 285, 0, 241, 20],
+            [0, 178, 74, 0, 1, 0],
+            [92, 0, 0, 1, 0, 194],
+            [0, 173, 1, 293, 1, 0],
+        ],
+        LayerShape(64, 16, 1, 6, 2),
+        TOKEN_BOUND,
+        3,
+        True,
+        (1, 3, 4, 5),
+    ),
 ]
 
 

@@ -700,15 +700,29 @@ NARROW_CASES = [
         True,
         (1, 3, 4, 5),
     ),
+    # unit profile, overlap: candidates the bottleneck sends rows to whose new total at the
+    # bottleneck lands exactly on the step (not below it: not listed)
+    (
+        [
+            [0, 0, 1, 1, 0, 0, 1, 2, 0, 1, 0, 0, 2, 2, 0],
+            [2, 3, 3, 0, 1, 0, 2, 1, 2, 1, 1, 2, 0, 1, 1],
+            [2, 0, 1, 1, 1, 0, 0, 0, 1, 0, 0, 1, 2, 0, 0],
+            [0, 2, 1, 0, 0, 2, 0, 0, 1, 1, 0, 1, 0, 1, 0],
+            [2, 0, 0, 1, 1, 2, 2, 0, 0, 0, 0, 3, 1, 2, 1],
+        ],
+        LayerShape(1, 1, 3, 5, 4),
+        UNIT,
+        4,
+        True,
+        (0, 1, 2, 5),
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(NARROW_CASES)))
-def test_the_bottlenecks_own_candidates_are_scored_exactly_at_width_one(
-    case: int, monkeypatch
-) -> None:
-    """The bottleneck's own candidates are scored with exactly the loads and flags the
-    evaluation then uses: a candidate listed by mistake fails its evaluation, and at width 1 it
+def test_the_bottlenecks_candidates_are_scored_exactly_at_width_one(case: int, monkeypatch) -> None:
+    """The bottleneck's candidates (its own experts, and those it sends rows to) are scored
+    with exactly the loads and flags the evaluation then uses: a candidate listed by mistake fails its evaluation, and at width 1 it
     takes the round's only one (the forms on the host then planned less than the tensor
     shortlist here). Every form gives the shortlist's plan, whose prediction is ``predict``'s."""
     counts_WN, shape, profile, max_replicas, overlap, hot = NARROW_CASES[case]

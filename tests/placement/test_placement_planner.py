@@ -716,6 +716,9 @@ NARROW_CASES = [
         True,
         (0, 1, 2, 5),
     ),
+    # the plan replicates expert 0 to rank 1, which sends it a single row: a source candidate
+    # of one row is listed like any other
+    ([[240, 0, 0, 0], [1, 257, 0, 0]], LayerShape(1, 1, 2, 2, 4), COMPUTE_BOUND, 2, False, (0, 1)),
 ]
 
 

@@ -115,15 +115,23 @@ def plan_mix(
     of g's rows are then computed at their sources). Candidates: experts with a remote row.
 
     Search, bottleneck first. The step is the max over ranks, so an expert can only lower it if
-    it touches the bottleneck b (the lowest rank at the max) and lowers b's total: b owns it (b
-    then computes and exchanges fewer rows, and serves the replicas) or b sends it rows (b then
-    computes them itself and fetches a replica). Each round:
+    it lowers the total of the bottleneck b (the lowest rank at the max). b's total depends on
+    b's own loads and on two group-wide flags (``StepModel.rank_seconds``): whether the token
+    collectives run (any remote row left anywhere) and whether the weight collectives run (any
+    replica). A replica only ever turns the weight flag on, so an expert lowers b's total only
+    if it touches b: b owns it (b then computes and exchanges fewer rows, and serves the
+    replicas) or b sends it rows (b then computes them itself and fetches a replica); or if it
+    ends the token phase, which needs it to hold every remote row left: then it is the one
+    expert with remote rows, so the last candidate, and b keeps its loads but stops paying the
+    token collectives' latency (``TOKEN_COLLECTIVES`` x link latency, less what overlap hid).
+    Each round:
 
     1. b's new total is scored for every candidate: b's own E experts one by one, the others
        as one vector over b's row of C, skipped when a bound proves none of them can lower b
        (``_sources_may_pass``: the usual case, a replica costing more than b's biggest segment
-       saves); those that lower it, by remote rows descending then expert id ascending (the
-       priority of today's greedy), are the round's shortlist;
+       saves), and the last candidate without b's loads as above; those that lower it, by
+       remote rows descending then expert id ascending (the priority of today's greedy), are
+       the round's shortlist;
     2. the first ``search_width`` of them are evaluated at once on every rank (holders, owner,
        and the others under the collectives that would then run); the first with a strictly
        lower predicted step is accepted and the next round starts from the new bottleneck. A
@@ -286,7 +294,12 @@ class _MixSearch:
             c_N = C_WN[b]
             # with two open candidates or more, none holds every remote row left: the token
             # collectives still run after any of them; with one, its own flag
-            any_remote = self.n_open > 1 or int(self.moved_N[self.open_N].sum()) < self.total_remote
+            last = int(self.open_N.nonzero()) if self.n_open == 1 else -1
+            any_remote = last < 0 or int(self.moved_N[last]) < self.total_remote
+            if not any_remote and not int(c_N[last]):
+                # the last candidate ends the token phase and b sends it no row: b keeps its
+                # loads and stops paying the token collectives (listed is empty: n_open == 1)
+                return [last] if total(rows, local, remote, replica, False, True) < best else []
             cmax = max(
                 int(c_N[:lo].max()) if lo else 0, int(c_N[hi:].max()) if hi < len(c_N) else 0
             )
@@ -391,8 +404,8 @@ class _BatchedMixSearch(_MixSearch):
     fixed number of vector ops, instead of a shortlist pass and then an evaluation pass.
 
     Same decisions as ``_MixSearch.round``, value for value (the same integer loads through the
-    same ``seconds_W``): the shortlist is the open candidates that touch the bottleneck b and
-    lower its total; the first ``width`` of them that no full holder blocks are the evaluated
+    same ``seconds_W``): the shortlist is the open candidates that touch the bottleneck b (or
+    end the token phase: see ``plan_mix``) and lower its total; the first ``width`` of them that no full holder blocks are the evaluated
     ones; the first of those whose step drops is accepted. Blocked candidates are closed as soon
     as they are listed (the sequential search closes them when it reaches them: they can never
     be accepted, and they never count against the width, so no decision differs).
@@ -416,6 +429,7 @@ class _BatchedMixSearch(_MixSearch):
         """What changes only when an expert is accepted: which candidates leave remote rows in
         the group (the token collectives still run), and which have a full holder."""
         self.any_remote_P1 = self.m_P1 < self.total_remote
+        self.ends_remote_P = ~self.any_remote_P1.view(-1)
         self.blocked_P = (self.src_PW & (self.held_W >= self.max_replicas)).any(1)
 
     def round(self) -> bool:
@@ -423,7 +437,8 @@ class _BatchedMixSearch(_MixSearch):
         best = float(self.totals_W[b])
         trial_P4W = self.loads_4W + self.delta_P4W
         totals_PW = self._totals(trial_P4W, self.any_remote_P1)
-        touches_P = self.src_PW[:, b] | (self.o_P == b)
+        # a candidate lowers b's total only if it changes b's loads or ends the token phase
+        touches_P = self.src_PW[:, b] | (self.o_P == b) | self.ends_remote_P
         listed_P = self.open_P & touches_P & (totals_PW[:, b] < best)
         usable_P = listed_P & ~self.blocked_P
         evaluated_P = usable_P & (usable_P.cumsum(0) <= self.width)
@@ -480,8 +495,9 @@ class _ListMixSearch:
     lists, seconds from ``StepModel.rank_total`` (see ``_plan_mix_lists``); the counts on
     Python lists too.
 
-    The same search step for step: the bottleneck b, its shortlist (open candidates touching b
-    whose new total at b drops below the step, by remote rows descending then expert id), the
+    The same search step for step: the bottleneck b, its shortlist (open candidates touching b,
+    or the last one when it ends the token phase, whose new total at b drops below the step, by
+    remote rows descending then expert id), the
     first ``width`` unblocked ones evaluated on every rank, the first whose step drops accepted.
     Walked lazily: the shortlist is consumed in priority order and each listed candidate is
     evaluated as soon as it is reached, so a round stops at the first acceptance (or the
@@ -547,13 +563,15 @@ class _ListMixSearch:
             if lo <= g < hi:  # b owns g: it computes and exchanges m rows less, serves n replicas
                 n = sum(1 for s, row in enumerate(C) if s != b and row[g] > 0)
                 new = total(rows - m, local, remote - m, replica + n, m < self.total_remote, True)
-            elif sources:  # b computes its c rows of g itself and fetches a replica
-                c = row_b[g]
-                if c == 0:
+            elif row_b[g]:  # b computes its c rows of g itself and fetches a replica
+                if not sources:
                     continue
+                c = row_b[g]
                 new = total(
                     rows + c, local + c, remote - c, replica + 1, m < self.total_remote, True
                 )
+            elif m == self.total_remote:  # g, the last candidate, ends the token phase
+                new = total(rows, local, remote, replica, False, True)
             else:
                 continue
             if new < best:
@@ -684,12 +702,18 @@ class _HostMixSearch(_ListMixSearch):
         # b as a source of g: b computes its c rows of g itself and fetches one replica
         if self.n_open > len(open_own):
             c_N = C_WN[b]
+            # with two open candidates or more none holds every remote row left, so the token
+            # collectives still run after any of them; with one, its own flag
+            last = int(self.open_N.nonzero()) if self.n_open == 1 else -1
+            any_remote = last < 0 or self.moved[last] < self.total_remote
+            if not any_remote and not int(c_N[last]):
+                # the last candidate ends the token phase and b sends it no row: b keeps its
+                # loads and stops paying the token collectives (listed is empty: n_open == 1)
+                ends = total(rows, local, remote, replica, False, True) < best
+                return iter([last] if ends else [])
             cmax = max(
                 int(c_N[:lo].max()) if lo else 0, int(c_N[hi:].max()) if hi < len(c_N) else 0
             )
-            # with two open candidates or more none holds every remote row left, so the token
-            # collectives still run after any of them; with one, its own flag
-            any_remote = self.n_open > 1 or self._sole_open_moved() < self.total_remote
             if _sources_may_pass(self.model, loads_b, cmax, any_remote, best):
                 base_41 = torch.tensor(
                     [rows, local, remote, replica + 1], dtype=torch.float64
@@ -701,10 +725,6 @@ class _HostMixSearch(_ListMixSearch):
                 listed_N[lo:hi] = False  # b's own experts: scored above
                 listed += listed_N.nonzero().squeeze(1).tolist()
         return iter(sorted(listed, key=self._priority))
-
-    def _sole_open_moved(self) -> int:
-        """The remote rows of the one open candidate left."""
-        return self.moved[int(self.open_N.nonzero())]
 
 
 def _sources_may_pass(

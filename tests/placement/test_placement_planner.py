@@ -586,6 +586,209 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
     assert len(sources_listed) > 50
 
 
+def _force_path(monkeypatch, path: str) -> None:
+    import mixmoe.placement.planner as planner
+
+    list_limit, host_limit, batch_limit = PATHS[path]
+    monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
+    monkeypatch.setattr(planner, "HOST_LIMIT", host_limit)
+    monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
+
+
+@pytest.mark.parametrize(
+    "profile, scale",
+    [(UNIT, 1), (COMPUTE_BOUND, 1), (LINK_BOUND, 10), (TOKEN_BOUND, 10)],
+    ids=lambda p: getattr(p, "name", p),
+)
+def test_search_paths_agree_on_small_toys(
+    profile: HardwareProfile, scale: int, monkeypatch
+) -> None:
+    """Toys of 0-3 rows (x ``scale``) per segment, where the rules at the edges decide: on the
+    unit profile (D = F = 1, seconds of a few small integers) a candidate's new totals often
+    land exactly on the step (it must be rejected: every acceptance strictly lowers the step),
+    and with tiny experts (F = 16) the first replica's weight collectives (2 link latencies on
+    every rank) often lift a rank the candidate does not touch to the step or above. Every
+    search form, at several widths and caps, gives the plan of the tensor shortlist (which
+    scores every rank as one vector), whose prediction is ``predict``'s."""
+    dims = (1, 1) if profile is UNIT else (64, 16)
+    gen = torch.Generator().manual_seed(11)
+    plans, hot = {}, 0
+    for case in range(60):
+        W, E = 2 + case % 3, 1 + case % 2
+        counts_WN = torch.randint(0, 4, (W, W * E), generator=gen) * scale
+        counts_WN *= torch.rand(W, W * E, generator=gen) < 0.6
+        shape = LayerShape(*dims, E, W, 4)
+        for max_replicas, width, overlap in ((2, 1, False), (1, 2, True), (3, 10**6, False)):
+            for path in PATHS:
+                _force_path(monkeypatch, path)
+                plans[path] = plan_mix(
+                    counts_WN, shape, profile, max_replicas, overlap, search_width=width
+                )
+            want = plans["shortlist"]
+            assert all(plan == want for plan in plans.values()), (case, max_replicas, width)
+            assert want.prediction == predict(counts_WN, want.replicas, shape, profile, overlap)
+            assert (want.prediction.step_s < want.baseline.step_s) == bool(want.hot)
+            hot += len(want.hot)
+    assert hot >= 30  # the toys replicate
+
+
+# Narrow searches (width 1) where a candidate listed by mistake would take the round's only
+# evaluation: (counts, shape, profile, max_replicas, overlap, the plan's hot set)
+NARROW_CASES = [
+    # many one-row sources: the bottleneck's own candidates serve a replica to each of them
+    (
+        [
+            [1, 0, 0, 15, 1, 0, 0, 0, 25, 0, 1, 0],
+            [0, 1, 0, 0, 26, 1, 28, 0, 26, 0, 0, 0],
+            [1, 0, 0, 1, 0, 1, 0, 1, 0, 0, 29, 1],
+            [19, 0, 28, 12, 0, 24, 1, 7, 1, 20, 8, 19],
+        ],
+        LayerShape(64, 16, 3, 4, 4),
+        TOKEN_BOUND,
+        1,
+        False,
+        (2, 10),
+    ),
+    # the bottleneck's own candidates leave remote rows: their scores keep the token phase
+    # (and, as every trial does, the weight phase)
+    (
+        [
+            [26, 0, 0, 1, 0, 0, 10, 1, 0, 12, 1, 0, 0, 13, 1],
+            [1, 5, 0, 0, 0, 0, 0, 0, 0, 20, 0, 1, 25, 0, 21],
+            [0, 1, 1, 0, 0, 0, 0, 10, 0, 0, 0, 0, 23, 0, 0],
+            [1, 22, 11, 0, 1, 0, 20, 1, 1, 12, 1, 21, 0, 0, 19],
+            [0, 0, 0, 0, 20, 20, 16, 1, 21, 7, 1, 0, 18, 0, 14],
+        ],
+        LayerShape(64, 16, 3, 5, 4),
+        TOKEN_BOUND,
+        3,
+        True,
+        (4, 5, 8, 12),
+    ),
+    # unit profile, overlap: own candidates whose new total at the bottleneck lands exactly on
+    # the step (not below it: not listed)
+    (
+        [
+            [1, 0, 1, 0, 2, 1, 0, 0, 1, 2, 2, 1],
+            [2, 1, 0, 2, 1, 0, 0, 0, 0, 0, 1, 1],
+            [2, 1, 1, 1, 0, 1, 1, 0, 2, 0, 1, 0],
+            [0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0],
+        ],
+        LayerShape(1, 1, 3, 4, 4),
+        UNIT,
+        3,
+        True,
+        (0, 1, 4),
+    ),
+    # after expert 1, the last remote row goes to the bottleneck's own expert 0 while overlap
+    # hides the bottleneck's token phase: only its own lighter loads make expert 0 pay
+    ([[0, 6], [1, 1]], LayerShape(1, 1, 1, 2, 4), UNIT, 1, True, (0, 1)),
+    # four rounds; after experts 1, 3 and 4, 415 remote rows are left, fewer than expert 1's
+    # 625: whether the token phase ends is asked of the last open candidate only, not of any
+    (
+        [
+            [1, 1, 32, 260, 0, 0],
+            [0, 94, 0, 7, 0, 1],
+            [1, 273, 285, 0, 241, 20],
+            [0, 178, 74, 0, 1, 0],
+            [92, 0, 0, 1, 0, 194],
+            [0, 173, 1, 293, 1, 0],
+        ],
+        LayerShape(64, 16, 1, 6, 2),
+        TOKEN_BOUND,
+        3,
+        True,
+        (1, 3, 4, 5),
+    ),
+    # unit profile, overlap: candidates the bottleneck sends rows to whose new total at the
+    # bottleneck lands exactly on the step (not below it: not listed)
+    (
+        [
+            [0, 0, 1, 1, 0, 0, 1, 2, 0, 1, 0, 0, 2, 2, 0],
+            [2, 3, 3, 0, 1, 0, 2, 1, 2, 1, 1, 2, 0, 1, 1],
+            [2, 0, 1, 1, 1, 0, 0, 0, 1, 0, 0, 1, 2, 0, 0],
+            [0, 2, 1, 0, 0, 2, 0, 0, 1, 1, 0, 1, 0, 1, 0],
+            [2, 0, 0, 1, 1, 2, 2, 0, 0, 0, 0, 3, 1, 2, 1],
+        ],
+        LayerShape(1, 1, 3, 5, 4),
+        UNIT,
+        4,
+        True,
+        (0, 1, 2, 5),
+    ),
+    # the plan replicates expert 0 to rank 1, which sends it a single row: a source candidate
+    # of one row is listed like any other
+    ([[240, 0, 0, 0], [1, 257, 0, 0]], LayerShape(1, 1, 2, 2, 4), COMPUTE_BOUND, 2, False, (0, 1)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(NARROW_CASES)))
+def test_the_bottlenecks_candidates_are_scored_exactly_at_width_one(case: int, monkeypatch) -> None:
+    """The bottleneck's candidates (its own experts, and those it sends rows to) are scored
+    with exactly the loads and flags the evaluation then uses: a candidate listed by mistake fails its evaluation, and at width 1 it
+    takes the round's only one (the forms on the host then planned less than the tensor
+    shortlist here). Every form gives the shortlist's plan, whose prediction is ``predict``'s."""
+    counts_WN, shape, profile, max_replicas, overlap, hot = NARROW_CASES[case]
+    plans = {}
+    for path in PATHS:
+        _force_path(monkeypatch, path)
+        plans[path] = plan_mix(counts_WN, shape, profile, max_replicas, overlap, search_width=1)
+    want = plans["shortlist"]
+    assert want.hot == hot
+    assert all(plan == want for plan in plans.values())
+    assert want.prediction == predict(counts_WN, want.replicas, shape, profile, overlap)
+
+
+# The last expert with remote rows, off the bottleneck b: replicating it changes none of b's
+# loads but ends the token phase (its 4 all-to-all latencies leave every rank), which can be all
+# the step needs. (counts, shape, profile, max_replicas, the hot set an exhaustive greedy finds)
+LAST_REMOTE_CASES = [
+    # test_mix_properties' counterexample. CPU profile, fp16, no overlap: rank 0's 422 own rows
+    # (1.6594 ms of compute) + 4 x 200 us of token latency = 2.45937 ms make it the bottleneck;
+    # rank 1's one row to expert 2 is the only one that travels. Replicating expert 2 swaps the
+    # token latency for the weight collectives' 2 x 200 us on rank 0 (2.0594 ms); rank 1 pays
+    # 3.9 us of compute + 400 us + 55.1 us of weights + 2 ms fixed = 2.45908 ms: 0.29 us lower.
+    ([[422, 0, 0], [0, 0, 1], [0, 0, 0]], LayerShape(64, 256, 1, 3, 2), CPU_PROFILE, 1, (2,)),
+    # a second round: once expert 0 keeps rank 1's 1978 rows at home, rank 0's single row to
+    # expert 2 is the last remote one, and the new bottleneck (rank 1) neither owns nor sends it
+    ([[119, 0, 1], [1978, 1996, 0], [0, 0, 0]], LayerShape(64, 16, 1, 3, 2), LINK_BOUND, 4, (0, 2)),
+    # six acceptances; the last, expert 4 (rank 0's 2 rows to rank 2), is off the bottleneck 3
+    (
+        [
+            [0, 0, 1596, 0, 2, 0, 0, 1],
+            [0, 0, 0, 0, 0, 0, 936, 1860],
+            [0, 0, 468, 1483, 1, 0, 1, 0],
+            [0, 1741, 0, 1222, 0, 0, 142, 0],
+        ],
+        LayerShape(64, 16, 2, 4, 4),
+        LINK_BOUND,
+        3,
+        (1, 2, 3, 4, 6, 7),
+    ),
+    # the last remote row goes to the bottleneck's own expert (ranks 0 and 1 tie: b = 0): its
+    # score at b must drop the token phase too
+    ([[0, 0], [1, 1]], LayerShape(64, 256, 1, 2, 4), GPU_PROFILE, 3, (0,)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(LAST_REMOTE_CASES)))
+def test_the_expert_that_ends_the_token_phase_is_found_off_the_bottleneck(
+    case: int, monkeypatch
+) -> None:
+    """Every search form, at every width, finds the expert whose replica ends the token phase
+    although it does not touch the bottleneck (the last case: the bottleneck's own), as the
+    rescan twin (which tries every candidate every pass) and the greedy spelled out with
+    ``predict`` do: the same plan, exactly."""
+    counts_WN, shape, profile, max_replicas, hot = LAST_REMOTE_CASES[case]
+    want = plan_mix_rescan(counts_WN, shape, profile, max_replicas, overlap=False)
+    assert want.hot == hot == _reference_mix_hot(counts_WN, shape, profile, max_replicas, False)
+    for path in PATHS:
+        _force_path(monkeypatch, path)
+        for width in (1, 8, 10**6):
+            got = plan_mix(counts_WN, shape, profile, max_replicas, False, search_width=width)
+            assert got == want, (path, width)
+
+
 def test_counts_with_sums_is_one_checked_pass() -> None:
     """Row blocks (forced small) give the plain sums; a negative count in any block is found."""
     import mixmoe.placement.cost_model as cost_model

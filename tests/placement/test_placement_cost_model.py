@@ -309,3 +309,14 @@ def test_plan_loads_skips_an_empty_holder_list_and_goes_on() -> None:
     want = rank_loads(C_WN.tolist(), dict(replicas), E)
     assert plan_loads(C_WN, replicas, E).tolist() == [list(map(float, v)) for v in want]
     assert want[3] == [1, 3, 2]  # e3 (owner 1) on ranks 0, 2; e4 (owner 2) on rank 1
+
+
+def test_count_lists_of_the_wrong_shape_name_their_shape() -> None:
+    want = r"^counts_WN has {}, expected \(world_size, num_experts\) = \(2, 2\)$"
+    for counts_WN, got in (
+        ([[1, 2, 3], [1, 2, 3]], r"2 rows of lengths \[3\]"),
+        ([[1, 2], [1], [4, 5, 6]], r"3 rows of lengths \[1, 2, 3\]"),
+        ([], r"0 rows of lengths \[\]"),
+    ):
+        with pytest.raises(ValueError, match=want.format(got)):
+            counts_as_lists(counts_WN, TOY_SHAPE)

@@ -300,6 +300,10 @@ def test_replica_map_bare_ids_pick_the_non_owners_that_route_to_the_expert() -> 
         replica_map([8], C, shape)
     with pytest.raises(ValueError, match=r"holders \(4,\) of hot expert 3 must be distinct"):
         replica_map({3: (4,)}, C, shape)
+    with pytest.raises(
+        ValueError, match=r"holders \(2, 1\) of hot expert 3 contain its owner rank 1"
+    ):
+        replica_map({3: (2, 1)}, C, shape)  # E = 2: the owner is 3 // 2
 
 
 def test_plan_loads_skips_an_empty_holder_list_and_goes_on() -> None:

@@ -6,6 +6,7 @@ Legend: W ranks, E experts per rank, N = W*E experts, counts_WN[s][g] = rows s r
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -324,3 +325,20 @@ def test_count_lists_of_the_wrong_shape_name_their_shape() -> None:
     ):
         with pytest.raises(ValueError, match=want.format(got)):
             counts_as_lists(counts_WN, TOY_SHAPE)
+
+
+def test_counts_with_sums_blocks_write_their_own_rows_without_a_resize(monkeypatch) -> None:
+    """The row-block path (forced: blocks of 2 rows, the last one short) writes each block's row
+    sums into its slice of the output, no resize of an ``out=`` view (torch warns on one)."""
+    import mixmoe.placement.cost_model as cost_model
+
+    monkeypatch.setattr(cost_model, "_BLOCK_BYTES", 8 * 6 * 2)
+    monkeypatch.setattr(cost_model, "_ONE_PASS_BYTES", 0)
+    shape = LayerShape(8, 8, experts_per_rank=2, world_size=3, bytes_per_element=2)
+    C_WN = torch.randint(0, 1000, (3, 6), generator=torch.Generator().manual_seed(9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C, colsum_N, rowsum_W = counts_with_sums(C_WN, shape)
+    assert C is C_WN
+    assert colsum_N.tolist() == [sum(row[n] for row in C_WN.tolist()) for n in range(6)]
+    assert rowsum_W.tolist() == [sum(row) for row in C_WN.tolist()]

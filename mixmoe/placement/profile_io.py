@@ -190,7 +190,9 @@ def save_profile(path: str | os.PathLike[str], record: dict[str, Any]) -> Path:
 
 
 def read_profile_record(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The JSON object of a profile file, checked: ``ValueError`` naming the file and the fix."""
+    """The JSON object of a profile file, checked: ``ValueError`` naming the file and the fix
+    (not JSON, not a profile, a format version other than ``VERSION``, a required key missing);
+    ``FileNotFoundError`` for a missing file."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -207,6 +209,11 @@ def read_profile_record(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(
             f"profile file {os.fspath(path)!r} is not a mixmoe hardware profile (no "
             f'"format": "{FORMAT}"); write one with `mixmoe calibrate`'
+        )
+    if record.get("version", VERSION) != VERSION:  # hand-written files may leave it out
+        raise ValueError(
+            f"profile file {os.fspath(path)!r} has format version {record['version']!r}; this "
+            f"mixmoe reads version {VERSION}: recalibrate with `mixmoe calibrate` or upgrade mixmoe"
         )
     missing = [
         k for k in ("name", "gemm_flops", "link_bandwidth", "link_latency") if k not in record
@@ -249,7 +256,8 @@ def load_profile(spec: str | os.PathLike[str] | HardwareProfile) -> HardwareProf
 
 
 def describe(spec: str | os.PathLike[str] | HardwareProfile) -> tuple[str, bool]:
-    """(source, measured) of a preset name or a profile file; a bare profile: ('given', False)."""
+    """(source, measured) of a preset name or a profile file (a file without them: ('', False));
+    a bare profile: ('given in code', False)."""
     if isinstance(spec, HardwareProfile):
         return "given in code", False
     text = os.fspath(spec)

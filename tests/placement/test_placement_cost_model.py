@@ -5,13 +5,26 @@ Legend: W ranks, E experts per rank, N = W*E experts, counts_WN[s][g] = rows s r
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixmoe.placement import HardwareProfile, LayerShape, predict
-from mixmoe.placement.cost_model import StepModel, baseline_loads, rank_loads
+from mixmoe.placement.cost_model import (
+    StepModel,
+    baseline_loads,
+    counts_as_lists,
+    counts_as_tensor,
+    counts_with_sums,
+    plan_loads,
+    rank_loads,
+    replica_map,
+    step_model,
+)
 
 # Toy: W=2, E=1, D=2, F=4, fp32.
 #   flops_per_row = 6 * 2 * D * F = 96; row_bytes rb = 8; P = (2*D*F + F + D) * 4 = 88 bytes.
@@ -186,3 +199,146 @@ def test_check_exact_bounds_counts_and_factors() -> None:
     StepModel(below, TOY_PROFILE, overlap=True).check_exact(1)
     with pytest.raises(ValueError, match="too large"):
         StepModel(at, TOY_PROFILE, overlap=True).check_exact(1)
+
+
+SHAPE_FIELDS = (
+    "model_dim",
+    "hidden_dim",
+    "experts_per_rank",
+    "world_size",
+    "bytes_per_element",
+    "gemms_per_expert",
+)
+
+
+@pytest.mark.parametrize("field", SHAPE_FIELDS)
+def test_layer_shape_takes_one_and_rejects_bools(field: str) -> None:
+    """Every size may be 1 (a single GEMM, expert, rank or byte); ``True`` is no size even
+    though ``bool`` is an ``int`` subclass: TypeError naming the field and the value."""
+    sizes = dict(model_dim=8, hidden_dim=32, experts_per_rank=2, world_size=2, bytes_per_element=4)
+    assert getattr(LayerShape(**{**sizes, field: 1}), field) == 1
+    for flag in (True, False):
+        want = rf"^LayerShape\.{field} must be an int, got {flag} \(bool\)$"
+        with pytest.raises(TypeError, match=want):
+            LayerShape(**{**sizes, field: flag})
+
+
+def test_shape_and_prediction_are_frozen_and_shape_is_hashable() -> None:
+    p = predict(TOY_COUNTS, {}, TOY_SHAPE, TOY_PROFILE)
+    for record, name in ((TOY_SHAPE, "world_size"), (p, "step_s")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, name, 3)
+    assert hash(TOY_SHAPE) == hash(dataclasses.replace(TOY_SHAPE))
+
+
+def test_step_model_is_shared_and_refuses_a_non_bool_overlap() -> None:
+    """Equal arguments give the same (immutable) model; ``1`` is refused even after ``True`` was
+    cached (``True == 1`` and hash alike, so a cache lookup alone would hand the model out)."""
+    shape = dataclasses.replace(TOY_SHAPE, model_dim=3)  # a key no other test caches
+    model = step_model(shape, TOY_PROFILE, True)
+    assert step_model(dataclasses.replace(shape), TOY_PROFILE, True) is model
+    assert step_model(shape, TOY_PROFILE, False) is not model
+    assert model.overlap is True and model.flops_per_row == shape.flops_per_row
+    for bad in (1, 0, None):
+        with pytest.raises(TypeError, match=f"overlap must be a bool, got {bad}"):
+            step_model(shape, TOY_PROFILE, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64, torch.float16, torch.float64])
+def test_count_tensors_must_hold_integers(dtype: torch.dtype) -> None:
+    C_WN = torch.ones(2, 2, dtype=dtype)
+    for check in (counts_as_tensor, counts_with_sums, counts_as_lists):
+        with pytest.raises(TypeError, match=f"must hold integers, got dtype {dtype}"):
+            check(C_WN, TOY_SHAPE)
+
+
+def test_count_tensors_must_be_on_the_host() -> None:
+    C_WN = torch.ones(2, 2, dtype=torch.int64, device="meta")
+    for check in (counts_as_tensor, counts_with_sums):
+        with pytest.raises(ValueError, match="must be a CPU tensor .* got device meta"):
+            check(C_WN, TOY_SHAPE)
+
+
+def test_count_tensor_forms() -> None:
+    """An int64 contiguous tensor is returned as is; other integer tensors and nested lists are
+    converted to int64 [W, N] with the same values; zeros are valid counts."""
+    C_WN = torch.tensor([[0, 7], [2**40, 0]])
+    assert counts_as_tensor(C_WN, TOY_SHAPE) is C_WN
+    assert counts_as_lists(C_WN, TOY_SHAPE) == [[0, 7], [2**40, 0]]
+    for form in (C_WN.t().contiguous().t(), [[0, 7], [2**40, 0]], ((0, 7), (2**40, 0))):
+        got = counts_as_tensor(form, TOY_SHAPE)
+        assert got.dtype == torch.int64 and got.is_contiguous() and torch.equal(got, C_WN)
+    small = torch.tensor([[0, 7], [300, 0]], dtype=torch.int16)
+    C, colsum_N, rowsum_W = counts_with_sums(small, TOY_SHAPE)
+    assert C.dtype == torch.int64 and C.tolist() == [[0, 7], [300, 0]]
+    assert colsum_N.tolist() == [300, 7] and rowsum_W.tolist() == [7, 300]
+
+
+def test_negative_count_of_a_one_by_one_layer() -> None:
+    """W = N = 1: a single count, checked by every entry point (no shortcut for tiny C)."""
+    one = LayerShape(2, 4, experts_per_rank=1, world_size=1, bytes_per_element=4)
+    for check in (counts_as_tensor, counts_with_sums, counts_as_lists):
+        with pytest.raises(ValueError, match=r"counts_WN\[0\]\[0\] = -3 is negative"):
+            check(torch.tensor([[-3]]), one)
+        with pytest.raises(ValueError, match=r"counts_WN\[0\]\[0\] = -3 is negative"):
+            check([[-3]], one)
+    C, colsum_N, rowsum_W = counts_with_sums(torch.tensor([[5]]), one)
+    assert (C.tolist(), colsum_N.tolist(), rowsum_W.tolist()) == ([[5]], [5], [5])
+
+
+def test_replica_map_bare_ids_pick_the_non_owners_that_route_to_the_expert() -> None:
+    """A bare id g means a replica on every rank s != owner with C[s][g] > 0: a rank with one
+    row gets one, a rank with none does not; holders ascend; the last expert id is N - 1."""
+    shape = LayerShape(4, 8, experts_per_rank=2, world_size=4, bytes_per_element=2)
+    C = [[0] * 8 for _ in range(4)]
+    for s, c in ((0, 1), (1, 0), (2, 5), (3, 9)):
+        C[s][3] = c  # expert 3: owner rank 1
+    C[0][7] = 4  # expert 7 (the last): owner rank 3
+    assert replica_map([3, 7], C, shape) == {3: (0, 2, 3), 7: (0,)}
+    assert replica_map({7: [2, 0]}, C, shape) == {7: (0, 2)}
+    assert replica_map([(7, (2, 0)), [3, []]], C, shape) == {7: (0, 2), 3: ()}
+    with pytest.raises(ValueError, match=r"hot expert 8 is out of range \[0, 8\)"):
+        replica_map([8], C, shape)
+    with pytest.raises(ValueError, match=r"holders \(4,\) of hot expert 3 must be distinct"):
+        replica_map({3: (4,)}, C, shape)
+    with pytest.raises(
+        ValueError, match=r"holders \(2, 1\) of hot expert 3 contain its owner rank 1"
+    ):
+        replica_map({3: (2, 1)}, C, shape)  # E = 2: the owner is 3 // 2
+
+
+def test_plan_loads_skips_an_empty_holder_list_and_goes_on() -> None:
+    W, E = 3, 2
+    C_WN = torch.randint(1, 50, (W, W * E), generator=torch.Generator().manual_seed(5))
+    replicas = ((0, ()), (3, (0, 2)), (5, ()), (4, (1,)))
+    want = rank_loads(C_WN.tolist(), dict(replicas), E)
+    assert plan_loads(C_WN, replicas, E).tolist() == [list(map(float, v)) for v in want]
+    assert want[3] == [1, 3, 2]  # e3 (owner 1) on ranks 0, 2; e4 (owner 2) on rank 1
+
+
+def test_count_lists_of_the_wrong_shape_name_their_shape() -> None:
+    want = r"^counts_WN has {}, expected \(world_size, num_experts\) = \(2, 2\)$"
+    for counts_WN, got in (
+        ([[1, 2, 3], [1, 2, 3]], r"2 rows of lengths \[3\]"),
+        ([[1, 2], [1], [4, 5, 6]], r"3 rows of lengths \[1, 2, 3\]"),
+        ([], r"0 rows of lengths \[\]"),
+    ):
+        with pytest.raises(ValueError, match=want.format(got)):
+            counts_as_lists(counts_WN, TOY_SHAPE)
+
+
+def test_counts_with_sums_blocks_write_their_own_rows_without_a_resize(monkeypatch) -> None:
+    """The row-block path (forced: blocks of 2 rows, the last one short) writes each block's row
+    sums into its slice of the output, no resize of an ``out=`` view (torch warns on one)."""
+    import mixmoe.placement.cost_model as cost_model
+
+    monkeypatch.setattr(cost_model, "_BLOCK_BYTES", 8 * 6 * 2)
+    monkeypatch.setattr(cost_model, "_ONE_PASS_BYTES", 0)
+    shape = LayerShape(8, 8, experts_per_rank=2, world_size=3, bytes_per_element=2)
+    C_WN = torch.randint(0, 1000, (3, 6), generator=torch.Generator().manual_seed(9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C, colsum_N, rowsum_W = counts_with_sums(C_WN, shape)
+    assert C is C_WN
+    assert colsum_N.tolist() == [sum(row[n] for row in C_WN.tolist()) for n in range(6)]
+    assert rowsum_W.tolist() == [sum(row) for row in C_WN.tolist()]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -10,7 +12,10 @@ import torch
 from mixmoe.placement import CPU_PROFILE, HardwareProfile, LayerShape, plan_mix, plan_shadow
 from mixmoe.placement.cost_model import plan_loads, rank_loads
 from mixmoe.placement.profile_io import (
+    FORMAT,
     PRESETS,
+    VERSION,
+    Preset,
     describe,
     load_profile,
     profile_record,
@@ -107,3 +112,102 @@ def test_plan_loads_equals_rank_loads(W: int, E: int) -> None:
     assert plan_loads(C, (), E).tolist() == [
         list(map(float, v)) for v in rank_loads(C.tolist(), {}, E)
     ]
+
+
+_ESTIMATE = re.compile(
+    r"^ESTIMATE, not measured: .+; gemm = (\S+) TFLOP/s peak x (\S+), link = (\S+) GB/s per "
+    r"direction x (\S+), latency (\S+) us per all-to-all \(typical NCCL launch \+ sync\)$"
+)
+
+
+def test_estimated_presets_hold_the_figures_their_source_states() -> None:
+    """Each estimate's profile is peak x efficiency as its source text states it; only the CPU
+    preset is a measurement; presets are frozen records."""
+    estimates = 0
+    for name, preset in PRESETS.items():
+        source, measured = describe(name)
+        assert (source, measured) == (preset.source, preset.measured)
+        assert measured is (name == "cpu"), name
+        figures = _ESTIMATE.match(source)
+        if figures is None:
+            assert name in ("cpu", "gpu"), name  # the built-in defaults, described in words
+            continue
+        estimates += 1
+        peak, flops_eff, link, link_eff, lat_us = map(float, figures.groups())
+        assert preset.profile.name == name
+        assert math.isclose(preset.profile.gemm_flops, peak * 1e12 * flops_eff, rel_tol=1e-12)
+        assert math.isclose(preset.profile.link_bandwidth, link * 1e9 * link_eff, rel_tol=1e-12)
+        assert math.isclose(preset.profile.link_latency, lat_us * 1e-6, rel_tol=1e-12)
+    assert estimates == len(PRESETS) - 2
+    assert PRESETS["a100-ib"].profile.link_bandwidth == pytest.approx(25e9 * 0.8)
+    with pytest.raises(AttributeError):
+        PRESETS["gpu"].measured = True  # type: ignore[misc]
+    assert Preset(CPU_PROFILE, "s").measured is False
+
+
+def test_profile_record_layout(tmp_path) -> None:
+    """The file holds the documented object, indented, one newline at the end; parents of any
+    depth are created; measurements are left out unless given."""
+    prof = HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4, 2e-3, 4e-7, 1.5e-3)
+    rec = profile_record(prof, source="by hand", measured=1)  # type: ignore[arg-type]
+    assert rec == {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": "mine",
+        "gemm_flops": 1.5e10,
+        "link_bandwidth": 2.5e9,
+        "link_latency": 3.5e-4,
+        "step_fixed_s": 2e-3,
+        "row_overhead_s": 4e-7,
+        "replica_fixed_s": 1.5e-3,
+        "measured": True,
+        "source": "by hand",
+    }
+    assert (FORMAT, VERSION) == ("mixmoe-hardware-profile", 1)
+    assert rec["measured"] is True
+    path = save_profile(str(tmp_path / "a" / "b" / "p.json"), rec)
+    assert path == tmp_path / "a" / "b" / "p.json"
+    assert path.read_text() == json.dumps(rec, indent=2) + "\n"
+    assert read_profile_record(path) == rec
+    save_profile(path, {**rec, "source": "again"})  # over an existing file
+    assert describe(path) == ("again", True)
+
+
+def test_describe_a_bare_profile_and_a_file_without_provenance(tmp_path) -> None:
+    prof = HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4)
+    assert describe(prof) == ("given in code", False)
+    rec = profile_record(prof, source="s", measured=True)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({k: v for k, v in rec.items() if k not in ("source", "measured")}))
+    assert describe(path) == ("", False)
+    assert load_profile(path) == prof
+
+
+def test_profile_files_are_checked_field_by_field(tmp_path) -> None:
+    """Booleans, NaN and infinities are no figures; a record without a required key, or of
+    another format version, is refused naming the file; a file without a version loads."""
+    rec = profile_record(CPU_PROFILE, source="s", measured=True)
+    bad = tmp_path / "bad.json"
+    for key in ("gemm_flops", "link_latency", "replica_fixed_s"):
+        for value in (True, math.nan, -math.inf):
+            bad.write_text(json.dumps({**rec, key: value}))
+            with pytest.raises(ValueError, match=r"bad\.json' holds non-numeric figures \["):
+                load_profile(bad)
+    for key in ("name", "gemm_flops", "link_bandwidth", "link_latency"):
+        bad.write_text(json.dumps({k: v for k, v in rec.items() if k != key}))
+        with pytest.raises(ValueError, match=rf"bad\.json' lacks \['{key}'\]"):
+            read_profile_record(bad)
+    for version in (2, "1", None):
+        bad.write_text(json.dumps({**rec, "version": version}))
+        with pytest.raises(ValueError, match=rf"format version {version!r}; .* reads version 1"):
+            load_profile(bad)
+    bad.write_text(json.dumps([rec]))
+    with pytest.raises(ValueError, match="not a mixmoe hardware profile"):
+        read_profile_record(bad)
+    bad.write_text(json.dumps({k: v for k, v in rec.items() if k != "version"}))
+    assert load_profile(bad) == CPU_PROFILE
+    existing = tmp_path / "profile.txt"  # an existing file is read whatever its suffix
+    existing.write_text(json.dumps(rec))
+    assert load_profile(existing) == load_profile(str(existing)) == CPU_PROFILE
+    with pytest.raises(TypeError, match="profile must be a preset name, a JSON path or a"):
+        load_profile(3)  # type: ignore[arg-type]

@@ -148,7 +148,7 @@ def test_estimated_presets_hold_the_figures_their_source_states() -> None:
 def test_profile_record_layout(tmp_path) -> None:
     """The file holds the documented object, indented, one newline at the end; parents of any
     depth are created; measurements are left out unless given."""
-    prof = HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4, 2e-3, 4e-7, 1.5e-3)
+    prof = HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4, 2e-3, 4e-7, 1.5e-3, 0.75)
     rec = profile_record(prof, source="by hand", measured=1)  # type: ignore[arg-type]
     assert rec == {
         "format": FORMAT,
@@ -160,6 +160,7 @@ def test_profile_record_layout(tmp_path) -> None:
         "step_fixed_s": 2e-3,
         "row_overhead_s": 4e-7,
         "replica_fixed_s": 1.5e-3,
+        "shared_core_efficiency": 0.75,
         "measured": True,
         "source": "by hand",
     }

@@ -1,6 +1,7 @@
 """Suite-wide guard: when the whole suite runs, every folder holding test files must have been
 collected (pytest silently skips some folder names by default; a tier that never runs is a
-failure, not a pass)."""
+failure, not a pass). Also the Hypothesis profile ``mutation`` (``make mutation`` selects it:
+tests/mutation/run_mutation.py): no example database, fixed examples."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+
+try:  # hypothesis is a dev dependency (make test installs it); the profile is for mutation runs
+    from hypothesis import settings
+
+    settings.register_profile("mutation", database=None, derandomize=True)
+except ImportError:  # pragma: no cover
+    pass
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

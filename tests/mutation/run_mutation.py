@@ -145,16 +145,17 @@ KILLED, SURVIVED, TIMEOUT, SUSPICIOUS, SKIPPED, UNTESTED = (
 
 
 def _runner(tests: list[str]) -> str:
-    """The shell command mutmut runs per mutant. ``--hypothesis-profile=mutation`` (tests/
-    conftest.py): no example database and fixed examples, so a failing example one mutant saved
-    cannot fail every later mutant (it did: false kills) and every mutant meets the same
-    examples. ``; test $? -eq 0``: mutmut 2.5.1 counts only exit code 1 as failing tests, so a
-    mutant that breaks collection or an import (pytest exits 2) was counted as survived; any
-    non-zero exit is a failure now (and an unmutated tree that does not collect fails the
-    baseline instead of passing it)."""
+    """The command mutmut runs per mutant (split with shlex, no shell; its timeout kills that
+    process, so pytest runs inside it). ``--hypothesis-profile=mutation`` (tests/conftest.py): no
+    example database and fixed examples, so a failing example one mutant saved cannot fail every
+    later mutant (it did: false kills) and every mutant meets the same examples. Exit 1 for any
+    failure: mutmut 2.5.1 counts only exit code 1 as failing tests, so a mutant that broke
+    collection or an import (pytest exits 2) was counted as survived (and an unmutated tree that
+    does not collect fails the baseline now instead of passing it)."""
     seen = list(dict.fromkeys(tests))  # a file named before its folder is collected once
-    pytest = f"{sys.executable} -m pytest -x -q -p no:cacheprovider --hypothesis-profile=mutation"
-    return f"{pytest} {' '.join(seen)}; test $? -eq 0"
+    main = "import sys, pytest; sys.exit(0 if pytest.main(sys.argv[1:]) == 0 else 1)"
+    args = "-x -q -p no:cacheprovider --hypothesis-profile=mutation"
+    return f"{sys.executable} -c '{main}' {args} " + " ".join(seen)
 
 
 def _forget_baseline() -> None:

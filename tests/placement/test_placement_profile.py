@@ -38,6 +38,18 @@ def test_profile_fixed_costs_default_to_zero_and_reject_bad_values(field: str) -
         HardwareProfile(**kwargs, **{field: True})
 
 
+def test_shared_core_efficiency_defaults_to_fair_sharing_and_stays_in_zero_one() -> None:
+    kwargs = {"name": "x", "gemm_flops": 1e9, "link_bandwidth": 1e9, "link_latency": 1e-5}
+    assert HardwareProfile(**kwargs).shared_core_efficiency == 1.0
+    for good in (1.0, 0.5, 1e-3):
+        assert HardwareProfile(**kwargs, shared_core_efficiency=good).shared_core_efficiency == good
+    for bad in (0.0, -0.5, 1.0 + 1e-9, 1.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"shared_core_efficiency must be in \(0, 1\]"):
+            HardwareProfile(**kwargs, shared_core_efficiency=bad)
+    with pytest.raises(TypeError, match="shared_core_efficiency must be a real number"):
+        HardwareProfile(**kwargs, shared_core_efficiency=True)
+
+
 def test_profile_rejects_empty_name() -> None:
     with pytest.raises(ValueError, match="name"):
         HardwareProfile("", 1e9, 1e9, 1e-5)

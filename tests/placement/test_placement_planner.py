@@ -768,6 +768,10 @@ LAST_REMOTE_CASES = [
     # the last remote row goes to the bottleneck's own expert (ranks 0 and 1 tie: b = 0): its
     # score at b must drop the token phase too
     ([[0, 0], [1, 1]], LayerShape(64, 256, 1, 2, 4), GPU_PROFILE, 3, (0,)),
+    # the fourteenth mutation run's counterexample, found before the fix: rank 2's 423 own rows
+    # make it the bottleneck; rank 0's two rows to expert 1 (rank 1's, which gets no others) are
+    # the only ones that travel, and neither rank 0 nor rank 1 is the bottleneck
+    ([[0, 2, 0], [0, 0, 0], [0, 0, 423]], LayerShape(64, 256, 1, 3, 2), CPU_PROFILE, 1, (1,)),
 ]
 
 

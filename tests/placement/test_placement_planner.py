@@ -6,6 +6,8 @@ Legend: W ranks, E experts per rank, N = W*E experts, counts_WN[s][g] = rows s r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -841,15 +843,40 @@ def test_plan_mix_baseline_prices_the_token_phase_only_when_a_row_leaves(W, E, r
         assert (min(comm_s) >= 4 * profile.link_latency) == bool(remote) == (max(comm_s) > 0)
 
 
-def test_plan_mix_refuses_counts_too_large_for_exact_arithmetic() -> None:
-    """The planner's exactness bound is 2 * (rows routed) < 2**53 (a row is counted at its
+PLANNERS = {
+    "mix": lambda C, shape: plan_mix(C, shape, CPU_PROFILE, 4),
+    "none": lambda C, shape: plan_none(C, shape, CPU_PROFILE),
+    "shadow": lambda C, shape: plan_shadow(C, shape, CPU_PROFILE),
+}
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+@pytest.mark.parametrize("E", [1024, 2])  # W * N above LIST_LIMIT (tensor forms), then below
+def test_planners_refuse_counts_too_large_for_exact_arithmetic(planner: str, E: int) -> None:
+    """Each planner's exactness bound is 2 * (rows routed) < 2**53 (a row is counted at its
     source and where it is computed): one row below the edge plans, at the edge it raises."""
-    W, E = 2, 1024  # W * N above LIST_LIMIT: the tensor forms' own check
+    W = 2
     shape = LayerShape(1, 1, E, W, 2)
     C_WN = torch.zeros(W, W * E, dtype=torch.int64)
     C_WN[0, 0] = 2**52 - 1
-    plan = plan_mix(C_WN, shape, CPU_PROFILE, 4)
+    plan = PLANNERS[planner](C_WN, shape)
     assert plan.hot == () and plan.baseline.rows[0] == 2**52 - 1
     C_WN[0, 0] = 2**52
     with pytest.raises(ValueError, match="too large"):
-        plan_mix(C_WN, shape, CPU_PROFILE, 4)
+        PLANNERS[planner](C_WN, shape)
+    with pytest.raises(ValueError, match="too large"):  # the nested-list input: the same bound
+        PLANNERS[planner](C_WN.tolist(), shape)
+
+
+def test_plan_is_frozen_and_shows_its_public_fields() -> None:
+    """A plan is shared by every layer of a step and read by the dispatch on every rank: it is
+    immutable, and its repr (logs, errors) shows the four public fields, not the holder cache."""
+    shape = LayerShape(4, 8, experts_per_rank=1, world_size=2, bytes_per_element=2)
+    plan = plan_none([[3, 1], [0, 2]], shape, CPU_PROFILE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.hot = (0,)  # type: ignore[misc]
+    assert [f.name for f in dataclasses.fields(plan) if f.init] == [
+        "hot", "replicas", "prediction", "baseline"
+    ]
+    assert repr(plan).startswith("Plan(hot=(), replicas=(), prediction=Prediction(")
+    assert "_holders" not in repr(plan)

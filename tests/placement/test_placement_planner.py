@@ -597,6 +597,27 @@ def _force_path(monkeypatch, path: str) -> None:
     monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_search_paths_break_ties_by_expert_id_among_many_candidates(seed: int, monkeypatch) -> None:
+    """Ties in remote rows are broken by expert id in every form: 4 ranks x 8 experts with 0 or
+    3 rows per segment give about 24 open candidates, most of them tied (torch's unstable sort
+    reorders ties from 17 elements on, so a form that sorted without ``stable=True`` would
+    accept another expert). Every form and width gives the plan of the list form (Python's
+    sorts are stable), which the batched form only reaches after a first acceptance."""
+    shape = LayerShape(1, 1, 8, 4, 2)
+    C_WN = torch.randint(0, 2, (4, 32), generator=torch.Generator().manual_seed(seed)) * 3
+    accepted = []
+    for max_replicas in (1, 8):
+        for width in (1, 8, 10**6):
+            plans = {}
+            for path in PATHS:
+                _force_path(monkeypatch, path)
+                plans[path] = plan_mix(C_WN, shape, UNIT, max_replicas, False, search_width=width)
+            assert all(plan == plans["lists"] for plan in plans.values()), (width, plans)
+            accepted.append(len(plans["lists"].hot))
+    assert max(accepted) >= 5  # several rounds after the first acceptance
+
+
 @pytest.mark.parametrize(
     "profile, scale",
     [(UNIT, 1), (COMPUTE_BOUND, 1), (LINK_BOUND, 10), (TOKEN_BOUND, 10)],

@@ -597,6 +597,20 @@ def _force_path(monkeypatch, path: str) -> None:
     monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_replica_cap_of_zero_replicates_nothing_in_every_form(path: str, monkeypatch) -> None:
+    """``max_replicas=0``: every form returns the baseline plan, on skewed counts where both
+    profiles would replicate with a cap of 1 (the tensor searches rely on plan_mix's early return:
+    their full-holder flags start clear)."""
+    _force_path(monkeypatch, path)
+    C_WN = synthetic_counts(RoutingSpec.parse("hot:0.8"), 4, 512, 2, 16, torch.Generator())
+    shape = LayerShape(64, 16, 4, 4, 2)
+    for profile in (UNIT, LINK_BOUND):
+        assert plan_mix(C_WN, shape, profile, 1, False).hot != ()
+        plan = plan_mix(C_WN, shape, profile, 0, False)
+        assert plan.hot == () and plan.prediction == plan.baseline
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_search_paths_break_ties_by_expert_id_among_many_candidates(seed: int, monkeypatch) -> None:
     """Ties in remote rows are broken by expert id in every form: 4 ranks x 8 experts with 0 or

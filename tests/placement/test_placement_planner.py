@@ -470,11 +470,23 @@ def test_pack_equals_list_pack_and_int64_overflow() -> None:
     where an int64 product would overflow (then Python ints)."""
     model = StepModel(LayerShape(4096, 16384, 4, 8, 4), GPU_PROFILE, True)
     gen = torch.Generator().manual_seed(0)
-    for high in (10**6, 2**52):
-        loads = torch.randint(0, high, (4, 8), generator=gen, dtype=torch.int64).tolist()
+    cases = [
+        (model, torch.randint(0, high, (4, 8), generator=gen, dtype=torch.int64).tolist())
+        for high in (10**6, 2**52)
+    ]
+    # D = F = 1, fp32: 16 token bytes per row and 32 weight bytes per replica (powers of 2), so
+    # a product lands on 2**63 exactly: the edge (Python ints), and remote rows whose token
+    # bytes alone overflow int64 while no replica is held (the check must see both rows)
+    tiny = StepModel(LayerShape(1, 1, 4, 8, 4), GPU_PROFILE, True)
+    assert (2 * tiny.token_bytes_per_row, 2 * tiny.params_bytes) == (16, 32)
+    cases.append((tiny, [[1] * 8, [1] * 8, [1] * 8, [2**58] * 8]))
+    cases.append((tiny, [[1] * 8, [1] * 8, [2**59] * 8, [0] * 8]))
+    for model, loads in cases:
+        weight = 2 * model.params_bytes
         packed = model.prediction_W(torch.tensor(loads, dtype=torch.float64))
         assert packed == model.prediction_lists(*loads)
         assert packed.token_bytes == tuple(2 * model.token_bytes_per_row * r for r in loads[2])
+        assert packed.weight_bytes == tuple(weight * r for r in loads[3])
 
 
 @settings(max_examples=100, deadline=None)
@@ -828,6 +840,24 @@ def test_the_expert_that_ends_the_token_phase_is_found_off_the_bottleneck(
         for width in (1, 8, 10**6):
             got = plan_mix(counts_WN, shape, profile, max_replicas, False, search_width=width)
             assert got == want, (path, width)
+
+
+def test_counts_with_sums_takes_its_row_blocks_at_the_default_sizes() -> None:
+    """At the module's own block sizes a 1100 x 1100 count matrix (9.7 MB, above the one-pass
+    size, 59 rows per block) is summed in row blocks: the plain sums, and its negative count
+    found (the other test forces the block sizes)."""
+    import mixmoe.placement.cost_model as cost_model
+
+    W = 1100
+    shape = LayerShape(8, 8, 1, W, 2)
+    C_WN = torch.randint(0, 1000, (W, W), generator=torch.Generator().manual_seed(5))
+    assert 8 * C_WN.numel() > cost_model._ONE_PASS_BYTES
+    assert cost_model._BLOCK_BYTES // (8 * W) < W
+    C, colsum_N, rowsum_W = cost_model.counts_with_sums(C_WN, shape)
+    assert torch.equal(colsum_N, C_WN.sum(0)) and torch.equal(rowsum_W, C_WN.sum(1))
+    C_WN[W - 1, 7] = -1
+    with pytest.raises(ValueError, match=rf"counts_WN\[{W - 1}\]\[7\] = -1 is negative"):
+        cost_model.counts_with_sums(C_WN, shape)
 
 
 def test_counts_with_sums_is_one_checked_pass() -> None:

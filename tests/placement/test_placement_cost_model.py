@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from mixmoe.placement import HardwareProfile, LayerShape, predict
 from mixmoe.placement.cost_model import (
+    LOADS,
     StepModel,
     baseline_loads,
     counts_as_lists,
@@ -178,6 +179,9 @@ def test_baseline_loads_equal_rank_loads(W: int, E: int) -> None:
     rows, local, remote, replica = rank_loads(C_WN.tolist(), {}, E)
     assert loads_4W.dtype == torch.float64
     assert loads_4W.tolist() == [rows, local, remote, replica]
+    # LOADS names the stacked rows (the order the docstrings and the planner's deltas use)
+    named = dict(zip(LOADS, loads_4W.tolist(), strict=True))
+    assert named == {"rows": rows, "local": local, "remote": remote, "replica": replica}
     assert colsum_N.tolist() == [sum(C_WN[s, n].item() for s in range(W)) for n in range(W * E)]
     assert own_N.tolist() == [C_WN[n // E, n].item() for n in range(W * E)]
 

@@ -14,8 +14,8 @@ that want exact predictions should measure their own profile (``mixmoe calibrate
 
 Where the built-in numbers come from:
 
-``CPU_PROFILE`` (gloo over loopback, one torch thread per rank), measured on the development host
-(AMD EPYC VM, torch 2.13 CPU, 2 processes):
+``CPU_PROFILE`` (name ``cpu-gloo-loopback``: gloo over loopback, one torch thread per rank),
+measured on the development host (AMD EPYC VM, torch 2.13 CPU, 2 processes):
 
 - ``gemm_flops = 50e9``: a bare fp32 two-GEMM MLP forward+backward sustained 59-77 GFLOP/s on one
   thread (bare ``x @ w``: 60-97 GFLOP/s); ~20% is taken off for the gathers, scatters and block
@@ -34,10 +34,11 @@ Where the built-in numbers come from:
   replica_fixed_s 0-808 ms at load 6-14): calibrate the machine and pass the JSON
   (``--profile``) for absolute figures.
 
-``GPU_PROFILE`` (a generic modern GPU node without NVLink between the EP ranks): ~300 TFLOP/s of
-sustained bf16 grouped GEMM (an H100-class part runs dense bf16 GEMMs at 60-70% of its ~990 TFLOP/s
-peak; grouped GEMMs on skewed segments run lower), ~50 GB/s per rank (PCIe Gen5 x16 / 400 Gb/s
-InfiniBand class) and ~20 us per NCCL all-to-all launch + synchronisation.
+``GPU_PROFILE`` (name ``gpu-generic``: a generic modern GPU node without NVLink between the EP
+ranks), an ESTIMATE: ``gemm_flops = 300e12`` of sustained bf16 grouped GEMM (an H100-class part
+runs dense bf16 GEMMs at 60-70% of its ~990 TFLOP/s peak; grouped GEMMs on skewed segments run
+lower), ``link_bandwidth = 50e9`` per rank (PCIe Gen5 x16 / 400 Gb/s InfiniBand class) and
+``link_latency = 20e-6`` per NCCL all-to-all launch + synchronisation; no fixed costs.
 """
 
 from __future__ import annotations

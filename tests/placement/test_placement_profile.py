@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+import mixmoe.placement.profile as profile_module
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape, default_profile
 
 
@@ -14,6 +16,22 @@ def test_default_profiles() -> None:
     assert default_profile("cuda") is GPU_PROFILE
     with pytest.raises(ValueError, match="'tpu'"):
         default_profile("tpu")
+
+
+def test_built_in_profiles_hold_the_figures_their_docstring_states() -> None:
+    """profile.py's docstring says where each built-in figure comes from; the profiles hold
+    exactly those figures (name, rates, latency and fixed costs, unstated ones 0.0)."""
+    doc = profile_module.__doc__
+    for profile, section in ((CPU_PROFILE, "``CPU_PROFILE``"), (GPU_PROFILE, "``GPU_PROFILE``")):
+        text = doc[doc.index(section) :]
+        other = "``GPU_PROFILE``" if profile is CPU_PROFILE else None
+        text = text[: text.index(other)] if other else text
+        assert re.search(rf"name ``{re.escape(profile.name)}``", text), profile.name
+        stated = {k: float(v) for k, v in re.findall(r"``(\w+) = ([0-9.e+-]+)``", text)}
+        fields = ("gemm_flops", "link_bandwidth", "link_latency", *profile_module.FIXED_COSTS)
+        assert set(stated) <= set(fields) and {"gemm_flops", "link_bandwidth", "link_latency"} <= set(stated)
+        for field in fields:
+            assert getattr(profile, field) == stated.get(field, 0.0), (profile.name, field)
 
 
 @pytest.mark.parametrize("field", ["gemm_flops", "link_bandwidth", "link_latency"])

@@ -941,7 +941,10 @@ def test_plan_is_frozen_and_shows_its_public_fields() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.hot = (0,)  # type: ignore[misc]
     assert [f.name for f in dataclasses.fields(plan) if f.init] == [
-        "hot", "replicas", "prediction", "baseline"
+        "hot",
+        "replicas",
+        "prediction",
+        "baseline",
     ]
     assert repr(plan).startswith("Plan(hot=(), replicas=(), prediction=Prediction(")
     assert "_holders" not in repr(plan)

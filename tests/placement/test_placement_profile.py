@@ -29,7 +29,11 @@ def test_built_in_profiles_hold_the_figures_their_docstring_states() -> None:
         assert re.search(rf"name ``{re.escape(profile.name)}``", text), profile.name
         stated = {k: float(v) for k, v in re.findall(r"``(\w+) = ([0-9.e+-]+)``", text)}
         fields = ("gemm_flops", "link_bandwidth", "link_latency", *profile_module.FIXED_COSTS)
-        assert set(stated) <= set(fields) and {"gemm_flops", "link_bandwidth", "link_latency"} <= set(stated)
+        assert set(stated) <= set(fields) and {
+            "gemm_flops",
+            "link_bandwidth",
+            "link_latency",
+        } <= set(stated)
         for field in fields:
             assert getattr(profile, field) == stated.get(field, 0.0), (profile.name, field)
 

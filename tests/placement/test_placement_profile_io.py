@@ -145,6 +145,34 @@ def test_estimated_presets_hold_the_figures_their_source_states() -> None:
     assert Preset(CPU_PROFILE, "s").measured is False
 
 
+# the vendors' datasheet peaks (dense, no sparsity) in TFLOP/s, of the precision each preset's
+# text names (bf16 on A100 / H100, fp16 tensor cores on V100): an independent table
+_PEAK_TFLOPS = {"H100 SXM": 989, "H100 PCIe": 756, "A100": 312, "V100": 125}
+
+
+def test_estimates_take_the_published_peaks_and_the_links_their_text_names() -> None:
+    """Each estimate's peak is the vendor's figure for the GPU its text names; its link is the
+    figure the text names (half a bidirectional NVLink figure, a PCIe figure per direction, a
+    NIC's Gb/s over 8); efficiencies lie in (0, 1] and latencies at 1-100 us."""
+    for name, preset in PRESETS.items():
+        if name in ("cpu", "gpu"):
+            continue
+        what = preset.source.split(": ", 1)[1].split("; gemm = ")[0]
+        peak, flops_eff, link, link_eff, lat_us = map(
+            float, _ESTIMATE.match(preset.source).groups()
+        )
+        gpu = max((g for g in _PEAK_TFLOPS if g in what), key=len)
+        assert peak == _PEAK_TFLOPS[gpu], name
+        if found := re.search(r"\((\d+) GB/s bidirectional\)", what):
+            named = float(found.group(1)) / 2
+        elif found := re.search(r"\((\d+) GB/s per direction\)", what):
+            named = float(found.group(1))
+        else:
+            named = float(re.search(r"(\d+) Gb/s InfiniBand", what).group(1)) / 8
+        assert link == named, name
+        assert 0 < flops_eff <= 1 and 0 < link_eff <= 1 and 1 <= lat_us <= 100, name
+
+
 def test_profile_record_layout(tmp_path) -> None:
     """The file holds the documented object, indented, one newline at the end; parents of any
     depth are created; measurements are left out unless given."""

@@ -189,6 +189,15 @@ def _mutmut_run(args: list[str], tests: list[str], log: Path) -> int:
         ).returncode
 
 
+def _retest(ids: list[int], paths: list[str], tests: list[str], log: Path) -> int:
+    """``mutmut run ID`` for each of ``ids`` (one mutant, whatever its cached status) against
+    ``tests``; 1 if mutmut failed for any."""
+    fatal = 0
+    for mid in ids:
+        fatal |= _mutmut_run([str(mid), "--paths-to-mutate", ",".join(paths)], tests, log) & 1
+    return fatal
+
+
 def run_group(name: str, only: list[str], fast_only: bool = False) -> int:
     """Mutate group ``name`` (restricted to the files or folders ``only`` when given) against its
     fast tests, then (unless ``fast_only``) re-run each survivor against its wide tests.
@@ -214,14 +223,12 @@ def run_group(name: str, only: list[str], fast_only: bool = False) -> int:
     left = [r[0] for r in _mutants(paths) if r[4] == UNTESTED]
     if left and not fatal:
         print(f"   {len(left)} mutants left untested by the run: testing each", flush=True)
-        for mid in left:
-            fatal |= _mutmut_run([str(mid), "--paths-to-mutate", ",".join(paths)], fast, log) & 1
+        fatal |= _retest(left, paths, fast, log)
     survivors = [r[0] for r in _mutants(paths) if r[4] == SURVIVED]
     if survivors and wide and not fatal and not fast_only:
         print(f"   {len(survivors)} survivors of the fast tests: re-running them", flush=True)
         _forget_baseline()  # the first survivor's run times the wide tests, the rest reuse it
-        for mid in survivors:  # ``mutmut run ID`` retests one mutant, whatever its cached status
-            fatal |= _mutmut_run([str(mid), "--paths-to-mutate", ",".join(paths)], wide, log) & 1
+        fatal |= _retest(survivors, paths, wide, log)
     if fatal:
         tail = log.read_text(errors="replace")[-2000:]
         print(f"   mutmut failed; end of {log.name}:\n{tail}", flush=True)

@@ -4,7 +4,9 @@ Under ``mix`` the second micro-batch is served from the replica cache (the owner
 unchanged), yet its replica gradients must still go home and add to the owners' ``.grad``;
 ``shadow`` refetches every time. Every expert gradient accumulated over the micro-batches must
 equal ``a2a``'s and the single-rank layer's (the training test steps every iteration, so it never
-sees a cached replica under autograd).
+sees a cached replica under autograd). Then the expert weights are rewritten through ``.data``
+(no version change, so the cache cannot see it) and ``invalidate_replicas`` is called: the next
+step must compute with the new weights.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ CASE = {
     "seed": 13,
     "tokens": [70, 45],
 }
+WORLD = 2
 MICRO_BATCHES = 3
 STRATEGIES = ("a2a", "shadow", "mix")
+WRITE_SCALE = -1.5  # expert weights rewritten through ``.data`` after the micro-batches
 
 
 def _micro_batch(rank: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +53,25 @@ def _accumulate(comm, strategy: str) -> dict:
         "stats": stats,
         "gate": {n: p.grad.clone() for n, p in layer.gate.named_parameters()},
         "experts": {n: p.grad.clone() for n, p in layer.experts.named_expert_parameters()},
+        "after_write": _after_weight_write(layer, comm.rank),
     }
+
+
+def _write_expert_weights(layer) -> None:
+    """Through ``.data``: the parameters' version counters do not change, so the replica cache
+    cannot see the write (the case ``invalidate_replicas`` is for)."""
+    with torch.no_grad():
+        for _, p in layer.experts.named_expert_parameters():
+            p.data.mul_(WRITE_SCALE)
+
+
+def _after_weight_write(layer, rank: int) -> dict:
+    _write_expert_weights(layer)
+    layer.dispatcher.invalidate_replicas()
+    x, _ = _micro_batch(rank, 0)  # the counts the cache was filled for
+    with torch.no_grad():
+        y, aux = layer(x)
+    return {"y": y, "replica_cached": aux.stats["replica_cached"]}
 
 
 def _worker(comm) -> dict:
@@ -62,18 +84,26 @@ def _single_rank(world: int) -> dict:
         xs, dys = zip(*(_micro_batch(r, m) for r in range(world)), strict=True)
         y, _ = layer(torch.cat(xs))
         (y * torch.cat(dys)).sum().backward()
+    _write_expert_weights(layer)
+    with torch.no_grad():
+        y_after = layer(torch.cat([_micro_batch(r, 0)[0] for r in range(world)]))[0]
     return {
         "gate": {n: p.grad for n, p in layer.gate.named_parameters()},
         "experts": {n: p.grad for n, p in layer.experts.named_expert_parameters()},
+        "y_after_write": y_after.split(CASE["tokens"]),
     }
 
 
-def test_accumulated_gradients_through_cached_replicas() -> None:
+@pytest.fixture(scope="module")
+def runs() -> tuple[list, dict]:
+    """One gloo world for both tests: every strategy on every rank, and the single-rank layer."""
     from mixmoe.bench.spawn import spawn_gloo
 
-    world = 2
-    out = spawn_gloo(_worker, world)
-    ref = _single_rank(world)
+    return spawn_gloo(_worker, WORLD), _single_rank(WORLD)
+
+
+def test_accumulated_gradients_through_cached_replicas(runs) -> None:
+    out, ref = runs
     tol = {"rtol": 1e-10, "atol": 1e-10}
     for strategy in STRATEGIES:
         stats = [s for rank_out in out for s in rank_out[strategy]["stats"]]
@@ -91,3 +121,17 @@ def test_accumulated_gradients_through_cached_replicas() -> None:
         for name, grad in ref["gate"].items():  # data-parallel: the reference sees the sum
             got = sum(rank_out[strategy]["gate"][name] for rank_out in out)
             torch.testing.assert_close(got, grad, **tol, msg=f"{strategy} gate d{name}")
+
+
+def test_invalidated_replicas_are_fetched_again_after_a_weight_write(runs) -> None:
+    """After ``.data`` writes the cache key is unchanged; ``invalidate_replicas`` must make the
+    next step fetch the new weights (a stale replica would compute with the old ones)."""
+    out, single = runs
+    ref = single["y_after_write"]
+    for strategy in STRATEGIES:
+        for rank, rank_out in enumerate(out):
+            after = rank_out[strategy]["after_write"]
+            assert after["replica_cached"] is False, (strategy, rank)
+            torch.testing.assert_close(
+                after["y"], ref[rank], rtol=1e-10, atol=1e-10, msg=f"{strategy} rank {rank}"
+            )

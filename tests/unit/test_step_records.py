@@ -10,17 +10,26 @@ import pytest
 import torch
 
 from mixmoe import MoE, MoEConfig
+from mixmoe.comm import LocalCommunicator
 from mixmoe.dispatch.layout import expert_row_layout
 from mixmoe.dispatch.step import ExpertOutputs
 from mixmoe.dispatch.strategies import STRATEGY_SPECS
+from mixmoe.parallel import parallelize_moe
 
 
-def _local_step():
+def _local_step(strategy: str | None = None):
+    """One dispatch of the single-device layer, or (``strategy``) of the expert-parallel
+    dispatcher on a world of one."""
     torch.manual_seed(0)
     layer = MoE(MoEConfig(model_dim=8, hidden_dim=12, num_experts=4), dtype=torch.float64)
+    if strategy is not None:
+        parallelize_moe(layer, LocalCommunicator(), strategy)
     x = torch.randn(7, 8, dtype=torch.float64)
     routing, _, _ = layer.gate(x)
-    return layer.dispatcher.dispatch(x, routing, layer.experts.weights())
+    step = layer.dispatcher.dispatch(x, routing, layer.experts.weights())
+    if strategy is not None:
+        layer.dispatcher.close()
+    return step
 
 
 def _records() -> dict:
@@ -31,6 +40,7 @@ def _records() -> dict:
         "ExpertLayout": (layout, "work"),
         "ExpertWork": (layout.work[0], "pos_TK"),
         "LocalStepMeta": (meta, "counts_N"),
+        "StepMeta": (_local_step("mix")[2], "counts_N"),
         "ExpertOutputs": (ExpertOutputs(torch.zeros(3, 8)), "received_RD"),
         "RowLayout": (expert_row_layout(ids_TK, 4, 4), "token_P"),
         "StrategySpec": (STRATEGY_SPECS["mix"], "overlap"),

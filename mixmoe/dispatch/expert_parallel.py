@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -84,7 +84,7 @@ class StepMeta:
     weights_TK: torch.Tensor
     moving: bool
     counts_N: torch.Tensor
-    stats: dict = field(default_factory=dict)
+    stats: dict
 
 
 class ExpertParallelDispatcher:

@@ -96,11 +96,18 @@ def test_a_planner_error_reaches_the_caller_and_the_next_step_plans_again() -> N
     layer.dispatcher.close()
 
 
+def _planner_workers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("mixmoe-plan")}
+
+
 def test_the_thread_is_lazy_shut_down_by_close_and_not_copied() -> None:
     layer = _layer()
     assert layer.dispatcher._planner_thread is None  # nothing started before a step
     x = _x()
+    before = _planner_workers()
     y = layer(x)[0]
+    workers = _planner_workers() - before  # the worker thread this dispatcher started
+    assert len(workers) == 1
     thread = layer.dispatcher._planner_thread
     assert thread is not None
     twin = copy.deepcopy(layer)  # a copy starts its own thread when it plans
@@ -110,6 +117,7 @@ def test_the_thread_is_lazy_shut_down_by_close_and_not_copied() -> None:
     for dispatcher in (layer.dispatcher, twin.dispatcher):
         dispatcher.close()
         assert dispatcher._planner_thread is None
+    assert not any(w.is_alive() for w in workers)  # close waits for the worker to end
     with pytest.raises(RuntimeError):
         thread.submit(print)  # shut down
 

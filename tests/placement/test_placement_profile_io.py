@@ -50,7 +50,7 @@ def test_json_round_trip(tmp_path) -> None:
 
 
 def test_fixed_costs_round_trip_and_old_files_load(tmp_path) -> None:
-    prof = HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4, 2e-3, 4e-7, 1.5e-3)
+    prof = HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4, 2e-3, 4e-7, 1.5e-3, 0.8)
     path = save_profile(tmp_path / "p.json", profile_record(prof, source="s", measured=True))
     assert load_profile(path) == prof
     rec = read_profile_record(path)
@@ -59,10 +59,17 @@ def test_fixed_costs_round_trip_and_old_files_load(tmp_path) -> None:
         4e-7,
         1.5e-3,
     )
-    # a file written before the fixed costs existed: they load as 0.0
-    old = {k: v for k, v in rec.items() if not k.endswith(("_fixed_s", "_overhead_s"))}
+    assert rec["shared_core_efficiency"] == 0.8
+    # a file written before the fixed costs and the shared-core efficiency existed: they load as
+    # 0.0 and 1.0 (fair sharing)
+    old = {
+        k: v
+        for k, v in rec.items()
+        if not k.endswith(("_fixed_s", "_overhead_s")) and k != "shared_core_efficiency"
+    }
     path.write_text(json.dumps(old))
     assert load_profile(path) == HardwareProfile("mine", 1.5e10, 2.5e9, 3.5e-4)
+    assert load_profile(path).shared_core_efficiency == 1.0
     path.write_text(json.dumps({**rec, "replica_fixed_s": -1.0}))
     with pytest.raises(ValueError, match="replica_fixed_s must be finite and >= 0"):
         load_profile(path)

@@ -4,7 +4,6 @@ of the cost model's per-rank seconds, by hand and against the stored W=4 measure
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -12,12 +11,6 @@ import torch
 
 from mixmoe import cli
 from mixmoe.placement import HardwareProfile, LayerShape
-from mixmoe.placement.profile_io import (
-    load_profile,
-    profile_record,
-    read_profile_record,
-    save_profile,
-)
 from mixmoe.simulate.layer import aggregate_ranks_s, predict_layer, processor_sharing_s
 from mixmoe.simulate.validation import compare, read_records, summarize
 
@@ -63,15 +56,9 @@ def test_processor_sharing_with_a_shared_core_efficiency_by_hand() -> None:
     assert aggregate_ranks_s(_w(9, 3, 3, 3), 4, 0.5) == 9.0  # a processor per rank: the max
 
 
-def test_shared_core_efficiency_is_kept_on_disk_and_priced_by_processor_sharing(tmp_path) -> None:
-    # (its bounds: tests/placement/test_placement_profile.py)
+def test_shared_core_efficiency_is_priced_by_processor_sharing() -> None:
+    # (its bounds: tests/placement/test_placement_profile.py; on disk: test_placement_profile_io.py)
     prof = dataclasses.replace(UNIT, replica_fixed_s=2e-3, shared_core_efficiency=0.8)
-    out = save_profile(tmp_path / "p.json", profile_record(prof, source="test", measured=False))
-    assert load_profile(out) == prof
-    old = read_profile_record(out)
-    del old["shared_core_efficiency"]  # files written before the field: fair sharing
-    out.write_text(json.dumps(old))
-    assert load_profile(out) == dataclasses.replace(prof, shared_core_efficiency=1.0)
     # predict_layer prices ranks sharing processors with it; a processor per rank ignores it
     C4 = [[40, 0, 0, 0], [30, 5, 0, 0], [30, 0, 5, 0], [30, 0, 0, 5]]
     shape4 = dataclasses.replace(SHAPE, world_size=4)

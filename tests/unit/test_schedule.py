@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from mixmoe.dispatch.layout import expert_row_layout
 from mixmoe.reference.schedule import reference_block_schedule
 from mixmoe.schedule.blocks import build_block_schedule
+from mixmoe.schedule.sort import expert_counts, sort_by_expert
 
 HYPO = settings(max_examples=150, deadline=None, database=None)
 
@@ -197,6 +198,24 @@ def test_expert_row_layout(T, K, N, block_size, drop_p, seed):
         rows = [p for p in range(P) if s.src_P[p] >= 0 and s.block_slot_Nb[p // block_size] == e]
         toks = [int(lay.token_P[p]) for p in rows]
         assert toks == sorted(toks)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expert_counts_equal_a_loop_and_the_sort(seed: int) -> None:
+    """``expert_counts`` (the count exchange's and the balance loss's counts) against a loop:
+    expert 0 counted, dropped (-1) rows not, every expert a bin even when the last is unused."""
+    g = torch.Generator().manual_seed(seed)
+    N = 6
+    ids_TK = torch.randint(0, N - 1, (9, 2), generator=g)  # expert N - 1 unused
+    if seed % 2:
+        ids_TK[torch.rand(9, 2, generator=g) < 0.3] = -1
+    ids_TK[0, 0] = 0
+    loop = [sum(int(i) == e for i in ids_TK.flatten()) for e in range(N)]
+    got = expert_counts(ids_TK, N)
+    assert got.dtype == torch.int64 and got.tolist() == loop
+    assert sort_by_expert(ids_TK, N).counts_N.tolist() == loop
+    assert expert_counts(torch.tensor([[0]]), 1).tolist() == [1]
+    assert expert_counts(torch.tensor([[-1, -1]]), 3).tolist() == [0, 0, 0]
 
 
 def test_row_layout_hand_example():

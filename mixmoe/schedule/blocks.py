@@ -82,9 +82,7 @@ def slot_ends(
 ) -> tuple[int, ...] | None:
     """``BlockSchedule.slot_ends`` of segments with host counts and slots, in layout order: the
     padded row where each slot's blocks end, or None when the segments' slots decrease somewhere
-    (the blocks are then not sorted by slot)."""
-    if any(b < a for a, b in zip(slots_G, slots_G[1:], strict=False)):
-        return None
+    (the blocks are then not sorted by slot: the walk below stops at the first decrease)."""
     ends, end, g = [], 0, 0
     for s in range(num_slots):
         while g < len(slots_G) and slots_G[g] == s:

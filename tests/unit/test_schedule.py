@@ -112,6 +112,10 @@ def test_schedule_is_frozen():
         s.num_rows = 0  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.src_P = torch.zeros(4, dtype=torch.int64)  # type: ignore[misc]
+    assert s.slot_ends is None  # set only by a layout that knows its segments' slot order
+    rows = sort_by_expert(torch.tensor([[1, 0]]), 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rows.counts_N = torch.zeros(2, dtype=torch.int64)  # type: ignore[misc]
 
 
 def test_built_on_the_input_device_without_host_sync():
@@ -234,6 +238,8 @@ def test_slot_ends_of_segments_in_slot_order():
     assert slot_ends([5, 0, 4, 1], [0, 0, 2, 2], 3, 4) == (8, 8, 16)
     assert slot_ends([], [], 2, 4) == (0, 0)
     assert slot_ends([3, 3], [1, 0], 2, 4) is None  # a slot comes back: not sorted by slot
+    assert slot_ends([1, 1, 1, 1], [0, 2, 1, 2], 3, 4) is None  # a decrease inside
+    assert slot_ends([1, 0, 1], [0, 1, 0], 2, 4) is None  # an empty segment in between
     assert slot_ends([3], [2], 2, 4) is None  # a slot past num_slots
 
 

@@ -522,6 +522,40 @@ def test_source_bound_premise_and_soundness(
             assert not lowest < best
 
 
+@pytest.mark.parametrize("profile", [*PROFILES, TOKEN_BOUND], ids=lambda p: p.name)
+def test_source_bound_is_exact_while_its_interval_budget_lasts(profile: HardwareProfile) -> None:
+    """The bound's precision is its purpose (a True scores b's whole row of C): with cmax <= 16
+    at most 2 * cmax - 1 <= 31 intervals exist, fewer than ``_BOUND_INTERVALS``, so the answer
+    is exact, True iff some c in [1, cmax] brings b's total below ``best``."""
+    from mixmoe.placement.planner import _BOUND_INTERVALS, _sources_may_pass
+
+    assert 2 * 16 - 1 < _BOUND_INTERVALS
+    gen = torch.Generator().manual_seed(7)
+    answers = set()
+    for overlap in (False, True):
+        model = StepModel(LayerShape(1024, 4096, 4, 8, 2), profile, overlap)
+        for cmax in range(17):
+            rows, local, remote, replica = torch.randint(0, 5000, (4,), generator=gen).tolist()
+            for any_remote in (False, True):
+                totals = [  # b's total with each c of [1, cmax] replicated (compute + comm)
+                    sum(
+                        model.rank_seconds(
+                            rows + c, local + c, remote - c, replica + 1, any_remote, True
+                        )
+                    )
+                    for c in range(1, cmax + 1)
+                ]
+                lowest = min(totals, default=float("inf"))
+                now = model.rank_total(rows, local, remote, replica, any_remote, True)
+                for best in (lowest, lowest * (1 + 1e-12), lowest * 1.01, lowest * 0.99, now):
+                    got = _sources_may_pass(
+                        model, (rows, local, remote, replica), cmax, any_remote, best
+                    )
+                    assert got == (lowest < best), (profile.name, cmax, best, lowest)
+                    answers.add(got)
+    assert answers == {False, True}
+
+
 def test_mix_bounded_search_and_bad_width() -> None:
     counts_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 8, 512, 2, 32, torch.Generator())
     shape = LayerShape(1024, 4096, 4, 8, 2)

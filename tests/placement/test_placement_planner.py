@@ -644,6 +644,30 @@ def _force_path(monkeypatch, path: str) -> None:
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_width_of_two_stops_every_form_alike(path: str, monkeypatch) -> None:
+    """Cases where a round's first two unblocked candidates fail and a later one would pass:
+    at ``search_width=2`` every form stops there (the width binds: the list form replicates
+    more at a width of 10**6) and gives the list form's plan."""
+    cases = (  # seed, W, E, cap: zipf:1.2 routing, the compute-bound profile
+        (0, 4, 4, 2),
+        (2, 2, 4, 1),
+    )
+    for seed, W, E, cap in cases:
+        gen = torch.Generator().manual_seed(seed)
+        counts_WN = synthetic_counts(
+            RoutingSpec.parse("zipf:1.2"), W, 200 + 10 * seed, 2, W * E, gen
+        )
+        shape = LayerShape(64, 256, E, W, 2)
+        _force_path(monkeypatch, "lists")
+        want = plan_mix(counts_WN, shape, COMPUTE_BOUND, cap, search_width=2)
+        wide = plan_mix(counts_WN, shape, COMPUTE_BOUND, cap, search_width=10**6)
+        assert len(want.hot) < len(wide.hot), (seed, want.hot, wide.hot)  # the width binds
+        _force_path(monkeypatch, path)
+        got = plan_mix(counts_WN, shape, COMPUTE_BOUND, cap, search_width=2)
+        assert (got.hot, got.replicas) == (want.hot, want.replicas), (seed, got, want)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_replica_cap_of_zero_replicates_nothing_in_every_form(path: str, monkeypatch) -> None:
     """``max_replicas=0``: every form returns the baseline plan, on skewed counts where both
     profiles would replicate with a cap of 1 (the tensor searches rely on plan_mix's early return:

@@ -556,6 +556,26 @@ def test_source_bound_is_exact_while_its_interval_budget_lasts(profile: Hardware
     assert answers == {False, True}
 
 
+@pytest.mark.parametrize("seed", [23, 24])
+def test_shadow_breaks_ties_by_expert_id_among_many_experts(seed: int) -> None:
+    """torch's CPU sort keeps ties in index order without ``stable=True`` only below 17
+    elements: 32 experts, 3 hot, the others at loads 0, 3 or 6 (ties of up to 10 experts). The
+    shadowing greedy stops partway through a tie, so its order decides which are shadowed."""
+    g = torch.Generator().manual_seed(seed)
+    W, E = 2, 16
+    counts_WN = torch.randint(0, 2, (W, W * E), generator=g) * 3
+    counts_WN[0, :3] = 40
+    load_N = counts_WN.sum(0)
+    assert max(int((load_N == v).sum()) for v in (3, 6)) >= 5  # ties among the candidates
+    for profile, shape in (
+        (UNIT, LayerShape(1, 1, E, W, 4)),
+        (COMPUTE_BOUND, LayerShape(64, 256, E, W, 2)),
+    ):
+        want = plan_shadow_lists(counts_WN.tolist(), shape, profile)
+        assert 3 < len(want.hot) < W * E - 3, want.hot  # the greedy stops inside a tie
+        assert plan_shadow(counts_WN, shape, profile) == want, (seed, profile.name)
+
+
 def test_mix_bounded_search_and_bad_width() -> None:
     counts_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 8, 512, 2, 32, torch.Generator())
     shape = LayerShape(1024, 4096, 4, 8, 2)

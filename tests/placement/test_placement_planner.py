@@ -298,6 +298,19 @@ def test_shadow_toy_two_ranks() -> None:
     assert plan.computed_at(1, 0, 1) == 1 and plan.computed_at(0, 1, 1) == 1
 
 
+def test_shadow_needs_a_strict_drop() -> None:
+    """An expert joins S only if the estimate drops strictly. D = 1, F = 3, fp32: flops_per_row
+    36, row_bytes 4, params 40 B; 144 FLOP/s, 16 B/s: t_row + t_feat = 0.25 + 1 = 1.25 and
+    t_model = 2.5 (exact in binary), so lat(S) = 1.25 * (max_r B_r(S) + 2 |S|): shadowing an
+    expert that lowers the busiest rank by exactly 2 rows leaves the estimate equal."""
+    shape = LayerShape(1, 3, experts_per_rank=1, world_size=2, bytes_per_element=4)
+    tie = HardwareProfile("tie", gemm_flops=144.0, link_bandwidth=16.0, link_latency=1e-3)
+    # lat({}) = 1.25 * 12 = 15; lat({0}) = 1.25 * max(10, 2 + 2) + 2.5 = 15: not lower
+    assert plan_shadow([[10, 1], [2, 1]], shape, tie).hot == ()
+    # one more row from rank 1: lat({}) = 16.25, lat({0}) = 1.25 * 10 + 2.5 = 15 -> shadow e0
+    assert plan_shadow([[10, 1], [3, 1]], shape, tie).hot == (0,)
+
+
 def test_shadow_toy_three_ranks_stops_at_first_useless() -> None:
     counts_WN = [[10, 25, 0], [60, 10, 0], [60, 25, 10]]  # loads: e0 = 130, e1 = 60, e2 = 10
     shape = LayerShape(1, 1, experts_per_rank=1, world_size=3, bytes_per_element=4)

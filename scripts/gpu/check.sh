@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's checks, in one call of the device tool (see README "Kernels").
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
-# Stages: env, install, gpu-tests, suite, kernels, layer, layer-ab, hf, hf-ab, hf-bench, calibrate.
+# Stages: env, install, gpu-tests, ep-cuda, correctness (gpu-tests and ep-cuda side by side), train,
+#   suite, kernels, kernels-fine, layer, layer-ab, hf, hf-ab, hf-bench, calibrate.
+# install: the project from this tree (PYTHONPATH) and, when .whl/ holds them, the pinned wheels the
+#   image lacks (transformers), unpacked into /tmp/site (no registry is reachable there).
+# ep-cuda: a2a/shadow/mix on CUDA tensors, 2 and 3 gloo ranks on the one GPU, vs the single-rank layer.
+# train: the first GPU training run (gpt2 base, bf16 autocast, ~100 steps).
+# kernels-fine: the fine-grained shape (256 experts, top-8, D2048 F1024, SwiGLU).
 # calibrate: one-GPU calibration, then the simulator's local-step predictions against bench layer (issue 9).
 # hf-bench: a transformers Mixtral's train step under each experts implementation (issue 14's one-device target).
 # layer-ab / hf-ab: the grouped-GEMM path (MIXMOE_GROUPED_MM=1, default) then the Triton kernels (=0). Logs go to $OUT (or ./gpu-out).
@@ -18,14 +24,28 @@ run() {  # name, timeout seconds, command...
 for stage in "$@"; do case $stage in
   env) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
        $PY -c "import torch, triton, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')";;
-  install) $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; echo "install rc=$?";;
+  install) if ls .whl/*.whl > /dev/null 2>&1; then
+         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+           > "$OUT/install.log" 2>&1; echo "wheels rc=$?"; export PYTHONPATH=/tmp/site:$PWD
+       else export PYTHONPATH=$PWD; fi
+       $PY -c "import mixmoe, transformers; print('mixmoe from', mixmoe.__file__, 'transformers', transformers.__version__)";;
   gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests -m gpu -o addopts= -q -ra -p no:cacheprovider -n ${GPU_N:-4};;
+  ep-cuda) run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda;;
+  correctness) GPU_N=${GPU_N:-4}
+       ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &
+       ( run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda ) > "$OUT/correctness-b.txt" 2>&1 &
+       wait; cat "$OUT/correctness-a.txt" "$OUT/correctness-b.txt";;
+  train) run train "${TRAIN_S:-150}" $PY -m mixmoe train --model ${TRAIN_MODEL:-gpt2} --preset base --device cuda \
+         --dtype bfloat16 --max-steps ${TRAIN_STEPS:-100} --eval-every 50 --out "$OUT/train" --no-progress;;
+  kernels-fine) run kernels-fine "${KERNELS_S:-150}" $PY -m mixmoe bench kernels --device cuda --dtype bf16 \
+       --model-dim 2048 --hidden-size 1024 --rows-per-expert ${FINE_ROWS:-256} --experts 256 --top-k 8 \
+       --skew uniform --activation swiglu --mode fwd+bwd --warmup 3 --repeats 10 --jsonl "$OUT/kernels-fine.jsonl";;
   suite) run suite "${SUITE_S:-420}" $PY -m pytest tests -m "not gpu" -o addopts= -q -ra -p no:cacheprovider -n ${SUITE_N:-12};;
 
   kernels) run kernels "${KERNELS_S:-300}" $PY -m mixmoe bench kernels --device cuda --dtype bf16 \
        --model-dim 1024 --hidden-size 4096 --rows-per-expert ${ROWS:-256,1024,4096} \
        --experts ${EXPERTS:-4,16,64} --skew ${SKEW:-uniform} --activation ${ACT:-gelu} \
-       --warmup 5 --repeats 20 --jsonl "$OUT/kernels.jsonl";;
+       --mode ${KMODE:-fwd,fwd+bwd} --warmup 5 --repeats 20 --jsonl "$OUT/kernels.jsonl";;
   layer) for e in ${LAYER_EXPERTS:-4 16 64}; do
        run layer-e$e "${LAYER_S:-120}" $PY -m mixmoe bench layer --device cuda --dtype bf16 \
          --model-dim 1024 --hidden-size 4096 --tokens 8192 --num-local-experts $e --top-k 2 \

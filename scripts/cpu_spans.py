@@ -136,7 +136,7 @@ def summarize(records: list[dict], rows: dict[str, list[int]]) -> None:
 
 def main(argv: list[str]) -> None:
     from mixmoe.bench.layer import LayerBenchConfig
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
     from mixmoe.placement import LayerShape
     from mixmoe.placement.profile_io import load_profile
     from mixmoe.simulate.layer import predict_layer

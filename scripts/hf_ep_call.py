@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from mixmoe.bench.spawn import spawn_gloo
+from mixmoe.comm.launch import spawn_gloo
 
 D, F, N, K, T = 256, 512, 8, 2, 512  # bench hf's shape: 4 x 128 tokens per rank
 WARMUP = 5
@@ -31,7 +31,7 @@ def _classes(names: list[str]) -> dict:
     from transformers.distributed.expert_parallel import EPImplementationInterface
 
     import mixmoe.hf  # noqa: F401  registers mixmoe_*
-    from mixmoe.models.hf_ep import EP_CLASSES
+    from mixmoe.hf.ep import EP_CLASSES
     from mixmoe.ops.expert_mlp import split_gate_up
 
     def split(base):

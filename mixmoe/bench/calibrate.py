@@ -260,7 +260,7 @@ def measure_ranks(cfg: CalibrateConfig, comm=None) -> tuple[list[dict], list[dic
         return _rank_sweeps(comm, cfg)
     if cfg.device != "cpu":
         raise ValueError("spawning ranks is for --device cpu; launch GPU calibration with torchrun")
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     return spawn_gloo(_rank_sweeps, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
 
@@ -269,7 +269,7 @@ def measure_a2a(cfg: CalibrateConfig, comm=None) -> list[dict[str, float]]:
     """The all_to_all sweep alone (see ``measure_ranks``)."""
     if comm is not None:
         return _a2a_rank(comm, cfg)
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     return spawn_gloo(_a2a_rank, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
 
@@ -303,8 +303,8 @@ def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[st
         measurements["not_measured"] = ["link_bandwidth", "link_latency", "replica_fixed_s"]
     fixed: dict[str, Any] = {"method": "not fitted (layer_tokens=()): 0.0"}
     if runs:
-        from mixmoe.bench.calibrate_layer import fit_fixed_costs
         from mixmoe.placement.cost_model import LayerShape
+        from mixmoe.simulate.fixed_cost_fit import fit_fixed_costs
 
         shape = LayerShape(
             model_dim=cfg.model_dim,

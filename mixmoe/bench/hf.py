@@ -34,8 +34,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from mixmoe.bench.spawn import spawn_gloo, under_torchrun
 from mixmoe.bench.timing import StageTimer, median
+from mixmoe.comm.launch import spawn_gloo, under_torchrun
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.validation import check_choice, check_device, check_int, torch_dtype
 
@@ -333,13 +333,13 @@ def _count_replicas(
 def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
     """This rank's part of the benchmark; every rank returns the same records (times are the
     slowest rank's)."""
-    from mixmoe.models.hf_ep import ep_implementations
+    from mixmoe.hf.ep import ep_implementations
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.profile:  # the mixmoe implementations plan with this profile, under their own names
         import mixmoe.hf  # noqa: F401  first: its import registers the defaults
-        from mixmoe.models.hf_ep import EP_CLASSES, register_ep_implementation
+        from mixmoe.hf.ep import EP_CLASSES, register_ep_implementation
 
         profile = load_profile(cfg.profile)
         for name, cls in EP_CLASSES.items():

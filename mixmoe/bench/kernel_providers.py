@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mixmoe.bench.routing import RoutingSpec, synthetic_ids
 from mixmoe.dispatch.layout import RowLayout, expert_row_layout
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_ids
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.ops.token_expert_mlp import token_expert_mlp
 from mixmoe.validation import torch_dtype

@@ -30,8 +30,8 @@ from mixmoe.bench.kernel_providers import (
     step_fn,
     unavailable,
 )
-from mixmoe.bench.routing import RoutingSpec
 from mixmoe.bench.timing import median, time_repeated
+from mixmoe.gating.synthetic import RoutingSpec
 from mixmoe.validation import (
     DTYPE_NAMES,
     check_block_size,

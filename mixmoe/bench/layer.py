@@ -4,7 +4,7 @@ time one MoE layer per strategy on identical inputs.
 ``run_rank`` times the strategies on this rank (``mixmoe.bench.multiprocess`` runs it on several);
 ``write_logs`` prints the docs/formats.md section 1 log per strategy (system name
 ``mixmoe-<strategy>``), ``summary_rows`` the comparison of medians, ``jsonl_records`` one record
-per strategy (per-step times; ``mixmoe.bench.results.append_jsonl`` adds config and environment).
+per strategy (per-step times; ``mixmoe.formats.results.append_jsonl`` adds config and environment).
 
 Every step is forward + backward + optimizer step (SGD), so anything a strategy caches across
 steps (replicas) is paid for as in training. Warm-up steps are printed but excluded from every
@@ -29,10 +29,10 @@ from typing import Any, TextIO
 
 import torch
 
-from mixmoe.bench.routing import RoutingSpec, SyntheticGate, synthetic_ids
 from mixmoe.bench.timing import StageTimer, median
 from mixmoe.config import STRATEGIES, MoEConfig
 from mixmoe.formats import layer_log
+from mixmoe.gating.synthetic import RoutingSpec, SyntheticGate, synthetic_ids
 from mixmoe.layers.moe import MoE
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.validation import check_choice, check_device, check_dtype, check_int, torch_dtype

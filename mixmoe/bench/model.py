@@ -227,7 +227,7 @@ def _rank_main(comm, cfg: ModelBenchConfig) -> list[VariantResult]:
 def run_distributed(cfg: ModelBenchConfig) -> list[VariantResult] | None:
     """``world_size`` ranks: torchrun's group when launched by torchrun (results on rank 0,
     None elsewhere), otherwise gloo processes spawned here (CPU)."""
-    from mixmoe.bench.spawn import run_on_ranks
+    from mixmoe.comm.launch import run_on_ranks
 
     return run_on_ranks(
         _rank_main,

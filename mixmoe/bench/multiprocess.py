@@ -4,7 +4,7 @@ otherwise N gloo processes spawned here (CPU)."""
 from __future__ import annotations
 
 from mixmoe.bench.layer import LayerBenchConfig, StrategyResult, run_rank
-from mixmoe.bench.spawn import run_on_ranks
+from mixmoe.comm.launch import run_on_ranks
 
 
 def _rank_main(comm, cfg: LayerBenchConfig) -> list[StrategyResult]:

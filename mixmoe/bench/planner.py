@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from mixmoe.bench.routing import RoutingSpec, synthetic_counts
 from mixmoe.bench.timing import median
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import (
     CPU_PROFILE,
     GPU_PROFILE,

@@ -26,7 +26,7 @@ from mixmoe.bench.hf import (
     HFModelShape,
     run_hf_bench,
 )
-from mixmoe.bench.results import append_jsonl
+from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 
 __all__ = ["add_arguments", "run"]

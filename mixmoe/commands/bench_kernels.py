@@ -25,8 +25,8 @@ from mixmoe.bench.kernels import (
     Point,
     run_point,
 )
-from mixmoe.bench.results import append_jsonl
 from mixmoe.config import ACTIVATIONS
+from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 
 __all__ = ["add_arguments", "config_from_args", "run", "table_rows"]

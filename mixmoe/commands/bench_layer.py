@@ -19,7 +19,7 @@ from mixmoe.bench.layer import (
     summary_rows,
     write_logs,
 )
-from mixmoe.bench.results import append_jsonl
+from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
 

@@ -23,7 +23,7 @@ from mixmoe.bench.model import (
     summary_rows,
     write_log,
 )
-from mixmoe.bench.results import append_jsonl
+from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.train.loop import DTYPES
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 import torch
 
 from mixmoe.bench.peers import PROVIDERS, PeerBenchConfig, run_peers
-from mixmoe.bench.results import append_jsonl
+from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 
 __all__ = ["add_arguments", "run"]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mixmoe.bench.planner import PlannerBenchConfig, run_case
-from mixmoe.bench.results import append_jsonl
+from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
 

@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
-    from mixmoe.bench.spawn import under_torchrun
+    from mixmoe.comm.launch import under_torchrun
 
     world = args.world_size
     if world is None:
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(cfg.threads)
     comm = None
-    from mixmoe.bench.spawn import under_torchrun
+    from mixmoe.comm.launch import under_torchrun
 
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:  # its group
         from mixmoe.comm import init_distributed

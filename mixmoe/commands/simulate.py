@@ -276,7 +276,8 @@ HEADERS = [
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from mixmoe.simulate.validation import cases_for, compare, measure, read_records, summarize
+    from mixmoe.bench.simulator_runs import measure
+    from mixmoe.simulate.agreement import cases_for, compare, read_records, summarize
 
     if args.remeasure:
         cases = cases_for(args.validate_world, args.device)
@@ -571,7 +572,7 @@ def run(args: argparse.Namespace) -> int:
 
         import torch
 
-        from mixmoe.bench.results import append_jsonl
+        from mixmoe.formats.results import append_jsonl
 
         config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
         config["profile_figures"] = dataclasses.asdict(profile)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from mixmoe.formats.cmd import CmdOp, SubOp, read_cmd_file
+from mixmoe.formats.cmd_trace import CmdOp, SubOp, read_cmd_file
 
 
 class HasRecords(Protocol):

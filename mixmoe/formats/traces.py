@@ -2,7 +2,7 @@
 
 A file is a CMD trace (docs/formats.md section 3) or a Chrome trace JSON written by mixmoe
 (section 5), told apart by its first non-blank character. Op names are normalised through
-``mixmoe.formats.cmd.OP_ALIASES`` either way. Torch-free.
+``mixmoe.formats.cmd_trace.OP_ALIASES`` either way. Torch-free.
 
 ``trace_count_steps`` rebuilds the count matrices C [W, N] of the recorded steps from the
 ``counts`` of the MoE layer's count exchanges (``mixmoe simulate --routing trace:PATH``):
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from mixmoe.formats.chrome import read_chrome_trace
-from mixmoe.formats.cmd import CmdOp, normalised, read_cmd_trace
+from mixmoe.formats.cmd_trace import CmdOp, normalised, read_cmd_trace
 
 __all__ = ["read_traces", "trace_count_steps", "trace_paths"]
 

@@ -1,4 +1,5 @@
-"""Routers as pure functions (``routing``) and their auxiliary losses (``losses``)."""
+"""Routers as pure functions (``routing``), their auxiliary losses (``losses``) and synthetic
+routing with controllable skew for benchmarks, the simulator and tests (``synthetic``)."""
 
 from mixmoe.gating.losses import load_balancing_loss, router_z_loss
 from mixmoe.gating.routing import gshard_route, route, switch_route, topk_route

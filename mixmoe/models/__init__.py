@@ -1,13 +1,10 @@
-"""Whole models with mixmoe MoE layers (L5): Hugging Face integrations and model code.
+"""Whole models with mixmoe MoE layers (L5): GPT-2/BERT MoE-fication and model code (the
+transformers adapters live in ``mixmoe.hf``).
 
 ``moefy``            dense FFNs of Hugging Face GPT-2 / BERT blocks -> MoE layers, in place
 ``moe_ffn``          the ``MoEFFN`` wrapper and the per-model aux-loss collector (``moe_aux_loss``)
 ``layer_selection``  ``all`` / ``every:N`` / index lists of blocks
 ``transformer_xl``   a compact Transformer-XL language model whose FFNs can be MoE layers
-``corpus``           the byte-level ``pydoc_data.topics`` text (ships with Python)
-``hf_layout``        the one adapter from transformers' experts weight layouts to mixmoe's
-``hf_experts``       mixmoe as a transformers experts implementation (``import mixmoe.hf``)
-``hf_convert``       exact conversion of transformers sparse-MoE blocks into mixmoe ``MoE`` layers
 
 Nothing is imported here: transformers is an optional extra (``pip install mixmoe[models]``),
 loaded lazily by the modules that need it. Import what you use, e.g.

@@ -31,7 +31,6 @@ from torch import nn
 
 from mixmoe.config import MoEConfig
 from mixmoe.layers.moe import MoE
-from mixmoe.models.corpus import BYTE_VOCAB
 from mixmoe.models.layer_selection import LayerSpec, select_layers
 from mixmoe.models.moe_ffn import MoEFFN, attach_collector
 from mixmoe.validation import check_int
@@ -42,7 +41,7 @@ class TransformerXLConfig:
     """Sizes of the model; ``moe`` set: the FFN of the blocks ``moe_layers`` selects is a
     ``MoE(moe)`` (``moe.model_dim`` must equal ``d_model``)."""
 
-    vocab_size: int = BYTE_VOCAB
+    vocab_size: int = 256  # byte-level, as mixmoe.train.corpus
     n_layer: int = 12
     d_model: int = 512
     n_head: int = 8

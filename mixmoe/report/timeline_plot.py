@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from mixmoe.formats.cmd import CmdOp
+from mixmoe.formats.cmd_trace import CmdOp
 from mixmoe.report.matplotlib_agg import pyplot
 from mixmoe.report.trace_summary import phase_of
 

@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mixmoe.formats.cmd import CmdOp, SubOp
+from mixmoe.formats.cmd_trace import CmdOp, SubOp
 
 __all__ = [
     "PHASES",

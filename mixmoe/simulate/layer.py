@@ -44,7 +44,7 @@ beyond P, the profile's ``shared_core_efficiency`` e (default 1.0: fair sharing)
 ranks than cores work, they get e x P cores' worth of work (e P / n each), so the
 calibrated all-busy share is e P / W and a rank that runs alone afterwards runs 1 / e faster
 than fair sharing of the all-busy rate suggests. ``mixmoe calibrate --processors P`` fits e to
-its skewed ``a2a`` run (``mixmoe.bench.calibrate_layer``). With P < W the token exchange hides nothing (``mix``'s overlap is not priced:
+its skewed ``a2a`` run (``mixmoe.simulate.fixed_cost_fit``). With P < W the token exchange hides nothing (``mix``'s overlap is not priced:
 ``overlap_under``): the aggregation counts a rank's communication seconds as processor work,
 and overlapping work with work on a saturated processor frees none; exposed_W is then
 token + weight and hidden_W 0. Measured (W=4, D=256 F=1024 T=512 E=2, uniform, gloo, 2 cores,

@@ -58,7 +58,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mixmoe.formats.cmd import CmdOp, SubOp, read_cmd_trace
+from mixmoe.formats.cmd_trace import CmdOp, SubOp, read_cmd_trace
 from mixmoe.placement.cost_model import TOKEN_COLLECTIVES, LayerShape
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.simulate.layer import STRATEGIES, predict_layer

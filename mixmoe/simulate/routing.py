@@ -2,7 +2,7 @@
 
 Legend: W ranks, N experts, T tokens per rank, K top-k.
 
-- ``uniform``, ``zipf:S``, ``hot:P``: ``mixmoe.bench.routing.synthetic_counts`` (the planner
+- ``uniform``, ``zipf:S``, ``hot:P``: ``mixmoe.gating.synthetic.synthetic_counts`` (the planner
   benchmark's generator; expert popularity shuffled across owners unless ``contiguous``, which
   puts the hottest experts on rank 0 as ``bench layer``'s synthetic ids do);
 - ``counts:PATH``: the recorded matrices of a counts file (``mixmoe.formats.counts``, written by
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from mixmoe.bench.routing import RoutingSpec, synthetic_counts
 from mixmoe.formats.counts import read_counts
 from mixmoe.formats.traces import read_traces, trace_count_steps, trace_paths
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 
 __all__ = ["counts_source"]
 

@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from mixmoe.formats.chrome import write_chrome_trace
-    from mixmoe.formats.cmd import CmdOp, SubOp
+    from mixmoe.formats.cmd_trace import CmdOp, SubOp
     from mixmoe.tracing.recorder import TraceRecorder
     from mixmoe.tracing.span import trace_span
 
 __all__ = ["CmdOp", "SubOp", "TraceRecorder", "trace_span", "write_chrome_trace"]
 
 _HOME = {
-    "CmdOp": "mixmoe.formats.cmd",
-    "SubOp": "mixmoe.formats.cmd",
+    "CmdOp": "mixmoe.formats.cmd_trace",
+    "SubOp": "mixmoe.formats.cmd_trace",
     "TraceRecorder": "mixmoe.tracing.recorder",
     "trace_span": "mixmoe.tracing.span",
     "write_chrome_trace": "mixmoe.formats.chrome",

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from mixmoe.formats.cmd import CmdOp, SubOp, write_cmd_file
+from mixmoe.formats.cmd_trace import CmdOp, SubOp, write_cmd_file
 from mixmoe.tracing.clocks import CpuClock, CudaClock, clock_for
 from mixmoe.tracing.span import ACTIVE, Frame, PendingSpan
 

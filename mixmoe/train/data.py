@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixmoe.models.corpus import byte_streams, pydoc_topics_bytes
+from mixmoe.train.corpus import byte_streams, pydoc_topics_bytes
 from mixmoe.train.presets import IGNORE, MASK_ID
 
 MASK_PROB = 0.15

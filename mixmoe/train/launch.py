@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from mixmoe.bench.spawn import run_on_ranks, under_torchrun
+from mixmoe.comm.launch import run_on_ranks, under_torchrun
 from mixmoe.train.loop import TrainConfig, TrainResult, train
 
 

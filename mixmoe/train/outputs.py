@@ -1,5 +1,5 @@
 """What a training run leaves on disk: a JSONL record per step (with the config and the
-environment, ``mixmoe.bench.results``) and a loss-curve PNG (matplotlib, imported lazily)."""
+environment, ``mixmoe.formats.results``) and a loss-curve PNG (matplotlib, imported lazily)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mixmoe.bench.results import append_jsonl
+from mixmoe.formats.results import append_jsonl
 
 JSONL_NAME = "train.jsonl"
 PNG_NAME = "loss.png"

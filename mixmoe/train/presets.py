@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixmoe.config import GateConfig, MoEConfig
-from mixmoe.models.corpus import BYTE_VOCAB
 from mixmoe.models.layer_selection import select_layers
+from mixmoe.train.corpus import BYTE_VOCAB
 from mixmoe.validation import check_int
 
 MODELS = ("gpt2", "bert", "transformer-xl", "mixtral")
@@ -141,7 +141,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
         return TransformerXL(cfg)
     tf = _transformers()
     if spec.model == "mixtral":
-        from mixmoe.models.hf_convert import convert_moe_model
+        from mixmoe.hf.convert import convert_moe_model
 
         cfg = tf.MixtralConfig(
             vocab_size=spec.vocab_size,
@@ -206,7 +206,7 @@ def moe_layers_of(model: nn.Module):
 
 def moe_auxes(model: nn.Module) -> list:
     """The ``MoEAux`` of every MoE layer of ``model``'s last forward, in module order."""
-    from mixmoe.models.hf_convert import MoEBlock
+    from mixmoe.hf.convert import MoEBlock
     from mixmoe.models.moe_ffn import MoEFFN
 
     out = []

@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from mixmoe.bench.routing import RoutingSpec, synthetic_ids
 from mixmoe.dispatch.layout import expert_row_layout
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_ids
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.ops.token_expert_mlp import token_expert_mlp
 

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from mixmoe import GateConfig, MoE, MoEConfig
-from mixmoe.bench.spawn import spawn_gloo
+from mixmoe.comm.launch import spawn_gloo
 from mixmoe.parallel import parallelize_moe
 from mixmoe.placement.profile import HardwareProfile
 

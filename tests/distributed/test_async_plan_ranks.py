@@ -55,7 +55,7 @@ def _both(comm, cases: list[dict]) -> tuple[list, list[str]]:
 
 
 def test_async_plan_gives_the_numbers_of_a_synchronous_plan_and_surfaces_errors() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     out = spawn_gloo(_both, 3, CASES)
     replicated = False
@@ -121,7 +121,7 @@ def test_a_planner_error_on_one_rank_fails_every_rank() -> None:
     """A rank-local failure (not the deterministic planner's kind: e.g. memory) raises on its
     rank; its peers, already in the next collective, fail by the process group (closed peer or
     timeout), never hang."""
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     out = spawn_gloo(_fail_then_recover, 2, (1,), timeout_s=120, pg_timeout_s=5.0)
     assert len(out[1]) == 1 and out[1][0].startswith("planner: planner failed on rank 1"), out

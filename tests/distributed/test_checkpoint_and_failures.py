@@ -43,7 +43,7 @@ def _load_and_run(comm, full: dict, strategy: str) -> torch.Tensor:
 
 
 def test_checkpoint_reshards_4_to_2_to_1() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     full = spawn_gloo(_save_w4, 4)[0]
     assert full["experts.w1"].shape[0] == 4
@@ -73,7 +73,7 @@ def test_gathered_checkpoint_is_the_unsharded_layer(world: int, activation: str)
     """Untrained: the gathered dict is exactly the single-device layer of the same seed, every
     tensor, every expert in global order (a permuted gather is self-consistent on reload, so only
     this comparison catches it). Several experts per rank, odd and even world sizes."""
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     case = dict(CASE, num_experts=6, activation=activation, dtype=torch.float32)
     full = spawn_gloo(_gather_untrained, world, case)
@@ -99,7 +99,7 @@ def _mismatch(comm, field: str) -> str:
 
 @pytest.mark.parametrize("field", ["num_experts", "top_k"])
 def test_mismatched_config_fails_on_every_rank(field: str) -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     messages = spawn_gloo(_mismatch, 2, field, timeout_s=120)
     for msg in messages:
@@ -120,7 +120,7 @@ def _absent_rank(comm) -> str:
 
 
 def test_process_group_timeout_is_honoured() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     out = spawn_gloo(_absent_rank, 2, timeout_s=120, pg_timeout_s=3.0)
     assert out[1] == "skipped"

@@ -131,7 +131,7 @@ def _worker(comm) -> dict:
 
 @pytest.mark.dist
 def test_collectives_and_all_to_all_gradients_on_three_ranks() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     got = spawn_gloo(_worker, W, timeout_s=120)
     exact = {"rtol": 0, "atol": 0}

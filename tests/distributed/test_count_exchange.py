@@ -54,7 +54,7 @@ def _worker(comm) -> dict:
 
 
 def test_count_exchange_versions_and_fingerprints() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     out = spawn_gloo(_worker, 2, timeout_s=120)
     want_C = torch.tensor([[3, 0, 0, 1], [4, 0, 7, 1]], dtype=torch.int64)

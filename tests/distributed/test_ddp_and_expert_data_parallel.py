@@ -51,7 +51,7 @@ def _reference(ranks: list[int]) -> dict:
 
 
 def test_ddp_averages_gate_and_leaves_experts_alone() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     got = spawn_gloo(_ddp, 2)
     ref = _reference([0, 1])
@@ -72,7 +72,7 @@ def _edp(comm) -> dict:
 
 
 def test_expert_data_parallel_groups_average_expert_grads() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     got = spawn_gloo(_edp, 4)
     refs = [_reference([0, 1]), _reference([2, 3])]  # one reference per EP group

@@ -45,7 +45,7 @@ def _worker(comm) -> dict:
 
 
 def test_dropin_world_size_2_matches_single_device() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     got = spawn_gloo(_worker, 2)
     torch.manual_seed(3)

@@ -97,7 +97,7 @@ def _single_rank(world: int) -> dict:
 @pytest.fixture(scope="module")
 def runs() -> tuple[list, dict]:
     """One gloo world for both tests: every strategy on every rank, and the single-rank layer."""
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     return spawn_gloo(_worker, WORLD), _single_rank(WORLD)
 

@@ -12,7 +12,7 @@ have replicated (read from the implementations' dispatcher stats), so replica we
 gradients through FSDP are covered. Many experts get zero rows on some ranks (every collective is still joined). The same
 batches every step with the dense parameters frozen make the replica plans repeat while the
 experts train, so a stale replica cache fails here (it did: FSDP preserves the weights' version
-counters, see ``mixmoe.models.hf_ep``). ep_size < world: world 4, ep 2 (efsdp 2), one tiny layer.
+counters, see ``mixmoe.hf.ep``). ep_size < world: world 4, ep 2 (efsdp 2), one tiny layer.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from mixmoe.bench.hf import (  # noqa: E402
     save_random_model,
     skew_router,
 )
-from mixmoe.bench.spawn import spawn_gloo  # noqa: E402
-from mixmoe.models.hf_ep import ep_implementations, register_ep_implementation  # noqa: E402
+from mixmoe.comm.launch import spawn_gloo  # noqa: E402
+from mixmoe.hf.ep import ep_implementations, register_ep_implementation  # noqa: E402
 from mixmoe.placement.profile import HardwareProfile  # noqa: E402
 
 pytestmark = pytest.mark.dist

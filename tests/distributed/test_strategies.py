@@ -107,7 +107,7 @@ def _cases(world: int) -> list[dict]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_strategies_match_single_rank(world: int) -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     cases = _cases(world)
     per_rank = spawn_gloo(_worker, world, cases, timeout_s=600)

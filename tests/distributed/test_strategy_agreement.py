@@ -36,7 +36,7 @@ def _mismatch(comm) -> str:
 
 
 def test_strategy_mismatch_raises_on_every_rank() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     for msg in spawn_gloo(_mismatch, 2, timeout_s=120):
         assert "differs across ranks" in msg, msg
@@ -60,7 +60,7 @@ def _built_for_rank(comm) -> dict:
 
 
 def test_layer_built_for_its_rank_equals_single_device() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     got = spawn_gloo(_built_for_rank, 2, timeout_s=120)
     torch.manual_seed(CASE["seed"])

@@ -83,7 +83,7 @@ def _worker(comm) -> dict:
 
 
 def test_replicas_track_owners_and_mix_trains_like_a2a() -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     out = spawn_gloo(_worker, 2)
     for rank_out in out:

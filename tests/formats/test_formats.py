@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import mixmoe.formats
-from mixmoe.formats import chrome, cmd, layer_log, model_log, profiler_table
-from mixmoe.formats.cmd import CmdOp, SubOp
+from mixmoe.formats import chrome, cmd_trace, layer_log, model_log, profiler_table
+from mixmoe.formats.cmd_trace import CmdOp, SubOp
 
 ROOT = Path(mixmoe.formats.__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -23,7 +23,9 @@ FORMAT_MODULES = sorted(m.name for m in pkgutil.iter_modules(mixmoe.formats.__pa
 def test_format_modules_are_torch_free():
     """In a fresh interpreter, importing every format module (and the report analyses and the
     ``mixmoe`` root) leaves torch out of ``sys.modules``."""
-    assert {"chrome", "cmd", "layer_log", "model_log", "profiler_table"} <= set(FORMAT_MODULES)
+    assert {"chrome", "cmd_trace", "layer_log", "model_log", "profiler_table", "results"} <= set(
+        FORMAT_MODULES
+    )
     names = [f"mixmoe.formats.{m}" for m in FORMAT_MODULES]
     names += ["mixmoe", "mixmoe.report.trace_summary", "mixmoe.report.profile_breakdown"]
     names += ["mixmoe.report.run_stats", "mixmoe.report.text_table", "mixmoe.tracing"]
@@ -96,11 +98,11 @@ def _ops(rng: random.Random, rank: int) -> list[CmdOp]:
 
 def test_cmd_round_trip(tmp_path):
     ops = _ops(random.Random(1), rank=3)
-    path = cmd.write_cmd_file(ops, tmp_path / "rank3.txt")
-    assert cmd.read_cmd_file(path) == ops
+    path = cmd_trace.write_cmd_file(ops, tmp_path / "rank3.txt")
+    assert cmd_trace.read_cmd_file(path) == ops
     renamed = [CmdOp(rank=0, name="exp_dp_allreduce", duration_ms=1.0, timestamp_ms=2.0)]
-    cmd.write_cmd_file(renamed, tmp_path / "alias.txt")
-    assert cmd.read_cmd_trace(tmp_path / "alias.txt")[0].name == "ep_dp_allreduce"
+    cmd_trace.write_cmd_file(renamed, tmp_path / "alias.txt")
+    assert cmd_trace.read_cmd_trace(tmp_path / "alias.txt")[0].name == "ep_dp_allreduce"
 
 
 def _close_ops(a: list[CmdOp], b: list[CmdOp]) -> None:

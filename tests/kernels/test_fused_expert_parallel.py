@@ -84,7 +84,7 @@ def _worker(comm, strategy: str, seed: int) -> dict:
 @pytest.mark.parametrize("strategy", ["mix", "a2a"])
 def test_fused_expert_parallel_matches_single_rank(strategy: str) -> None:
     pytest.importorskip("triton", reason="the kernel tier needs triton")
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     seed = {"mix": 11, "a2a": 12}[strategy]
     got = spawn_gloo(_worker, 2, strategy, seed, timeout_s=600)

@@ -572,7 +572,7 @@ def test_layer_on_triton_path(dtype, device, triton_backend, gen):
     every parameter gradient. Routing is imposed (weights still from the gate) so that no near-tie
     in the router can flip between devices."""
     pytest.importorskip("triton", reason="the kernel tier needs triton")
-    from mixmoe.bench.routing import RoutingSpec, SyntheticGate, synthetic_ids
+    from mixmoe.gating.synthetic import RoutingSpec, SyntheticGate, synthetic_ids
 
     T, N, K = 27, 4, 2
     cfg = MoEConfig(model_dim=32, hidden_dim=48, num_experts=N, top_k=K, block_size=16)

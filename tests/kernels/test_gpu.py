@@ -17,8 +17,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _layout(T, K, N, block_size, skew, seed):
-    from mixmoe.bench.routing import RoutingSpec, synthetic_ids
     from mixmoe.dispatch.layout import expert_row_layout
+    from mixmoe.gating.synthetic import RoutingSpec, synthetic_ids
 
     gen = torch.Generator().manual_seed(seed)
     ids_TK = synthetic_ids(RoutingSpec.parse(skew), T, K, N, gen)
@@ -175,8 +175,8 @@ def test_fused_expert_mlp_vs_cpu(dtype, activation):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_forward_backward_vs_cpu(dtype):
     """The whole MoE layer on CUDA (Triton grouped GEMMs) vs the same layer on CPU."""
-    from mixmoe.bench.routing import RoutingSpec, SyntheticGate, synthetic_ids
     from mixmoe.config import MoEConfig
+    from mixmoe.gating.synthetic import RoutingSpec, SyntheticGate, synthetic_ids
     from mixmoe.layers.moe import MoE
 
     T, N, K, D, F = 1024, 8, 2, 256, 512
@@ -221,8 +221,8 @@ def test_grouped_mm_path_vs_triton_and_cpu(activation, concatenated, monkeypatch
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the grouped-GEMM path needs compute capability >= 9.0")
     T, K, N, D, F = 4096, 2, 8, 1024, 2048
-    from mixmoe.bench.routing import RoutingSpec, synthetic_ids
     from mixmoe.dispatch.layout import expert_row_layout
+    from mixmoe.gating.synthetic import RoutingSpec, synthetic_ids
 
     ids_TK = synthetic_ids(
         RoutingSpec.parse("hot:0.6"), T, K, N - 1, torch.Generator().manual_seed(8)

@@ -80,7 +80,7 @@ def _worker(comm) -> dict:
 
 
 def test_moefied_models_train_under_a2a_and_mix_like_one_rank():
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     out = spawn_gloo(_worker, WORLD)
     E = NUM_EXPERTS // WORLD

@@ -12,9 +12,9 @@ import torch
 from torch.testing import assert_close
 
 from mixmoe import MoEConfig
-from mixmoe.models.corpus import byte_streams, pydoc_topics_bytes
 from mixmoe.models.moe_ffn import MoEFFN, moe_aux, moe_aux_loss
 from mixmoe.models.transformer_xl import TransformerXL, TransformerXLConfig, rel_shift
+from mixmoe.train.corpus import byte_streams, pydoc_topics_bytes
 
 F64_TOL = {"rtol": 1e-9, "atol": 1e-10}
 tiny = TransformerXLConfig.tiny

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixmoe.bench.routing import RoutingSpec, synthetic_counts
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import (
     CPU_PROFILE,
     GPU_PROFILE,
@@ -427,7 +427,7 @@ def test_mix_same_plan_in_another_process() -> None:
 
     code = (
         "import torch, pickle, sys\n"
-        "from mixmoe.bench.routing import RoutingSpec, synthetic_counts\n"
+        "from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts\n"
         "from mixmoe.placement import HardwareProfile, LayerShape, plan_mix\n"
         "COMPUTE_BOUND = HardwareProfile('compute-bound', 1e9, 1e11, 1e-6)\n"
         "torch.set_num_threads(1)\n"

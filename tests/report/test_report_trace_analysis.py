@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from mixmoe.cli import main
-from mixmoe.formats.cmd import read_cmd_trace
+from mixmoe.formats.cmd_trace import read_cmd_trace
 from mixmoe.formats.traces import read_traces
 from mixmoe.report.trace_summary import p2p_calls, summarize_rank
 from mixmoe.tracing import write_chrome_trace

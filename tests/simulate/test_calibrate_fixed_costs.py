@@ -1,4 +1,4 @@
-"""The fixed-cost fit of ``mixmoe calibrate`` (``mixmoe.bench.calibrate_layer``), on runs whose
+"""The fixed-cost fit of ``mixmoe calibrate`` (``mixmoe.simulate.fixed_cost_fit``), on runs whose
 "measured" steps are the cost model's own predictions under a known profile: the fit must give
 that profile back. (The real runs are exercised by the calibrate CLI test.)"""
 
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from mixmoe.bench.calibrate_layer import HOT, _loads, _step, fit_fixed_costs
-from mixmoe.bench.routing import RoutingSpec, synthetic_counts
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import HardwareProfile, LayerShape
+from mixmoe.simulate.fixed_cost_fit import HOT, _loads, _step, fit_fixed_costs
 
 SHAPE = LayerShape(model_dim=64, hidden_dim=256, experts_per_rank=2, world_size=2,
                    bytes_per_element=4)  # fmt: skip
@@ -161,8 +161,8 @@ def test_fit_under_processor_sharing_takes_the_replica_cost_from_the_mix_step() 
 
 
 def test_validation_refits_stored_calibration_runs_under_processor_sharing() -> None:
+    from mixmoe.simulate.agreement import compare, summarize
     from mixmoe.simulate.layer import predict_layer
-    from mixmoe.simulate.validation import compare, summarize
 
     truth = dataclasses.replace(BASE, step_fixed_s=4e-3, replica_fixed_s=5e-3)
     runs = _runs4(truth, processors=2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixmoe.bench.routing import RoutingSpec, synthetic_counts
 from mixmoe.formats.counts import read_counts, write_counts
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import HardwareProfile, LayerShape, plan_mix, plan_none, plan_shadow
 from mixmoe.simulate.layer import predict_layer, speedups
 from mixmoe.simulate.model import ModelShape, allreduce_s, predict_model

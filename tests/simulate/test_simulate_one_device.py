@@ -11,12 +11,13 @@ import pytest
 
 from mixmoe import cli
 from mixmoe.bench.calibrate import CalibrateConfig, calibrate
+from mixmoe.bench.simulator_runs import measure
 from mixmoe.dispatch.strategies import planning_spec
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import CPU_PROFILE, HardwareProfile
 from mixmoe.placement.profile_io import load_profile, read_profile_record
+from mixmoe.simulate.agreement import ValidationCase, cases_for, compare, read_records
 from mixmoe.simulate.layer import predict_layer
-from mixmoe.simulate.validation import ValidationCase, cases_for, compare, measure, read_records
 
 TINY = ["--model-dim", "32", "--hidden-size", "64", "--experts", "2", "--rows", "32,128",
         "--repeats", "2", "--warmup", "1", "--layer-tokens", "64,192"]  # fmt: skip

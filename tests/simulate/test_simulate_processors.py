@@ -11,8 +11,8 @@ import torch
 
 from mixmoe import cli
 from mixmoe.placement import HardwareProfile, LayerShape
+from mixmoe.simulate.agreement import compare, read_records, summarize
 from mixmoe.simulate.layer import aggregate_ranks_s, predict_layer, processor_sharing_s
-from mixmoe.simulate.validation import compare, read_records, summarize
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "simulator_validation.jsonl"
 # the hand example of test_simulate_layer: a2a totals (27, 16) s, shadow (26.5, 25.5), mix (17, 14)
@@ -118,7 +118,7 @@ def test_processor_sharing_against_the_stored_w4_measurements(capsys, monkeypatc
     assert "W=4: step error median 3.8% (max over ranks 10.5%)" in out
     # fair sharing (the efficiency left at 1.0): the W=4 steps are over-predicted where one
     # rank computes alone, and the ratios miss the 5-point target (README)
-    import mixmoe.bench.calibrate_layer as calibrate_layer
+    import mixmoe.simulate.fixed_cost_fit as calibrate_layer
 
     monkeypatch.setattr(calibrate_layer, "_solve_efficiency", lambda *a: (1.0, "fair"))
     fair = summarize(compare(read_records(DATA), processors=2))["ps_by_world"][4]

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from mixmoe import cli
-from mixmoe.formats.cmd import CmdOp, SubOp
+from mixmoe.formats.cmd_trace import CmdOp, SubOp
 from mixmoe.formats.counts import read_counts
 from mixmoe.formats.traces import read_traces, trace_count_steps, trace_paths
 from mixmoe.placement.cost_model import LayerShape

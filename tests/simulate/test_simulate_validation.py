@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mixmoe import cli
-from mixmoe.simulate.validation import (
+from mixmoe.simulate.agreement import (
     DEFAULT_CASES,
     ValidationCase,
     compare,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixmoe.formats.cmd import CmdOp, SubOp, format_cmd_line, parse_cmd_line, read_cmd_file
+from mixmoe.formats.cmd_trace import CmdOp, SubOp, format_cmd_line, parse_cmd_line, read_cmd_file
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "cmd_trace_pp4_ep2_rank0.txt"
 

@@ -56,7 +56,7 @@ def _backward_exchanges(forward, backward) -> dict:
 
 
 def test_mix_layer_trace_round_trips(tmp_path) -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     out = spawn_gloo(_worker, 2, str(tmp_path))
     by_rank = read_traces([o["path"] for o in out])
@@ -130,7 +130,7 @@ def _a2a_worker(comm, tmp: str) -> str:
 
 
 def test_a2a_backward_exchanges_recorded_from_another_thread(tmp_path) -> None:
-    from mixmoe.bench.spawn import spawn_gloo
+    from mixmoe.comm.launch import spawn_gloo
 
     paths = spawn_gloo(_a2a_worker, 2, str(tmp_path))
     for rank, ops in read_traces(paths).items():

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mixmoe.formats.chrome import read_chrome_trace
-from mixmoe.formats.cmd import read_cmd_trace
+from mixmoe.formats.cmd_trace import read_cmd_trace
 from mixmoe.tracing import TraceRecorder, trace_span, write_chrome_trace
 
 

@@ -9,8 +9,8 @@ import torch
 from _train_helpers import checkpoint_jobs, tiny
 from torch.testing import assert_close
 
-from mixmoe.bench.spawn import spawn_gloo
 from mixmoe.comm import LocalCommunicator
+from mixmoe.comm.launch import spawn_gloo
 from mixmoe.train.checkpoint import read_checkpoint
 from mixmoe.train.loop import train
 

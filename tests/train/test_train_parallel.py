@@ -16,7 +16,7 @@ import torch
 from _train_helpers import run_many, tiny
 from torch.testing import assert_close
 
-from mixmoe.bench.spawn import spawn_gloo
+from mixmoe.comm.launch import spawn_gloo
 from mixmoe.train.loop import train
 
 pytestmark = pytest.mark.dist

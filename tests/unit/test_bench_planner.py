@@ -10,7 +10,7 @@ import torch
 
 from mixmoe import cli
 from mixmoe.bench.planner import PlannerBenchConfig, target_ms
-from mixmoe.bench.routing import RoutingSpec, synthetic_counts
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 
 
 def test_bench_planner_table_and_jsonl(tmp_path, capsys) -> None:

@@ -27,9 +27,9 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from mixmoe.hf.convert import MoEBlock, convert_moe_model, convert_sparse_moe_block
+from mixmoe.hf.layout import expert_weights, read_flags
 from mixmoe.layers.moe import MoE
-from mixmoe.models.hf_convert import MoEBlock, convert_moe_model, convert_sparse_moe_block
-from mixmoe.models.hf_layout import expert_weights, read_flags
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 SIZES = {"hidden_size": 16, "num_experts_per_tok": 2}
@@ -182,7 +182,7 @@ def test_conversion_errors_name_the_problem():
     with pytest.raises(ValueError, match="router GptOssTopKRouter has no known mixmoe"):
         convert_sparse_moe_block(block)
     with pytest.raises(ValueError, match="custom _apply_gate"):
-        from mixmoe.models.hf_layout import hf_experts_layout
+        from mixmoe.hf.layout import hf_experts_layout
 
         hf_experts_layout(gpt_oss.experts, require_mixmoe_activation=True)
     with pytest.raises(ValueError, match="has no sparse-MoE block"):

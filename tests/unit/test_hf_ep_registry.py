@@ -19,7 +19,7 @@ import mixmoe.hf  # noqa: E402
 from mixmoe import cli  # noqa: E402
 from mixmoe.bench.hf import HFBenchConfig, HFModelShape, add_balance_bound  # noqa: E402
 from mixmoe.commands import bench_hf as bench_hf_command  # noqa: E402
-from mixmoe.models.hf_ep import (  # noqa: E402
+from mixmoe.hf.ep import (  # noqa: E402
     EP_CLASSES,
     ep_implementation_class,
     register_ep_implementation,

@@ -15,7 +15,7 @@ from _hf_families import NotBuildable, build_tiny, moe_families
 from torch.testing import assert_close
 
 import mixmoe.hf  # noqa: F401  registers "mixmoe"
-from mixmoe.models import hf_experts
+from mixmoe.hf import experts as hf_experts
 
 FAMILIES = moe_families()
 RESULTS: dict[str, str] = {}  # family -> "equal" or the skip reason

@@ -1,8 +1,9 @@
-"""The simulator against measured ``bench layer`` runs: regenerate the measurements, compare.
+"""The simulator against measured ``bench layer`` runs: the validation cases and the comparison
+(the runs themselves are measured by ``mixmoe.bench.simulator_runs``).
 
 Legend: W ranks, D model dim, F expert hidden dim, T tokens per rank, E experts per rank.
 
-``measure`` (``mixmoe simulate --validate FILE --remeasure``): for each case, calibrate this
+``mixmoe.bench.simulator_runs.measure`` (``mixmoe simulate --validate FILE --remeasure``): for each case, calibrate this
 machine on the case's W gloo ranks and D, F (``mixmoe.bench.calibrate``), then run ``bench layer``
 (a2a, shadow, mix interleaved, one thread per rank, the calibrated profile given to the
 planners) and append one JSON line per (case, strategy): the case, the measured medians, the
@@ -32,10 +33,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,6 @@ __all__ = [
     "ValidationCase",
     "cases_for",
     "compare",
-    "measure",
     "read_records",
     "refit_profile",
     "summarize",
@@ -122,136 +120,6 @@ def cases_for(worlds: Iterable[int], device: str = "cpu") -> tuple[ValidationCas
     return tuple(out)
 
 
-def _uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _one_thread(fn, cfg):
-    """``fn(cfg)`` on CPU with one torch thread (as every spawned rank runs; the count is
-    restored after); on another device as is."""
-    import torch
-
-    if cfg.device != "cpu":
-        return fn(cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn(cfg)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def measure(
-    out_path: str | os.PathLike[str],
-    cases: Iterable[ValidationCase] = DEFAULT_CASES,
-    *,
-    steps: int = 8,
-    warmup: int = 3,
-    calibrate_repeats: int = 8,
-    processors: int | None = None,
-    log=print,
-) -> Path:
-    """Calibrate per W, then run every case; appends records to ``out_path`` (see module doc).
-    ``processors``: the cores the ranks share, given to the calibration's fixed-cost fit."""
-    from mixmoe.bench.calibrate import CalibrateConfig, calibrate
-    from mixmoe.bench.layer import LayerBenchConfig, run_rank
-    from mixmoe.bench.multiprocess import run_distributed
-    from mixmoe.bench.timing import median
-    from mixmoe.placement.profile_io import profile_record, save_profile
-
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="mixmoe-validate-") as tmp:
-        for i, case in enumerate(cases):
-            # calibrate right before the case, on its W ranks and its D, F: the machine is shared,
-            # so the profile must describe the load the benchmark is about to run under
-            cal = CalibrateConfig(
-                model_dim=case.model_dim,
-                hidden_size=case.hidden_size,
-                experts=case.experts_per_rank,
-                rows=(64, 256, 1024),
-                world_size=case.world_size,
-                repeats=calibrate_repeats,
-                warmup=2,
-                device=case.device,
-                processors=processors,
-                name=f"calibrated-{'gloo' if case.device == 'cpu' else case.device}-w"
-                f"{case.world_size}",
-            )
-            cal_uptime = _uptime()
-            profile, cal_m = _one_thread(calibrate, cal) if case.world_size == 1 else calibrate(cal)
-            path = os.path.join(tmp, f"case{i}.json")
-            save_profile(path, profile_record(profile, source=cal_uptime, measured=True))
-            bench = LayerBenchConfig(
-                model_dim=case.model_dim,
-                hidden_size=case.hidden_size,
-                tokens=case.tokens,
-                num_local_experts=case.experts_per_rank,
-                top_k=case.top_k,
-                steps=steps,
-                warmup=warmup,
-                routing=case.routing,
-                strategies=case.strategies,
-                world_size=case.world_size,
-                threads=1,
-                profile=path,
-                device=case.device,
-                dtype=case.dtype,
-            )
-            before = _uptime()
-            if case.world_size == 1:  # in this process, as `bench layer --world-size 1`
-                results = _one_thread(run_rank, bench)
-            else:
-                results = run_distributed(bench)
-            after = _uptime()
-            m = slice(warmup, None)
-            with open(out, "a") as f:
-                for r in results:
-                    rec = {
-                        "kind": KIND,
-                        "case": asdict(case),
-                        "strategy": r.strategy,
-                        "step_ms": median(r.step_ms[m]),
-                        "fwd_ms": median(r.fwd_ms[m]),
-                        "bwd_ms": median(r.bwd_ms[m]),
-                        "step_ms_all": r.step_ms,
-                        "warmup": warmup,
-                        "replicas": int(r.stats.get("replicas", 0)),
-                        "counts_WN": r.counts_WN,
-                        "profile": asdict(profile),
-                        # the fit's inputs: compare re-fits them under --processors offline
-                        "calibration": _fit_inputs(cal_m["fixed_costs"]),
-                        "uptime_calibrate": cal_uptime,
-                        "uptime_before": before,
-                        "uptime_after": after,
-                        "command": "mixmoe simulate --validate FILE --remeasure",
-                    }
-                    f.write(json.dumps(rec) + "\n")
-            log(
-                f"{case.label()} ({profile.gemm_flops / 1e9:.1f} GFLOP/s, "
-                f"{profile.link_bandwidth / 1e9:.2f} GB/s, {profile.link_latency * 1e6:.0f} us): "
-                + ", ".join(f"{r.strategy} {median(r.step_ms[m]):.1f} ms" for r in results)
-                + f" | {after}"
-            )
-    return out
-
-
-def _fit_inputs(fixed: dict[str, Any]) -> dict[str, Any] | None:
-    """What ``fit_fixed_costs`` needs to be redone: the base profile, the layer runs (with their
-    counts) and the aggregation they were fitted under (None when the fit was skipped)."""
-    if "runs" not in fixed:
-        return None
-    keep = ("tokens", "routing", "strategy", "step_s", "replicas", "counts_WN")
-    return {
-        "base_profile": fixed["base_profile"],
-        "processors": fixed["processors"],
-        "runs": [{k: r[k] for k in keep} for r in fixed["runs"]],
-    }
-
-
 def refit_profile(
     rec: dict[str, Any], shape: LayerShape, processors: int | None
 ) -> HardwareProfile | None:
@@ -259,7 +127,7 @@ def refit_profile(
     stores, every prediction of the fit aggregated under ``processors`` (None: the max over
     ranks); None when the record stores no calibration runs (records measured before they
     were kept)."""
-    from mixmoe.bench.calibrate_layer import fit_fixed_costs
+    from mixmoe.simulate.fixed_cost_fit import fit_fixed_costs
 
     cal = rec.get("calibration")
     if not cal:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from mixmoe.config import GateConfig, MoEConfig
+from mixmoe.hf.layout import hf_experts_layout, mixmoe_activation_of
 from mixmoe.layers.moe import MoE
-from mixmoe.models.hf_layout import hf_experts_layout, mixmoe_activation_of
 from mixmoe.types import MoEAux
 
 # router class -> whether it always renormalises (True) or follows its ``norm_topk_prob``

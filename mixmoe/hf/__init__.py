@@ -5,7 +5,7 @@ After the import (idempotent: importing again, or calling ``register()`` again, 
     model.set_experts_implementation("mixmoe")
 
 runs the experts of every transformers MoE family whose experts class uses
-``@use_experts_implementation`` through mixmoe's fused expert ops (``mixmoe.models.hf_experts``),
+``@use_experts_implementation`` through mixmoe's fused expert ops (``mixmoe.hf.experts``),
 and, when the installed transformers has expert parallelism
 (``transformers.distributed.expert_parallel``, 5.23+),
 
@@ -13,8 +13,15 @@ and, when the installed transformers has expert parallelism
         ep_size=W, fsdp_size=..., ep_implementation="mixmoe_mix"))   # or mixmoe_a2a, mixmoe_shadow
 
 runs mixmoe's expert-parallel strategies as transformers EP implementations
-(``mixmoe.models.hf_ep``). ``EP_IMPLEMENTATIONS`` lists the names registered (empty when that
+(``mixmoe.hf.ep``). ``EP_IMPLEMENTATIONS`` lists the names registered (empty when that
 transformers has no expert parallelism). Needs transformers >= 5 (``pip install 'mixmoe[models]'``).
+
+``layout``   the one adapter from transformers' experts weight layouts to mixmoe's
+``experts``  mixmoe as a transformers experts implementation
+``convert``  exact conversion of transformers sparse-MoE blocks into mixmoe ``MoE`` layers
+``ep``       mixmoe's strategies as transformers expert-parallel implementations
+
+Importing any of them imports this package first, which registers (transformers is needed then).
 """
 
 from __future__ import annotations
@@ -33,14 +40,14 @@ def register() -> None:
             "mixmoe.hf needs transformers>=5 with transformers.integrations.moe; install it with "
             "pip install 'mixmoe[models]'"
         ) from e
-    from mixmoe.models.hf_experts import mixmoe_experts_forward
+    from mixmoe.hf.experts import mixmoe_experts_forward
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, mixmoe_experts_forward)
     try:
         import transformers.distributed.expert_parallel  # noqa: F401
     except ImportError:  # a transformers 5 without expert parallelism: experts only
         return
-    from mixmoe.models.hf_ep import EP_CLASSES, register_ep_implementations
+    from mixmoe.hf.ep import EP_CLASSES, register_ep_implementations
 
     register_ep_implementations()
     global EP_IMPLEMENTATIONS

@@ -1,4 +1,7 @@
-"""Benchmark results on disk: JSONL records, each with the environment it was measured in."""
+"""Benchmark results on disk: JSONL records, each with the environment it was measured in.
+
+torch-free at import, like the rest of ``formats``: ``environment`` imports torch when called
+(its callers pass a ``torch.device``)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ import platform
 import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _git_commit() -> str | None:
@@ -29,6 +33,8 @@ def _git_commit() -> str | None:
 
 def environment(device: torch.device) -> dict[str, Any]:
     """Python, torch, Triton, platform, threads, device (GPU name and CUDA on GPU), git commit."""
+    import torch
+
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,

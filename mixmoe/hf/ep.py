@@ -18,7 +18,7 @@ group holds experts r*E .. r*E+E-1, exactly mixmoe's ownership). ``import mixmoe
 Each runs mixmoe's engine, ``ExpertParallelDispatcher`` (counts exchange, planner, replica fetch,
 64-row blocks, overlap), over the EP mesh's process group, and computes every work item with the
 module's own weight layout through the one layout adapter (``hf_layout``; the fused ops of
-``hf_experts.run_layout_rows``). Replica weights are packed from the owner's local tensors, so a
+``mixmoe.hf.experts.run_layout_rows``). Replica weights are packed from the owner's local tensors, so a
 replica's gradient flows back by autograd into the owner's local tensor, from there into its
 DTensor parameter and to FSDP's reduction, like the gradient of any owned expert: nothing is
 added to ``.grad`` by hand, so nothing is lost or counted twice under FSDP.
@@ -52,8 +52,8 @@ from mixmoe.config import MoEConfig
 from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
 from mixmoe.dispatch.step import ExpertOutputs, ExpertWork
 from mixmoe.dispatch.strategies import strategy_spec
-from mixmoe.models.hf_experts import BLOCK_SIZE, combine_dtype, run_layout_rows
-from mixmoe.models.hf_layout import HFExpertsLayout, hf_experts_layout, read_flags
+from mixmoe.hf.experts import BLOCK_SIZE, combine_dtype, run_layout_rows
+from mixmoe.hf.layout import HFExpertsLayout, hf_experts_layout, read_flags
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.types import Routing

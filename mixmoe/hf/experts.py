@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mixmoe.dispatch.layout import expert_row_layout
-from mixmoe.models.hf_layout import HFExpertsLayout, hf_experts_layout
+from mixmoe.hf.layout import HFExpertsLayout, hf_experts_layout
 from mixmoe.ops import (
     combine_rows,
     gather_grouped_linear,
@@ -89,7 +89,7 @@ def run_layout_rows(
     unit weights, e.g. received rows returned in order). ``spec`` says how to compute
     (activation, ``_apply_gate`` / ``act_fn``, post-norm); ``w`` which weights. Used by the
     single-device experts forward and by every work item of the expert-parallel path
-    (``hf_ep.py``)."""
+    (``mixmoe.hf.ep``)."""
     if spec.activation is not None and spec.post_norm is None:
         return token_expert_mlp(x_TD, token_P, pos_TK, weights_TK, w, sched, spec.activation)
     meta = (sched.block_slot_Nb, sched.block_rows_Nb, sched.block_size)

@@ -115,3 +115,15 @@ def test_every_strategy_on_2_and_4_ranks_equals_one_rank():
     out4 = spawn_gloo(run_many, 4, [four])
     ref4 = train(replace(four, strategy="local", ep_size=None, micro_batches=4))
     _same([out4[r][0] for r in range(4)], ref4)
+
+
+def test_resume_restores_the_selection_bias(tmp_path):
+    """2 steps then 1 resumed step equal 3 straight steps: the bias is in the checkpoint."""
+    straight = train(ds(router_skew=2.0))
+    ck = str(tmp_path / "ck.pt")
+    train(ds(router_skew=2.0, max_steps=2, save=ck))
+    resumed = train(ds(router_skew=2.0, resume=ck))
+    (last,) = resumed.steps
+    assert last.step == 2 and last.moe[0]["bias_max"] == straight.steps[2].moe[0]["bias_max"]
+    assert last.moe[0]["load"] == straight.steps[2].moe[0]["load"]
+    assert_close(last.loss, straight.steps[2].loss, rtol=1e-10, atol=0)

@@ -110,3 +110,21 @@ def test_docs_example_runs():
     record = scope["hook"].records[0][1]
     assert record.forwards == 1 and int(record.load_N.sum()) == 8 * 64 * 4
     assert scope["layer"].gate.expert_bias.abs().max() == 1e-3
+
+
+def test_one_all_reduce_per_step_for_all_layers():
+    torch.manual_seed(seed_for("one-reduce"))
+    model = torch.nn.Sequential(_layer(), _layer())
+    for m in model:
+        m(torch.randn(5, 6))
+    calls = []
+
+    def double(t):  # as if a second rank had routed the same rows
+        calls.append(t.numel())
+        t.mul_(2)
+
+    loads = [m.step_load_N.clone() for m in model]
+    records = end_balance_step(model, double)
+    assert calls == [8]  # both layers' 4 counts, in one call
+    for (_, rec), load in zip(records, loads, strict=True):
+        assert torch.equal(rec.load_N, 2 * load)

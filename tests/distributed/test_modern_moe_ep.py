@@ -17,6 +17,7 @@ from _cases import D, F
 from mixmoe import GateConfig, MoE, MoEConfig
 from mixmoe.parallel import parallelize_moe
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.tracing import TraceRecorder
 
 pytestmark = pytest.mark.dist
 
@@ -96,7 +97,13 @@ def _run_ep(comm, case: dict) -> list[dict]:
     for step in range(STEPS):
         x, dy, pad = _inputs(case, comm.rank, step)
         x.requires_grad_(True)
-        y, aux = layer(x, padding_mask=pad)
+        rec = TraceRecorder(rank=comm.rank, stage_id=0, device="cpu")
+        with rec.activate(), rec.op("forward_step", batch_id=step, mg_state="steady"):
+            y, aux = layer(x, padding_mask=pad)
+        spans = {
+            s.name: (s.timestamp_ms - s.duration_ms, s.timestamp_ms)
+            for s in rec.records()[0].sub_ops
+        }
         # every rank's aux loss is its share: the single-rank loss is their mean (equal tokens)
         ((y * dy).sum() + aux.loss / W).backward()
         reduce = (lambda t: comm.all_reduce(t)) if case["strategy"] == "dp" else None
@@ -107,6 +114,7 @@ def _run_ep(comm, case: dict) -> list[dict]:
                 "dx": x.grad,
                 "loss": aux.loss.detach(),
                 "replicas": (aux.stats or {}).get("replicas", 0),
+                "spans": spans,
                 "load": record.load_N,
                 "bias": layer.gate.expert_bias.clone(),
                 **{k: v.clone() for k, v in _grads(layer).items()},
@@ -223,3 +231,15 @@ def test_deepseek_style_layer_matches_single_rank(world: int) -> None:
         if case["strategy"] in replicas:
             replicas[case["strategy"]] += sum(s["replicas"] for g in got for s in g)
     assert replicas["mix"] > 0 and replicas["shadow"] > 0, replicas
+    # under mix the shared experts run after the token exchange started and before the experts
+    # that wait for its rows: while it is in flight
+    overlapped = 0
+    for i, case in enumerate(cases):
+        for r in range(world) if case["strategy"] == "mix" else ():
+            for s in per_rank[r][i]:
+                sp = s["spans"]
+                if "moe.experts_remote" in sp:
+                    assert sp["moe.dispatch"][1] <= sp["moe.shared_experts"][0]
+                    assert sp["moe.shared_experts"][1] <= sp["moe.experts_remote"][0]
+                    overlapped += 1
+    assert overlapped > 0

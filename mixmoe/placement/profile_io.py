@@ -236,9 +236,7 @@ def profile_record(
         "shared_core_efficiency": profile.shared_core_efficiency,
         # the topology only when there is one: files of one-link profiles stay as they were
         **(
-            {k: getattr(profile, k) for k in TOPOLOGY}
-            if profile.ranks_per_node is not None
-            else {}
+            {k: getattr(profile, k) for k in TOPOLOGY} if profile.ranks_per_node is not None else {}
         ),
         "measured": bool(measured),
         "source": source,

@@ -7,6 +7,11 @@ own summary average and the speedup against ``--baseline`` (default, or when a t
 system: the table's first system).
 ``--markdown`` prints Markdown tables; ``--plots DIR`` writes ``layer_step_vs_experts.png``,
 ``layer_forward_backward.png`` and ``model_step_time.png`` there.
+
+A ``train.jsonl`` of ``mixmoe train`` (detected from its records) gives, per run, the loss and
+one row per MoE layer of expert balance (busiest expert / mean at the first, middle and last
+step, the last step's coefficient of variation, dead experts and bias range, replicas per step);
+``--plots DIR`` adds ``<name>_run<i>_load_heatmap.png`` (expert x step load heat-map).
 """
 
 from __future__ import annotations
@@ -16,13 +21,19 @@ from pathlib import Path
 
 from mixmoe.formats.layer_log import BenchRun, detect_log_kind, read_layer_log
 from mixmoe.formats.model_log import read_model_log
+from mixmoe.formats.train_log import is_train_log, read_train_runs
 from mixmoe.report.run_stats import RunStats, run_stats, stats_table
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("logs", nargs="+", metavar="LOG", help="layer or model benchmark logs")
+    parser.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG",
+        help="layer or model benchmark logs, or train.jsonl of mixmoe train",
+    )
     parser.add_argument(
         "--baseline",
         help="system (or model variant) to compare against (default: the first one seen)",
@@ -50,8 +61,35 @@ def _baseline(stats: list[RunStats], wanted: str | None) -> str:
     return wanted if wanted in systems else systems[0]
 
 
+def _train_reports(paths: list[str], args: argparse.Namespace) -> None:
+    from mixmoe.report.load_balance import balance_table, plot_load_heatmap
+
+    for path in paths:
+        for i, steps in enumerate(read_train_runs(path)):
+            cfg = steps[0].get("config") or {}
+            last = steps[-1]
+            evals = [s["eval_loss"] for s in steps if s.get("eval_loss") is not None]
+            print(
+                f"{'## ' if args.markdown else ''}{path} run {i}: {cfg.get('model')} "
+                f"{last.get('strategy')} W={last.get('world_size')}, steps "
+                f"{steps[0]['step']}..{last['step']}, loss {steps[0]['loss']:.4f} -> "
+                f"{last['loss']:.4f}" + (f", eval {evals[-1]:.4f}" if evals else "") + "\n"
+            )
+            print(balance_table(steps, markdown=args.markdown))
+            print()
+            if args.plots and any(s.get("moe") for s in steps):
+                out = Path(args.plots) / f"{Path(path).stem}_run{i}_load_heatmap.png"
+                print(f"plot: {plot_load_heatmap(steps, out, f'{path} run {i}')}")
+
+
 def run(args: argparse.Namespace) -> int:
-    kinds = _load(args.logs)
+    train_logs = [p for p in args.logs if is_train_log(p)]
+    if train_logs:
+        _train_reports(train_logs, args)
+    bench_logs = [p for p in args.logs if p not in train_logs]
+    if not bench_logs:
+        return 0
+    kinds = _load(bench_logs)
     tables = {kind: run_stats(groups) for kind, groups in kinds.items() if groups}
     if args.baseline is not None and not any(
         args.baseline in {s.system for s in stats} for stats in tables.values()

@@ -1,5 +1,6 @@
 """What a training run leaves on disk: a JSONL record per step (with the config and the
-environment, ``mixmoe.formats.results``) and a loss-curve PNG (matplotlib, imported lazily)."""
+environment, ``mixmoe.formats.results``), a loss-curve PNG and, for MoE models, a per-layer
+expert-load heat-map PNG (matplotlib, imported lazily)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from mixmoe.formats.results import append_jsonl
 
 JSONL_NAME = "train.jsonl"
 PNG_NAME = "loss.png"
+HEATMAP_NAME = "load_heatmap.png"
 
 
 def step_records(result) -> list[dict]:
@@ -51,7 +53,15 @@ def plot_losses(result, path: str | Path) -> Path:
 
 
 def write_outputs(result, out_dir: str | Path, device: torch.device) -> tuple[Path, Path]:
-    """``out_dir/train.jsonl`` (appended) and ``out_dir/loss.png``."""
+    """``out_dir/train.jsonl`` (appended), ``out_dir/loss.png`` and, when the steps carry MoE
+    balance records, ``out_dir/load_heatmap.png`` (not returned; ``mixmoe report`` reads it back
+    from the JSONL)."""
     out = Path(out_dir)
-    jsonl = append_jsonl(out / JSONL_NAME, "train", result.config, device, step_records(result))
+    records = step_records(result)
+    jsonl = append_jsonl(out / JSONL_NAME, "train", result.config, device, records)
+    if any(r.get("moe") for r in records):
+        from mixmoe.report.load_balance import plot_load_heatmap
+
+        title = f"{result.spec.model} {result.strategy} W={result.world_size}: expert load"
+        plot_load_heatmap(records, out / HEATMAP_NAME, title)
     return jsonl, plot_losses(result, out / PNG_NAME)

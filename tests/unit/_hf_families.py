@@ -151,13 +151,14 @@ def _settable(config, name: str) -> bool:
     return TINY[name] is not None and name in getattr(config, "attribute_map", {})
 
 
-def _shrunk_config(config_cls, family: str = ""):
+def _shrunk_config(config_cls, family: str = "", extra: dict | None = None):
     try:
         default = config_cls()
     except Exception as e:
         raise NotBuildable(f"{config_cls.__name__}() does not build: {e}") from e
     overrides = {k: v for k, v in TINY.items() if _settable(default, k)}
     overrides.update(FAMILY_TINY.get(family, {}))
+    overrides.update(extra or {})
     try:
         config = config_cls(**overrides)
     except Exception as e:
@@ -194,15 +195,15 @@ def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
                 table.copy_(torch.stack(rows))
 
 
-def build_tiny(family: str, experts_names: list[str], seed: int):
+def build_tiny(family: str, experts_names: list[str], seed: int, extra: dict | None = None):
     """``(model, experts modules)``: the family's tiny float32 model in eval mode (no dropout,
-    no jitter) with its experts modules."""
+    no jitter) with its experts modules. ``extra``: config values over the tiny ones."""
     try:
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     except Exception as e:
         raise NotBuildable(f"modeling module does not import: {e}") from e
     model_cls = _model_class(module, experts_names)
-    config = _shrunk_config(model_cls.config_class, family)
+    config = _shrunk_config(model_cls.config_class, family, extra)
     try:
         with torch.device("meta"):
             n = sum(p.numel() for p in model_cls(config).parameters())

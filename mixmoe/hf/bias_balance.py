@@ -3,7 +3,7 @@
 Legend: T tokens, K top-k, N experts (of one router), R routers with a bias.
 
 DeepSeek-V3, GLM-4-MoE and their kin (every router of the installed transformers that carries an
-``e_score_correction_bias`` [N] buffer) add that bias to the router scores to choose experts,
+``e_score_correction_bias`` [N] buffer, or [1, N] as ERNIE-4.5's ``moe_statics``) add that bias to the router scores to choose experts,
 never to the combine weights; transformers loads it and never moves it. ``BiasBalancer`` moves
 it as DeepSeek-V3 trains it, once per optimizer step, with mixmoe's rule
 (``mixmoe.gating.bias_balance.update_expert_bias``):
@@ -95,7 +95,11 @@ class BiasBalancer:
         modules = dict(model.named_modules())
         for name, module in modules.items():
             bias_N = getattr(module, BIAS_NAME, None)
-            if not isinstance(bias_N, torch.Tensor) or bias_N.dim() != 1:
+            if not isinstance(bias_N, torch.Tensor):
+                continue
+            if bias_N.dim() == 2 and bias_N.shape[0] == 1:  # ERNIE-4.5: [1 group, N]
+                bias_N = bias_N[0]  # a view: updates reach the module's tensor
+            if bias_N.dim() != 1:
                 continue
             load_N = torch.zeros(bias_N.numel(), dtype=torch.int64, device=bias_N.device)
             router = _Router(name, bias_N, load_N)

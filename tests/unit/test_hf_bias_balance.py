@@ -244,3 +244,57 @@ def test_two_gloo_ranks_agree_with_one_process_seeing_every_batch():
         balancer.step()
         assert torch.equal(torch.stack([r.bias_N for r in balancer.routers]), got)
     assert int((per_rank[0][-1] != per_rank[0][0]).sum()) > 2  # the biases moved
+
+
+def _biased_families() -> dict[str, list[str]]:
+    from _hf_families import moe_families, transformers_models_dir
+
+    return {
+        family: experts
+        for family, experts in moe_families().items()
+        if BIAS in (transformers_models_dir() / family / f"modeling_{family}.py").read_text()
+    }
+
+
+BIAS = "e_score_correction_bias"
+BIASED = _biased_families()
+
+
+@pytest.mark.parametrize("family", sorted(BIASED))
+def test_every_installed_family_with_the_bias(family):
+    """Each biased router's step load equals the ids its block's experts module received
+    (captured independently), and its bias moves by the rule."""
+    from _hf_families import NotBuildable, build_tiny
+
+    try:
+        model, experts = build_tiny(family, BIASED[family], seed=len(family))
+    except NotBuildable as e:
+        pytest.skip(f"no tiny model: {e}")
+    balancer = BiasBalancer(model, rate=0.25)
+    given: dict[str, torch.Tensor] = {}  # experts module name -> the ids it received
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in experts:
+        m.register_forward_pre_hook(
+            lambda mod, args: given.__setitem__(names[id(mod)], args[1].reshape(-1).clone())
+        )
+    model.train()
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, V, (2, 7)), use_cache=False)
+    before = {r.name: r.bias_N.clone() for r in balancer.routers}
+    loads = balancer.step()
+    for r in balancer.routers:
+        # the experts module nearest in the module tree (longest shared dotted prefix)
+        near = max(given, key=lambda n: _shared_prefix(n, r.name))
+        want = torch.bincount(given[near], minlength=r.bias_N.numel())
+        assert torch.equal(loads[r.name], want), (r.name, near)
+        step = torch.sign(want.double().mean() - want.double()) * 0.25
+        assert_close(r.bias_N, before[r.name] + step.to(r.bias_N.dtype), rtol=0, atol=0)
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a.split("."), b.split("."), strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

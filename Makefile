@@ -12,6 +12,8 @@ STAMP   := $(VENV)/.installed
 LATEST  := .venv-latest
 # what test-latest installs as torch (e.g. "torch --index-url https://download.pytorch.org/whl/cpu")
 TORCH_LATEST ?= torch
+# what test-latest runs (e.g. PYTEST_ARGS="tests/unit -x" for a quicker look)
+PYTEST_ARGS ?= tests
 
 .PHONY: demo test test-latest constraints lint mutation clean venv
 
@@ -38,7 +40,7 @@ test-latest:
 	$(LATEST)/bin/pip install -q --upgrade $(TORCH_LATEST)
 	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e "$(EXTRAS)"
 	$(LATEST)/bin/pip freeze --all --exclude-editable > $(LATEST)/freeze.txt
-	$(LATEST)/bin/python -m pytest tests; rc=$$?; \
+	$(LATEST)/bin/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	$(PY) scripts/constraints.py diff $(PINS) $(LATEST)/freeze.txt; exit $$rc
 
 # Rewrite constraints.txt from .venv (after the tests passed there on new versions).

@@ -25,7 +25,18 @@ from mixmoe.hf import experts as hf_experts
 
 FAMILIES = moe_families()
 RESULTS: dict[str, str] = {}  # family -> "equal" or the skip reason
-MUST_BE_EQUAL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+# the families the docs name, and DeepSeek-V4 (its tiny model was vacuous: see the docstring)
+MUST_BE_EQUAL = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v4",
+    "glm4_moe",
+)
 # float32, deep tiny models (softcaps, norms, scaled embeddings): summation-order rounding grows
 # with depth, so the tolerance is relative to each tensor's own scale (float64 agrees to ~1e-15)
 RTOL = 1e-3

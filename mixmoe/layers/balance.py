@@ -28,10 +28,16 @@ def end_balance_step(
 ) -> list[tuple[str, LoadRecord]]:
     """``(qualified name, LoadRecord)`` of every ``MoE`` in ``model`` (module order), each layer's
     bias updated and its step load reset. ``all_reduce(t)`` (in place, sum) adds the counts of
-    ranks with other tokens (data parallelism); it is called once per layer on every rank."""
-    return [
-        (name, m.end_step(all_reduce)) for name, m in model.named_modules() if isinstance(m, MoE)
-    ]
+    ranks with other tokens (data parallelism): ONE call per step for all layers (their counts
+    concatenated), on every rank."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    if all_reduce is not None and layers:
+        flat = torch.cat([m.step_load_N for _, m in layers])
+        all_reduce(flat)
+        sizes = [m.step_load_N.numel() for _, m in layers]
+        for (_, m), part in zip(layers, flat.split(sizes), strict=True):
+            m.step_load_N.copy_(part)
+    return [(name, m.end_step()) for name, m in layers]
 
 
 class BalanceHook:

@@ -56,17 +56,21 @@ class Gate(nn.Module):
         self.generator: torch.Generator | None = None
 
     def _apply(self, fn, recurse=True):
-        # the router weight stays in router_dtype and the selection bias in float32 whatever
-        # the layer is cast to (device moves still apply)
-        super()._apply(fn, recurse)
-        if self.router_dtype is not None:
-            for p in self.wg.parameters():
-                if p.dtype != self.router_dtype:
-                    p.data = p.data.to(self.router_dtype)
-                    if p.grad is not None:
-                        p.grad = p.grad.to(self.router_dtype)
-        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias = self.expert_bias.float()
+        # ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` must not touch the router weight (when
+        # router_dtype is set) nor the selection bias: a cast there would round them to the
+        # layer's precision. Device moves still apply. (Gate has no parameters of its own: wg's
+        # are its child's; its buffers are expert_bias.)
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if out.dtype != t.dtype and t.is_floating_point():
+                return t.to(device=out.device)  # take the move, refuse the cast
+            return out
+
+        if recurse:
+            self.wg._apply(fn if self.router_dtype is None else keep_dtype, recurse)
+        for key, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[key] = keep_dtype(buf)
         return self
 
     def _logits(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -401,7 +401,7 @@ class Trainer:
 
     def _end_balance_step(self) -> tuple[dict, ...]:
         """Once per optimizer step: every MoE layer's step load (summed over the EP group by the
-        dispatcher; over the other EP groups or data-parallel ranks by one all_reduce per layer)
+        dispatcher; over the other EP groups or data-parallel ranks by one all_reduce per step)
         moves its selection bias and becomes the step's balance metrics."""
         edp = self.edp
         reduce = None if edp.world_size == 1 else (lambda t: edp.all_reduce(t))

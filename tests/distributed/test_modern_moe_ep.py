@@ -37,6 +37,7 @@ def _config(case: dict) -> MoEConfig:
         route_scale=2.5,
         expert_bias=True,
         bias_update_rate=0.05,  # large: the step-2 selection really differs
+        router_dtype="float32" if case["dtype"] == torch.float32 else None,
     )
     return MoEConfig(
         model_dim=D,

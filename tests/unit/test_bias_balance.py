@@ -96,3 +96,35 @@ def test_load_record_metrics():
     assert r.max_over_mean == 3.0
     assert abs(r.cv - 6**0.5 / 2) < 1e-12  # deviations 4, 0, -2, -2: variance 6, mean 2
     assert LoadRecord(torch.zeros(4, dtype=torch.int64), 0, 0).max_over_mean == 0.0
+
+
+def test_docs_example_runs():
+    """docs/modern-moe.md's "DeepSeek-style layer in a few lines" runs as written."""
+    import re
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "modern-moe.md"
+    code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, str(doc), "exec"), scope)
+    record = scope["hook"].records[0][1]
+    assert record.forwards == 1 and int(record.load_N.sum()) == 8 * 64 * 4
+    assert scope["layer"].gate.expert_bias.abs().max() == 1e-3
+
+
+def test_one_all_reduce_per_step_for_all_layers():
+    torch.manual_seed(seed_for("one-reduce"))
+    model = torch.nn.Sequential(_layer(), _layer())
+    for m in model:
+        m(torch.randn(5, 6))
+    calls = []
+
+    def double(t):  # as if a second rank had routed the same rows
+        calls.append(t.numel())
+        t.mul_(2)
+
+    loads = [m.step_load_N.clone() for m in model]
+    records = end_balance_step(model, double)
+    assert calls == [8]  # both layers' 4 counts, in one call
+    for (_, rec), load in zip(records, loads, strict=True):
+        assert torch.equal(rec.load_N, 2 * load)

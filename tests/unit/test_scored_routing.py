@@ -217,9 +217,15 @@ def test_type_errors():
 def test_float32_router_under_bfloat16():
     torch.manual_seed(seed_for("router-fp32"))
     gate = GateConfig(score="sigmoid", normalize="renorm", router_dtype="float32", expert_bias=True)
-    layer = _layer(gate, shared_experts=1).to(torch.bfloat16)
-    assert layer.gate.wg.weight.dtype == torch.float32
-    assert layer.gate.expert_bias.dtype == torch.float32
+    layer = _layer(gate, shared_experts=1)
+    with torch.no_grad():
+        layer.gate.expert_bias.copy_(torch.randn(8) * 0.1)
+    w_before = layer.gate.wg.weight.detach().clone()
+    bias_before = layer.gate.expert_bias.clone()
+    layer = layer.to(torch.bfloat16)
+    # kept, not rounded to bfloat16 and back
+    assert torch.equal(layer.gate.wg.weight, w_before)
+    assert torch.equal(layer.gate.expert_bias, bias_before)
     assert layer.experts.w1.dtype == torch.bfloat16
     x = torch.randn(16, 6).to(torch.bfloat16)
     routing, _, _ = layer.gate(x)

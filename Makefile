@@ -33,12 +33,13 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 # The suite on the newest releases of every dependency (a separate venv; the pins stay as they
-# are), then what changed against constraints.txt. Exits with pytest's status.
+# are), then what changed against constraints.txt. Exits with pytest's status. torch and the
+# extras resolve in ONE pip call: alone, the newest torch may need an older triton than the extra
+# allows, and pip would then swap it back, leaving its CUDA wheels behind.
 test-latest:
 	test -x $(LATEST)/bin/python || $(PY) -m venv $(LATEST)
 	$(LATEST)/bin/pip install -q --upgrade pip
-	$(LATEST)/bin/pip install -q --upgrade $(TORCH_LATEST)
-	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e "$(EXTRAS)"
+	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager $(TORCH_LATEST) -e "$(EXTRAS)"
 	$(LATEST)/bin/pip freeze --all --exclude-editable > $(LATEST)/freeze.txt
 	$(LATEST)/bin/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	$(PY) scripts/constraints.py diff $(PINS) $(LATEST)/freeze.txt; exit $$rc

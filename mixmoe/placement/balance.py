@@ -40,6 +40,10 @@ from mixmoe.placement.relay import relay_degrees
 __all__ = ["WaterFill"]
 
 
+def _larger_first(segment: tuple[int, int]) -> tuple[int, int]:
+    return -segment[1], segment[0]
+
+
 class WaterFill:
     """The search state (see the module doc). rows/local/remote/replica: per-rank aggregates
     (``LOADS``; replica = relay tree edges) as lists of ints, totals their seconds (with the
@@ -116,16 +120,37 @@ class WaterFill:
 
     # ---- one move -----------------------------------------------------------------------------
 
-    def _pieces(self, g: int, b: int, y: int) -> list[tuple[int, int]]:
-        """Movable (source, rows) of g at b in the order they go: y's own (they turn local at
-        y), the other sources (largest first, then by rank: b stops receiving them), b's own."""
+    def _groups(self, g: int, b: int, y: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        """g's rows at b as (source kind, [(source, rows), ...]) groups in the order they go:
+        y's own (kind y: they turn local at y), the other sources (kind -1, largest first, then
+        by rank: b stops receiving them), b's own (kind b: b must then send them)."""
         at_b = self._where(g).get(b, {})
-        first = [(y, at_b[y])] if at_b.get(y) else []
-        last = [(b, at_b[b])] if at_b.get(b) and b != y else []
-        mid = sorted(
-            ((s, n) for s, n in at_b.items() if s != b and s != y), key=lambda p: (-p[1], p[0])
-        )
-        return first + mid + last
+        groups = []
+        if at_b.get(y):
+            groups.append((y, [(y, at_b[y])]))
+        mid = sorted(((s, n) for s, n in at_b.items() if s != b and s != y), key=_larger_first)
+        if mid:
+            groups.append((-1, mid))
+        if at_b.get(b) and b != y:
+            groups.append((b, [(b, at_b[b])]))
+        return groups
+
+    def _take(self, segments: list[tuple[int, int]], need: int) -> list[tuple[int, int]]:
+        """Up to ``need`` rows from ``segments`` (in order): whole segments while they fit,
+        then whole blocks of the next one. A whole segment at b may end in a partial block: b
+        then holds that segment's only partial run (every other rank's share of a segment is
+        whole blocks), which the receiver takes over."""
+        out, blk = [], self.block
+        for s, n in segments:
+            if n <= need:
+                out.append((s, n))
+                need -= n
+                continue
+            part = need // blk * blk
+            if part:
+                out.append((s, part))
+            break
+        return out
 
     @staticmethod
     def _delta(b: int, y: int, s: int, n: int, lb: list[int], ly: list[int]) -> None:
@@ -162,8 +187,8 @@ class WaterFill:
             for r in sorted(set(degrees) | set(old)):
                 if degrees.get(r, 0) != old.get(r, 0):
                     extra[r] = degrees.get(r, 0) - old.get(r, 0)
-        pieces = self._pieces(g, b, y)
-        if not pieces:
+        groups = self._groups(g, b, y)
+        if not groups:
             return None
         total, any_remote = self.model.rank_total, self.any_remote
         lb = [self.rows[b], self.local[b], self.remote[b], self.replica[b] + extra.get(b, 0)]
@@ -172,45 +197,46 @@ class WaterFill:
         def pair(lb: list[int], ly: list[int]) -> tuple[float, float]:
             return total(*lb, any_remote, rounds), total(*ly, any_remote, rounds)
 
+        def moved(s: int, n: int) -> tuple[list[int], list[int]]:
+            t_lb, t_ly = list(lb), list(ly)
+            self._delta(b, y, s, n, t_lb, t_ly)
+            return t_lb, t_ly
+
         takes: list[tuple[int, int]] = []
         best_pair, best_takes, best_loads = max(pair(lb, ly)), [], None
         # y fills up to the water level (the mean total; a rank above it only takes rows that
         # do not raise it), so that b's rows spread over several helpers instead of the first
         # one matching b
         cap = max(level, total(*ly, any_remote, rounds))
-        for s, n_avail in pieces:
-            # whole blocks, or all of it: b then holds the segment's only partial run (every
-            # other rank's share of a segment is whole blocks), which y takes over
-            full = n_avail // blk * blk
-            tb_lb, tb_ly = list(lb), list(ly)
-            self._delta(b, y, s, n_avail, tb_lb, tb_ly)
-            tb, ty = pair(tb_lb, tb_ly)
+        for s, segments in groups:  # s: the group's source kind (y, b, or -1: another rank)
+            amount = sum(n for _, n in segments)
+            t_lb, t_ly = moved(s, amount)
+            tb, ty = pair(t_lb, t_ly)
             if tb >= ty and ty <= cap:  # all of it moves and b is still the heavier one
                 if max(tb, ty) < best_pair:
-                    lb, ly = tb_lb, tb_ly
-                    takes.append((s, n_avail))
+                    lb, ly = t_lb, t_ly
+                    takes += segments
                     best_pair, best_takes, best_loads = max(tb, ty), list(takes), (lb, ly)
                     continue
                 break  # rows of this kind do not relieve b (its own rows, when token-bound)
-            # the totals cross inside this piece: bisect over whole blocks (lo keeps tb >= ty)
-            lo, hi = 0, full // blk
+            # the totals cross inside this group: bisect over whole blocks (lo keeps tb >= ty)
+            lo, hi = 0, -(-amount // blk)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                t_lb, t_ly = list(lb), list(ly)
-                self._delta(b, y, s, mid * blk, t_lb, t_ly)
-                a, c = pair(t_lb, t_ly)
+                a, c = pair(*moved(s, min(mid * blk, amount)))
                 if a >= c and c <= cap:
                     lo = mid
                 else:
                     hi = mid - 1
-            for n in sorted({lo * blk, min((lo + 1) * blk, full), n_avail}):
+            for k in (lo, lo + 1):
+                part = self._take(segments, min(k * blk, amount))
+                n = sum(m for _, m in part)
                 if n <= 0:
                     continue
-                t_lb, t_ly = list(lb), list(ly)
-                self._delta(b, y, s, n, t_lb, t_ly)
+                t_lb, t_ly = moved(s, n)
                 m = max(pair(t_lb, t_ly))
                 if m < best_pair:
-                    best_pair, best_takes, best_loads = m, [*takes, (s, n)], (t_lb, t_ly)
+                    best_pair, best_takes, best_loads = m, takes + part, (t_lb, t_ly)
             break
         if not best_takes:
             return None
@@ -276,25 +302,29 @@ class WaterFill:
         level = sum(totals) / len(totals)
         heavy = sorted((p for p in mine if p[0] > 0), key=lambda p: (-p[0], p[1]))[:2]
         chosen = None
-        for _, g in heavy:
-            for y in self._receivers(g, b):
+        least = min((r for r in range(self.W) if r != b), key=totals.__getitem__, default=None)
+        for _, g in heavy:  # the heaviest expert first; the next only if it cannot move
+            for y in self._receivers(g, b, least):
                 move = self.evaluate(g, b, y, best, level)
                 if move is not None and (chosen is None or move[0] < chosen[0][0]):
                     chosen = (move, g, y)
+            if chosen is not None:
+                break
         if chosen is None:
             return False
         move, g, y = chosen
         self.apply(g, b, y, move)
         return True
 
-    def _receivers(self, g: int, b: int) -> list[int]:
-        """Receivers tried for g's rows at b (module doc, step 2), without repeats."""
+    def _receivers(self, g: int, b: int, least_all: int | None) -> list[int]:
+        """Receivers tried for g's rows at b (module doc, step 2), without repeats;
+        ``least_all``: the least-loaded rank but b (the first by rank among equals)."""
         totals, o = self.totals, g // self.E
 
         def least(ranks) -> int | None:
             return min((r for r in ranks if r != b), key=lambda r: (totals[r], r), default=None)
 
-        out = [least(range(self.W))]
+        out = [least_all]
         if self.distance is not None:  # inside the owner's node
             out.append(least(r for r in range(self.W) if self.distance(o, r) == 0))
         out.append(least([*self.holders.get(g, ()), o]))

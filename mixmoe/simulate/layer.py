@@ -73,6 +73,7 @@ __all__ = [
     "STRATEGIES",
     "StrategyPrediction",
     "aggregate_ranks_s",
+    "layer_config",
     "overlap_under",
     "predict_layer",
     "processor_sharing_s",
@@ -149,6 +150,20 @@ def overlap_under(overlap: bool, processors: int | None, world_size: int) -> boo
     return overlap and (processors is None or processors >= world_size)
 
 
+def layer_config(shape: LayerShape, *, top_k: int, max_replicas: int) -> MoEConfig:
+    """The layer configuration the planners see for ``shape`` (``StrategySpec.planner``'s
+    ``config``): its sizes, ``top_k`` (at most N), SwiGLU when the shape has 3 GEMMs per expert,
+    and ``max_replicas``."""
+    return MoEConfig(
+        model_dim=shape.model_dim,
+        hidden_dim=shape.hidden_dim,
+        num_experts=shape.num_experts,
+        top_k=min(top_k, shape.num_experts),
+        activation="swiglu" if shape.gemms_per_expert == 3 else "gelu",
+        max_replicas=max_replicas,
+    )
+
+
 def predict_layer(
     counts_WN: object,
     shape: LayerShape,
@@ -184,14 +199,7 @@ def predict_layer(
         raise ValueError(f"fixed_s must be a number >= 0, got {fixed_s!r}")
     C_WN = counts_as_tensor(counts_WN, shape)
     W = shape.world_size
-    config = MoEConfig(
-        model_dim=shape.model_dim,
-        hidden_dim=shape.hidden_dim,
-        num_experts=shape.num_experts,
-        top_k=min(top_k, shape.num_experts),
-        activation="swiglu" if shape.gemms_per_expert == 3 else "gelu",
-        max_replicas=max_replicas,
-    )
+    config = layer_config(shape, top_k=top_k, max_replicas=max_replicas)
     out = {}
     for name in strategies:
         spec = planning_spec(name, shape.world_size)

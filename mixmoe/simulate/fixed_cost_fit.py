@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
+from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_pricing
 from mixmoe.placement.profile import HardwareProfile
 
 __all__ = ["HOT", "REPLICATE", "TOP_K", "fit_fixed_costs"]
@@ -90,7 +90,7 @@ def _loads(run: dict[str, Any], shape: LayerShape, base: HardwareProfile):
         strategy=run["strategy"],
     )
     plan = spec.planner(C_WN, shape, REPLICATE if run["strategy"] == "mix" else base, config)
-    return plan_loads(C_WN, plan.replicas, shape.experts_per_rank), spec.overlap
+    return plan_pricing(C_WN, plan, shape.experts_per_rank)[0], spec.overlap
 
 
 def _step(

@@ -66,7 +66,7 @@ import torch
 
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.strategies import planning_spec
-from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
+from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_pricing
 from mixmoe.placement.profile import HardwareProfile
 
 __all__ = [
@@ -204,8 +204,9 @@ def predict_layer(
     for name in strategies:
         spec = planning_spec(name, shape.world_size)
         plan = spec.planner(C_WN, shape, plan_profile or profile, config)
-        loads_4W = plan_loads(C_WN, plan.replicas, shape.experts_per_rank)
-        any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
+        # the plan's aggregates (share entries, relay edges) and its replica rounds
+        loads_4W, any_hot = plan_pricing(C_WN, plan, shape.experts_per_rank)
+        any_remote = bool(loads_4W[2].any())
         compute_W, exposed_W = StepModel(shape, profile, spec.overlap).seconds_W(
             loads_4W, any_remote, any_hot
         )

@@ -52,6 +52,7 @@ carry their length: ``rows_W`` (one entry per rank), ``colsum_N`` (one per exper
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Iterable, Mapping
@@ -66,7 +67,7 @@ from mixmoe.placement.counts import (  # noqa: F401  (re-exported: the planners'
     counts_with_sums,
 )
 from mixmoe.placement.profile import HardwareProfile
-from mixmoe.placement.relay import node_distance, relay_degrees
+from mixmoe.placement.relay import node_distance, relay_degrees, relay_rounds
 
 LOADS = ("rows", "local", "remote", "replica")  # the order of the stacked aggregates [4, W]
 TOKEN_COLLECTIVES = 4  # dispatch + return, forward + backward
@@ -225,6 +226,7 @@ class StepModel:
         "fixed_s",
         "_factor_41",
         "_divisor_41",
+        "bw_inter",
     )
 
     def __init__(self, shape: LayerShape, profile: HardwareProfile, overlap: bool) -> None:
@@ -236,6 +238,13 @@ class StepModel:
         self.params_bytes = shape.params_bytes_per_expert
         self.bw = profile.link_bandwidth
         self.lat = profile.link_latency
+        # topology (``profile.ranks_per_node``): inter-node bytes at inter_node_bandwidth (loads
+        # of 6 rows, ``plan_pricing``); a group spanning nodes pays the slower latency per
+        # collective. None: the one link of every pair, as before topology existed.
+        per_node = getattr(profile, "ranks_per_node", None)
+        self.bw_inter = profile.inter_node_bandwidth if per_node else None
+        if per_node and shape.world_size > per_node:
+            self.lat = max(self.lat, profile.inter_node_latency)
         self.overlap = overlap
         self.row_s = profile.row_overhead_s
         self.replica_s = profile.replica_fixed_s
@@ -316,8 +325,17 @@ class StepModel:
         ``rank_seconds`` of that entry bit for bit. ``any_remote`` may be a bool tensor that
         broadcasts against [..., M] (one flag per candidate in the planner).
         """
+        inter = None
+        if loads_4W.shape[-2] == 6:  # topology: rows 4, 5 = the inter-node remote rows, edges
+            inter, loads_4W = loads_4W.narrow(-2, 4, 2), loads_4W.narrow(-2, 0, 4)
         # rows, local, remote, replica terms (one unbind: per-op overhead dominates tiny inputs)
         compute, local, remote, replica = (loads_4W * self._factor_41 / self._divisor_41).unbind(-2)
+        if inter is not None:  # the inter-node part of each at the inter-node bandwidth
+            r_in, e_in = inter.unbind(-2)
+            remote_all, replica_all = loads_4W.unbind(-2)[2:]
+            tb, P, bw, bwi = self.token_bytes_per_row, self.params_bytes, self.bw, self.bw_inter
+            remote = (remote_all - r_in) * tb / bw + r_in * tb / bwi
+            replica = (replica_all - e_in) * P / bw + e_in * P / bwi
         if self.row_s:  # the fixed costs: skipped when 0.0, as in rank_seconds (same value)
             rows_n, local_n = loads_4W.unbind(-2)[:2]
             compute = compute + rows_n * self.row_s
@@ -366,7 +384,7 @@ class StepModel:
         loads_4W = loads_4W.to(torch.int64)
         token, weight = 2 * self.token_bytes_per_row, 2 * self.params_bytes
         if int(loads_4W[2:].max()) * max(token, weight) >= 2**63:  # int64 would overflow
-            rows, _, remote, replica = loads_4W.tolist()
+            rows, _, remote, replica = loads_4W[:4].tolist()
             return self._pack_lists(compute_W.tolist(), comm_W.tolist(), rows, remote, replica)
         # the same values as _pack_lists in fewer host steps (W = 1024 plans pack twice):
         # exact int64 products, and the max of the same IEEE sums
@@ -480,9 +498,10 @@ def plan_loads(
 
 
 def plan_pricing(
-    C_WN: torch.Tensor, plan: object, experts_per_rank: int, distance=None
+    C_WN: torch.Tensor, plan: object, experts_per_rank: int, profile: object = None
 ) -> tuple[torch.Tensor, int]:
-    """The aggregates of a ``Plan`` (float64 [4, W], ``LOADS`` order) and its weight rounds.
+    """The aggregates of a ``Plan`` (float64 [4, W], ``LOADS`` order; [6, W] when ``profile``
+    has a topology) and its weight rounds.
 
     Segments without a share entry follow the replica rule (``plan_loads``). A share entry
     (s, g, runs) puts each run's rows at its rank r: rows[r] += n; local to s when r == s, else
@@ -491,46 +510,84 @@ def plan_pricing(
     the sender sends P forward and receives P of gradient, the receiver the reverse) and the
     rounds are the deepest tree's (``relay_rounds``); otherwise the flat fan-out of today (the
     owner serves every holder; one round when any replica exists). A plan without shares and
-    without relay prices exactly as ``plan_loads`` / ``predict``. ``distance(a, b)``: the
-    relay's nearest-first order (``node_distance``), None: by rank.
+    without relay prices exactly as ``plan_loads`` / ``predict``. ``profile``: its topology
+    (``ranks_per_node``) orders the relay nearest first and adds two rows: the remote rows and
+    the tree edges that cross nodes, at each rank (``StepModel.seconds_W`` prices them at the
+    inter-node bandwidth); None or one link: [4, W].
     """
     E = experts_per_rank
+    distance = node_distance(profile)
     loads_4W = plan_loads(C_WN, plan.replicas, E)
     shares = getattr(plan, "shares", ())
     relay = getattr(plan, "relay", False)
     rounds = int(bool(plan.replicas))
-    if not shares and not relay:
+    if not shares and not relay and distance is None:
         return loads_4W, rounds
     # on Python ints: a few list operations per share entry (tensor element ops cost ~us each)
     rows, local, remote, replica = loads_4W.to(torch.int64).tolist()
+    W = len(rows)
+    per_node = getattr(profile, "ranks_per_node", None) or W
+    remote_inter, replica_inter = _inter_node_loads(C_WN, plan, E, per_node)
+    counts = []
     if shares:
         index = torch.tensor([[s, g] for s, g, _ in shares], dtype=torch.int64)
         counts = C_WN[index[:, 0], index[:, 1]].tolist()
-    for (s, g, runs), c in zip(shares, counts if shares else (), strict=True):
-        r0 = plan.computed_at(s, g, E)  # the replica rule's placement, undone first
-        rows[r0] -= c
-        if r0 == s:
-            local[s] -= c
-        else:
-            remote[s] -= c
-            remote[r0] -= c
-        for r, n in runs:
+    for (s, g, runs), c in zip(shares, counts, strict=True):
+        # the replica rule's placement undone first, then each run placed
+        for r, n in ((plan.computed_at(s, g, E), -c), *runs):
             rows[r] += n
             if r == s:
                 local[s] += n
             else:
                 remote[s] += n
                 remote[r] += n
+                if s // per_node != r // per_node:
+                    remote_inter[s] += n
+                    remote_inter[r] += n
     if relay and plan.replicas:
-        replica = [0] * len(rows)
+        replica = [0] * W
+        replica_inter = [0] * W
         rounds = 0
         for g, holders in plan.replicas:
             degrees, depth = relay_degrees(g // E, holders, distance)
             rounds = max(rounds, depth)
             for r, d in degrees.items():
                 replica[r] += d
-    loads = torch.tensor([rows, local, remote, replica], dtype=torch.int64)
-    return loads.to(torch.float64), rounds
+            if distance is not None:
+                for edges in relay_rounds(g // E, holders, distance):
+                    for a, b in edges:
+                        if a // per_node != b // per_node:
+                            replica_inter[a] += 1
+                            replica_inter[b] += 1
+    loads = [rows, local, remote, replica]
+    if distance is not None:
+        loads += [remote_inter, replica_inter]
+    return torch.tensor(loads, dtype=torch.float64), rounds
+
+
+def _inter_node_loads(
+    C_WN: torch.Tensor, plan: object, E: int, per_node: int
+) -> tuple[list[int], list[int]]:
+    """Remote rows and flat fan-out edges that cross nodes, per rank, under the replica rule of
+    ``plan`` (nodes of ``per_node`` consecutive ranks): a segment (s, g) computed at d != s on
+    another node counts at s and d; an owner -> holder copy on another node at both."""
+    W, N = C_WN.shape
+    if per_node >= W:
+        return [0] * W, [0] * W
+    dest_WN = (torch.arange(N) // E).expand(W, N).clone()  # every row at its owner
+    flat = [0] * W
+    for g, holders in plan.replicas:
+        h = torch.tensor(list(holders), dtype=torch.int64)
+        dest_WN[h, g] = h  # a holder computes its own rows
+        for r in holders:
+            if r // per_node != g // E // per_node:
+                flat[r] += 1
+                flat[g // E] += 1
+    node_W = torch.arange(W) // per_node
+    crossing_WN = torch.where(node_W.view(W, 1) != node_W[dest_WN], C_WN, 0)
+    remote_W = crossing_WN.sum(1)  # sent by each source
+    remote_W = remote_W.index_add_(0, dest_WN.reshape(-1), crossing_WN.reshape(-1))
+    return remote_W.tolist(), flat
 
 
 def predict_plan(
@@ -540,6 +597,18 @@ def predict_plan(
     ``plan_pricing``), the price every strategy's plan gets in the planners and the simulator."""
     C_WN = counts_as_tensor(counts_WN, shape)
     model = step_model(shape, profile, overlap)
-    loads_4W, rounds = plan_pricing(C_WN, plan, shape.experts_per_rank, node_distance(profile))
+    loads_4W, rounds = plan_pricing(C_WN, plan, shape.experts_per_rank, profile)
     model.check_exact(max(2 * int(C_WN.sum()), shape.world_size * shape.num_experts))
     return model.prediction_W(loads_4W, rounds)
+
+
+def reprice(C_WN: torch.Tensor, plan, model: StepModel, profile: HardwareProfile):
+    """``plan`` (a ``Plan``) with its prediction and baseline priced by ``plan_pricing`` under
+    ``profile`` (its topology included): the planners' prices when the profile has nodes."""
+    E = C_WN.shape[1] // C_WN.shape[0]
+    none = dataclasses.replace(plan, hot=(), replicas=(), shares=(), relay=False)
+    baseline = model.prediction_W(*plan_pricing(C_WN, none, E, profile))
+    if not plan.hot and not plan.shares:
+        return dataclasses.replace(plan, prediction=baseline, baseline=baseline)
+    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
+    return dataclasses.replace(plan, prediction=prediction, baseline=baseline)

@@ -24,6 +24,7 @@ from mixmoe.placement.cost_model import (
     Prediction,
     StepModel,
     plan_pricing,
+    reprice,
     step_model,
 )
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
@@ -52,6 +53,9 @@ def plan_none(
     C_WN, *sums = counts_with_sums(counts_WN, shape)
     loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), shape.world_size * shape.num_experts))
+    if node_distance(profile) is not None:  # topology: inter-node rows at their own link
+        none = Plan((), (), _NO_PREDICTION, _NO_PREDICTION)
+        loads_4W, _ = plan_pricing(C_WN, none, shape.experts_per_rank, profile)
     baseline = model.prediction_W(loads_4W)
     return Plan((), (), baseline, baseline)
 
@@ -115,29 +119,30 @@ def plan_mix(
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
     best = plan_replicas(counts_WN, shape, profile, slots, overlap, search_width=search_width)
-    if W == 1 or slots == 0:
-        return best
     model = step_model(shape, profile, overlap)
     C_WN, *sums = counts_with_sums(counts_WN, shape)
+    if node_distance(profile) is not None:  # topology: the search saw one link; price it
+        best = reprice(C_WN, best, model, profile)
+    if W == 1 or slots == 0:
+        return best
     shadow = plan_shadow(C_WN, shape, profile)
     if shadow.hot and len(shadow.hot) <= slots:  # fits the budget: price it under mix's overlap
-        loads_4W, rounds = plan_pricing(C_WN, shadow, E)
+        loads_4W, rounds = plan_pricing(C_WN, shadow, E, profile)
         pred = model.prediction_W(loads_4W, rounds)
         if pred.step_s < best.prediction.step_s:
             best = Plan(shadow.hot, shadow.replicas, pred, best.baseline)
     if not balance:
         return best
-    distance = node_distance(profile)
     if best.hot:  # the best candidate relayed: kept when cheaper than the owner sending every copy
         relayed = Plan(best.hot, best.replicas, best.prediction, best.baseline, relay=True)
-        pred = model.prediction_W(*plan_pricing(C_WN, relayed, E, distance))
+        pred = model.prediction_W(*plan_pricing(C_WN, relayed, E, profile))
         if pred.step_s < best.prediction.step_s:
             best = Plan(best.hot, best.replicas, pred, best.baseline, relay=True)
     # water-fill from the best candidate and from nothing replicated (the candidate may have
     # filled the replica slots that helpers need); the lower prediction wins, ties: the first
     starts = [dict(best.replicas)] + ([{}] if best.hot else [])
     for start in starts:
-        plan = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, distance)
+        plan = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile)
         if plan is not None and plan.prediction.step_s < best.prediction.step_s:
             best = Plan(plan.hot, plan.replicas, plan.prediction, best.baseline, plan.shares, True)
     return best
@@ -151,16 +156,17 @@ def _water_fill(
     start: dict[int, tuple[int, ...]],
     slots: int,
     block_size: int,
-    distance,
+    profile: HardwareProfile,
 ) -> Plan | None:
     """``WaterFill`` from the replicas ``start``, priced (``plan_pricing``); None if no move."""
     W, E = shape.world_size, shape.experts_per_rank
     hot = tuple(sorted(start))
     plan = Plan(hot, tuple((g, start[g]) for g in hot), _NO_PREDICTION, _NO_PREDICTION, relay=True)
-    loads_4W, _ = plan_pricing(C_WN, plan, E, distance)
+    distance = node_distance(profile)
+    loads_4W, _ = plan_pricing(C_WN, plan, E, profile)
     any_remote = bool(loads_4W[2].any())
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
-    fill.set_loads(loads_4W.to(torch.int64).tolist())
+    fill.set_loads(loads_4W[:4].to(torch.int64).tolist())  # the search: one link (module doc)
     for _ in range(MOVES_PER_RANK * W + 16):
         if not fill.step():
             break
@@ -169,7 +175,7 @@ def _water_fill(
     hot = tuple(sorted(g for g, h in fill.holders.items() if h))
     replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
     plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
-    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, distance))
+    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
     return Plan(hot, replicas, prediction, prediction, plan.shares, relay=True)
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from mixmoe.placement.cost_model import LayerShape, step_model
+from mixmoe.placement.cost_model import LayerShape, reprice, step_model
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.relay import node_distance
 
 __all__ = ["plan_shadow"]
 
@@ -74,6 +75,8 @@ def plan_shadow(
         shadowed.append(g)
     hot = tuple(sorted(shadowed))
     replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
+    if node_distance(profile) is not None:  # topology: each plan priced per link (one rule)
+        return reprice(C_WN, Plan(hot, replicas, baseline, baseline), model, profile)
     if not hot:
         return Plan((), (), baseline, baseline)
     return Plan(hot, replicas, model.prediction_W(_shadow_loads(C_WN, loads_4W, hot, E)), baseline)

@@ -31,7 +31,8 @@ from mixmoe.placement.relay import relay_degrees, relay_rounds
 
 IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)  # h100-ib's figures
 CHEAP_LINK = HardwareProfile("cheap-link", 1e12, 1e13, 1e-9)  # compute-bound: balance is free
-PROFILES = {"ib": IB, "cpu": CPU_PROFILE, "cheap": CHEAP_LINK}
+NODES = dataclasses.replace(IB, ranks_per_node=2, inter_node_bandwidth=5e9, inter_node_latency=5e-5)
+PROFILES = {"ib": IB, "cpu": CPU_PROFILE, "cheap": CHEAP_LINK, "nodes": NODES}
 
 
 def _skewed_counts(W: int, E: int, rows: int, seed: int, hot: float) -> torch.Tensor:
@@ -50,13 +51,16 @@ def _skewed_counts(W: int, E: int, rows: int, seed: int, hot: float) -> torch.Te
 # -- pricing ---------------------------------------------------------------------------------
 
 
-def _slow_loads(C: list[list[int]], plan: Plan, E: int) -> list[list[int]]:
+def _slow_loads(C: list[list[int]], plan: Plan, E: int, per_node: int = 0) -> list[list[int]]:
     """(rows, local, remote, replica) per rank from the definitions, one segment run at a time:
     a run of n rows of segment (s, g) at rank r adds n rows at r, local to s when r == s, else
     remote at both; replica = relay-tree edges at the rank (``relay_rounds``) when the plan
-    relays, else the flat fan-out (owner: one per holder, holder: one)."""
+    relays, else the flat fan-out (owner: one per holder, holder: one). ``per_node`` > 0: two
+    more rows, the remote rows and edges whose two ranks are on different nodes."""
     W = len(C)
     rows, local, remote, replica = [0] * W, [0] * W, [0] * W, [0] * W
+    remote_x, replica_x = [0] * W, [0] * W
+    node = (lambda r: r // per_node) if per_node else (lambda r: 0)
     for s in range(W):
         for g in range(W * E):
             for r, n in plan.segment_runs(s, g, C[s][g], E):
@@ -66,17 +70,22 @@ def _slow_loads(C: list[list[int]], plan: Plan, E: int) -> list[list[int]]:
                 else:
                     remote[s] += n
                     remote[r] += n
+                    if node(r) != node(s):
+                        remote_x[s] += n
+                        remote_x[r] += n
+    distance = (lambda a, b: int(node(a) != node(b))) if per_node else None
     for g, holders in plan.replicas:
         if plan.relay:
-            for edges in relay_rounds(g // E, holders):
-                for a, b in edges:
-                    replica[a] += 1
-                    replica[b] += 1
+            edges = [e for rnd in relay_rounds(g // E, holders, distance) for e in rnd]
         else:
-            replica[g // E] += len(holders)
-            for h in holders:
-                replica[h] += 1
-    return [rows, local, remote, replica]
+            edges = [(g // E, h) for h in holders]
+        for a, b in edges:
+            replica[a] += 1
+            replica[b] += 1
+            if node(a) != node(b):
+                replica_x[a] += 1
+                replica_x[b] += 1
+    return [rows, local, remote, replica] + ([remote_x, replica_x] if per_node else [])
 
 
 @st.composite
@@ -126,6 +135,24 @@ def test_plan_pricing_equals_the_slow_twin(case) -> None:
         )
     else:
         assert rounds == int(bool(plan.replicas))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_plans(), st.integers(1, 3))
+def test_plan_pricing_splits_the_links_of_a_topology(case, per_node: int) -> None:
+    """With ``ranks_per_node``: two more rows, the inter-node remote rows and relay edges, as
+    the slow twin counts them pair by pair; the step prices them at the inter-node link."""
+    C, shape, plan = case
+    profile = dataclasses.replace(
+        IB, ranks_per_node=per_node, inter_node_bandwidth=5e9, inter_node_latency=50e-6
+    )
+    loads, _ = plan_pricing(torch.tensor(C), plan, shape.experts_per_rank, profile)
+    assert loads.to(torch.int64).tolist() == _slow_loads(C, plan, shape.experts_per_rank, per_node)
+    one_link = predict_plan(C, plan, shape, IB, True)
+    nodes = predict_plan(C, plan, shape, profile, True)
+    assert nodes.step_s >= one_link.step_s  # a slower link between nodes never helps
+    if per_node >= shape.world_size:  # one node: the one-link prices, bit for bit
+        assert nodes == one_link
 
 
 @settings(max_examples=40, deadline=None)

@@ -205,7 +205,7 @@ def predict_layer(
         spec = planning_spec(name, shape.world_size)
         plan = spec.planner(C_WN, shape, plan_profile or profile, config)
         # the plan's aggregates (share entries, relay edges) and its replica rounds
-        loads_4W, any_hot = plan_pricing(C_WN, plan, shape.experts_per_rank)
+        loads_4W, any_hot = plan_pricing(C_WN, plan, shape.experts_per_rank, profile)
         any_remote = bool(loads_4W[2].any())
         compute_W, exposed_W = StepModel(shape, profile, spec.overlap).seconds_W(
             loads_4W, any_remote, any_hot

@@ -38,6 +38,9 @@ __all__ = ["BLOCK_SIZE", "plan_mix", "plan_none", "plan_replicas", "plan_shadow"
 
 BLOCK_SIZE = 64  # rows per block: shares cut segments only at whole blocks
 MOVES_PER_RANK = 4  # water-filling moves at most MOVES_PER_RANK * W + 16 per plan
+BALANCED = (
+    1.02  # no water-filling when the best candidate's max rank total is within 2% of the mean
+)
 
 
 def plan_none(
@@ -101,8 +104,9 @@ def plan_mix(
     overlap) nor than the source-replica plan.
 
     Replica budget: ``replica_slots(max_replicas, E)`` replicas held per rank (at least E, the
-    rank's own experts: replica memory at most doubles a rank's expert memory); 0 turns
-    replication off. ``balance=False``: the best candidate only (for comparison).
+    rank's own experts, and 8: ``replica_slots``); 0 turns replication off. No water-filling
+    when the best candidate is balanced already (its slowest rank within ``BALANCED`` of the
+    mean) or ``balance=False`` (the best candidate only, for comparison).
     Guarantees: deterministic (same counts, same plan on every rank: ties by rank then expert
     id), every share entry passes ``Plan.check_shares(counts, E, block_size)``, no rank holds
     more than the budget's replicas, prediction.step_s <= baseline.step_s.
@@ -131,8 +135,9 @@ def plan_mix(
         pred = model.prediction_W(loads_4W, rounds)
         if pred.step_s < best.prediction.step_s:
             best = Plan(shadow.hot, shadow.replicas, pred, best.baseline)
-    if not balance:
-        return best
+    totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
+    if not balance or max(totals) <= BALANCED * sum(totals) / W:
+        return best  # balanced already: water-filling has little to win (planning time)
     if best.hot:  # the best candidate relayed: kept when cheaper than the owner sending every copy
         relayed = Plan(best.hot, best.replicas, best.prediction, best.baseline, relay=True)
         pred = model.prediction_W(*plan_pricing(C_WN, relayed, E, profile))

@@ -76,6 +76,8 @@ class WaterFill:
             for r in h:
                 self.held[r] += 1
         self.where: dict[int, dict[int, dict[int, int]]] = {}
+        self.runs: dict[tuple[int, int], dict[int, int]] = {}  # touched segments: {rank: rows}
+        self._order: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (g, r): sorted at r
         self.helped: dict[int, dict[int, int]] = {}
         # rows each expert's owner computes: all of them but its start holders' own
         owner_rows = colsum_N.clone()
@@ -128,7 +130,10 @@ class WaterFill:
         groups = []
         if at_b.get(y):
             groups.append((y, [(y, at_b[y])]))
-        mid = sorted(((s, n) for s, n in at_b.items() if s != b and s != y), key=_larger_first)
+        order = self._order.get((g, b))
+        if order is None:  # cached until a move changes g's rows at b
+            order = self._order[g, b] = sorted(at_b.items(), key=_larger_first)
+        mid = [(s, n) for s, n in order if s != b and s != y]
         if mid:
             groups.append((-1, mid))
         if at_b.get(b) and b != y:
@@ -266,7 +271,16 @@ class WaterFill:
         placed = self._where(g)
         at_b, at_y = placed[b], placed.setdefault(y, {})
         moved = 0
+        self._order.pop((g, b), None)
+        self._order.pop((g, y), None)
         for s, n in takes:
+            runs = self.runs.get((s, g))
+            if runs is None:  # first touch: the whole segment is at b, where the rule put it
+                runs = self.runs[s, g] = {b: at_b[s]}
+            runs[b] -= n
+            if not runs[b]:
+                del runs[b]
+            runs[y] = runs.get(y, 0) + n
             at_b[s] -= n
             if not at_b[s]:
                 del at_b[s]
@@ -340,17 +354,27 @@ class WaterFill:
         """Share entries of the segments whose placement differs from the replica rule of the
         final holders: whole-block runs first (by rank), the partial run last."""
         E, blk = self.E, self.block
-        segs: dict[tuple[int, int], dict[int, int]] = {}
-        for g, placed in self.where.items():
-            for r, by_source in placed.items():
-                for s, n in by_source.items():
-                    segs.setdefault((s, g), {})[r] = n
+        segs = dict(self.runs)
+        # a new holder's own rows left where they were: the replica rule would move them to it
+        for g, holders in self.holders.items():
+            new = set(holders) - self.start.get(g, frozenset())
+            col = self.C_WN[:, g].tolist() if new else ()
+            for h in sorted(new):
+                if col[h] and (h, g) not in segs:
+                    segs[h, g] = {self._home(h, g): col[h]}
         out = []
+        held = {g: set(h) for g, h in self.holders.items()}
         for (s, g), placed in sorted(segs.items()):
             o = g // E
-            rule = s if (s == o or s in self.holders.get(g, ())) else o
+            rule = s if (s == o or s in held.get(g, ())) else o
+            placed = {r: n for r, n in placed.items() if n}
             if list(placed) == [rule]:
                 continue
             runs = sorted(placed.items(), key=lambda p: (p[1] % blk != 0, p[0]))
             out.append((s, g, tuple(runs)))
         return tuple(out)
+
+    def _home(self, s: int, g: int) -> int:
+        """Where the start plan's replica rule computes segment (s, g)."""
+        o = g // self.E
+        return s if (s == o or s in self.start.get(g, ())) else o

@@ -37,7 +37,8 @@ from mixmoe.placement.shadow import plan_shadow
 __all__ = ["BLOCK_SIZE", "plan_mix", "plan_none", "plan_replicas", "plan_shadow", "replica_slots"]
 
 BLOCK_SIZE = 64  # rows per block: shares cut segments only at whole blocks
-MOVES_PER_RANK = 4  # water-filling moves at most MOVES_PER_RANK * W + 16 per plan
+MOVES_PER_RANK = 4  # water-filling moves at most MOVES_PER_RANK * W + 16 per plan,
+MAX_MOVES = 512  # and at most MAX_MOVES (planning time at W >= 128: ~1 ms of Python per move)
 BALANCED = (
     1.02  # no water-filling when the best candidate's max rank total is within 2% of the mean
 )
@@ -145,11 +146,15 @@ def plan_mix(
             best = Plan(best.hot, best.replicas, pred, best.baseline, relay=True)
     # water-fill from the best candidate and from nothing replicated (the candidate may have
     # filled the replica slots that helpers need); the lower prediction wins, ties: the first
+    # (the second only when the first stays unbalanced)
     starts = [dict(best.replicas)] + ([{}] if best.hot else [])
     for start in starts:
         plan = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile)
         if plan is not None and plan.prediction.step_s < best.prediction.step_s:
             best = Plan(plan.hot, plan.replicas, plan.prediction, best.baseline, plan.shares, True)
+        totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
+        if max(totals) <= BALANCED * sum(totals) / W:
+            break
     return best
 
 
@@ -172,7 +177,7 @@ def _water_fill(
     any_remote = bool(loads_4W[2].any())
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     fill.set_loads(loads_4W[:4].to(torch.int64).tolist())  # the search: one link (module doc)
-    for _ in range(MOVES_PER_RANK * W + 16):
+    for _ in range(min(MOVES_PER_RANK * W + 16, MAX_MOVES)):
         if not fill.step():
             break
     if not fill.moves:

@@ -67,6 +67,7 @@ def test_simulate_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert "--remeasure" in _error(capsys, ["simulate", "--validate", str(missing)])
 
 
+@pytest.mark.slow
 def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> None:
     out = tmp_path / "prof.json"
     argv = ["calibrate", "--model-dim", "32", "--hidden-size", "64", "--experts", "2",

@@ -43,7 +43,7 @@ import torch
 from mixmoe.comm.autograd import all_to_all, all_to_all_start, all_to_all_wait
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.layout import count_matrix_to_host
-from mixmoe.dispatch.replicas import RelayPlan, fetch_replicas, unpack_experts, weights_version
+from mixmoe.dispatch.replicas import ReplicaCache, unpack_experts, weights_version
 from mixmoe.dispatch.step import (
     DispatchedRows,
     ExpertLayout,
@@ -125,10 +125,7 @@ class ExpertParallelDispatcher:
         self.profile = profile
         self.fingerprint = config_fingerprint(config, W, strategy)
         self._handshake_done = False
-        self._cache_key: tuple | None = None
-        self._cache_HQ: torch.Tensor | None = None  # the replicas served (slot order)
-        self._cache_rounds: list[torch.Tensor] | None = None  # each relay round's received rows
-        self._last_fetch: RelayPlan | None = None
+        self.replica_cache = ReplicaCache()
         self._owned_rows_stayed = True  # last step's plan computed every own row here
         # tests: ``plan_hook(C_WN, plan) -> Plan`` replaces the planner's plan (it must be a
         # deterministic function of its arguments: every rank calls it on the same values)
@@ -219,7 +216,7 @@ class ExpertParallelDispatcher:
     def invalidate_replicas(self) -> None:
         """Forget cached replicas (needed only after writing expert weights through ``.data``).
         Call it on every rank."""
-        self._cache_key, self._cache_HQ, self._cache_rounds = None, None, None
+        self.replica_cache.invalidate()
 
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, C: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Plan:
@@ -277,24 +274,15 @@ class ExpertParallelDispatcher:
 
     def _fetch(self, weights: ExpertWeights, plan: Plan, step: StepPlan, versions: list[int]):
         """Replica weights for this step (None if nothing is replicated) and whether the fetch
-        was served from the cache.
-
-        The cache is keyed on the plan's replicas (hence the relay rounds) and the owners'
-        weight versions, which every rank received in the count exchange: all ranks agree on a
-        hit. An optimizer step changes an owner's version, so a replica never serves stale
-        weights; a new set of holders (a rotating hotspot) changes the key: a full refetch."""
+        was served from the cache (``ReplicaCache``: keyed on the replicas and the owners'
+        versions)."""
         if not plan.replicas:
             return None, False
         E = self.experts_per_rank
         key = (plan.replicas, tuple(versions[g // E] for g, _ in plan.replicas))
-        hit = self.spec.cache_replicas and key == self._cache_key
-        replicas_HQ, rounds = fetch_replicas(
-            self.comm, weights, step.fetch, self._cache_rounds if hit else None
+        replicas_HQ, hit = self.replica_cache.fetch(
+            self.comm, weights, step.fetch, key, self.spec.cache_replicas
         )
-        if self.spec.cache_replicas:
-            self._cache_key, self._cache_HQ = key, replicas_HQ.detach()
-            self._cache_rounds = rounds
-        self._last_fetch = step.fetch
         return unpack_experts(replicas_HQ, weights), hit
 
     # -- the step ------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.placement.relay import relay_rounds
 from mixmoe.tracing import trace_span
 
-Row = tuple[int, int]  # (buffer, row): buffer 0 = this rank's packed owned experts, k + 1 = round k's
+Row = tuple[
+    int, int
+]  # (buffer, row): buffer 0 = this rank's packed owned experts, k + 1 = round k's
 
 
 @dataclass(frozen=True)
@@ -183,10 +185,43 @@ def fetch_replicas(
             in_splits=rd.in_splits,
             out_splits=rd.out_splits,
         ):
-            buffers.append(
-                cached_all_to_all(comm, send, rd.out_splits, rd.in_splits, hit, trace)
-            )
+            buffers.append(cached_all_to_all(comm, send, rd.out_splits, rd.in_splits, hit, trace))
     return _gather(buffers, plan.slot_rows), [b.detach() for b in buffers[1:]]
+
+
+class ReplicaCache:
+    """The replicas of the last fetch on this rank, reused while nothing they depend on changed.
+
+    The key is the plan's replicas (hence the relay rounds) and the owners' weight versions,
+    which every rank received in the count exchange: all ranks agree on a hit, and a hit moves
+    nothing forward (gradients still go home in backward). An optimizer step changes an owner's
+    version, so a replica never serves stale weights; new holders (a rotating hotspot) change
+    the key: a full refetch.
+
+    replicas_HQ: the replicas served by the last fetch (slot order, detached), or None.
+    last_fetch:  the relay plan of the last fetch, or None.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.replicas_HQ: torch.Tensor | None = None
+        self.rounds: list[torch.Tensor] | None = None  # each round's received rows
+        self.last_fetch: RelayPlan | None = None
+
+    def invalidate(self) -> None:
+        self.key, self.replicas_HQ, self.rounds = None, None, None
+
+    def fetch(
+        self, comm, owned: ExpertWeights, plan: RelayPlan, key: tuple, reuse: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """Packed replicas [H, Q] (slot order) and whether they came from the cache. ``key``:
+        (plan replicas, owner versions); ``reuse``: the strategy caches replicas at all."""
+        hit = reuse and key == self.key
+        replicas_HQ, rounds = fetch_replicas(comm, owned, plan, self.rounds if hit else None)
+        if reuse:
+            self.key, self.replicas_HQ, self.rounds = key, replicas_HQ.detach(), rounds
+        self.last_fetch = plan
+        return replicas_HQ, hit
 
 
 def weights_version(weights: ExpertWeights) -> int:

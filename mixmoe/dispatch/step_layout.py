@@ -15,6 +15,10 @@ buffer is one gather. It is reached in two stable sorts, so that the first part 
    so the result equals one stable sort by the final key. One host -> device upload of the
    step's small integer lists.
 
+Under a plan with share entries (``StepPlan.runs``, ``step_shares.py``) the rows are ordered by
+their runs' keys instead (one stable sort by expert, one by key), the own rows may be fewer than
+routed here, and a helper gets a second received item: the rows it computes with its replicas.
+
 Every work item's blocks come in slot order (``BlockSchedule.slot_ends``), so bf16 on a Hopper
 GPU runs each through torch's grouped GEMM (``mixmoe.ops.grouped_mm_expert_mlp``). The own and
 replica items are slot-ordered by construction; the received rows stay source-major in their
@@ -122,14 +126,14 @@ def _source_rows(src_P: torch.Tensor, rows: torch.Tensor, fill: int) -> torch.Te
     return torch.where(src_P >= 0, rows[src_P.clamp(min=0)], fill)
 
 
-def _own_work(
-    routing: Routing, order_R, counts_E, own_c: list[int], block_size: int
-) -> ExpertWork:
+def _own_work(routing: Routing, order_R, counts_E, own_c: list[int], block_size: int) -> ExpertWork:
     """The work item of the first ``sum(own_c)`` rows of ``order_R`` (own slots in order;
     ``counts_E`` the same counts on the device)."""
     T, K = routing.ids_TK.shape
     E, device = len(own_c), order_R.device
-    sched = _schedule(counts_E, torch.arange(E, device=device), own_c, list(range(E)), E, block_size)
+    sched = _schedule(
+        counts_E, torch.arange(E, device=device), own_c, list(range(E)), E, block_size
+    )
     return ExpertWork(
         source="local",
         weights="owned",

@@ -156,20 +156,24 @@ def _run_case(comm, case: dict) -> dict:
         x, dy = _step_inputs(case, comm.rank, i)
         x.requires_grad_(True)
         y, aux = layer(x)
-        if disp._cache_HQ is not None and aux.stats["replicas"]:
+        if disp.replica_cache.replicas_HQ is not None and aux.stats["replicas"]:
             # what this rank computed with == what the owners hold right now
             owned = pack_experts(layer.experts.weights(), list(range(E)))
             every = comm.all_gather_rows(owned.detach().reshape(-1))
             every = every.reshape(case["num_experts"], -1)
-            truth = every[list(disp._last_fetch.recv_experts)]
-            stale.append(bool(truth.numel()) and not torch.equal(disp._cache_HQ, truth))
+            truth = every[list(disp.replica_cache.last_fetch.recv_experts)]
+            stale.append(
+                bool(truth.numel()) and not torch.equal(disp.replica_cache.replicas_HQ, truth)
+            )
         (y * dy).sum().backward()
         steps.append(
             {
                 "y": y.detach(),
                 "dx": x.grad,
                 "stats": dict(aux.stats),
-                "rounds": len(disp._last_fetch.rounds) if disp._last_fetch else 0,
+                "rounds": len(disp.replica_cache.last_fetch.rounds)
+                if disp.replica_cache.last_fetch
+                else 0,
                 **_grads(layer),
             }
         )

@@ -80,12 +80,18 @@ class RelayPlan:
         world_size: int,
         experts_per_rank: int,
         distance: Callable[[int, int], int] | None = None,
+        *,
+        relay: bool = True,
     ) -> RelayPlan:
         """``replicas``: ((g, holder ranks), ...) for every replicated expert, ascending g (a
-        plan's ``replicas``); ``distance``: the relay's nearest-first order (None: by rank).
-        Identical round structure on every rank (every rank computes every tree)."""
+        plan's ``replicas``); ``distance``: the relay's nearest-first order (None: by rank);
+        ``relay`` False: the owner sends every copy, in one round (a flat fan-out). Identical
+        round structure on every rank (every rank computes every tree)."""
         E, r, W = experts_per_rank, rank, world_size
-        trees = [(g, relay_rounds(g // E, holders, distance)) for g, holders in replicas]
+        if relay:
+            trees = [(g, relay_rounds(g // E, holders, distance)) for g, holders in replicas]
+        else:
+            trees = [(g, (tuple((g // E, h) for h in holders),)) for g, holders in replicas]
         num_rounds = max((len(t) for _, t in trees), default=0)
         pack = sorted(  # owned experts this rank sends (it relays others from its buffers)
             {g - r * E for g, t in trees if g // E == r for edges in t for s, _ in edges if s == r}
@@ -140,15 +146,22 @@ def unpack_experts(packed_HQ: torch.Tensor, like: ExpertWeights) -> ExpertWeight
 
 
 def _gather(buffers: list[torch.Tensor], rows: tuple[Row, ...]) -> torch.Tensor:
-    """``[buffers[b][i] for (b, i) in rows]`` as one tensor. Every buffer takes part (an empty
-    selection too): the result depends on every round so far in autograd, which makes backward
-    run the rounds' gradient exchanges in reverse order on every rank (a chain, never a hang)."""
+    """``[buffers[b][i] for (b, i) in rows]`` as one tensor, always depending on the last buffer
+    (an empty selection too): each round's send then depends on the round before, so backward
+    runs the rounds' gradient exchanges in reverse order on every rank (a chain, never a hang),
+    and the replicas depend on every round (each one's backward runs). No copy when ``rows``
+    are exactly the last buffer's rows in order."""
+    last = len(buffers) - 1
+    if [b for b, _ in rows] == [last] * len(rows) and [i for _, i in rows] == list(
+        range(buffers[last].shape[0])
+    ):
+        return buffers[last]
     device = buffers[0].device
     picked, slots = [], []
-    for b, buf in enumerate(buffers):
+    for b in sorted({b for b, _ in rows} | {last}):
         mine = [j for j, (src, _) in enumerate(rows) if src == b]
         idx = torch.tensor([rows[j][1] for j in mine], dtype=torch.int64, device=device)
-        picked.append(buf.index_select(0, idx))
+        picked.append(buffers[b].index_select(0, idx))
         slots += mine
     grouped = torch.cat(picked)  # rows grouped by buffer; put them back in the asked order
     if slots == sorted(slots):

@@ -29,16 +29,18 @@ def _random_replicas(W: int, E: int, rng: random.Random):
     return tuple(out)
 
 
+@pytest.mark.parametrize("relay", [True, False])
 @pytest.mark.parametrize("W,E", [(1, 2), (2, 1), (2, 3), (3, 2), (4, 2), (7, 1)])
-def test_relay_plan_delivers_each_replica_down_its_tree_in_slot_order(W, E):
+def test_relay_plan_delivers_each_replica_down_its_tree_in_slot_order(W, E, relay):
     """Simulate every round's all_to_all over all ranks, each rank's buffers holding expert ids:
     every sender holds what it sends, splits agree pairwise, every holder ends with exactly its
     replicas in ascending order, and no rank sends one expert more than ceil(log2(H + 1)) times."""
     rng = random.Random(10 * W + E)
     for _ in range(6):
         replicas = _random_replicas(W, E, rng)
-        plans = [RelayPlan.build(replicas, r, W, E) for r in range(W)]
+        plans = [RelayPlan.build(replicas, r, W, E, relay=relay) for r in range(W)]
         assert len({len(p.rounds) for p in plans}) == 1  # every rank joins every round
+        assert relay or len(plans[0].rounds) == (1 if replicas else 0)  # flat: one round
         bufs = [[[r * E + i for i in p.pack_local_ids]] for r, p in enumerate(plans)]
         assert all(0 <= i < E for p in plans for i in p.pack_local_ids)
         sent_copies: dict[tuple[int, int], int] = {}
@@ -64,7 +66,8 @@ def test_relay_plan_delivers_each_replica_down_its_tree_in_slot_order(W, E):
             assert tuple(bufs[r][b][i] for b, i in p.slot_rows) == want, (r, replicas)
         holders = dict(replicas)
         for (q, g), n in sent_copies.items():
-            assert n <= math.ceil(math.log2(len(holders[g]) + 1)), (q, g, n)
+            most = math.ceil(math.log2(len(holders[g]) + 1)) if relay else len(holders[g])
+            assert n <= most and (relay or q == g // E), (q, g, n)
 
 
 def test_relay_is_a_tree_rooted_at_the_owner():

@@ -66,13 +66,14 @@ import torch
 
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.strategies import planning_spec
-from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
+from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_pricing
 from mixmoe.placement.profile import HardwareProfile
 
 __all__ = [
     "STRATEGIES",
     "StrategyPrediction",
     "aggregate_ranks_s",
+    "layer_config",
     "overlap_under",
     "predict_layer",
     "processor_sharing_s",
@@ -149,6 +150,20 @@ def overlap_under(overlap: bool, processors: int | None, world_size: int) -> boo
     return overlap and (processors is None or processors >= world_size)
 
 
+def layer_config(shape: LayerShape, *, top_k: int, max_replicas: int) -> MoEConfig:
+    """The layer configuration the planners see for ``shape`` (``StrategySpec.planner``'s
+    ``config``): its sizes, ``top_k`` (at most N), SwiGLU when the shape has 3 GEMMs per expert,
+    and ``max_replicas``."""
+    return MoEConfig(
+        model_dim=shape.model_dim,
+        hidden_dim=shape.hidden_dim,
+        num_experts=shape.num_experts,
+        top_k=min(top_k, shape.num_experts),
+        activation="swiglu" if shape.gemms_per_expert == 3 else "gelu",
+        max_replicas=max_replicas,
+    )
+
+
 def predict_layer(
     counts_WN: object,
     shape: LayerShape,
@@ -161,6 +176,7 @@ def predict_layer(
     shared: bool = False,
     processors: int | None = None,
     plan_profile: HardwareProfile | None = None,
+    planners: dict | None = None,
 ) -> dict[str, StrategyPrediction]:
     """Predictions per strategy for one step's counts (int CPU tensor [W, N] or nested lists).
 
@@ -168,7 +184,9 @@ def predict_layer(
     ``shared`` / ``processors``: how ranks sharing processors aggregate (module doc).
     ``plan_profile``: the profile the planners plan with when it is not ``profile`` (a measured
     run planned with one profile, priced with another: ``simulate --validate`` re-fitting a
-    record's fixed costs prices the plan the run used)."""
+    record's fixed costs prices the plan the run used). ``planners``: {strategy: planner} in
+    place of the strategy's own (``StrategySpec.planner``'s signature): a stored run planned by
+    an earlier planner is replayed with it."""
     if not strategies:
         raise ValueError("no strategy given; use one or more of a2a, shadow, mix")
     if processors is not None:
@@ -184,20 +202,15 @@ def predict_layer(
         raise ValueError(f"fixed_s must be a number >= 0, got {fixed_s!r}")
     C_WN = counts_as_tensor(counts_WN, shape)
     W = shape.world_size
-    config = MoEConfig(
-        model_dim=shape.model_dim,
-        hidden_dim=shape.hidden_dim,
-        num_experts=shape.num_experts,
-        top_k=min(top_k, shape.num_experts),
-        activation="swiglu" if shape.gemms_per_expert == 3 else "gelu",
-        max_replicas=max_replicas,
-    )
+    config = layer_config(shape, top_k=top_k, max_replicas=max_replicas)
     out = {}
     for name in strategies:
         spec = planning_spec(name, shape.world_size)
-        plan = spec.planner(C_WN, shape, plan_profile or profile, config)
-        loads_4W = plan_loads(C_WN, plan.replicas, shape.experts_per_rank)
-        any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
+        planner = (planners or {}).get(name, spec.planner)
+        plan = planner(C_WN, shape, plan_profile or profile, config)
+        # the plan's aggregates (share entries, relay edges) and its replica rounds
+        loads_4W, any_hot = plan_pricing(C_WN, plan, shape.experts_per_rank, profile)
+        any_remote = bool(loads_4W[2].any())
         compute_W, exposed_W = StepModel(shape, profile, spec.overlap).seconds_W(
             loads_4W, any_remote, any_hot
         )

@@ -59,6 +59,7 @@ from mixmoe.ops.rows import combine_rows
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile, default_profile
+from mixmoe.placement.relay import node_distance
 from mixmoe.schedule.sort import expert_counts
 from mixmoe.tracing import trace_span
 from mixmoe.types import Routing
@@ -126,6 +127,7 @@ class ExpertParallelDispatcher:
         self.fingerprint = config_fingerprint(config, W, strategy)
         self._handshake_done = False
         self.replica_cache = ReplicaCache()
+        self._distance = node_distance(profile)  # the relay serves holders nearest first
         self._owned_rows_stayed = True  # last step's plan computed every own row here
         # tests: ``plan_hook(C_WN, plan) -> Plan`` replaces the planner's plan (it must be a
         # deterministic function of its arguments: every rank calls it on the same values)
@@ -243,7 +245,8 @@ class ExpertParallelDispatcher:
         """The plan and this rank's bookkeeping: host work only, from C alone (any thread)."""
         with trace_span("moe.plan", kind="host"):
             plan = self._plan(C, dtype, device)
-            return plan, build_step_plan(C, plan, self.comm.rank, self.experts_per_rank)
+            step = build_step_plan(C, plan, self.comm.rank, self.experts_per_rank, self._distance)
+            return plan, step
 
     def _submit_plan(self, C: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Future:
         """Start ``_plan_step`` on the planning thread (one worker: steps plan in order). It runs

@@ -62,8 +62,9 @@ def build_step_plan(
 ) -> StepPlan:
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
     plan; vectorised over ranks and experts (only the replicas, at most a few per rank, and the
-    share entries are visited one by one). ``distance``: the replica relay's nearest-first
-    order (``RelayPlan.build``)."""
+    share entries are visited one by one). The replicas travel as the plan says (``plan.relay``:
+    the relay tree, served nearest first by ``distance``; else the owner's flat fan-out), as
+    the cost model priced them."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
     rep = plan.replica_slots(r)
@@ -86,7 +87,7 @@ def build_step_plan(
     recv_slots = list(range(E)) * W
     out_splits = recv_WE.sum(1).tolist()
     rows_moved = int(torch.where(stays_WN, 0, C_WN).sum())
-    fetch = RelayPlan.build(plan.replicas, r, W, E, distance)
+    fetch = RelayPlan.build(plan.replicas, r, W, E, distance, relay=plan.relay)
     assert fetch.recv_experts == tuple(rep), "replica slot order must match the fetch order"
     step = StepPlan(
         own_experts=tuple(range(r * E, (r + 1) * E)),

@@ -10,7 +10,8 @@ a hotspot moving every step, and token counts that are not multiples of 64.
 
 A holder's gradient dropped or counted twice changes its expert's gradient, and a replica served
 stale after an optimizer step changes the next step's output: both fail the comparison. One spawn
-per world size runs every case.
+per world size runs every case. The real planner's plans (``plan_mix`` under compute-bound
+profiles, one with two ranks per node) run through the same comparison.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from test_strategies import REPLICATE
 from mixmoe.dispatch.replicas import pack_experts
 from mixmoe.parallel import parallelize_moe
 from mixmoe.placement.plan import Plan
+from mixmoe.placement.profile import HardwareProfile
 
 pytestmark = pytest.mark.dist
 
@@ -107,7 +109,21 @@ def forced_plan(C_WN: torch.Tensor, base: Plan, recipe: str, step: int, E: int, 
         prediction=base.prediction,
         baseline=base.baseline,
         shares=tuple((s, g, runs) for (s, g), runs in sorted(shares.items())),
+        relay=recipe != "owner_moved",  # the owner's flat fan-out there, the relay tree else
     )
+
+
+# compute-bound, with two ranks per node (the relay serves the owner's node first): the real
+# planner's balanced plans use helpers and share entries
+TOPOLOGY = HardwareProfile(
+    "test-replicate-nodes",
+    gemm_flops=1e6,
+    link_bandwidth=1e12,
+    link_latency=1e-9,
+    ranks_per_node=2,
+    inter_node_bandwidth=1e11,
+    inter_node_latency=1e-8,
+)
 
 
 def _hook(case: dict, E: int, B: int):
@@ -122,7 +138,7 @@ def _hook(case: dict, E: int, B: int):
 
 
 def _step_inputs(case: dict, rank: int, step: int):
-    same = case["recipe"] != "random"  # fixed inputs: the plan repeats unless it rotates
+    same = case["recipe"] not in ("random", "planner")  # fixed: the plan repeats unless rotated
     return rank_inputs(dict(case, seed=case["seed"] + (0 if same else 7919 * step)), rank)
 
 
@@ -145,10 +161,11 @@ def _grads(layer) -> dict:
 
 def _run_case(comm, case: dict) -> dict:
     layer = make_layer(case)
-    parallelize_moe(layer, comm, case["strategy"], profile=REPLICATE)
+    parallelize_moe(layer, comm, case["strategy"], profile=case.get("profile", REPLICATE))
     disp = layer.dispatcher
     E, B = disp.experts_per_rank, disp.config.block_size
-    disp.plan_hook = _hook(case, E, B)
+    if case["recipe"] != "planner":  # else the real planner's plans (mix: shares, relay)
+        disp.plan_hook = _hook(case, E, B)
     opt = torch.optim.AdamW(layer.parameters(), lr=0.02, weight_decay=0.1)
     steps, stale = [], []
     for i in range(STEPS):
@@ -322,6 +339,29 @@ def _cases(world: int) -> list[dict]:
                     }
                 )
                 i += 1
+    for skew, rotate, block, profile in (
+        ("hot", True, 16, REPLICATE),
+        ("one", False, 16, TOPOLOGY),
+        ("hot", False, 64, TOPOLOGY),
+    ):
+        for dtype in (torch.float64, torch.float32):
+            cases.append(
+                {
+                    "name": f"W{world} mix planner {skew} B{block} {profile.name} {dtype}",
+                    "strategy": "mix",
+                    "recipe": "planner",
+                    "profile": profile,
+                    "skew": skew,
+                    "rotate": rotate,
+                    "block_size": block,
+                    "dtype": dtype,
+                    "top_k": 2,
+                    "num_experts": 2 * world,
+                    "tokens": TOKENS[world][i % 2],
+                    "seed": 100 * world + i,
+                }
+            )
+            i += 1
     return cases
 
 
@@ -331,13 +371,18 @@ def test_forced_share_plans_match_single_rank(world: int) -> None:
 
     cases = _cases(world)
     per_rank = spawn_gloo(_worker, world, cases, timeout_s=900)
+    planner_shares = 0
     for i, case in enumerate(cases):
         got = [per_rank[r][i] for r in range(world)]
         _check(case, got, world)
         stats = [s["stats"] for s in got[0]["steps"]]
+        if case["recipe"] == "planner":
+            planner_shares += sum(s["shares"] for s in stats)
+            continue
         assert all(s["shares"] > 0 and s["replicas"] > 0 for s in stats), (case["name"], stats)
         if case["recipe"] == "relay" and world > 2:  # relay ranks forward weights
             assert all(s["rounds"] >= 2 for s in got[0]["steps"]), case["name"]
+    assert planner_shares > 0, "the real planner never used a helper"
     for r in range(world):  # the cache rules
         ev = per_rank[r][-1]
         assert ev["cached"] == [False, True, False, False, False, False, False], ev["cached"]

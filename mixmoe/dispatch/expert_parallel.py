@@ -348,16 +348,16 @@ class ExpertParallelDispatcher:
             # the plan sends some own rows to helpers: the share layout builds the own item,
             # and an own output computed ahead (under a now wrong guess) is dropped unused
             own, local_done_TD = None, None
-        elif own is None:
+        elif own is None and step.runs is None:  # (a share layout sorts the own rows itself)
             own = build_own_layout(routing, counts_r, r, E, B)
         moving = step.rows_moved > 0
 
-        # 3. replica fetch (one all_to_all of packed weights, or the cache)
+        # 3. replica fetch (the relay rounds of packed weights, or the cache)
         replicas, cached = self._fetch(weights, plan, step, versions)
 
         # 4. the rest of the layout (one upload); send the rows of experts computed elsewhere.
         # A rank holding no replica still runs the (empty) replica work when any replica exists:
-        # the fetch must be in its graph so that its backward joins the gradient all_to_all
+        # the fetch must be in its graph so that its backward joins the gradient all_to_alls
         layout = build_step_layout(
             routing, own, counts_r, step, B, with_replicas=replicas is not None
         )

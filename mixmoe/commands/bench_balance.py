@@ -69,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a preset or the JSON of `mixmoe calibrate` for every W (default: h100-nvlink at "
         "W <= 8, h100-ib above)",
     )
+    p.add_argument(
+        "--experts-per-rank",
+        type=int,
+        default=None,
+        help="override every shape's experts: E per rank, N = E x W (e.g. 16 at W=256: 4096 "
+        "experts; default: each shape's own)",
+    )
     p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank")
     p.add_argument("--max-replicas", type=int, default=d.max_replicas, help="mix: slots per rank")
     p.add_argument(
@@ -85,8 +92,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BalanceConfig:
+    shapes: tuple = args.shapes
+    if args.experts_per_rank is not None:
+        from dataclasses import replace
+
+        from mixmoe.validation import check_int
+
+        check_int("--experts-per-rank", args.experts_per_rank, 1)
+        E = args.experts_per_rank
+        shapes = tuple(
+            replace(shape_spec(s), name=f"{s}-E{E}", experts_per_rank=E, experts=None)
+            for s in args.shapes
+        )
     return BalanceConfig(
-        shapes=args.shapes,
+        shapes=shapes,
         worlds=args.world_sizes,
         workloads=args.workloads,
         strategies=args.strategies,

@@ -4,28 +4,32 @@ Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = r
 expert g; expert g is owned by rank o(g) = g // E). A segment (s, g) is the C[s][g] rows s routes
 to g; ``at`` a rank r means r computes them.
 
-``water_fill`` starts from a candidate placement (replicas computing their own rows at the
-source, the rest at the owner: ``Plan``'s replica rule) and repeats:
+``WaterFill`` starts from a candidate placement (replicas computing their own rows at the
+source, the rest at the owner: ``Plan``'s replica rule) and, one ``step`` per move, repeats:
 
 1. b = the predicted bottleneck (the first rank at the max total, ``StepModel.rank_total``);
-2. b's heaviest experts (the rows of g computed at b: as owner, or as a helper), by rows
-   descending then id; for each, receivers y: the least-loaded rank (with the profile's topology
-   the least-loaded one inside g's owner's node as well), the least-loaded holder of g's
-   replica, and the source sending b the most rows of g (its rows would turn local);
-3. for each (g, y) the block count is found by bisection where b's and y's totals cross: rows
-   taken first from y's own segment (they turn local at y), then from other sources (b stops
-   receiving them), then b's own rows (only while that lowers b: b must then send them);
-   every cut is a whole number of ``block_size`` rows but a segment's last run;
+2. b's heaviest expert g (the rows of g computed at b: as owner, or as a helper; by rows
+   descending then id; the next one only when g cannot move); receivers y: the least-loaded
+   rank (with the profile's topology the least-loaded one inside g's owner's node as well), the
+   least-loaded holder of g's replica, and the source sending b the most rows of g (its rows
+   would turn local);
+3. for each (g, y) the block count is found by bisection: up to where b's and y's totals cross,
+   or y reaches the water level (the mean rank total; so b's rows spread over several helpers);
+   rows are taken first from y's own segment (they turn local at y), then from other sources,
+   largest first (b stops receiving them), then b's own rows (only while that lowers b: b must
+   then send them); every cut is a whole number of ``block_size`` rows but a segment's last run;
 4. a new holder gets the replica by the relay tree (``relay_degrees``: the tree's edges change
    for a few ranks, maybe its rounds for all) and needs a free replica slot (``slots`` per
    rank: the replica budget);
 5. the (g, y) move with the lowest new max over the ranks it changes is accepted if every rank
-   it changes stays strictly below b's total (so the step never rises, and the ranks at the max
-   thin out), else the search ends (nothing can relieve b: the step cannot drop).
+   it changes stays strictly below b's total, else the search ends (nothing relieves b). A
+   deeper relay tree adds its rounds' latency to every rank; that is not charged to the ranks
+   a move does not change (the first replica would never pay where ranks tie at the max).
 
 Deterministic: ties by rank and expert id, no set or dict iteration order used for decisions.
-At most ``max_moves`` moves. The caller (``plan_mix``) prices the result with the cost model
-(``cost_model.predict_plan``) and keeps it only if it beats the candidates it started from.
+The caller (``plan_mix``) bounds the moves, prices the result with the cost model
+(``cost_model.plan_pricing``) and keeps it only if it beats the candidates it started from: the
+guarantees (never worse than a2a or shadow) are the caller's, the search is a heuristic.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ measured on the development host (AMD EPYC VM, torch 2.13 CPU, 2 processes):
   an idle many-core host, more when ranks outnumber cores).
 - ``replica_fixed_s = 2e-3``: the lowest per-replica cost the layer fit of ``mixmoe calibrate``
   gave on W=2 (a core per rank) on a quiet host: 1.9-6.7 ms, median ~4 ms, over the 8 W=2
-  calibrations of the stored simulator validation (README, "Simulator validation"). Without it
+  calibrations of the stored simulator validation (docs/results/2026-11-23-simulator-validation.md). Without it
   the planner priced a replica by its bytes alone and replicated for predicted gains smaller
   than what a replica measured. The other two fixed costs stay 0.0: they are the same under every plan (step_fixed_s)
   or fitted at ~0 on a quiet host (row_overhead_s), so they move absolute predictions, not

@@ -307,3 +307,42 @@ def test_plan_mix_rejects_bad_arguments() -> None:
         plan_mix([[1, 1], [1, 1]], shape, IB, 4, block_size=0)
     with pytest.raises(TypeError, match="max_replicas"):
         plan_mix([[1, 1], [1, 1]], shape, IB, 4.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(2, 8),
+    st.integers(1, 4),
+    st.sampled_from([300, 2000]),
+    st.sampled_from([0.3, 0.8]),
+    st.integers(0, 10**6),
+    st.sampled_from(["ib", "cheap", "cpu"]),
+)
+def test_water_fill_bookkeeping_is_the_priced_plan(W, E, rows, hot, seed, name) -> None:
+    """The search's own per-rank loads and totals after every move equal the cost model's
+    pricing of the plan it would emit then (shares, relay edges and rounds): the moves are
+    judged on the numbers the plan is priced with."""
+    from mixmoe.placement.balance import WaterFill
+    from mixmoe.placement.cost_model import step_model
+    from mixmoe.placement.counts import counts_with_sums
+
+    profile = PROFILES[name]
+    shape = LayerShape(64, 128, E, W, 2)
+    C_WN, colsum_N, _ = counts_with_sums(_skewed_counts(W, E, rows, seed, hot), shape)
+    model = step_model(shape, profile, True)
+    P = predict(C_WN, (), shape, profile)
+    loads, _ = plan_pricing(C_WN, Plan((), (), P, P, relay=True), E)
+    fill = WaterFill(model, C_WN, E, {}, 8, BLOCK_SIZE, None, colsum_N, bool(loads[2].any()))
+    fill.set_loads(loads.to(torch.int64).tolist())
+    for _ in range(12):
+        if not fill.step():
+            break
+        hot_g = tuple(sorted(g for g, h in fill.holders.items() if h))
+        plan = Plan(hot_g, tuple((g, tuple(fill.holders[g])) for g in hot_g), P, P,
+                    fill.shares(), relay=True)  # fmt: skip
+        plan.check_shares(C_WN.tolist(), E, BLOCK_SIZE)
+        priced, rounds = plan_pricing(C_WN, plan, E)
+        assert priced.to(torch.int64).tolist() == [fill.rows, fill.local, fill.remote, fill.replica]
+        assert rounds == fill.rounds
+        pred = model.prediction_W(priced, rounds)
+        assert list(map(float.__add__, pred.compute_s, pred.comm_s)) == fill.totals

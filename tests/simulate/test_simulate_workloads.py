@@ -146,6 +146,18 @@ def test_bench_balance_cli(tmp_path, capsys) -> None:
     assert records[-1]["steps"] == 2 and png.stat().st_size > 0
 
 
+def test_bench_balance_experts_override(tmp_path, capsys) -> None:
+    argv = ["bench", "balance", "--shapes", "deepseek", "--world-sizes", "4", "--tokens", "64",
+            "--workloads", "hot:0.5", "--strategies", "a2a", "--repeats", "1",
+            "--experts-per-rank", "3", "--jsonl", str(tmp_path / "b.jsonl"), "--png", ""]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert (
+        "deepseek-E3: D2048 F1024, 3 experts/rank, top-8, bf16, SwiGLU" in capsys.readouterr().out
+    )
+    (r,) = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert (r["shape"], r["num_experts"], r["experts_per_rank"]) == ("deepseek-E3", 12, 3)
+
+
 @pytest.mark.parametrize(
     "argv,expected",
     [
@@ -159,6 +171,7 @@ def test_bench_balance_cli(tmp_path, capsys) -> None:
         (["--repeats", "0"], "repeats must be >= 1"),
         (["--profile", "h100-nope"], "profile 'h100-nope' is neither a preset"),
         (["--workloads", ""], "workloads is empty"),
+        (["--experts-per-rank", "0"], "--experts-per-rank must be >= 1"),
     ],
 )
 def test_bench_balance_bad_input(argv, expected, capsys) -> None:

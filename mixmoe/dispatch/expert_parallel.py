@@ -10,16 +10,20 @@ One step on rank r, as three calls (``MoE.forward`` makes them):
        -> C on every rank. THE host sync of the layer: every later size and split follows from C.
     2. plan (deterministic, same on every rank) with the strategy's planner (``strategies.py``).
        Under ``mix`` (``MoEConfig.plan_async``) the plan runs on this dispatcher's background
-       thread while this rank's rows for its own experts (they stay here under every plan) are
-       sorted and computed; the step then waits for the plan.
-    3. replica fetch: one all_to_all of packed weights (cached under ``mix`` while the owners'
-       versions are unchanged); its backward sends replica gradients home.
+       thread while this rank's rows for its own experts are sorted and computed (when the last
+       plan kept them all here: a plan with share entries may send some to helpers); the step
+       then waits for the plan.
+    3. replica fetch: the relay rounds of packed weights, one all_to_all each (``replicas.py``;
+       cached under ``mix`` while the plan's replicas and the owners' versions are unchanged);
+       its backward sends replica gradients home the reverse way.
     4. one sort of the rows into [own | replica | sent | dropped] and the step's index tensors
-       from one upload (``step_layout.py``); rows of experts neither owned nor replicated here go
-       to their owner in one all_to_all (async under ``mix``: waited for only by the experts).
+       from one upload (``step_layout.py``; under share entries the sent rows are grouped by
+       receiver, any rank computing a run: ``step_shares.py``); rows computed elsewhere go out
+       in one all_to_all (async under ``mix``: waited for only by the experts).
   experts(rows, layout)  (``Experts.forward``): fused expert MLP calls, local work first (it
        overlaps the exchange under ``mix``; the own rows already computed under an async plan),
-       then the received rows, read by index and written in return order.
+       then the received rows (with owned weights, and with replicas on a helper), read by
+       index and written in return order.
   combine(out, meta) -> y_TD
     5. received results go back by the reverse all_to_all; y = local output + weighted sum of
        the returned rows.
@@ -39,7 +43,7 @@ import torch
 from mixmoe.comm.autograd import all_to_all, all_to_all_start, all_to_all_wait
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.layout import count_matrix_to_host
-from mixmoe.dispatch.replicas import FetchPlan, fetch_replicas, unpack_experts, weights_version
+from mixmoe.dispatch.replicas import ReplicaCache, unpack_experts, weights_version
 from mixmoe.dispatch.step import (
     DispatchedRows,
     ExpertLayout,
@@ -53,8 +57,9 @@ from mixmoe.dispatch.strategies import STRATEGY_SPECS, config_fingerprint, strat
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.ops.rows import combine_rows
 from mixmoe.placement.cost_model import LayerShape
-from mixmoe.placement.planner import Plan
+from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile, default_profile
+from mixmoe.placement.relay import node_distance
 from mixmoe.schedule.sort import expert_counts
 from mixmoe.tracing import trace_span
 from mixmoe.types import Routing
@@ -124,9 +129,12 @@ class ExpertParallelDispatcher:
         self.profile = profile
         self.fingerprint = config_fingerprint(config, W, strategy)
         self._handshake_done = False
-        self._cache_key: tuple | None = None
-        self._cache_HQ: torch.Tensor | None = None
-        self._last_fetch: FetchPlan | None = None
+        self.replica_cache = ReplicaCache()
+        self._distance = node_distance(profile)  # the relay serves holders nearest first
+        self._owned_rows_stayed = True  # last step's plan computed every own row here
+        # tests: ``plan_hook(C_WN, plan) -> Plan`` replaces the planner's plan (it must be a
+        # deterministic function of its arguments: every rank calls it on the same values)
+        self.plan_hook: Callable[[torch.Tensor, Plan], Plan] | None = None
         self._planner_thread: ThreadPoolExecutor | None = None  # created by the first async plan
 
     def plans_async(self, device: torch.device | str = "cpu") -> bool:
@@ -213,7 +221,7 @@ class ExpertParallelDispatcher:
     def invalidate_replicas(self) -> None:
         """Forget cached replicas (needed only after writing expert weights through ``.data``).
         Call it on every rank."""
-        self._cache_key, self._cache_HQ = None, None
+        self.replica_cache.invalidate()
 
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, C: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Plan:
@@ -227,7 +235,12 @@ class ExpertParallelDispatcher:
             gemms_per_expert=3 if cfg.activation == "swiglu" else 2,
         )
         profile = self.profile or default_profile(device.type)
-        return self.spec.planner(C, shape, profile, cfg)
+        plan = self.spec.planner(C, shape, profile, cfg)
+        if self.plan_hook is not None:
+            plan = self.plan_hook(C, plan)
+        if plan.shares:
+            plan.check_shares(C, self.experts_per_rank, cfg.block_size)
+        return plan
 
     def _plan_step(
         self, C: torch.Tensor, dtype: torch.dtype, device: torch.device
@@ -235,7 +248,8 @@ class ExpertParallelDispatcher:
         """The plan and this rank's bookkeeping: host work only, from C alone (any thread)."""
         with trace_span("moe.plan", kind="host"):
             plan = self._plan(C, dtype, device)
-            return plan, build_step_plan(C, plan, self.comm.rank, self.experts_per_rank)
+            step = build_step_plan(C, plan, self.comm.rank, self.experts_per_rank, self._distance)
+            return plan, step
 
     def _submit_plan(self, C: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Future:
         """Start ``_plan_step`` on the planning thread (one worker: steps plan in order). It runs
@@ -266,25 +280,16 @@ class ExpertParallelDispatcher:
 
     def _fetch(self, weights: ExpertWeights, plan: Plan, step: StepPlan, versions: list[int]):
         """Replica weights for this step (None if nothing is replicated) and whether the fetch
-        was served from the cache."""
+        was served from the cache (``ReplicaCache``: keyed on the replicas and the owners'
+        versions)."""
         if not plan.replicas:
             return None, False
         E = self.experts_per_rank
         key = (plan.replicas, tuple(versions[g // E] for g, _ in plan.replicas))
-        cached = self._cache_HQ if self.spec.cache_replicas and key == self._cache_key else None
-        with trace_span(
-            "moe.replica_fetch",
-            kind="comm",
-            comm_func="all_to_all",
-            group="exp",
-            in_splits=step.fetch.in_splits,
-            out_splits=step.fetch.out_splits,
-        ):
-            replicas_HQ = fetch_replicas(self.comm, weights, step.fetch, cached)
-        if self.spec.cache_replicas:
-            self._cache_key, self._cache_HQ = key, replicas_HQ.detach()
-        self._last_fetch = step.fetch
-        return unpack_experts(replicas_HQ, weights), cached is not None
+        replicas_HQ, hit = self.replica_cache.fetch(
+            self.comm, weights, step.fetch, key, self.spec.cache_replicas
+        )
+        return unpack_experts(replicas_HQ, weights), hit
 
     # -- the step ------------------------------------------------------------------------------
     def dispatch(
@@ -319,11 +324,12 @@ class ExpertParallelDispatcher:
         C, versions = self.exchange_counts(counts_N, version)
 
         # 2. plan: the same on every rank. Under an async plan, this rank's rows for its own
-        # experts (here under every plan) are sorted and computed while the plan is made
+        # experts are sorted and computed while the plan is made, if the last plan kept them
+        # all here (a share plan may send some to helpers: then the plan comes first)
         counts_r = C[r].tolist()
         B = self.config.block_size
         local_done_TD = None
-        if self.plans_async(x_TD.device):
+        if self.plans_async(x_TD.device) and self._owned_rows_stayed:
             planned = self._submit_plan(C, x_TD.dtype, x_TD.device)
             try:
                 own = build_own_layout(routing, counts_r, r, E, B)
@@ -339,15 +345,22 @@ class ExpertParallelDispatcher:
                 plan, step = planned.result()
         else:
             plan, step = self._plan_step(C, x_TD.dtype, x_TD.device)
+            own = None
+        self._owned_rows_stayed = step.owned_rows_stay()
+        if not self._owned_rows_stayed:
+            # the plan sends some own rows to helpers: the share layout builds the own item,
+            # and an own output computed ahead (under a now wrong guess) is dropped unused
+            own, local_done_TD = None, None
+        elif own is None and step.runs is None:  # (a share layout sorts the own rows itself)
             own = build_own_layout(routing, counts_r, r, E, B)
         moving = step.rows_moved > 0
 
-        # 3. replica fetch (one all_to_all of packed weights, or the cache)
+        # 3. replica fetch (the relay rounds of packed weights, or the cache)
         replicas, cached = self._fetch(weights, plan, step, versions)
 
         # 4. the rest of the layout (one upload); send the rows of experts computed elsewhere.
         # A rank holding no replica still runs the (empty) replica work when any replica exists:
-        # the fetch must be in its graph so that its backward joins the gradient all_to_all
+        # the fetch must be in its graph so that its backward joins the gradient all_to_alls
         layout = build_step_layout(
             routing, own, counts_r, step, B, with_replicas=replicas is not None
         )
@@ -363,6 +376,8 @@ class ExpertParallelDispatcher:
 
         work = () if local_done_TD is not None else (layout.own,)
         work += ((layout.replica,) if layout.replica else ()) + (layout.received,)
+        if layout.received_replica is not None:  # rows this helper computes with its replicas
+            work += (layout.received_replica,)
         rows_W = plan.prediction.rows
         stats = {
             "rows_moved": step.rows_moved,
@@ -370,6 +385,7 @@ class ExpertParallelDispatcher:
             "max_rows": max(rows_W),
             "mean_rows": sum(rows_W) / W,
             "replica_cached": cached,
+            "shares": len(plan.shares),
         }
         meta = StepMeta(
             layout, step, plan, routing.weights_TK, moving, counts_N, stats, C.sum(dim=0)

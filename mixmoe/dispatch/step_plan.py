@@ -7,12 +7,15 @@ Legend: W ranks, E experts per rank, N = W*E experts, C the count matrix [W, N].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from mixmoe.dispatch.replicas import FetchPlan
-from mixmoe.placement.planner import Plan
+from mixmoe.dispatch.replicas import RelayPlan
+from mixmoe.dispatch.step_shares import SourceRuns, share_fields
+from mixmoe.placement.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -21,11 +24,16 @@ class StepPlan:
     rep_experts:  replicas held here this step, in replica-slot order.
     send_experts: experts whose rows leave this rank (ascending, hence grouped by owner).
     in_splits / out_splits: token rows sent to / received from each rank.
-    recv_counts / recv_slots: segments of the receive buffer (source-major, then own expert) and
-                  the owned slot each uses.
-    fetch:        the replica fetch of this rank.
+    recv_counts / recv_slots: segments of the receive buffer (source-major, then expert id) and
+                  the weight slot each uses.
+    fetch:        the replica fetch of this rank (the relay rounds).
     rows_moved:   rows crossing ranks over the whole group (0: every all-to-all is skipped, on
                   every rank alike).
+    recv_replica: per receive segment, whether its slot is a replica slot (rows a helper computes
+                  with its replica); empty: every slot is owned (plans without shares).
+    runs:         this rank's rows cut by the plan's share entries (``step_shares.SourceRuns``),
+                  or None: the replica rule alone (own rows here, replicated rows here, the rest
+                  at their owner), the fast path.
     """
 
     own_experts: tuple[int, ...]
@@ -35,14 +43,28 @@ class StepPlan:
     out_splits: list[int]
     recv_counts: list[int]
     recv_slots: list[int]
-    fetch: FetchPlan
+    fetch: RelayPlan
     rows_moved: int
+    recv_replica: list[bool] = field(default_factory=list)
+    runs: SourceRuns | None = None
+
+    def owned_rows_stay(self) -> bool:
+        """Whether every row this rank routes to its own experts is computed here."""
+        return self.runs is None or self.runs.owned_rows_stay
 
 
-def build_step_plan(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int) -> StepPlan:
+def build_step_plan(
+    C_WN: torch.Tensor,
+    plan: Plan,
+    rank: int,
+    experts_per_rank: int,
+    distance: Callable[[int, int], int] | None = None,
+) -> StepPlan:
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
-    plan; vectorised over ranks and experts (only the replicas, at most a few per rank, are
-    visited one by one)."""
+    plan; vectorised over ranks and experts (only the replicas, at most a few per rank, and the
+    share entries are visited one by one). The replicas travel as the plan says (``plan.relay``:
+    the relay tree, served nearest first by ``distance``; else the owner's flat fan-out), as
+    the cost model priced them."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
     rep = plan.replica_slots(r)
@@ -65,9 +87,9 @@ def build_step_plan(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank:
     recv_slots = list(range(E)) * W
     out_splits = recv_WE.sum(1).tolist()
     rows_moved = int(torch.where(stays_WN, 0, C_WN).sum())
-    fetch = FetchPlan.build(plan.replicas, r, W, E)
+    fetch = RelayPlan.build(plan.replicas, r, W, E, distance, relay=plan.relay)
     assert fetch.recv_experts == tuple(rep), "replica slot order must match the fetch order"
-    return StepPlan(
+    step = StepPlan(
         own_experts=tuple(range(r * E, (r + 1) * E)),
         rep_experts=tuple(rep),
         send_experts=send,
@@ -78,3 +100,6 @@ def build_step_plan(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank:
         fetch=fetch,
         rows_moved=rows_moved,
     )
+    if not plan.shares:
+        return step
+    return dataclasses.replace(step, **share_fields(C_WN, plan, r, E, recv_WE, rows_moved))

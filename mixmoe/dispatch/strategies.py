@@ -45,7 +45,10 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
     ),
     "mix": StrategySpec(
         "mix",
-        lambda C, shape, prof, cfg: plan_mix(C, shape, prof, cfg.max_replicas),
+        # share entries cut at the layer's blocks, so that no block straddles two ranks
+        lambda C, shape, prof, cfg: plan_mix(
+            C, shape, prof, cfg.max_replicas, block_size=cfg.block_size
+        ),
         True,
         True,
         True,

@@ -32,16 +32,18 @@ def _train(comm, strategy: str, steps: int) -> dict:
     for _ in range(steps):
         y, aux = layer(x)
         disp = layer.dispatcher
-        if disp._cache_HQ is not None and aux.stats["replicas"]:
+        if disp.replica_cache.replicas_HQ is not None and aux.stats["replicas"]:
             # what this rank computed with == what the owners hold right now
-            plan = disp._last_fetch
+            plan = disp.replica_cache.last_fetch
             owned = pack_experts(layer.experts.weights(), list(range(layer.experts.num_experts)))
             every = comm.all_gather_rows(owned.detach().reshape(-1)).reshape(
                 case["num_experts"], -1
             )
             truth = every[list(plan.recv_experts)]
             replica_errors.append(
-                (disp._cache_HQ - truth).abs().max().item() if truth.numel() else 0.0
+                (disp.replica_cache.replicas_HQ - truth).abs().max().item()
+                if truth.numel()
+                else 0.0
             )
             fetched.append(len(plan.recv_experts))
         (y * dy).sum().backward()

@@ -83,9 +83,11 @@ def test_mix_layer_trace_round_trips(tmp_path) -> None:
         ):
             assert stage in names, (stage, names)
         # replicas exist, so every rank runs two local work items (own experts, replicas: empty
-        # on a rank holding none) and one on the received rows, each under its stage's name
+        # on a rank holding none) and one on the received rows, each under its stage's name; a
+        # helper of a plan with share entries runs a second one: rows it computes with replicas
         assert names.count("moe.experts_local") == 2, names
-        assert names.count("moe.experts_remote") == 1, names
+        helper = out[rank]["stats"]["shares"] > 0 and out[rank]["stats"]["replicas"] > 0
+        assert names.count("moe.experts_remote") in ((1, 2) if helper else (1,)), names
         subs[rank] = {s.name: s for s in forward.sub_ops}
         assert subs[rank]["moe.dispatch"].kind == "comm"
         assert subs[rank]["moe.dispatch"].comm_func == "all_to_all"

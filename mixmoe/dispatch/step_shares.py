@@ -1,0 +1,121 @@
+"""Host-side bookkeeping of one step whose plan has share entries (the helper plan space).
+
+Legend: W ranks, E experts per rank, N = W*E experts, H replicas held here, C the count matrix
+[W, N], M rows of one receive-side column set (own experts and replicas held here).
+
+A share entry cuts segment (s, g) -- the rows source s routes to expert g, in their order on s
+(ascending token, then choice) -- into consecutive runs computed at named ranks: the owner of g,
+the source, or a helper holding a replica of g (``placement.plan``). So on rank r:
+
+- as a source, every kept row belongs to one *run* of its segment; sorted by expert (stable),
+  the rows of all segments are the runs back to back, and each run gets a sort key that puts
+  it in its final group: [own experts computed here | replicas computed here | sent, by
+  receiver, then expert | dropped]. One stable sort by the run keys gives the step's row order.
+- as a receiver, it gets from each source s the runs at r of segments (s, g) for its own
+  experts g and the experts it holds replicas of, in expert order (the sender's key order): the
+  received rows of replica experts are computed with the replicas, the rest with owned weights.
+
+Everything follows from C and the plan (no exchange): every rank computes the same splits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixmoe.placement.plan import Plan
+
+
+@dataclass(frozen=True)
+class SourceRuns:
+    """This rank's kept rows as runs (module doc).
+
+    run_len: rows of each run, in by-expert order (expert ascending, then the segment's runs).
+    run_key: sort key of each run: e for own slot e, E + h for replica slot h, E + H + c*N + g
+             for rows of expert g sent to rank c.
+    own_c:   rows computed here with each own slot (E).
+    rep_c:   rows computed here with each replica slot (H).
+    n_send:  rows sent away.
+    owned_rows_stay: every row routed here to an own expert is computed here (a plan-free
+             layout of the own rows is then still valid: the async own-rows compute).
+    """
+
+    run_len: list[int]
+    run_key: list[int]
+    own_c: list[int]
+    rep_c: list[int]
+    n_send: int
+    owned_rows_stay: bool
+
+
+def share_fields(
+    C_WN: torch.Tensor,
+    plan: Plan,
+    rank: int,
+    experts_per_rank: int,
+    recv_WE: torch.Tensor,
+    rows_moved: int,
+) -> dict:
+    """The ``StepPlan`` fields a share plan changes, for ``rank``: ``recv_WE`` and ``rows_moved``
+    are the replica rule's (``build_step_plan``'s vectorised values), patched here segment by
+    segment for the share entries only."""
+    W, E, r = C_WN.shape[0], experts_per_rank, rank
+    N = W * E
+    rep = plan.replica_slots(r)
+    H = len(rep)
+    rep_slot = {g: h for h, g in enumerate(rep)}
+
+    # -- source side: this rank's rows as runs
+    counts_r = C_WN[r].tolist()
+    entry_g = {g for s, g, _ in plan.shares if s == r}
+    experts = sorted(set(torch.nonzero(C_WN[r]).flatten().tolist()) | entry_g)
+    run_len, run_key = [], []
+    own_c, rep_c, in_splits = [0] * E, [0] * H, [0] * W
+    for g in experts:
+        for c, n in plan.segment_runs(r, g, counts_r[g], E):
+            if c != r:
+                key = E + H + c * N + g  # by receiver, then expert: the receiver's order
+                in_splits[c] += n
+            elif g // E == r:
+                key = g - r * E
+                own_c[key] += n
+            else:  # computed here with the replica (check_shares: r holds one)
+                key = E + rep_slot[g]
+                rep_c[key - E] += n
+            run_len.append(n)
+            run_key.append(key)
+
+    # -- receive side: columns = own experts and replicas held here, by expert id
+    cols = sorted([*range(r * E, (r + 1) * E), *rep])
+    col_of = {g: j for j, g in enumerate(cols)}
+    recv_WM = torch.zeros(W, len(cols), dtype=torch.int64)
+    own_cols = [col_of[g] for g in range(r * E, (r + 1) * E)]
+    recv_WM[:, own_cols] = recv_WE  # the replica rule's receive counts (a replica column: 0)
+    for s, g, runs in plan.shares:
+        if s != r and g in col_of:
+            recv_WM[s, col_of[g]] = dict(runs).get(r, 0)
+    recv_WM[r] = 0
+
+    # -- rows crossing ranks: the replica rule's total, corrected for the shared segments
+    for s, g, runs in plan.shares:
+        before = int(C_WN[s, g]) if plan.computed_at(s, g, E) != s else 0
+        rows_moved += sum(n for c, n in runs if c != s) - before
+
+    return {
+        "send_experts": (),
+        "in_splits": in_splits,
+        "out_splits": recv_WM.sum(1).tolist(),
+        "recv_counts": recv_WM.reshape(-1).tolist(),  # source-major, then expert id
+        "recv_slots": [g - r * E if g // E == r else rep_slot[g] for g in cols] * W,
+        "recv_replica": [g // E != r for g in cols] * W,
+        "rows_moved": rows_moved,
+        "runs": SourceRuns(
+            run_len=run_len,
+            run_key=run_key,
+            own_c=own_c,
+            rep_c=rep_c,
+            n_send=sum(in_splits),
+            owned_rows_stay=sum(own_c) == sum(counts_r[r * E : (r + 1) * E]),
+        ),
+    }

@@ -1,0 +1,123 @@
+"""The step bookkeeping of plans with share entries (``dispatch/step_shares.py`` through
+``build_step_plan``) against a loop twin written from the plan's definition: every segment's
+rows at each rank (``Plan.segment_runs``), summed the obvious way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mixmoe.dispatch.step_plan import build_step_plan
+from mixmoe.placement.cost_model import LayerShape
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.planner import plan_none
+from mixmoe.placement.profile import HardwareProfile
+
+PROFILE = HardwareProfile("test", gemm_flops=1e6, link_bandwidth=1e12, link_latency=1e-9)
+B = 4
+
+
+def random_share_plan(C: list[list[int]], E: int, rng: random.Random, base: Plan) -> Plan:
+    """Random holders; most segments cut into whole-block runs at random allowed ranks."""
+    W = len(C)
+    N = W * E
+    holders = {}
+    for g in range(N):
+        others = [h for h in range(W) if h != g // E]
+        if others and rng.random() < 0.6:
+            holders[g] = tuple(sorted(rng.sample(others, rng.randint(1, len(others)))))
+    shares = []
+    for s in range(W):
+        for g in range(N):
+            if not C[s][g] or rng.random() < 0.3:
+                continue
+            allowed = [g // E, *holders.get(g, ())]
+            ranks = rng.sample(allowed, rng.randint(1, len(allowed)))
+            runs, left = [], C[s][g]
+            for c in ranks[:-1]:
+                m = B * rng.randint(0, (left - 1) // B)
+                if m:
+                    runs.append((c, m))
+                    left -= m
+            runs.append((ranks[-1], left))
+            shares.append((s, g, tuple(runs)))
+    hot = tuple(sorted(holders))
+    return Plan(
+        hot, tuple((g, holders[g]) for g in hot), base.prediction, base.baseline, tuple(shares)
+    )
+
+
+def loop_twin(C: list[list[int]], plan: Plan, r: int, E: int) -> dict:
+    W = len(C)
+    N = W * E
+    at = [[dict(plan.segment_runs(s, g, C[s][g], E)) for g in range(N)] for s in range(W)]
+    rep = plan.replica_slots(r)
+    cols = sorted([*range(r * E, (r + 1) * E), *rep])
+    recv = [at[s][g].get(r, 0) if s != r else 0 for s in range(W) for g in cols]
+    return {
+        "in_splits": [sum(at[r][g].get(c, 0) for g in range(N)) if c != r else 0 for c in range(W)],
+        "out_splits": [
+            sum(at[s][g].get(r, 0) for g in range(N)) if s != r else 0 for s in range(W)
+        ],
+        "recv_counts": recv,
+        "recv_slots": [g - r * E if g // E == r else rep.index(g) for g in cols] * W,
+        "recv_replica": [g // E != r for g in cols] * W,
+        "rows_moved": sum(
+            n for s in range(W) for g in range(N) for c, n in at[s][g].items() if c != s
+        ),
+        "own_c": [at[r][r * E + e].get(r, 0) for e in range(E)],
+        "rep_c": [at[r][g].get(r, 0) for g in rep],
+    }
+
+
+@pytest.mark.parametrize("W,E", [(2, 1), (2, 3), (3, 2), (4, 2), (5, 1)])
+@pytest.mark.parametrize("seed", range(5))
+def test_share_bookkeeping_equals_the_loop_twin(W, E, seed):
+    rng = random.Random(100 * seed + 10 * W + E)
+    gen = torch.Generator().manual_seed(seed)
+    N = W * E
+    C_WN = (torch.rand(W, N, generator=gen) ** 2 * 40).to(torch.int64)
+    C_WN[torch.rand(W, N, generator=gen) < 0.2] = 0
+    C = C_WN.tolist()
+    plan = random_share_plan(C, E, rng, plan_none(C_WN, LayerShape(8, 16, E, W, 4), PROFILE))
+    plan.check_shares(C, E, B)
+    for r in range(W):
+        step = build_step_plan(C_WN, plan, r, E)
+        want = loop_twin(C, plan, r, E)
+        runs = step.runs
+        got = {
+            "in_splits": step.in_splits,
+            "out_splits": step.out_splits,
+            "recv_counts": step.recv_counts,
+            "recv_slots": step.recv_slots,
+            "recv_replica": step.recv_replica,
+            "rows_moved": step.rows_moved,
+            "own_c": runs.own_c,
+            "rep_c": runs.rep_c,
+        }
+        assert got == want, (r, plan)
+        # the runs cover this rank's kept rows, in by-expert order; keys put each in its group
+        assert sum(runs.run_len) == sum(C[r]) and min(runs.run_len, default=1) > 0
+        H = len(step.rep_experts)
+        assert runs.n_send == sum(step.in_splits)
+        by_key: dict[int, int] = {}
+        for n, key in zip(runs.run_len, runs.run_key, strict=True):
+            by_key[key] = by_key.get(key, 0) + n
+        for key, n in by_key.items():  # own slot e | replica slot h | sent to c for expert g
+            if key < E:
+                assert n == want["own_c"][key]
+            elif key < E + H:
+                assert n == want["rep_c"][key - E]
+            else:
+                c, g = divmod(key - E - H, N)
+                assert c != r and n == dict(plan.segment_runs(r, g, C[r][g], E))[c]
+        assert runs.owned_rows_stay == (sum(want["own_c"]) == sum(C[r][r * E : (r + 1) * E]))
+        assert step.owned_rows_stay() == runs.owned_rows_stay
+
+
+def test_plan_without_shares_keeps_the_fast_path():
+    C_WN = torch.tensor([[5, 0], [3, 9]])
+    step = build_step_plan(C_WN, plan_none(C_WN, LayerShape(8, 16, 1, 2, 4), PROFILE), 0, 1)
+    assert step.runs is None and step.recv_replica == [] and step.owned_rows_stay()

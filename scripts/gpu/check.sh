@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's checks, in one call of the device tool (see README "Kernels").
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
-# Stages: env, install, gpu-tests, ep-cuda, correctness (gpu-tests and ep-cuda side by side), train,
+# Stages: env, install, gpu-tests, ep-cuda, correctness (gpu-tests and ep-cuda side by side), train, modern,
 #   suite, kernels, kernels-fine, layer, layer-ab, hf, hf-ab, hf-bench, calibrate.
 # install: the project from this tree (PYTHONPATH) and, when .whl/ holds them, the pinned wheels the
 #   image lacks (transformers), unpacked into /tmp/site (no registry is reachable there).
 # ep-cuda: a2a/shadow/mix on CUDA tensors, 2 and 3 gloo ranks on the one GPU, vs the single-rank layer.
 # train: the first GPU training run (gpt2 base, bf16 autocast, ~100 steps).
+# modern: the DeepSeek-style layer on CUDA (fp32 router under bf16) and `train --model deepseek`.
 # kernels-fine: the fine-grained shape (256 experts, top-8, D2048 F1024, SwiGLU).
 # calibrate: one-GPU calibration, then the simulator's local-step predictions against bench layer (issue 9).
 # hf-bench: a transformers Mixtral's train step under each experts implementation (issue 14's one-device target).
@@ -35,6 +36,9 @@ for stage in "$@"; do case $stage in
        ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &
        ( run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda ) > "$OUT/correctness-b.txt" 2>&1 &
        wait; cat "$OUT/correctness-a.txt" "$OUT/correctness-b.txt";;
+  modern) run ds-cuda "${DS_S:-60}" $PY scripts/gpu/ds_cuda.py
+       run train-deepseek "${TRAIN_S:-150}" $PY -m mixmoe train --model deepseek --preset base --device cuda \
+         --dtype bfloat16 --max-steps ${TRAIN_STEPS:-100} --eval-every 50 --out "$OUT/train-deepseek" --no-progress;;
   train) run train "${TRAIN_S:-150}" $PY -m mixmoe train --model ${TRAIN_MODEL:-gpt2} --preset base --device cuda \
          --dtype bfloat16 --max-steps ${TRAIN_STEPS:-100} --eval-every 50 --out "$OUT/train" --no-progress;;
   kernels-fine) run kernels-fine "${KERNELS_S:-150}" $PY -m mixmoe bench kernels --device cuda --dtype bf16 \

@@ -84,6 +84,7 @@ def _rank(comm, cases: list[dict], device: str) -> list[dict]:
             (y.double() * dy.to(device)).sum().backward()
             got = _grads(layer, x, y)
             got["replicas"] = int((aux.stats or {}).get("replicas", 0))
+            got["shares"] = int((aux.stats or {}).get("shares", 0))
             got["counts"] = aux.counts_N.detach().cpu()
             got["on"] = str(y.device)
             results.append(got)
@@ -172,12 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             worst, where = _compare(case, got, world, args.device)
             ok = worst <= TOL[case["dtype"]]
             reps = max(g["replicas"] for g in got)
+            shares = max(g["shares"] for g in got)
             if case["strategy"] != "a2a" and reps == 0:
                 ok = False
                 where += " (no replica used)"
             failed += not ok
             print(
-                f"{'ok  ' if ok else 'FAIL'} {name} on={got[0]['on']} replicas={reps} "
+                f"{'ok  ' if ok else 'FAIL'} {name} on={got[0]['on']} replicas={reps} shares={shares} "
                 f"max rel err {worst:.2e} ({where})"
             )
     print(f"ep_one_gpu: {'all passed' if not failed else f'{failed} case(s) failed'}")

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from mixmoe.bench.timing import median
+from mixmoe.comm import Communicator
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import PRESETS
 from mixmoe.validation import check_int
@@ -195,7 +196,9 @@ def measure_gemm(cfg: CalibrateConfig) -> list[dict[str, float]]:
     return out
 
 
-def _rank_sweeps(comm, cfg: CalibrateConfig) -> tuple[list[dict], list[dict], list[dict]]:
+def _rank_sweeps(
+    comm: Communicator, cfg: CalibrateConfig
+) -> tuple[list[dict], list[dict], list[dict]]:
     """Every rank at once: the expert MLP sweep (each rank's times all-reduced to the slowest:
     the per-rank rate while W ranks share the machine, as in a W-rank benchmark), the
     all_to_all sweep, then the layer runs of the fixed-cost fit; every rank returns the same
@@ -218,7 +221,7 @@ def _rank_sweeps(comm, cfg: CalibrateConfig) -> tuple[list[dict], list[dict], li
     return gemm, a2a, layer_runs(comm, cfg)
 
 
-def _a2a_rank(comm, cfg: CalibrateConfig) -> list[dict[str, float]]:
+def _a2a_rank(comm: Communicator, cfg: CalibrateConfig) -> list[dict[str, float]]:
     """Every rank: the all_to_all sweep; every rank returns the same (all-reduced) medians."""
     W = comm.world_size
     device = torch.device(cfg.device)
@@ -245,7 +248,9 @@ def _a2a_rank(comm, cfg: CalibrateConfig) -> list[dict[str, float]]:
     return out
 
 
-def measure_ranks(cfg: CalibrateConfig, comm=None) -> tuple[list[dict], list[dict], list[dict]]:
+def measure_ranks(
+    cfg: CalibrateConfig, comm: Communicator | None = None
+) -> tuple[list[dict], list[dict], list[dict]]:
     """(expert MLP sweep, all_to_all sweep, layer runs) measured on ``comm`` (torchrun's group)
     or on W spawned gloo ranks (CPU), all ranks at once; on one rank (``cfg.world_size`` 1) in
     this process on ``cfg.device``, without a process group (no all_to_all sweep)."""
@@ -265,7 +270,7 @@ def measure_ranks(cfg: CalibrateConfig, comm=None) -> tuple[list[dict], list[dic
     return spawn_gloo(_rank_sweeps, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
 
 
-def measure_a2a(cfg: CalibrateConfig, comm=None) -> list[dict[str, float]]:
+def measure_a2a(cfg: CalibrateConfig, comm: Communicator | None = None) -> list[dict[str, float]]:
     """The all_to_all sweep alone (see ``measure_ranks``)."""
     if comm is not None:
         return _a2a_rank(comm, cfg)
@@ -274,7 +279,9 @@ def measure_a2a(cfg: CalibrateConfig, comm=None) -> list[dict[str, float]]:
     return spawn_gloo(_a2a_rank, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
 
 
-def calibrate(cfg: CalibrateConfig, comm=None) -> tuple[HardwareProfile, dict[str, Any]]:
+def calibrate(
+    cfg: CalibrateConfig, comm: Communicator | None = None
+) -> tuple[HardwareProfile, dict[str, Any]]:
     """(the measured profile, the raw measurements and the fits)."""
     gemm, a2a, runs = measure_ranks(cfg, comm)
     flops = [p["flops_fwd_bwd"] for p in gemm]

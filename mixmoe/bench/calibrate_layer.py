@@ -32,12 +32,13 @@ from typing import Any
 import torch
 
 from mixmoe.bench.timing import median
+from mixmoe.comm import Communicator
 from mixmoe.simulate.fixed_cost_fit import HOT, REPLICATE, TOP_K
 
 __all__ = ["layer_runs"]
 
 
-def layer_runs(comm, cfg) -> list[dict[str, Any]]:
+def layer_runs(comm: Communicator, cfg) -> list[dict[str, Any]]:
     """Every rank (``comm`` of W ranks, or None on one rank without a process group; ``cfg`` a
     ``CalibrateConfig``): the runs of the module doc, one record each (tokens, routing, strategy,
     step_s, replicas, counts_WN); the same on all ranks. The runs are interleaved step by step

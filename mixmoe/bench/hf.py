@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mixmoe.bench.timing import StageTimer, median
+from mixmoe.comm import Communicator
 from mixmoe.comm.launch import spawn_gloo, under_torchrun
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.validation import check_choice, check_device, check_int, torch_dtype
@@ -331,7 +332,7 @@ def _count_replicas(
     replicas[impl].append(sum(ep.last_stats.get("replicas", 0) for ep in ep_implementations(model)))
 
 
-def run_rank(cfg: HFBenchConfig, comm, path: str) -> list[dict]:
+def run_rank(cfg: HFBenchConfig, comm: Communicator, path: str) -> list[dict]:
     """This rank's part of the benchmark; every rank returns the same records (times are the
     slowest rank's)."""
     from mixmoe.hf.ep import ep_implementations
@@ -508,7 +509,7 @@ def run_single_device(cfg: HFBenchConfig) -> list[dict]:
     return records
 
 
-def _rank_main(comm, cfg: HFBenchConfig, path: str) -> list[dict]:
+def _rank_main(comm: Communicator, cfg: HFBenchConfig, path: str) -> list[dict]:
     return run_rank(cfg, comm, path)
 
 

@@ -37,6 +37,7 @@ from typing import Any, TextIO
 import torch
 
 from mixmoe.bench.timing import StageTimer, median
+from mixmoe.comm import Communicator
 from mixmoe.config import STRATEGIES, MoEConfig
 from mixmoe.formats import layer_log
 from mixmoe.gating.synthetic import RoutingSpec, SyntheticGate, synthetic_ids
@@ -146,7 +147,10 @@ class _Progress:
 
 
 def build_layer(
-    cfg: LayerBenchConfig, strategy: str, ids_TK: torch.Tensor | None, comm=None
+    cfg: LayerBenchConfig,
+    strategy: str,
+    ids_TK: torch.Tensor | None,
+    comm: Communicator | None = None,
 ) -> torch.nn.Module:
     """The layer for one strategy; every strategy gets identical parameters (same seed)."""
     device, dtype = torch.device(cfg.device), torch_dtype(cfg.dtype)
@@ -203,7 +207,7 @@ def _traced_op(
     return recorder.op(name, batch_id=step, mg_state=state, description=f"strategy={strategy}")
 
 
-def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
+def run_rank(cfg: LayerBenchConfig, comm: Communicator | None = None) -> list[StrategyResult]:
     """Run the interleaved benchmark on this rank; all ranks return the synchronised results."""
     rank = 0 if comm is None else comm.rank
     x_TD, dy_TD, ids_TK = _inputs(cfg, rank)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from mixmoe.bench.timing import median
+from mixmoe.comm import Communicator
 from mixmoe.config import STRATEGIES
 from mixmoe.formats import model_log
 from mixmoe.validation import check_int
@@ -123,7 +124,7 @@ class VariantResult:
     tokens_per_step: int = 0
 
 
-def run_rank(cfg: ModelBenchConfig, comm=None) -> list[VariantResult]:
+def run_rank(cfg: ModelBenchConfig, comm: Communicator | None = None) -> list[VariantResult]:
     """Every (model, variant) on this rank, one after the other; all ranks return the same
     synchronised results."""
     from mixmoe.train.loop import Trainer
@@ -216,7 +217,7 @@ def jsonl_records(cfg: ModelBenchConfig, results: list[VariantResult]) -> list[d
     ]
 
 
-def _rank_main(comm, cfg: ModelBenchConfig) -> list[VariantResult]:
+def _rank_main(comm: Communicator, cfg: ModelBenchConfig) -> list[VariantResult]:
     if cfg.threads:
         import torch
 

@@ -4,10 +4,11 @@ otherwise N gloo processes spawned here (CPU)."""
 from __future__ import annotations
 
 from mixmoe.bench.layer import LayerBenchConfig, StrategyResult, run_rank
+from mixmoe.comm import Communicator
 from mixmoe.comm.launch import run_on_ranks
 
 
-def _rank_main(comm, cfg: LayerBenchConfig) -> list[StrategyResult]:
+def _rank_main(comm: Communicator, cfg: LayerBenchConfig) -> list[StrategyResult]:
     if cfg.threads:
         import torch
 

@@ -5,7 +5,12 @@ world-size-1 stand-in; ``autograd`` holds the differentiable all-to-alls; ``laun
 function on W local gloo processes (tests, benchmarks, the demo, ``--world-size``).
 """
 
-from mixmoe.comm.communicator import Communicator, LocalCommunicator, Work
+from mixmoe.comm.communicator import (
+    Communicator,
+    LocalCommunicator,
+    ProcessGroupCommunicator,
+    Work,
+)
 from mixmoe.comm.process_group import (
     init_distributed,
     init_file_store,
@@ -16,6 +21,7 @@ from mixmoe.comm.process_group import (
 __all__ = [
     "Communicator",
     "LocalCommunicator",
+    "ProcessGroupCommunicator",
     "Work",
     "init_distributed",
     "init_file_store",

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mixmoe.comm.communicator import Communicator
 from mixmoe.tracing.span import recorder_lookup, trace_span
 
 BACKWARD = ".backward"  # suffix of a backward exchange's span name
@@ -70,7 +71,13 @@ class _Pending:
         self.trace = None  # _trace_of(...) of the exchange, for its backward span
 
 
-def _move(comm, x_RC: torch.Tensor, out_splits: list[int], in_splits: list[int], async_op=False):
+def _move(
+    comm: Communicator,
+    x_RC: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    async_op=False,
+):
     out = x_RC.new_empty((sum(out_splits),) + tuple(x_RC.shape[1:]))
     work = comm.all_to_all(out, x_RC, out_splits, in_splits, async_op=async_op)
     return out, work
@@ -124,7 +131,7 @@ class _Wait(torch.autograd.Function):
 
 
 def all_to_all(
-    comm,
+    comm: Communicator,
     x_RC: torch.Tensor,
     out_splits: list[int],
     in_splits: list[int],
@@ -135,7 +142,7 @@ def all_to_all(
 
 
 def all_to_all_start(
-    comm,
+    comm: Communicator,
     x_RC: torch.Tensor,
     out_splits: list[int],
     in_splits: list[int],
@@ -150,7 +157,7 @@ def all_to_all_wait(out_RC: torch.Tensor, pending: _Pending) -> torch.Tensor:
 
 
 def cached_all_to_all(
-    comm,
+    comm: Communicator,
     x_RC: torch.Tensor,
     out_splits: list[int],
     in_splits: list[int],

@@ -1,4 +1,7 @@
-"""``Communicator``: the collectives a MoE layer needs, over one process group.
+"""``Communicator``: the collectives a MoE layer needs, as a protocol, and its two implementations:
+``ProcessGroupCommunicator`` (one torch.distributed process group: gloo on CPU, NCCL on CUDA) and
+``LocalCommunicator`` (world size 1, no process group). Everything above ``comm`` takes a
+``Communicator`` and never touches ``torch.distributed`` itself.
 
 Every split list is in rows of dim 0 and must be identical in meaning on all ranks (rank s's
 ``in_splits[q]`` == rank q's ``out_splits[s]``). Async variants return a ``Work`` whose ``wait()``
@@ -7,7 +10,7 @@ must be called before the output is read.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -24,8 +27,37 @@ class _Done:
         return True
 
 
-class Communicator:
-    """Collectives over ``group`` (None = the default/world group)."""
+@runtime_checkable
+class Communicator(Protocol):
+    """What the layers, dispatchers, training loop and benchmarks need of a group of ranks."""
+
+    rank: int
+    world_size: int
+    backend: str
+    group: dist.ProcessGroup | None  # None: the world group, or no group at all (local)
+
+    def all_gather_rows(self, x_C: torch.Tensor) -> torch.Tensor: ...
+
+    def all_to_all(
+        self,
+        out_RC: torch.Tensor,
+        in_RC: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        async_op: bool = False,
+    ) -> Work: ...
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work: ...
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast(self, x: torch.Tensor, src: int) -> None: ...
+
+    def barrier(self) -> None: ...
+
+
+class ProcessGroupCommunicator:
+    """``Communicator`` over ``group`` (None = the default/world group)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mixmoe.comm.communicator import Communicator
+from mixmoe.comm.communicator import Communicator, ProcessGroupCommunicator
 
 
 def init_distributed(
@@ -60,7 +60,7 @@ def init_distributed(
             torch.cuda.set_device(
                 int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             )
-    return Communicator()
+    return ProcessGroupCommunicator()
 
 
 def init_file_store(
@@ -103,4 +103,4 @@ def new_expert_groups(ep_size: int) -> tuple[Communicator, Communicator]:
         g = dist.new_group(list(range(offset, world, ep_size)))
         if rank % ep_size == offset:
             edp_group = g
-    return Communicator(ep_group), Communicator(edp_group)
+    return ProcessGroupCommunicator(ep_group), ProcessGroupCommunicator(edp_group)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mixmoe.comm import Communicator
 from mixmoe.comm.autograd import all_to_all, all_to_all_start, all_to_all_wait
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.layout import count_matrix_to_host
@@ -103,7 +104,7 @@ class ExpertParallelDispatcher:
 
     def __init__(
         self,
-        comm,
+        comm: Communicator,
         config: MoEConfig,
         strategy: str,
         profile: HardwareProfile | None = None,

@@ -203,8 +203,8 @@ def _communicator(group: object | None):
     """None, a mixmoe communicator as it is, or a torch process group wrapped in one."""
     if group is None:
         return None
-    from mixmoe.comm import Communicator, LocalCommunicator
+    from mixmoe.comm import Communicator
 
-    if isinstance(group, (Communicator, LocalCommunicator)):
+    if isinstance(group, Communicator):
         return group
     return Communicator(group)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixmoe.comm import Communicator
+from mixmoe.comm import ProcessGroupCommunicator
 from mixmoe.comm.fsdp import sharded_parameters_version
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
@@ -91,7 +91,7 @@ class MixmoeEP:
                 "one device"
             )
         self.experts = experts
-        self.comm = Communicator(ep_mesh.get_group())
+        self.comm = ProcessGroupCommunicator(ep_mesh.get_group())
         self.num_local_experts = int(experts.num_experts)
         self.num_experts = self.num_local_experts * self.comm.world_size
         self.dispatcher: ExpertParallelDispatcher | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixmoe.comm import Communicator
 from mixmoe.layers.experts import Experts
 
 
@@ -13,7 +14,7 @@ def _expert_modules(model: nn.Module) -> list[tuple[str, Experts]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Experts)]
 
 
-def gather_full_state_dict(model: nn.Module, comm) -> dict[str, torch.Tensor] | None:
+def gather_full_state_dict(model: nn.Module, comm: Communicator) -> dict[str, torch.Tensor] | None:
     """The state dict of ``model`` with every expert tensor holding ALL global experts (as the
     single-device layer would). Collective: every rank calls it; rank 0 gets the dict, others None."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from mixmoe.comm import Communicator
 from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
 from mixmoe.dispatch.local import LocalDispatcher
 from mixmoe.dispatch.strategies import strategy_spec
@@ -49,7 +50,7 @@ def _shard_experts(full: Experts, rank: int, world_size: int) -> Experts:
 
 def parallelize_moe(
     layer: MoE,
-    comm,
+    comm: Communicator,
     strategy: str | None = None,
     profile: HardwareProfile | str | os.PathLike[str] | None = None,
 ) -> MoE:

@@ -66,7 +66,7 @@ class _Counting:
 def _worker(comm) -> dict:
     import torch.distributed as dist
 
-    from mixmoe.comm.communicator import Communicator
+    from mixmoe.comm.communicator import ProcessGroupCommunicator
 
     r = comm.rank
     out: dict = {"rank": comm.rank, "world": comm.world_size, "backend": comm.backend}
@@ -97,7 +97,7 @@ def _worker(comm) -> dict:
     # a subgroup of global ranks 1 and 2: group rank 1 is global rank 2
     sub = dist.new_group([1, 2])
     if r in (1, 2):
-        sub_comm = Communicator(sub)
+        sub_comm = ProcessGroupCommunicator(sub)
         out["sub"] = (sub_comm.rank, sub_comm.world_size)
         b = torch.tensor([float(r)] * 2)
         sub_comm.broadcast(b, src=1)
@@ -195,8 +195,8 @@ def test_local_communicator_is_a_world_of_one() -> None:
 def test_communicator_needs_an_initialised_process_group() -> None:
     import torch.distributed as dist
 
-    from mixmoe.comm.communicator import Communicator
+    from mixmoe.comm.communicator import ProcessGroupCommunicator
 
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_distributed"):
-        Communicator()
+        ProcessGroupCommunicator()

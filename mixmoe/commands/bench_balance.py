@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from mixmoe.commands.options import add_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.simulate.workloads import SHAPES, BalanceConfig, shape_spec
 
@@ -83,11 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the count matrices")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    p.add_argument(
-        "--jsonl",
-        default="runs/bench-balance.jsonl",
-        help="append one JSON record per case here ('' for none)",
-    )
+    add_jsonl(p, "runs/bench-balance.jsonl", "one record per case")
     p.add_argument("--png", default="runs/bench-balance.png", help="the plot here ('' for none)")
 
 

@@ -26,6 +26,7 @@ from mixmoe.bench.hf import (
     HFModelShape,
     run_hf_bench,
 )
+from mixmoe.commands.options import add_jsonl
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 
@@ -91,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "or the JSON of `mixmoe calibrate` ('' for the device's default)",
     )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    p.add_argument("--jsonl", default=None, help="append the records (with the environment) here")
+    add_jsonl(p, None, "one record per (routing, implementation)")
 
 
 def run(args: argparse.Namespace) -> int:

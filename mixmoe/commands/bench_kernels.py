@@ -25,6 +25,7 @@ from mixmoe.bench.kernels import (
     Point,
     run_point,
 )
+from mixmoe.commands.options import add_device, add_jsonl
 from mixmoe.config import ACTIVATIONS
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
@@ -76,9 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode", type=word_list, default=MODES, help="comma list of fwd, fwd+bwd (default: both)"
     )
-    p.add_argument(
-        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)"
-    )
+    add_device(p, None, "the kernels (default: cuda if available)")
     p.add_argument(
         "--warmup", type=int, default=None, help="untimed runs per provider (default GPU 5, CPU 2)"
     )
@@ -86,9 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=None, help="timed runs per provider (default GPU 20, CPU 5)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of routing, weights and inputs")
-    p.add_argument(
-        "--jsonl", default=None, help="append one JSON record per (point, provider) here"
-    )
+    add_jsonl(p, None, "one record per (point, provider)")
 
 
 def config_from_args(args: argparse.Namespace) -> KernelBenchConfig:

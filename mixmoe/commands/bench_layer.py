@@ -20,6 +20,7 @@ from mixmoe.bench.layer import (
     summary_rows,
     write_logs,
 )
+from mixmoe.commands.options import add_device, add_jsonl
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default=d.dtype, choices=list(DTYPE_NAMES), help="parameter and input dtype"
     )
-    p.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
+    add_device(p, d.device, "every rank's layer")
     p.add_argument("--steps", type=int, default=d.steps, help="measured steps")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (not measured)")
     p.add_argument("--routing", default=d.routing, help="gate | uniform | zipf:S | hot:P")
@@ -61,9 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: leave as is)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of parameters and inputs")
-    p.add_argument(
-        "--jsonl", default="runs/bench-layer.jsonl", help="append JSONL records here ('' for none)"
-    )
+    add_jsonl(p, "runs/bench-layer.jsonl", "one record per strategy")
     p.add_argument(
         "--profile",
         default="",

@@ -23,6 +23,7 @@ from mixmoe.bench.model import (
     summary_rows,
     write_log,
 )
+from mixmoe.commands.options import add_device, add_jsonl
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.train.loop import DTYPES
@@ -60,14 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks; on CPU spawns gloo processes (default: torchrun's WORLD_SIZE or 1)",
     )
     p.add_argument("--dtype", default=d.dtype, choices=list(DTYPES), help="bfloat16: CUDA autocast")
-    p.add_argument("--device", default=d.device, help="cpu or cuda")
+    add_device(p, d.device, "the models")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: leave)")
     p.add_argument("--log", default=None, help="write the section 2 log here instead of stdout")
-    p.add_argument(
-        "--jsonl", default="runs/bench-model.jsonl", help="append JSONL records here ('' for none)"
-    )
+    add_jsonl(p, "runs/bench-model.jsonl", "one record per variant")
 
 
 def _list(text: str) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from dataclasses import asdict
 import torch
 
 from mixmoe.bench.peers import PROVIDERS, PeerBenchConfig, run_peers
+from mixmoe.commands.options import add_jsonl
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--providers", default=",".join(d.providers), help=f"comma list, some of {PROVIDERS}"
     )
-    p.add_argument("--jsonl", default=None, help="append the result (with the environment) here")
+    add_jsonl(p, None, "the result")
 
 
 def run(args: argparse.Namespace) -> int:

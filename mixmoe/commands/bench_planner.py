@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mixmoe.bench.planner import PlannerBenchConfig, run_case
+from mixmoe.commands.options import add_jsonl
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
@@ -93,11 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the counts")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    p.add_argument(
-        "--jsonl",
-        default="runs/bench-planner.jsonl",
-        help="append one JSON record per case here ('' for none)",
-    )
+    add_jsonl(p, "runs/bench-planner.jsonl", "one record per case")
 
 
 def config_from_args(args: argparse.Namespace) -> PlannerBenchConfig:

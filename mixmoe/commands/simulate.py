@@ -17,6 +17,7 @@ import argparse
 import time
 from typing import Any
 
+from mixmoe.commands.options import add_jsonl
 from mixmoe.report.text_table import render_table
 
 __all__ = ["add_arguments", "run"]
@@ -105,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="model level: data-parallel replicas")
     p.add_argument("--edp", type=int, default=1, help="model level: expert-data-parallel")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
-    p.add_argument("--jsonl", default="", help="append one JSON record per prediction here")
+    add_jsonl(p, "", "one record per prediction")
     p.add_argument(
         "--validate",
         default="",

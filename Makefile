@@ -12,7 +12,7 @@ STAMP   := $(VENV)/.installed
 LATEST  := .venv-latest
 # what test-latest installs as torch (e.g. "torch --index-url https://download.pytorch.org/whl/cpu")
 TORCH_LATEST ?= torch
-# what test-latest runs (e.g. PYTEST_ARGS="tests/unit -x" for a quicker look)
+# what test-latest runs (e.g. PYTEST_ARGS="tests/layers -x" for a quicker look)
 PYTEST_ARGS ?= tests
 
 .PHONY: demo test test-fast test-latest constraints lint mutation clean venv

@@ -7,11 +7,14 @@ scripts/mutation/run_mutation.py): no example database, fixed examples."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+# helpers shared by test folders (tests mirror the package tree: one folder per package)
+sys.path.insert(0, str(HERE / "helpers"))
 
 # Without a GPU the Triton kernels run under the CPU interpreter (tests/kernels/conftest.py). The
 # interpreter is chosen when a function is decorated, triton.language's own helpers included, so it

@@ -45,7 +45,7 @@ from mixmoe.types import MoEAux
 
 # The router classes of the installed transformers (5.24) whose forward is the same code as the
 # kind's first class, each checked by converting the family's whole tiny model
-# (tests/unit/test_hf_convert.py). Same router code but not listed: AXK1 (a norm after the
+# (tests/hf/test_hf_convert.py). Same router code but not listed: AXK1 (a norm after the
 # block), HY-V4 (clamped SwiGLU experts), Nemotron-H (relu^2 experts) cannot convert exactly;
 # DeepSeek-OCR2, GLM-5-Next, HY-V4-VL, Qwen3-Omni have no tiny text model to check.
 SOFTMAX_ALWAYS_RENORM = ("MixtralTopKRouter", "MiniMaxTopKRouter")

@@ -47,10 +47,36 @@ LOGS = ROOT / ".mutmut-logs"
 GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "gating": (
         ["mixmoe/gating"],
-        ["tests/unit/test_gating.py", "tests/unit/test_layer_vs_reference.py"],
-        ["tests/unit"],
+        ["tests/gating/test_gating.py", "tests/layers/test_layer_vs_reference.py"],
+        [
+            "tests/gating",
+            "tests/dispatch",
+            "tests/layers",
+            "tests/ops",
+            "tests/schedule",
+            "tests/comm",
+            "tests/parallel",
+            "tests/hf",
+            "tests/bench",
+            "tests/project",
+        ],
     ),
-    "schedule": (["mixmoe/schedule"], ["tests/unit/test_schedule.py"], ["tests/unit"]),
+    "schedule": (
+        ["mixmoe/schedule"],
+        ["tests/schedule/test_schedule.py"],
+        [
+            "tests/gating",
+            "tests/dispatch",
+            "tests/layers",
+            "tests/ops",
+            "tests/schedule",
+            "tests/comm",
+            "tests/parallel",
+            "tests/hf",
+            "tests/bench",
+            "tests/project",
+        ],
+    ),
     "placement": (  # a wrong cost changes which plan is picked, not the layer's numbers
         ["mixmoe/placement"],
         [  # the search forms against each other and against the spelled-out greedy first
@@ -60,8 +86,8 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/placement",
         ],
         [
-            "tests/unit/test_step_plan.py",
-            "tests/unit/test_bench_planner.py",
+            "tests/dispatch/test_step_plan.py",
+            "tests/bench/test_bench_planner.py",
             "tests/distributed/test_strategies.py",  # the plan accessors the dispatch uses
         ],
     ),
@@ -70,16 +96,28 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
         [
             "tests/kernels/test_cpu_expert_mlp.py",  # the CPU fused expert MLP: 10 s
             "tests/kernels/test_fused_ops.py",  # the fused ops: torch impls first, then Triton's
-            "tests/unit/test_ops.py",
+            "tests/ops/test_ops.py",
             "tests/kernels/test_grouped_mm_expert_mlp.py",
         ],
-        ["tests/unit", "tests/kernels"],
+        [
+            "tests/gating",
+            "tests/dispatch",
+            "tests/layers",
+            "tests/ops",
+            "tests/schedule",
+            "tests/comm",
+            "tests/parallel",
+            "tests/hf",
+            "tests/bench",
+            "tests/project",
+            "tests/kernels",
+        ],
     ),
     "parallel": (
         ["mixmoe/parallel"],
         [
-            "tests/unit/test_parallel_state.py",  # load, slice, marks: one process
-            "tests/unit/test_sharded_build.py",  # layers built for a rank: one process
+            "tests/parallel/test_parallel_state.py",  # load, slice, marks: one process
+            "tests/parallel/test_sharded_build.py",  # layers built for a rank: one process
             "tests/distributed/test_checkpoint_and_failures.py::"
             "test_gathered_checkpoint_is_the_unsharded_layer",
             "tests/distributed/test_ddp_and_expert_data_parallel.py",
@@ -87,14 +125,14 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
         [
             "tests/distributed/test_checkpoint_and_failures.py",
             "tests/distributed/test_dropin_parallel.py",
-            "tests/unit/test_sharded_build.py",
+            "tests/parallel/test_sharded_build.py",
             "tests/distributed/test_strategies.py",
         ],
     ),
     "comm": (
         ["mixmoe/comm"],
         [
-            "tests/unit/test_process_group.py",  # init, groups' layout, FSDP version: one process
+            "tests/comm/test_process_group.py",  # init, groups' layout, FSDP version: one process
             "tests/distributed/test_comm.py::test_local_communicator_is_a_world_of_one",
             "tests/distributed/test_gradient_accumulation.py",  # every all_to_all, 2 ranks
             "tests/distributed/test_comm.py",  # each collective on 3 ranks, uneven splits
@@ -109,22 +147,22 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "dispatch": (  # the expert-parallel engine: 2 ranks, every strategy, cached replicas first
         ["mixmoe/dispatch"],
         [
-            "tests/unit/test_step_layout.py",  # the layout's contract, no process
-            "tests/unit/test_replicas.py",
-            "tests/unit/test_ep_world_of_one.py",  # the engine with nothing to move
-            "tests/unit/test_ep_planner_inputs.py",  # the planner's shape, the handshake
-            "tests/unit/test_ep_dispatch_step.py",  # own rows handed over once, stats
-            "tests/unit/test_plan_background.py",  # the async plan, plans_async
-            "tests/unit/test_step_records.py",  # frozen records, the strategy registry
-            "tests/unit/test_step_plan.py",
-            "tests/unit/test_schedule.py",  # expert_row_layout
+            "tests/dispatch/test_step_layout.py",  # the layout's contract, no process
+            "tests/dispatch/test_replicas.py",
+            "tests/dispatch/test_ep_world_of_one.py",  # the engine with nothing to move
+            "tests/dispatch/test_ep_planner_inputs.py",  # the planner's shape, the handshake
+            "tests/dispatch/test_ep_dispatch_step.py",  # own rows handed over once, stats
+            "tests/dispatch/test_plan_background.py",  # the async plan, plans_async
+            "tests/dispatch/test_step_records.py",  # frozen records, the strategy registry
+            "tests/dispatch/test_step_plan.py",
+            "tests/schedule/test_schedule.py",  # expert_row_layout
             "tests/distributed/test_gradient_accumulation.py",  # 2 ranks, every strategy
             "tests/distributed/test_strategies.py::test_strategies_match_single_rank[2]",
             "tests/distributed/test_count_exchange.py",
         ],
         [
-            "tests/unit/test_layer_vs_reference.py",  # the local dispatcher
-            "tests/unit/test_plan_background.py",  # the async plan, the own rows' span
+            "tests/layers/test_layer_vs_reference.py",  # the local dispatcher
+            "tests/dispatch/test_plan_background.py",  # the async plan, the own rows' span
             "tests/distributed/test_strategies.py",
             "tests/distributed/test_training.py",  # replica cache invalidated by a step
             "tests/distributed/test_strategy_agreement.py",

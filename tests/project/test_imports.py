@@ -113,7 +113,7 @@ def import_violations(root: Path) -> list[str]:
             if own < 0:
                 problems.append(
                     f"{module}: top-level module '{top}' has no layer; add it to LAYERS "
-                    "(tests/unit/test_imports.py) and to the table in docs/design.md"
+                    "(tests/project/test_imports.py) and to the table in docs/design.md"
                 )
                 continue
         tree = ast.parse(path.read_text(), filename=str(path))

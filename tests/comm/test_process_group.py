@@ -135,7 +135,7 @@ class _Stand:
         monkeypatch.setattr(
             dist, "init_process_group", lambda backend, **kw: self.inits.append((backend, kw))
         )
-        monkeypatch.setattr(pg_module, "Communicator", lambda group=None: "comm")
+        monkeypatch.setattr(pg_module, "ProcessGroupCommunicator", lambda group=None: "comm")
 
 
 def test_auto_picks_nccl_where_cuda_is_and_sets_the_local_device(fresh_world, monkeypatch):
@@ -172,7 +172,7 @@ def _groups_of(monkeypatch, world: int, rank: int, ep_size: int) -> tuple:
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
     monkeypatch.setattr(dist, "new_group", new_group)
-    monkeypatch.setattr(pg_module, "Communicator", lambda group: group)
+    monkeypatch.setattr(pg_module, "ProcessGroupCommunicator", lambda group: group)
     ep, edp = new_expert_groups(ep_size)
     return created, ep, edp
 

@@ -89,6 +89,7 @@ class WaterFill:
             owner_rows[g] -= int(C_WN[list(h), g].sum())
         self.owner_rows = owner_rows.tolist()
         self.degrees: dict[int, dict[int, int]] = {}
+        self._totals_by_rounds: dict[int, Callable[[int, int, int, int], float]] = {}
         self.moves = 0
 
     def set_loads(self, loads: list[list[int]]) -> None:
@@ -99,17 +100,20 @@ class WaterFill:
             self.degrees[g], d = relay_degrees(g // self.E, h, self.distance)
             depth = max(depth, d)
         self.rounds = depth
-        self.totals = [self._total(r) for r in range(self.W)]
+        total = self._total_fn(depth)
+        self.totals = list(map(total, self.rows, self.local, self.remote, self.replica))
 
     def _total(self, r: int) -> float:
-        return self.model.rank_total(
-            self.rows[r],
-            self.local[r],
-            self.remote[r],
-            self.replica[r],
-            self.any_remote,
-            self.rounds,
+        return self._total_fn(self.rounds)(
+            self.rows[r], self.local[r], self.remote[r], self.replica[r]
         )
+
+    def _total_fn(self, rounds: int) -> Callable[[int, int, int, int], float]:
+        """``StepModel.total_fn`` for this search's any_remote and ``rounds``, built once each."""
+        fn = self._totals_by_rounds.get(rounds)
+        if fn is None:
+            fn = self._totals_by_rounds[rounds] = self.model.total_fn(self.any_remote, rounds)
+        return fn
 
     def _where(self, g: int) -> dict[int, dict[int, int]]:
         """g's placement by rank and source, from the replica rule on first use."""
@@ -161,22 +165,6 @@ class WaterFill:
             break
         return out
 
-    @staticmethod
-    def _delta(b: int, y: int, s: int, n: int, lb: list[int], ly: list[int]) -> None:
-        """Moving n rows of source s from b to y, on the loads lb of b and ly of y."""
-        lb[0] -= n
-        ly[0] += n
-        if s == b:  # b's own rows: b now sends them
-            lb[1] -= n
-            lb[2] += n
-        else:  # b no longer receives (and returns) them
-            lb[2] -= n
-        if s == y:  # y's own rows: local at y, no longer sent
-            ly[1] += n
-            ly[2] -= n
-        else:  # y receives them from s
-            ly[2] += n
-
     def evaluate(self, g: int, b: int, y: int, best: float, level: float = float("inf")):
         """The best move of g's rows from b to y (module doc, step 3-5): (new max over the
         changed ranks, takes [(source, rows)], changed {rank: loads}, new tree or None, rounds)
@@ -199,28 +187,29 @@ class WaterFill:
         groups = self._groups(g, b, y)
         if not groups:
             return None
-        total, any_remote = self.model.rank_total, self.any_remote
-        lb = [self.rows[b], self.local[b], self.remote[b], self.replica[b] + extra.get(b, 0)]
-        ly = [self.rows[y], self.local[y], self.remote[y], self.replica[y] + extra.get(y, 0)]
+        total = self._total_fn(rounds)
+        lb = (self.rows[b], self.local[b], self.remote[b], self.replica[b] + extra.get(b, 0))
+        ly = (self.rows[y], self.local[y], self.remote[y], self.replica[y] + extra.get(y, 0))
 
-        def pair(lb: list[int], ly: list[int]) -> tuple[float, float]:
-            return total(*lb, any_remote, rounds), total(*ly, any_remote, rounds)
-
-        def moved(s: int, n: int) -> tuple[list[int], list[int]]:
-            t_lb, t_ly = list(lb), list(ly)
-            self._delta(b, y, s, n, t_lb, t_ly)
+        def moved(s: int, n: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+            """b's and y's loads after n more rows of source s move from b to y (``_delta``)."""
+            b0, b1, b2, b3 = lb
+            y0, y1, y2, y3 = ly
+            t_lb = (b0 - n, b1 - n, b2 + n, b3) if s == b else (b0 - n, b1, b2 - n, b3)
+            t_ly = (y0 + n, y1 + n, y2 - n, y3) if s == y else (y0 + n, y1, y2 + n, y3)
             return t_lb, t_ly
 
         takes: list[tuple[int, int]] = []
-        best_pair, best_takes, best_loads = max(pair(lb, ly)), [], None
+        ty0 = total(*ly)
+        best_pair, best_takes, best_loads = max(total(*lb), ty0), [], None
         # y fills up to the water level (the mean total; a rank above it only takes rows that
         # do not raise it), so that b's rows spread over several helpers instead of the first
         # one matching b
-        cap = max(level, total(*ly, any_remote, rounds))
+        cap = max(level, ty0)
         for s, segments in groups:  # s: the group's source kind (y, b, or -1: another rank)
             amount = sum(n for _, n in segments)
             t_lb, t_ly = moved(s, amount)
-            tb, ty = pair(t_lb, t_ly)
+            tb, ty = total(*t_lb), total(*t_ly)
             if tb >= ty and ty <= cap:  # all of it moves and b is still the heavier one
                 if max(tb, ty) < best_pair:
                     lb, ly = t_lb, t_ly
@@ -232,7 +221,8 @@ class WaterFill:
             lo, hi = 0, -(-amount // blk)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                a, c = pair(*moved(s, min(mid * blk, amount)))
+                t_lb, t_ly = moved(s, min(mid * blk, amount))
+                a, c = total(*t_lb), total(*t_ly)
                 if a >= c and c <= cap:
                     lo = mid
                 else:
@@ -243,7 +233,7 @@ class WaterFill:
                 if n <= 0:
                     continue
                 t_lb, t_ly = moved(s, n)
-                m = max(pair(t_lb, t_ly))
+                m = max(total(*t_lb), total(*t_ly))
                 if m < best_pair:
                     best_pair, best_takes, best_loads = m, takes + part, (t_lb, t_ly)
             break
@@ -255,7 +245,7 @@ class WaterFill:
             if r not in changed:
                 ld = (self.rows[r], self.local[r], self.remote[r], self.replica[r] + d)
                 changed[r] = ld
-                new_max = max(new_max, total(*ld, any_remote, rounds))
+                new_max = max(new_max, total(*ld))
         # a deeper tree adds its rounds' latency to every rank: not charged here (the first
         # replica would otherwise never pay where several ranks tie at the max); the caller's
         # final pricing of the whole plan decides whether the balanced plan is kept
@@ -299,9 +289,10 @@ class WaterFill:
                 helped[g] = helped.get(g, 0) + n
                 if not helped[g]:
                     del helped[g]
-        if rounds != self.rounds:
+        if rounds != self.rounds:  # a deeper tree: every rank pays the new rounds' latency
             self.rounds = rounds
-            self.totals = [self._total(r) for r in range(self.W)]
+            total = self._total_fn(rounds)
+            self.totals = list(map(total, self.rows, self.local, self.remote, self.replica))
         else:
             for r in changed:
                 self.totals[r] = self._total(r)

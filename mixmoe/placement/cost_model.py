@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -285,6 +285,48 @@ class StepModel:
         """``compute_s + comm_s`` of ``rank_seconds`` without the tuple (the list search makes
         hundreds of calls): the same terms, so the same float."""
         return self._compute_s(rows) + self._comm_s(local, remote, replica, any_remote, any_hot)
+
+    def total_fn(
+        self, any_remote: bool, any_hot: bool | int
+    ) -> Callable[[int, int, int, int], float]:
+        """``rank_total`` with the group-wide flags bound: ``total(rows, local, remote, replica)``.
+        The same expressions in the same order (the constant terms ``4 * latency`` and
+        ``2 * rounds * latency`` computed once, as ``rank_total`` computes them each call), so
+        the same float bit for bit (a test checks it); the water-filling search makes tens of
+        thousands of calls per plan and the closure skips the attribute look-ups."""
+        fpr, gf, tbr, bw, P = (
+            self.flops_per_row,
+            self.gemm_flops,
+            self.token_bytes_per_row,
+            self.bw,
+            self.params_bytes,
+        )
+        row_s, fixed_s, rep_s, overlap = self.row_s, self.fixed_s, self.replica_s, self.overlap
+        token0 = TOKEN_COLLECTIVES * self.lat
+        weight0 = WEIGHT_COLLECTIVES * any_hot * self.lat if any_hot else 0.0
+
+        def total(rows: int, local: int, remote: int, replica: int) -> float:
+            compute = rows * fpr / gf
+            if row_s:
+                compute = compute + rows * row_s
+            if fixed_s:
+                compute = compute + fixed_s
+            token = 0.0
+            if any_remote:
+                token = token0 + tbr * remote / bw
+                if overlap:
+                    hidden = local * fpr / gf
+                    if row_s:
+                        hidden = hidden + local * row_s
+                    token = max(0.0, token - hidden)
+            weight = 0.0
+            if any_hot:
+                weight = weight0 + P * replica / bw
+                if rep_s:
+                    weight = weight + replica * rep_s
+            return compute + (token + weight)
+
+        return total
 
     def _compute_s(self, rows: int) -> float:
         compute = rows * self.flops_per_row / self.gemm_flops

@@ -139,23 +139,65 @@ def plan_mix(
     totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
     if not balance or max(totals) <= BALANCED * sum(totals) / W:
         return best  # balanced already: water-filling has little to win (planning time)
+    start_loads = {}  # the fills' start loads under relay pricing, by start (key: its hot)
     if best.hot:  # the best candidate relayed: kept when cheaper than the owner sending every copy
         relayed = Plan(best.hot, best.replicas, best.prediction, best.baseline, relay=True)
-        pred = model.prediction_W(*plan_pricing(C_WN, relayed, E, profile))
+        loads_4W, rounds = plan_pricing(C_WN, relayed, E, profile)
+        start_loads[best.hot] = loads_4W
+        pred = model.prediction_W(loads_4W, rounds)
         if pred.step_s < best.prediction.step_s:
             best = Plan(best.hot, best.replicas, pred, best.baseline, relay=True)
     # water-fill from the best candidate and from nothing replicated (the candidate may have
     # filled the replica slots that helpers need); the lower prediction wins, ties: the first
-    # (the second only when the first stays unbalanced)
+    # (the second only when the first stays unbalanced). Each fill is judged by its own
+    # loads (equal to plan_pricing's of the plan it would emit: test_placement_balance); only
+    # the winner's plan (shares) is built and priced, once
     starts = [dict(best.replicas)] + ([{}] if best.hot else [])
+    won, won_step = None, best.prediction.step_s
     for start in starts:
-        plan = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile)
-        if plan is not None and plan.prediction.step_s < best.prediction.step_s:
-            best = Plan(plan.hot, plan.replicas, plan.prediction, best.baseline, plan.shares, True)
-        totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
-        if max(totals) <= BALANCED * sum(totals) / W:
+        fill = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile,
+                           start_loads.get(tuple(sorted(start))))  # fmt: skip
+        if fill is not None:
+            step = _fill_step(fill, model, C_WN, E, profile)
+            if step < won_step:
+                won, won_step = fill, step
+        if won_step <= BALANCED * _fill_mean(won, best):
             break
-    return best
+    if won is None:
+        return best
+    hot = tuple(sorted(g for g, h in won.holders.items() if h))
+    replicas = tuple((g, tuple(won.holders[g])) for g in hot)
+    plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, won.shares(), relay=True)
+    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
+    if not prediction.step_s < best.prediction.step_s:  # the guarantee holds on the price
+        return best
+    return Plan(hot, replicas, prediction, best.baseline, plan.shares, True)
+
+
+def _fill_mean(fill: WaterFill | None, best: Plan) -> float:
+    """The mean rank total (s) of the fill's search, or of the best candidate's prediction."""
+    if fill is not None:
+        return sum(fill.totals) / len(fill.totals)
+    totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
+    return sum(totals) / len(totals)
+
+
+def _fill_step(
+    fill: WaterFill, model: StepModel, C_WN: torch.Tensor, E: int, profile: HardwareProfile
+) -> float:
+    """The predicted step (s) of the plan the fill would emit: from its own loads and rounds
+    (one link: the same numbers ``plan_pricing`` gives that plan), or priced in full when the
+    profile has a topology (the search saw one link)."""
+    if node_distance(profile) is None:
+        loads_4W = torch.tensor(
+            [fill.rows, fill.local, fill.remote, fill.replica], dtype=torch.float64
+        )
+        compute_W, comm_W = model.seconds_W(loads_4W, bool(loads_4W[2].any()), fill.rounds)
+        return float((compute_W + comm_W).max())
+    hot = tuple(sorted(g for g, h in fill.holders.items() if h))
+    replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
+    plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
+    return model.prediction_W(*plan_pricing(C_WN, plan, E, profile)).step_s
 
 
 def _water_fill(
@@ -167,26 +209,24 @@ def _water_fill(
     slots: int,
     block_size: int,
     profile: HardwareProfile,
-) -> Plan | None:
-    """``WaterFill`` from the replicas ``start``, priced (``plan_pricing``); None if no move."""
+    loads_4W: torch.Tensor | None = None,
+) -> WaterFill | None:
+    """``WaterFill`` from the replicas ``start`` after its moves; None if no move.
+    ``loads_4W``: the start plan's ``plan_pricing`` under relay, when the caller has it."""
     W, E = shape.world_size, shape.experts_per_rank
-    hot = tuple(sorted(start))
-    plan = Plan(hot, tuple((g, start[g]) for g in hot), _NO_PREDICTION, _NO_PREDICTION, relay=True)
+    if loads_4W is None:
+        hot = tuple(sorted(start))
+        plan = Plan(hot, tuple((g, start[g]) for g in hot), _NO_PREDICTION, _NO_PREDICTION,
+                    relay=True)  # fmt: skip
+        loads_4W, _ = plan_pricing(C_WN, plan, E, profile)
     distance = node_distance(profile)
-    loads_4W, _ = plan_pricing(C_WN, plan, E, profile)
     any_remote = bool(loads_4W[2].any())
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     fill.set_loads(loads_4W[:4].to(torch.int64).tolist())  # the search: one link (module doc)
     for _ in range(min(MOVES_PER_RANK * W + 16, MAX_MOVES)):
         if not fill.step():
             break
-    if not fill.moves:
-        return None
-    hot = tuple(sorted(g for g, h in fill.holders.items() if h))
-    replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
-    plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
-    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
-    return Plan(hot, replicas, prediction, prediction, plan.shares, relay=True)
+    return fill if fill.moves else None
 
 
 # a placeholder prediction for plans priced right after they are built

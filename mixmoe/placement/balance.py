@@ -130,31 +130,45 @@ class WaterFill:
 
     # ---- one move -----------------------------------------------------------------------------
 
-    def _groups(self, g: int, b: int, y: int) -> list[tuple[int, list[tuple[int, int]]]]:
-        """g's rows at b as (source kind, [(source, rows), ...]) groups in the order they go:
-        y's own (kind y: they turn local at y), the other sources (kind -1, largest first, then
-        by rank: b stops receiving them), b's own (kind b: b must then send them)."""
+    def _ordered(self, g: int, b: int) -> tuple[list[tuple[int, int]], int]:
+        """g's segments at b, largest first then by source, and their rows in all: cached until
+        a move changes g's rows at b (at W = 1024 a hot expert's owner holds ~W segments)."""
+        cached = self._order.get((g, b))
+        if cached is None:
+            at_b = self._where(g).get(b, {})
+            order = sorted(at_b.items(), key=_larger_first)
+            cached = self._order[g, b] = (order, sum(at_b.values()))
+        return cached
+
+    def _groups(self, g: int, b: int, y: int) -> list[tuple[int, list[tuple[int, int]], int]]:
+        """g's rows at b as (source kind, [(source, rows), ...], rows) groups in the order they
+        go: y's own (kind y: they turn local at y), the other sources (kind -1, largest first,
+        then by rank: b stops receiving them; the list is b's whole order, in which ``_take``
+        skips b and y), b's own (kind b: b must then send them)."""
         at_b = self._where(g).get(b, {})
         groups = []
-        if at_b.get(y):
-            groups.append((y, [(y, at_b[y])]))
-        order = self._order.get((g, b))
-        if order is None:  # cached until a move changes g's rows at b
-            order = self._order[g, b] = sorted(at_b.items(), key=_larger_first)
-        mid = [(s, n) for s, n in order if s != b and s != y]
+        own_y, own_b = at_b.get(y, 0), at_b.get(b, 0) if b != y else 0
+        if own_y:
+            groups.append((y, [(y, own_y)], own_y))
+        order, rows = self._ordered(g, b)
+        mid = rows - own_y - own_b  # the other sources' rows
         if mid:
-            groups.append((-1, mid))
-        if at_b.get(b) and b != y:
-            groups.append((b, [(b, at_b[b])]))
+            groups.append((-1, order, mid))
+        if own_b:
+            groups.append((b, [(b, own_b)], own_b))
         return groups
 
-    def _take(self, segments: list[tuple[int, int]], need: int) -> list[tuple[int, int]]:
-        """Up to ``need`` rows from ``segments`` (in order): whole segments while they fit,
-        then whole blocks of the next one. A whole segment at b may end in a partial block: b
-        then holds that segment's only partial run (every other rank's share of a segment is
-        whole blocks), which the receiver takes over."""
+    def _take(
+        self, segments: list[tuple[int, int]], need: int, skip: tuple[int, ...] = ()
+    ) -> list[tuple[int, int]]:
+        """Up to ``need`` rows from ``segments`` (in order, sources in ``skip`` left out): whole
+        segments while they fit, then whole blocks of the next one. A whole segment at b may
+        end in a partial block: b then holds that segment's only partial run (every other
+        rank's share of a segment is whole blocks), which the receiver takes over."""
         out, blk = [], self.block
         for s, n in segments:
+            if s in skip:
+                continue
             if n <= need:
                 out.append((s, n))
                 need -= n
@@ -206,14 +220,14 @@ class WaterFill:
         # do not raise it), so that b's rows spread over several helpers instead of the first
         # one matching b
         cap = max(level, ty0)
-        for s, segments in groups:  # s: the group's source kind (y, b, or -1: another rank)
-            amount = sum(n for _, n in segments)
+        for s, segments, amount in groups:  # s: the source kind (y, b, or -1: another rank)
+            skip = (b, y) if s == -1 else ()  # the other sources' group lists b's whole order
             t_lb, t_ly = moved(s, amount)
             tb, ty = total(*t_lb), total(*t_ly)
             if tb >= ty and ty <= cap:  # all of it moves and b is still the heavier one
                 if max(tb, ty) < best_pair:
                     lb, ly = t_lb, t_ly
-                    takes += segments
+                    takes += [(src, n) for src, n in segments if src not in skip]
                     best_pair, best_takes, best_loads = max(tb, ty), list(takes), (lb, ly)
                     continue
                 break  # rows of this kind do not relieve b (its own rows, when token-bound)
@@ -228,7 +242,7 @@ class WaterFill:
                 else:
                     hi = mid - 1
             for k in (lo, lo + 1):
-                part = self._take(segments, min(k * blk, amount))
+                part = self._take(segments, min(k * blk, amount), skip)
                 n = sum(m for _, m in part)
                 if n <= 0:
                     continue
@@ -311,7 +325,10 @@ class WaterFill:
         level = sum(totals) / len(totals)
         heavy = sorted((p for p in mine if p[0] > 0), key=lambda p: (-p[0], p[1]))[:2]
         chosen = None
-        least = min((r for r in range(self.W) if r != b), key=totals.__getitem__, default=None)
+        low = min(totals)
+        least = totals.index(low)  # the first rank at the min: not b unless all ranks tie
+        if least == b:
+            least = min((r for r in range(self.W) if r != b), key=totals.__getitem__, default=None)
         for _, g in heavy:  # the heaviest expert first; the next only if it cannot move
             for y in self._receivers(g, b, least):
                 move = self.evaluate(g, b, y, best, level)
@@ -337,8 +354,8 @@ class WaterFill:
         if self.distance is not None:  # inside the owner's node
             out.append(least(r for r in range(self.W) if self.distance(o, r) == 0))
         out.append(least([*self.holders.get(g, ()), o]))
-        at_b = self._where(g).get(b, {})
-        out.append(min((s for s in at_b if s != b), key=lambda s: (-at_b[s], s), default=None))
+        # the source sending b the most rows of g (ties: the lowest rank): b's order's first
+        out.append(next((s for s, _ in self._ordered(g, b)[0] if s != b), None))
         seen: list[int] = []
         for y in out:
             if y is not None and y not in seen:

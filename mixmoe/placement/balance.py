@@ -48,6 +48,21 @@ def _larger_first(segment: tuple[int, int]) -> tuple[int, int]:
     return -segment[1], segment[0]
 
 
+def _crossing(
+    gap_end: float, gap_now: float, room_now: float, room_end: float, amount: int, blk: int
+) -> int:
+    """A guess at the last whole block of a group that fits, from its lines: b's lead over y
+    falls from ``gap_now`` (no rows moved) to ``gap_end`` (all ``amount`` rows moved), y's room
+    under the cap from ``room_now`` to ``room_end``; the block where the first one reaches 0,
+    rounded down (0 when neither crosses)."""
+    n = float(amount)
+    if gap_end < 0.0 <= gap_now:
+        n = min(n, amount * gap_now / (gap_now - gap_end))
+    if room_end < 0.0 <= room_now:
+        n = min(n, amount * room_now / (room_now - room_end))
+    return int(n) // blk
+
+
 class WaterFill:
     """The search state (see the module doc). rows/local/remote/replica: per-rank aggregates
     (``LOADS``; replica = relay tree edges) as lists of ints, totals their seconds (with the
@@ -206,7 +221,9 @@ class WaterFill:
         ly = (self.rows[y], self.local[y], self.remote[y], self.replica[y] + extra.get(y, 0))
 
         def moved(s: int, n: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
-            """b's and y's loads after n more rows of source s move from b to y (``_delta``)."""
+            """b's and y's loads after n more rows of source s move from b to y: b computes n
+            fewer (b's own: it now sends them, else it no longer receives them), y n more (y's
+            own turn local, else y receives them)."""
             b0, b1, b2, b3 = lb
             y0, y1, y2, y3 = ly
             t_lb = (b0 - n, b1 - n, b2 + n, b3) if s == b else (b0 - n, b1, b2 - n, b3)
@@ -231,13 +248,28 @@ class WaterFill:
                     best_pair, best_takes, best_loads = max(tb, ty), list(takes), (lb, ly)
                     continue
                 break  # rows of this kind do not relieve b (its own rows, when token-bound)
-            # the totals cross inside this group: bisect over whole blocks (lo keeps tb >= ty)
-            lo, hi = 0, -(-amount // blk)
-            while lo < hi:
+            # the totals cross inside this group: the last whole block k where b stays the
+            # heavier one and y under the cap (``fits``), guessed where the totals' lines
+            # cross, checked at k and k + 1, and bisected in what is left when the guess misses
+            # (the totals bend where overlap hides all of a rank's traffic)
+            tb_now, ty_now, hi = total(*lb), total(*ly), -(-amount // blk)
+
+            def fits(k: int, s: int = s, amount: int = amount) -> bool:
+                t_lb, t_ly = moved(s, min(k * blk, amount))
+                c = total(*t_ly)
+                return total(*t_lb) >= c and c <= cap
+
+            lo, k = 0, _crossing(tb - ty, tb_now - ty_now, cap - ty_now, cap - ty, amount, blk)
+            if 0 < k < hi:  # a guess inside: one probe each side settles most searches
+                if fits(k):
+                    lo = k
+                    if not fits(k + 1):
+                        hi = k
+                else:
+                    hi = k - 1
+            while lo < hi:  # bisection: lo fits (or is 0), the answer is in [lo, hi]
                 mid = (lo + hi + 1) // 2
-                t_lb, t_ly = moved(s, min(mid * blk, amount))
-                a, c = total(*t_lb), total(*t_ly)
-                if a >= c and c <= cap:
+                if fits(mid):
                     lo = mid
                 else:
                     hi = mid - 1

@@ -42,6 +42,7 @@ MAX_MOVES = 512  # and at most MAX_MOVES (planning time at W >= 128: ~1 ms of Py
 BALANCED = (
     1.02  # no water-filling when the best candidate's max rank total is within 2% of the mean
 )
+FILL_STOP = BALANCED  # a fill stops once its max rank total is within 2% of its mean
 
 
 def plan_none(
@@ -156,7 +157,7 @@ def plan_mix(
     won, won_step = None, best.prediction.step_s
     for start in starts:
         fill = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile,
-                           start_loads.get(tuple(sorted(start))))  # fmt: skip
+                           won_step, start_loads.get(tuple(sorted(start))))  # fmt: skip
         if fill is not None:
             step = _fill_step(fill, model, C_WN, E, profile)
             if step < won_step:
@@ -209,10 +210,15 @@ def _water_fill(
     slots: int,
     block_size: int,
     profile: HardwareProfile,
+    beat: float,
     loads_4W: torch.Tensor | None = None,
 ) -> WaterFill | None:
     """``WaterFill`` from the replicas ``start`` after its moves; None if no move.
-    ``loads_4W``: the start plan's ``plan_pricing`` under relay, when the caller has it."""
+    ``beat``: the step (s) the fill must beat: it stops once its water level (the mean rank
+    total: its max is never below it, and moves mostly add traffic, so the level mostly
+    rises) reaches it, or once its max is within ``FILL_STOP`` of its level (the last moves of
+    a nearly level fill gain < 1% each; planning time: ``docs/results/balance-after.md``). ``loads_4W``: the start plan's
+    ``plan_pricing`` under relay, when the caller has it."""
     W, E = shape.world_size, shape.experts_per_rank
     if loads_4W is None:
         hot = tuple(sorted(start))
@@ -224,7 +230,8 @@ def _water_fill(
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     fill.set_loads(loads_4W[:4].to(torch.int64).tolist())  # the search: one link (module doc)
     for _ in range(min(MOVES_PER_RANK * W + 16, MAX_MOVES)):
-        if not fill.step():
+        level = sum(fill.totals) / W
+        if level >= beat or max(fill.totals) <= FILL_STOP * level or not fill.step():
             break
     return fill if fill.moves else None
 

@@ -108,7 +108,10 @@ def plan_mix(
     Replica budget: ``replica_slots(max_replicas, E)`` replicas held per rank (at least E, the
     rank's own experts, and 8: ``replica_slots``); 0 turns replication off. No water-filling
     when the best candidate is balanced already (its slowest rank within ``BALANCED`` of the
-    mean) or ``balance=False`` (the best candidate only, for comparison).
+    mean) or ``balance=False`` (the best candidate only, for comparison). A fill stops at
+    ``MOVES_PER_RANK * W + 16`` moves (at most ``MAX_MOVES``), once its max rank total is
+    within ``FILL_STOP`` of its mean, or once its mean reaches the step it must beat; each fill
+    is judged by its own loads and only the winner's shares are built and priced.
     Guarantees: deterministic (same counts, same plan on every rank: ties by rank then expert
     id), every share entry passes ``Plan.check_shares(counts, E, block_size)``, no rank holds
     more than the budget's replicas, prediction.step_s <= baseline.step_s.

@@ -29,7 +29,7 @@ source, the rest at the owner: ``Plan``'s replica rule) and, one ``step`` per mo
 
 Speed (the plan runs every step): totals come from ``StepModel.total_fn`` (``rank_total`` with
 the group flags bound, the same floats), probes on tuples, each (g, rank) segment order cached
-with its row sum until a move changes it; a move costs ~0.1 ms of Python at W = 8-256.
+with its row sum until a move changes it; a move costs ~0.1-0.2 ms of Python at W = 8-256.
 
 Deterministic: ties by rank and expert id, no set or dict iteration order used for decisions.
 The caller (``plan_mix``) bounds the moves, prices the result with the cost model

@@ -127,14 +127,17 @@ def plan_mix(
             raise ValueError(f"{name} must be >= {lo}, got {value}")
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
-    best = plan_replicas(counts_WN, shape, profile, slots, overlap, search_width=search_width)
+    counted = counts_with_sums(counts_WN, shape)  # checked and summed once for every candidate
+    C_WN, *sums = counted
+    best = plan_replicas(
+        C_WN, shape, profile, slots, overlap, search_width=search_width, counted=counted
+    )
     model = step_model(shape, profile, overlap)
-    C_WN, *sums = counts_with_sums(counts_WN, shape)
     if node_distance(profile) is not None:  # topology: the search saw one link; price it
         best = reprice(C_WN, best, model, profile)
     if W == 1 or slots == 0:
         return best
-    shadow = plan_shadow(C_WN, shape, profile)
+    shadow = plan_shadow(C_WN, shape, profile, counted=counted)
     if shadow.hot and len(shadow.hot) <= slots:  # fits the budget: price it under mix's overlap
         loads_4W, rounds = plan_pricing(C_WN, shadow, E, profile)
         pred = model.prediction_W(loads_4W, rounds)

@@ -236,8 +236,9 @@ class WaterFill:
             return t_lb, t_ly
 
         takes: list[tuple[int, int]] = []
-        ty0 = total(*ly)
-        best_pair, best_takes, best_loads = max(total(*lb), ty0), [], None
+        tb_now, ty_now = total(*lb), total(*ly)  # b's and y's totals with ``takes`` moved
+        ty0 = ty_now
+        best_pair, best_takes, best_loads = max(tb_now, ty0), [], None
         # y fills up to the water level (the mean total; a rank above it only takes rows that
         # do not raise it), so that b's rows spread over several helpers instead of the first
         # one matching b
@@ -248,7 +249,7 @@ class WaterFill:
             tb, ty = total(*t_lb), total(*t_ly)
             if tb >= ty and ty <= cap:  # all of it moves and b is still the heavier one
                 if max(tb, ty) < best_pair:
-                    lb, ly = t_lb, t_ly
+                    lb, ly, tb_now, ty_now = t_lb, t_ly, tb, ty
                     takes += [(src, n) for src, n in segments if src not in skip]
                     best_pair, best_takes, best_loads = max(tb, ty), list(takes), (lb, ly)
                     continue
@@ -257,7 +258,7 @@ class WaterFill:
             # heavier one and y under the cap (``fits``), guessed where the totals' lines
             # cross, checked at k and k + 1, and bisected in what is left when the guess misses
             # (the totals bend where overlap hides all of a rank's traffic)
-            tb_now, ty_now, hi = total(*lb), total(*ly), -(-amount // blk)
+            hi = -(-amount // blk)
 
             def fits(k: int, s: int = s, amount: int = amount) -> bool:
                 t_lb, t_ly = moved(s, min(k * blk, amount))
@@ -265,8 +266,8 @@ class WaterFill:
                 return total(*t_lb) >= c and c <= cap
 
             lo, k = 0, _crossing(tb - ty, tb_now - ty_now, cap - ty_now, cap - ty, amount, blk)
-            if 0 < k < hi:  # a guess inside: one probe each side settles most searches
-                if fits(k):
+            if k < hi:  # a guess inside: one probe each side settles most searches
+                if k == 0 or fits(k):  # (no block moved is the search's floor: no probe)
                     lo = k
                     if not fits(k + 1):
                         hi = k

@@ -13,7 +13,8 @@ source, the rest at the owner: ``Plan``'s replica rule) and, one ``step`` per mo
    rank (with the profile's topology the least-loaded one inside g's owner's node as well), the
    least-loaded holder of g's replica, and the source sending b the most rows of g (its rows
    would turn local);
-3. for each (g, y) the block count is found by bisection: up to where b's and y's totals cross,
+3. for each (g, y) the block count is found where b's and y's totals cross (guessed from the
+   totals' lines, checked at the guess and the next block, bisected when the guess misses),
    or y reaches the water level (the mean rank total; so b's rows spread over several helpers);
    rows are taken first from y's own segment (they turn local at y), then from other sources,
    largest first (b stops receiving them), then b's own rows (only while that lowers b: b must
@@ -25,6 +26,10 @@ source, the rest at the owner: ``Plan``'s replica rule) and, one ``step`` per mo
    it changes stays strictly below b's total, else the search ends (nothing relieves b). A
    deeper relay tree adds its rounds' latency to every rank; that is not charged to the ranks
    a move does not change (the first replica would never pay where ranks tie at the max).
+
+Speed (the plan runs every step): totals come from ``StepModel.total_fn`` (``rank_total`` with
+the group flags bound, the same floats), probes on tuples, each (g, rank) segment order cached
+with its row sum until a move changes it; a move costs ~0.1-0.2 ms of Python at W = 8-256.
 
 Deterministic: ties by rank and expert id, no set or dict iteration order used for decisions.
 The caller (``plan_mix``) bounds the moves, prices the result with the cost model
@@ -46,6 +51,21 @@ __all__ = ["WaterFill"]
 
 def _larger_first(segment: tuple[int, int]) -> tuple[int, int]:
     return -segment[1], segment[0]
+
+
+def _crossing(
+    gap_end: float, gap_now: float, room_now: float, room_end: float, amount: int, blk: int
+) -> int:
+    """A guess at the last whole block of a group that fits, from its lines: b's lead over y
+    falls from ``gap_now`` (no rows moved) to ``gap_end`` (all ``amount`` rows moved), y's room
+    under the cap from ``room_now`` to ``room_end``; the block where the first one reaches 0,
+    rounded down (0 when neither crosses)."""
+    n = float(amount)
+    if gap_end < 0.0 <= gap_now:
+        n = min(n, amount * gap_now / (gap_now - gap_end))
+    if room_end < 0.0 <= room_now:
+        n = min(n, amount * room_now / (room_now - room_end))
+    return int(n) // blk
 
 
 class WaterFill:
@@ -89,6 +109,7 @@ class WaterFill:
             owner_rows[g] -= int(C_WN[list(h), g].sum())
         self.owner_rows = owner_rows.tolist()
         self.degrees: dict[int, dict[int, int]] = {}
+        self._totals_by_rounds: dict[int, Callable[[int, int, int, int], float]] = {}
         self.moves = 0
 
     def set_loads(self, loads: list[list[int]]) -> None:
@@ -99,17 +120,20 @@ class WaterFill:
             self.degrees[g], d = relay_degrees(g // self.E, h, self.distance)
             depth = max(depth, d)
         self.rounds = depth
-        self.totals = [self._total(r) for r in range(self.W)]
+        total = self._total_fn(depth)
+        self.totals = list(map(total, self.rows, self.local, self.remote, self.replica))
 
     def _total(self, r: int) -> float:
-        return self.model.rank_total(
-            self.rows[r],
-            self.local[r],
-            self.remote[r],
-            self.replica[r],
-            self.any_remote,
-            self.rounds,
+        return self._total_fn(self.rounds)(
+            self.rows[r], self.local[r], self.remote[r], self.replica[r]
         )
+
+    def _total_fn(self, rounds: int) -> Callable[[int, int, int, int], float]:
+        """``StepModel.total_fn`` for this search's any_remote and ``rounds``, built once each."""
+        fn = self._totals_by_rounds.get(rounds)
+        if fn is None:
+            fn = self._totals_by_rounds[rounds] = self.model.total_fn(self.any_remote, rounds)
+        return fn
 
     def _where(self, g: int) -> dict[int, dict[int, int]]:
         """g's placement by rank and source, from the replica rule on first use."""
@@ -126,31 +150,45 @@ class WaterFill:
 
     # ---- one move -----------------------------------------------------------------------------
 
-    def _groups(self, g: int, b: int, y: int) -> list[tuple[int, list[tuple[int, int]]]]:
-        """g's rows at b as (source kind, [(source, rows), ...]) groups in the order they go:
-        y's own (kind y: they turn local at y), the other sources (kind -1, largest first, then
-        by rank: b stops receiving them), b's own (kind b: b must then send them)."""
+    def _ordered(self, g: int, b: int) -> tuple[list[tuple[int, int]], int]:
+        """g's segments at b, largest first then by source, and their rows in all: cached until
+        a move changes g's rows at b (at W = 1024 a hot expert's owner holds ~W segments)."""
+        cached = self._order.get((g, b))
+        if cached is None:
+            at_b = self._where(g).get(b, {})
+            order = sorted(at_b.items(), key=_larger_first)
+            cached = self._order[g, b] = (order, sum(at_b.values()))
+        return cached
+
+    def _groups(self, g: int, b: int, y: int) -> list[tuple[int, list[tuple[int, int]], int]]:
+        """g's rows at b as (source kind, [(source, rows), ...], rows) groups in the order they
+        go: y's own (kind y: they turn local at y), the other sources (kind -1, largest first,
+        then by rank: b stops receiving them; the list is b's whole order, in which ``_take``
+        skips b and y), b's own (kind b: b must then send them)."""
         at_b = self._where(g).get(b, {})
         groups = []
-        if at_b.get(y):
-            groups.append((y, [(y, at_b[y])]))
-        order = self._order.get((g, b))
-        if order is None:  # cached until a move changes g's rows at b
-            order = self._order[g, b] = sorted(at_b.items(), key=_larger_first)
-        mid = [(s, n) for s, n in order if s != b and s != y]
+        own_y, own_b = at_b.get(y, 0), at_b.get(b, 0) if b != y else 0
+        if own_y:
+            groups.append((y, [(y, own_y)], own_y))
+        order, rows = self._ordered(g, b)
+        mid = rows - own_y - own_b  # the other sources' rows
         if mid:
-            groups.append((-1, mid))
-        if at_b.get(b) and b != y:
-            groups.append((b, [(b, at_b[b])]))
+            groups.append((-1, order, mid))
+        if own_b:
+            groups.append((b, [(b, own_b)], own_b))
         return groups
 
-    def _take(self, segments: list[tuple[int, int]], need: int) -> list[tuple[int, int]]:
-        """Up to ``need`` rows from ``segments`` (in order): whole segments while they fit,
-        then whole blocks of the next one. A whole segment at b may end in a partial block: b
-        then holds that segment's only partial run (every other rank's share of a segment is
-        whole blocks), which the receiver takes over."""
+    def _take(
+        self, segments: list[tuple[int, int]], need: int, skip: tuple[int, ...] = ()
+    ) -> list[tuple[int, int]]:
+        """Up to ``need`` rows from ``segments`` (in order, sources in ``skip`` left out): whole
+        segments while they fit, then whole blocks of the next one. A whole segment at b may
+        end in a partial block: b then holds that segment's only partial run (every other
+        rank's share of a segment is whole blocks), which the receiver takes over."""
         out, blk = [], self.block
         for s, n in segments:
+            if s in skip:
+                continue
             if n <= need:
                 out.append((s, n))
                 need -= n
@@ -160,22 +198,6 @@ class WaterFill:
                 out.append((s, part))
             break
         return out
-
-    @staticmethod
-    def _delta(b: int, y: int, s: int, n: int, lb: list[int], ly: list[int]) -> None:
-        """Moving n rows of source s from b to y, on the loads lb of b and ly of y."""
-        lb[0] -= n
-        ly[0] += n
-        if s == b:  # b's own rows: b now sends them
-            lb[1] -= n
-            lb[2] += n
-        else:  # b no longer receives (and returns) them
-            lb[2] -= n
-        if s == y:  # y's own rows: local at y, no longer sent
-            ly[1] += n
-            ly[2] -= n
-        else:  # y receives them from s
-            ly[2] += n
 
     def evaluate(self, g: int, b: int, y: int, best: float, level: float = float("inf")):
         """The best move of g's rows from b to y (module doc, step 3-5): (new max over the
@@ -199,51 +221,71 @@ class WaterFill:
         groups = self._groups(g, b, y)
         if not groups:
             return None
-        total, any_remote = self.model.rank_total, self.any_remote
-        lb = [self.rows[b], self.local[b], self.remote[b], self.replica[b] + extra.get(b, 0)]
-        ly = [self.rows[y], self.local[y], self.remote[y], self.replica[y] + extra.get(y, 0)]
+        total = self._total_fn(rounds)
+        lb = (self.rows[b], self.local[b], self.remote[b], self.replica[b] + extra.get(b, 0))
+        ly = (self.rows[y], self.local[y], self.remote[y], self.replica[y] + extra.get(y, 0))
 
-        def pair(lb: list[int], ly: list[int]) -> tuple[float, float]:
-            return total(*lb, any_remote, rounds), total(*ly, any_remote, rounds)
-
-        def moved(s: int, n: int) -> tuple[list[int], list[int]]:
-            t_lb, t_ly = list(lb), list(ly)
-            self._delta(b, y, s, n, t_lb, t_ly)
+        def moved(s: int, n: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+            """b's and y's loads after n more rows of source s move from b to y: b computes n
+            fewer (b's own: it now sends them, else it no longer receives them), y n more (y's
+            own turn local, else y receives them)."""
+            b0, b1, b2, b3 = lb
+            y0, y1, y2, y3 = ly
+            t_lb = (b0 - n, b1 - n, b2 + n, b3) if s == b else (b0 - n, b1, b2 - n, b3)
+            t_ly = (y0 + n, y1 + n, y2 - n, y3) if s == y else (y0 + n, y1, y2 + n, y3)
             return t_lb, t_ly
 
         takes: list[tuple[int, int]] = []
-        best_pair, best_takes, best_loads = max(pair(lb, ly)), [], None
+        tb_now, ty_now = total(*lb), total(*ly)  # b's and y's totals with ``takes`` moved
+        ty0 = ty_now
+        best_pair, best_takes, best_loads = max(tb_now, ty0), [], None
         # y fills up to the water level (the mean total; a rank above it only takes rows that
         # do not raise it), so that b's rows spread over several helpers instead of the first
         # one matching b
-        cap = max(level, total(*ly, any_remote, rounds))
-        for s, segments in groups:  # s: the group's source kind (y, b, or -1: another rank)
-            amount = sum(n for _, n in segments)
+        cap = max(level, ty0)
+        for s, segments, amount in groups:  # s: the source kind (y, b, or -1: another rank)
+            skip = (b, y) if s == -1 else ()  # the other sources' group lists b's whole order
             t_lb, t_ly = moved(s, amount)
-            tb, ty = pair(t_lb, t_ly)
+            tb, ty = total(*t_lb), total(*t_ly)
             if tb >= ty and ty <= cap:  # all of it moves and b is still the heavier one
                 if max(tb, ty) < best_pair:
-                    lb, ly = t_lb, t_ly
-                    takes += segments
+                    lb, ly, tb_now, ty_now = t_lb, t_ly, tb, ty
+                    takes += [(src, n) for src, n in segments if src not in skip]
                     best_pair, best_takes, best_loads = max(tb, ty), list(takes), (lb, ly)
                     continue
                 break  # rows of this kind do not relieve b (its own rows, when token-bound)
-            # the totals cross inside this group: bisect over whole blocks (lo keeps tb >= ty)
-            lo, hi = 0, -(-amount // blk)
-            while lo < hi:
+            # the totals cross inside this group: the last whole block k where b stays the
+            # heavier one and y under the cap (``fits``), guessed where the totals' lines
+            # cross, checked at k and k + 1, and bisected in what is left when the guess misses
+            # (the totals bend where overlap hides all of a rank's traffic)
+            hi = -(-amount // blk)
+
+            def fits(k: int, s: int = s, amount: int = amount) -> bool:
+                t_lb, t_ly = moved(s, min(k * blk, amount))
+                c = total(*t_ly)
+                return total(*t_lb) >= c and c <= cap
+
+            lo, k = 0, _crossing(tb - ty, tb_now - ty_now, cap - ty_now, cap - ty, amount, blk)
+            if k < hi:  # a guess inside: one probe each side settles most searches
+                if k == 0 or fits(k):  # (no block moved is the search's floor: no probe)
+                    lo = k
+                    if not fits(k + 1):
+                        hi = k
+                else:
+                    hi = k - 1
+            while lo < hi:  # bisection: lo fits (or is 0), the answer is in [lo, hi]
                 mid = (lo + hi + 1) // 2
-                a, c = pair(*moved(s, min(mid * blk, amount)))
-                if a >= c and c <= cap:
+                if fits(mid):
                     lo = mid
                 else:
                     hi = mid - 1
             for k in (lo, lo + 1):
-                part = self._take(segments, min(k * blk, amount))
+                part = self._take(segments, min(k * blk, amount), skip)
                 n = sum(m for _, m in part)
                 if n <= 0:
                     continue
                 t_lb, t_ly = moved(s, n)
-                m = max(pair(t_lb, t_ly))
+                m = max(total(*t_lb), total(*t_ly))
                 if m < best_pair:
                     best_pair, best_takes, best_loads = m, takes + part, (t_lb, t_ly)
             break
@@ -255,7 +297,7 @@ class WaterFill:
             if r not in changed:
                 ld = (self.rows[r], self.local[r], self.remote[r], self.replica[r] + d)
                 changed[r] = ld
-                new_max = max(new_max, total(*ld, any_remote, rounds))
+                new_max = max(new_max, total(*ld))
         # a deeper tree adds its rounds' latency to every rank: not charged here (the first
         # replica would otherwise never pay where several ranks tie at the max); the caller's
         # final pricing of the whole plan decides whether the balanced plan is kept
@@ -299,9 +341,10 @@ class WaterFill:
                 helped[g] = helped.get(g, 0) + n
                 if not helped[g]:
                     del helped[g]
-        if rounds != self.rounds:
+        if rounds != self.rounds:  # a deeper tree: every rank pays the new rounds' latency
             self.rounds = rounds
-            self.totals = [self._total(r) for r in range(self.W)]
+            total = self._total_fn(rounds)
+            self.totals = list(map(total, self.rows, self.local, self.remote, self.replica))
         else:
             for r in changed:
                 self.totals[r] = self._total(r)
@@ -320,7 +363,10 @@ class WaterFill:
         level = sum(totals) / len(totals)
         heavy = sorted((p for p in mine if p[0] > 0), key=lambda p: (-p[0], p[1]))[:2]
         chosen = None
-        least = min((r for r in range(self.W) if r != b), key=totals.__getitem__, default=None)
+        low = min(totals)
+        least = totals.index(low)  # the first rank at the min: not b unless all ranks tie
+        if least == b:
+            least = min((r for r in range(self.W) if r != b), key=totals.__getitem__, default=None)
         for _, g in heavy:  # the heaviest expert first; the next only if it cannot move
             for y in self._receivers(g, b, least):
                 move = self.evaluate(g, b, y, best, level)
@@ -346,8 +392,8 @@ class WaterFill:
         if self.distance is not None:  # inside the owner's node
             out.append(least(r for r in range(self.W) if self.distance(o, r) == 0))
         out.append(least([*self.holders.get(g, ()), o]))
-        at_b = self._where(g).get(b, {})
-        out.append(min((s for s in at_b if s != b), key=lambda s: (-at_b[s], s), default=None))
+        # the source sending b the most rows of g (ties: the lowest rank): b's order's first
+        out.append(next((s for s, _ in self._ordered(g, b)[0] if s != b), None))
         seen: list[int] = []
         for y in out:
             if y is not None and y not in seen:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -286,6 +286,48 @@ class StepModel:
         hundreds of calls): the same terms, so the same float."""
         return self._compute_s(rows) + self._comm_s(local, remote, replica, any_remote, any_hot)
 
+    def total_fn(
+        self, any_remote: bool, any_hot: bool | int
+    ) -> Callable[[int, int, int, int], float]:
+        """``rank_total`` with the group-wide flags bound: ``total(rows, local, remote, replica)``.
+        The same expressions in the same order (the constant terms ``4 * latency`` and
+        ``2 * rounds * latency`` computed once, as ``rank_total`` computes them each call), so
+        the same float bit for bit (a test checks it); the water-filling search makes tens of
+        thousands of calls per plan and the closure skips the attribute look-ups."""
+        fpr, gf, tbr, bw, P = (
+            self.flops_per_row,
+            self.gemm_flops,
+            self.token_bytes_per_row,
+            self.bw,
+            self.params_bytes,
+        )
+        row_s, fixed_s, rep_s, overlap = self.row_s, self.fixed_s, self.replica_s, self.overlap
+        token0 = TOKEN_COLLECTIVES * self.lat
+        weight0 = WEIGHT_COLLECTIVES * any_hot * self.lat if any_hot else 0.0
+
+        def total(rows: int, local: int, remote: int, replica: int) -> float:
+            compute = rows * fpr / gf
+            if row_s:
+                compute = compute + rows * row_s
+            if fixed_s:
+                compute = compute + fixed_s
+            token = 0.0
+            if any_remote:
+                token = token0 + tbr * remote / bw
+                if overlap:
+                    hidden = local * fpr / gf
+                    if row_s:
+                        hidden = hidden + local * row_s
+                    token = max(0.0, token - hidden)
+            weight = 0.0
+            if any_hot:
+                weight = weight0 + P * replica / bw
+                if rep_s:
+                    weight = weight + replica * rep_s
+            return compute + (token + weight)
+
+        return total
+
     def _compute_s(self, rows: int) -> float:
         compute = rows * self.flops_per_row / self.gemm_flops
         if self.row_s:
@@ -474,27 +516,33 @@ def plan_loads(
     C_WN: torch.Tensor, replicas: Iterable[tuple[int, Iterable[int]]], experts_per_rank: int
 ) -> torch.Tensor:
     """``rank_loads`` of a validated int64 ``C_WN`` under ``replicas`` (``(g, holder ranks)``
-    pairs, e.g. ``Plan.replicas``), vectorised: float64 [4, W] in ``LOADS`` order, equal to
+    pairs, e.g. ``Plan.replicas``): float64 [4, W] in ``LOADS`` order, equal to
     ``rank_loads`` exactly (integers). Starts from ``baseline_loads`` and moves each hot expert's
-    holder rows from its owner to the holders; cost: the baseline's two reductions plus a few
-    vector ops per hot expert (the what-if simulator uses it at W = 1024, N = 4096)."""
+    holder rows from its owner to the holders; cost: the baseline's two reductions, one gather
+    of the hot columns and a few Python ops per holder (the what-if simulator uses it at
+    W = 1024, N = 4096)."""
     E = experts_per_rank
-    loads_4W = baseline_loads(C_WN, E)[0].to(torch.int64)
-    rows, local, remote, replica = loads_4W.unbind(0)
-    for g, holders in replicas:
-        h = torch.tensor(list(holders), dtype=torch.int64)
-        if not len(h):
-            continue
-        c_h = C_WN[h, g]
-        o, moved = g // E, int(c_h.sum())
-        rows.index_add_(0, h, c_h)
-        local.index_add_(0, h, c_h)
-        remote.index_add_(0, h, -c_h)
-        replica.index_add_(0, h, torch.ones_like(h))
-        rows[o] -= moved
+    loads_4W = baseline_loads(C_WN, E)[0]
+    replicas = [(g, h) for g, h in ((g, tuple(h)) for g, h in replicas) if h]
+    if not replicas:
+        return loads_4W
+    # on Python ints: one gather of the hot columns, then a few list updates per holder (a
+    # tensor op per hot expert costs more at the planner's sizes)
+    rows, local, remote, replica = loads_4W.to(torch.int64).tolist()
+    cols_HW = C_WN[:, [g for g, _ in replicas]].T.tolist()  # [hot, W]: C[s][g] of each hot g
+    for (g, holders), col_W in zip(replicas, cols_HW, strict=True):
+        o, moved = g // E, 0
+        for h in holders:  # a holder computes its own rows of g: local, no longer sent
+            c = col_W[h]
+            rows[h] += c
+            local[h] += c
+            remote[h] -= c
+            replica[h] += 1
+            moved += c
+        rows[o] -= moved  # the owner no longer computes (nor receives) them
         remote[o] -= moved
-        replica[o] += len(h)
-    return loads_4W.to(torch.float64)
+        replica[o] += len(holders)
+    return torch.tensor([rows, local, remote, replica], dtype=torch.float64)
 
 
 def plan_pricing(

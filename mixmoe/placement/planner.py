@@ -42,6 +42,7 @@ MAX_MOVES = 512  # and at most MAX_MOVES (planning time at W >= 128: ~1 ms of Py
 BALANCED = (
     1.02  # no water-filling when the best candidate's max rank total is within 2% of the mean
 )
+FILL_STOP = BALANCED  # a fill stops once its max rank total is within 2% of its mean
 
 
 def plan_none(
@@ -107,7 +108,10 @@ def plan_mix(
     Replica budget: ``replica_slots(max_replicas, E)`` replicas held per rank (at least E, the
     rank's own experts, and 8: ``replica_slots``); 0 turns replication off. No water-filling
     when the best candidate is balanced already (its slowest rank within ``BALANCED`` of the
-    mean) or ``balance=False`` (the best candidate only, for comparison).
+    mean) or ``balance=False`` (the best candidate only, for comparison). A fill stops at
+    ``MOVES_PER_RANK * W + 16`` moves (at most ``MAX_MOVES``), once its max rank total is
+    within ``FILL_STOP`` of its mean, or once its mean reaches the step it must beat; each fill
+    is judged by its own loads and only the winner's shares are built and priced.
     Guarantees: deterministic (same counts, same plan on every rank: ties by rank then expert
     id), every share entry passes ``Plan.check_shares(counts, E, block_size)``, no rank holds
     more than the budget's replicas, prediction.step_s <= baseline.step_s.
@@ -123,14 +127,17 @@ def plan_mix(
             raise ValueError(f"{name} must be >= {lo}, got {value}")
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
-    best = plan_replicas(counts_WN, shape, profile, slots, overlap, search_width=search_width)
+    counted = counts_with_sums(counts_WN, shape)  # checked and summed once for every candidate
+    C_WN, *sums = counted
+    best = plan_replicas(
+        C_WN, shape, profile, slots, overlap, search_width=search_width, counted=counted
+    )
     model = step_model(shape, profile, overlap)
-    C_WN, *sums = counts_with_sums(counts_WN, shape)
     if node_distance(profile) is not None:  # topology: the search saw one link; price it
         best = reprice(C_WN, best, model, profile)
     if W == 1 or slots == 0:
         return best
-    shadow = plan_shadow(C_WN, shape, profile)
+    shadow = plan_shadow(C_WN, shape, profile, counted=counted)
     if shadow.hot and len(shadow.hot) <= slots:  # fits the budget: price it under mix's overlap
         loads_4W, rounds = plan_pricing(C_WN, shadow, E, profile)
         pred = model.prediction_W(loads_4W, rounds)
@@ -139,23 +146,65 @@ def plan_mix(
     totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
     if not balance or max(totals) <= BALANCED * sum(totals) / W:
         return best  # balanced already: water-filling has little to win (planning time)
+    start_loads = {}  # the fills' start loads under relay pricing, by start (key: its hot)
     if best.hot:  # the best candidate relayed: kept when cheaper than the owner sending every copy
         relayed = Plan(best.hot, best.replicas, best.prediction, best.baseline, relay=True)
-        pred = model.prediction_W(*plan_pricing(C_WN, relayed, E, profile))
+        loads_4W, rounds = plan_pricing(C_WN, relayed, E, profile)
+        start_loads[best.hot] = loads_4W
+        pred = model.prediction_W(loads_4W, rounds)
         if pred.step_s < best.prediction.step_s:
             best = Plan(best.hot, best.replicas, pred, best.baseline, relay=True)
     # water-fill from the best candidate and from nothing replicated (the candidate may have
     # filled the replica slots that helpers need); the lower prediction wins, ties: the first
-    # (the second only when the first stays unbalanced)
+    # (the second only when the first stays unbalanced). Each fill is judged by its own
+    # loads (equal to plan_pricing's of the plan it would emit: test_placement_balance); only
+    # the winner's plan (shares) is built and priced, once
     starts = [dict(best.replicas)] + ([{}] if best.hot else [])
+    won, won_step = None, best.prediction.step_s
     for start in starts:
-        plan = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile)
-        if plan is not None and plan.prediction.step_s < best.prediction.step_s:
-            best = Plan(plan.hot, plan.replicas, plan.prediction, best.baseline, plan.shares, True)
-        totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
-        if max(totals) <= BALANCED * sum(totals) / W:
+        fill = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile,
+                           won_step, start_loads.get(tuple(sorted(start))))  # fmt: skip
+        if fill is not None:
+            step = _fill_step(fill, model, C_WN, E, profile)
+            if step < won_step:
+                won, won_step = fill, step
+        if won_step <= BALANCED * _fill_mean(won, best):
             break
-    return best
+    if won is None:
+        return best
+    hot = tuple(sorted(g for g, h in won.holders.items() if h))
+    replicas = tuple((g, tuple(won.holders[g])) for g in hot)
+    plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, won.shares(), relay=True)
+    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
+    if not prediction.step_s < best.prediction.step_s:  # the guarantee holds on the price
+        return best
+    return Plan(hot, replicas, prediction, best.baseline, plan.shares, True)
+
+
+def _fill_mean(fill: WaterFill | None, best: Plan) -> float:
+    """The mean rank total (s) of the fill's search, or of the best candidate's prediction."""
+    if fill is not None:
+        return sum(fill.totals) / len(fill.totals)
+    totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
+    return sum(totals) / len(totals)
+
+
+def _fill_step(
+    fill: WaterFill, model: StepModel, C_WN: torch.Tensor, E: int, profile: HardwareProfile
+) -> float:
+    """The predicted step (s) of the plan the fill would emit: from its own loads and rounds
+    (one link: the same numbers ``plan_pricing`` gives that plan), or priced in full when the
+    profile has a topology (the search saw one link)."""
+    if node_distance(profile) is None:
+        loads_4W = torch.tensor(
+            [fill.rows, fill.local, fill.remote, fill.replica], dtype=torch.float64
+        )
+        compute_W, comm_W = model.seconds_W(loads_4W, bool(loads_4W[2].any()), fill.rounds)
+        return float((compute_W + comm_W).max())
+    hot = tuple(sorted(g for g, h in fill.holders.items() if h))
+    replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
+    plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
+    return model.prediction_W(*plan_pricing(C_WN, plan, E, profile)).step_s
 
 
 def _water_fill(
@@ -167,26 +216,30 @@ def _water_fill(
     slots: int,
     block_size: int,
     profile: HardwareProfile,
-) -> Plan | None:
-    """``WaterFill`` from the replicas ``start``, priced (``plan_pricing``); None if no move."""
+    beat: float,
+    loads_4W: torch.Tensor | None = None,
+) -> WaterFill | None:
+    """``WaterFill`` from the replicas ``start`` after its moves; None if no move.
+    ``beat``: the step (s) the fill must beat: it stops once its water level (the mean rank
+    total: its max is never below it, and moves mostly add traffic, so the level mostly
+    rises) reaches it, or once its max is within ``FILL_STOP`` of its level (the last moves of
+    a nearly level fill gain < 1% each; planning time: ``docs/results/balance-after.md``). ``loads_4W``: the start plan's
+    ``plan_pricing`` under relay, when the caller has it."""
     W, E = shape.world_size, shape.experts_per_rank
-    hot = tuple(sorted(start))
-    plan = Plan(hot, tuple((g, start[g]) for g in hot), _NO_PREDICTION, _NO_PREDICTION, relay=True)
+    if loads_4W is None:
+        hot = tuple(sorted(start))
+        plan = Plan(hot, tuple((g, start[g]) for g in hot), _NO_PREDICTION, _NO_PREDICTION,
+                    relay=True)  # fmt: skip
+        loads_4W, _ = plan_pricing(C_WN, plan, E, profile)
     distance = node_distance(profile)
-    loads_4W, _ = plan_pricing(C_WN, plan, E, profile)
     any_remote = bool(loads_4W[2].any())
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     fill.set_loads(loads_4W[:4].to(torch.int64).tolist())  # the search: one link (module doc)
     for _ in range(min(MOVES_PER_RANK * W + 16, MAX_MOVES)):
-        if not fill.step():
+        level = sum(fill.totals) / W
+        if level >= beat or max(fill.totals) <= FILL_STOP * level or not fill.step():
             break
-    if not fill.moves:
-        return None
-    hot = tuple(sorted(g for g, h in fill.holders.items() if h))
-    replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
-    plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
-    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
-    return Plan(hot, replicas, prediction, prediction, plan.shares, relay=True)
+    return fill if fill.moves else None
 
 
 # a placeholder prediction for plans priced right after they are built

@@ -52,8 +52,10 @@ def relay_degrees(
     copy of the weights per direction (forward fetch, gradient return)."""
     if not holders:
         return {}, 0
-    dist = distance or (lambda a, b: 0)
-    order = [owner, *sorted(holders, key=lambda h: (dist(owner, h), h))]
+    if distance is None:  # one link: by rank (the water-filling search calls this per probe)
+        order = [owner, *sorted(holders)]
+    else:
+        order = [owner, *sorted(holders, key=lambda h: (distance(owner, h), h))]
     n = len(order)
     degrees = {owner: (n - 1).bit_length()}  # the owner sends in every round
     for j in range(1, n):

@@ -18,7 +18,12 @@ __all__ = ["plan_shadow"]
 
 
 def plan_shadow(
-    counts_WN: object, shape: LayerShape, profile: HardwareProfile, *, overlap: bool = False
+    counts_WN: object,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    *,
+    overlap: bool = False,
+    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Plan:
     """FasterMoE's shadowing rule (He et al., "FasterMoE: Modeling and Optimizing Training of
     Large-Scale Dynamic Pre-Trained Models", PPoPP'22, Sec. 4 "Dynamic Shadowing"; the authors'
@@ -44,10 +49,11 @@ def plan_shadow(
     the shadowed rows counted where they are actually computed (at their sources), which coincides
     with it when E = 1 and shadowed rows are negligible next to B_k. Latency terms are not part
     of FasterMoE's estimate and are left out of the decision; ``prediction`` (full cost model,
-    ``overlap`` default False) is reported for comparison.
+    ``overlap`` default False) is reported for comparison. ``counted``:
+    ``counts_with_sums(counts_WN, shape)`` when the caller has it (checked and summed once).
     """
     model = step_model(shape, profile, overlap)
-    C_WN, *sums = counts_with_sums(counts_WN, shape)
+    C_WN, *sums = counted if counted is not None else counts_with_sums(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
     loads_4W, load_N, own_N = baseline_loads(C_WN, E, sums)
     model.check_exact(max(2 * int(load_N.sum()), W * shape.num_experts))

@@ -346,3 +346,28 @@ def test_counts_with_sums_blocks_write_their_own_rows_without_a_resize(monkeypat
     assert C is C_WN
     assert colsum_N.tolist() == [sum(row[n] for row in C_WN.tolist()) for n in range(6)]
     assert rowsum_W.tolist() == [sum(row) for row in C_WN.tolist()]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 10**7), min_size=4, max_size=4),
+    st.booleans(),
+    st.integers(0, 5),
+    st.booleans(),
+    st.sampled_from([0.0, 1.3e-7]),
+    st.sampled_from([0.0, 2.5e-5]),
+)
+def test_total_fn_equals_rank_total_bit_for_bit(loads, any_remote, rounds, overlap, row_s, rep_s):
+    """The search's bound closure and ``rank_total`` give the same float (fixed costs on and
+    off, overlap on and off, no rounds or several)."""
+    profile = HardwareProfile(
+        "p", 3.7e14, 4.1e10, 2.9e-5, step_fixed_s=row_s * 1e3, row_overhead_s=row_s,
+        replica_fixed_s=rep_s,
+    )  # fmt: skip
+    model = StepModel(LayerShape(1024, 4096, 4, 8, 2, 3), profile, overlap)
+    total = model.total_fn(any_remote, rounds)
+    rows, local, remote, replica = loads
+    local = min(local, rows)
+    want = model.rank_total(rows, local, remote, replica, any_remote, rounds)
+    assert total(rows, local, remote, replica) == want
+    assert want == sum(model.rank_seconds(rows, local, remote, replica, any_remote, rounds))

@@ -1052,3 +1052,21 @@ def test_plan_is_frozen_and_shows_its_public_fields() -> None:
     ]
     assert repr(plan).startswith("Plan(hot=(), replicas=(), prediction=Prediction(")
     assert "_holders" not in repr(plan) and "_shares" not in repr(plan)
+
+
+@pytest.mark.parametrize(("W", "E"), [(4, 2), (64, 8)])
+def test_candidates_given_the_counted_counts_plan_the_same(W: int, E: int) -> None:
+    """``counted=`` (``plan_mix`` checks and sums the counts once) changes nothing: the same
+    plans as from the raw counts, on the list path (small) and the tensor path (W = 64)."""
+    from mixmoe.placement.counts import counts_with_sums
+
+    shape = LayerShape(256, 512, E, W, 2)
+    C_WN = _random_counts(W, W * E, W + E)
+    counted = counts_with_sums(C_WN, shape)
+    for profile in (GPU_PROFILE, TOKEN_BOUND):
+        assert plan_replicas(C_WN, shape, profile, 8, counted=counted) == plan_replicas(
+            C_WN.tolist(), shape, profile, 8
+        )
+        assert plan_shadow(C_WN, shape, profile, counted=counted) == plan_shadow(
+            C_WN.tolist(), shape, profile
+        )

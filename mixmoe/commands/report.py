@@ -5,6 +5,8 @@ from its content; runs with the same key across files are pooled. Prints one tab
 median/mean step, forward and backward over the steady steps (rule: ``run_stats.steady_steps``), the log's
 own summary average and the speedup against ``--baseline`` (default, or when a table lacks that
 system: the table's first system).
+A ``train.jsonl`` of ``mixmoe train`` (even the partial log of a killed run) is redrawn as
+``loss.png`` beside it (or in ``--plots DIR``), with a line of its steps and last loss.
 ``--markdown`` prints Markdown tables; ``--plots DIR`` writes ``layer_step_vs_experts.png``,
 ``layer_forward_backward.png`` and ``model_step_time.png`` there.
 """
@@ -50,7 +52,30 @@ def _baseline(stats: list[RunStats], wanted: str | None) -> str:
     return wanted if wanted in systems else systems[0]
 
 
+def _is_train_log(path: str) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = f.readline()
+    return first.startswith("{") and '"kind": "train"' in first
+
+
+def _redraw_train_log(path: str, plots: str | None) -> None:
+    from mixmoe.train.outputs import PNG_NAME, latest_per_step, plot_log, read_log
+
+    png = Path(plots) / PNG_NAME if plots else Path(path).with_name(PNG_NAME)
+    records = latest_per_step(read_log(path))
+    plot_log(path, png)
+    last = records[-1]
+    print(f"{path}: steps {records[0]['step']}..{last['step']}, last loss {last['loss']:.4f}")
+    print(f"loss curve: {png}")
+
+
 def run(args: argparse.Namespace) -> int:
+    train_logs = [p for p in args.logs if _is_train_log(p)]
+    for path in train_logs:
+        _redraw_train_log(path, args.plots)
+    args.logs = [p for p in args.logs if p not in train_logs]
+    if not args.logs:
+        return 0
     kinds = _load(args.logs)
     tables = {kind: run_stats(groups) for kind, groups in kinds.items() if groups}
     if args.baseline is not None and not any(

@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save", default=None, help="write a checkpoint here at the end")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (any world size)")
     p.add_argument("--out", default="runs/train", help="directory of train.jsonl and loss.png")
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard event files to <out>/tensorboard (needs tensorboard)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
@@ -111,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume,
         out=args.out or None,
         progress=not args.no_progress,
+        tensorboard=args.tensorboard,
     )
 
 

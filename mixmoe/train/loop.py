@@ -85,6 +85,7 @@ class TrainConfig:
     profile: HardwareProfile | None = None
     dense: bool = False  # the dense FFN model of the same dims (no experts; strategy local)
     router_skew: float = 0.0  # added to the router bias of experts 0 .. N/2 - 1 (hot experts)
+    tensorboard: bool = False  # TensorBoard event files in out/tensorboard (needs tensorboard)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -116,6 +117,8 @@ class TrainConfig:
             check_float(name, getattr(self, name))
         if self.time_budget_s is not None:
             check_float("time_budget_s", self.time_budget_s)
+        if self.tensorboard and not self.out:
+            raise ValueError("tensorboard needs an output directory; give --out DIR")
         if self.dtype == "bfloat16" and not self.device.startswith("cuda"):
             raise ValueError("dtype bfloat16 (autocast) is for CUDA; use float32 on the CPU")
         self.model_spec(self.ep_size or 1)  # the model's own checks (moe_layers range, ...)
@@ -414,37 +417,69 @@ class Trainer:
         )
 
 
+def _open_log(config: TrainConfig, trainer: Trainer):
+    """Rank 0's streamed log (``mixmoe.train.outputs.RunLog``), or None."""
+    if not config.out or trainer.world.rank != 0:
+        return None
+    from mixmoe.train.outputs import RunLog
+
+    common = {
+        "model": trainer.spec.model,
+        "strategy": config.strategy,
+        "world_size": trainer.world.world_size,
+        "ep_size": trainer.ep_size,
+    }
+    return RunLog(config.out, _plain(config), trainer.device, common, config.tensorboard)
+
+
 def train(config: TrainConfig, comm=None) -> TrainResult:
     """Train on this rank (``comm``: the world communicator; None = one process). Every rank of
     the world calls it with the same config; all return the same ``TrainResult``. Rank 0
-    writes the outputs (``out``: JSONL + loss-curve PNG; ``save``: the checkpoint)."""
+    writes the outputs (``out``: JSONL streamed step by step, TensorBoard, and the loss-curve
+    PNG at the end; ``save``: the checkpoint)."""
     trainer = Trainer(config, comm)
     world, clock = trainer.world, trainer.clock
+    log = _open_log(config, trainer)
     t0 = clock.now()
     records: list[StepRecord] = []
     stopped_by = "max_steps"
     show = config.progress and world.rank == 0
-    for step in range(trainer.start_step, config.max_steps):
-        if config.time_budget_s is not None:
-            over = 1.0 if clock.now() - t0 > config.time_budget_s else 0.0
-            if _reduce(world, [over], "max", trainer.device)[0] > 0:
-                stopped_by = "time_budget"
-                break
-        rec = trainer.step(step)
-        last = step == config.max_steps - 1
-        if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
-            rec = replace(rec, eval_loss=trainer.evaluate())
-        records.append(rec)
-        if show:
-            _progress(rec, config.max_steps)
-    if show and records:
-        sys.stderr.write("\n")
-    final_eval = records[-1].eval_loss if records and records[-1].eval_loss is not None else None
-    if final_eval is None and config.eval_every:
-        final_eval = trainer.evaluate()
-    if config.save:
-        trainer.save(config.save, records[-1].step + 1 if records else trainer.start_step)
-    result = TrainResult(
+    finished = False
+    try:
+        for step in range(trainer.start_step, config.max_steps):
+            if config.time_budget_s is not None:
+                over = 1.0 if clock.now() - t0 > config.time_budget_s else 0.0
+                if _reduce(world, [over], "max", trainer.device)[0] > 0:
+                    stopped_by = "time_budget"
+                    break
+            rec = trainer.step(step)
+            last = step == config.max_steps - 1
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                rec = replace(rec, eval_loss=trainer.evaluate())
+            records.append(rec)
+            if log is not None:
+                log.write(asdict(rec))
+            if show:
+                _progress(rec, config.max_steps)
+        if show and records:
+            sys.stderr.write("\n")
+        final_eval = (
+            records[-1].eval_loss if records and records[-1].eval_loss is not None else None
+        )
+        if final_eval is None and config.eval_every:
+            final_eval = trainer.evaluate()
+        if config.save:
+            trainer.save(config.save, records[-1].step + 1 if records else trainer.start_step)
+        finished = True
+    finally:
+        if log is not None and not (finished and records):
+            log.close_files()  # the lines written so far are on disk already
+    if log is not None and records:
+        log.close(
+            f"{trainer.spec.model} {config.strategy} W={world.world_size} "
+            f"N={trainer.spec.num_experts}"
+        )
+    return TrainResult(
         steps=tuple(records),
         final_eval_loss=final_eval,
         stopped_by=stopped_by,
@@ -455,11 +490,6 @@ def train(config: TrainConfig, comm=None) -> TrainResult:
         start_step=trainer.start_step,
         config=_plain(config),
     )
-    if config.out and world.rank == 0:
-        from mixmoe.train.outputs import write_outputs
-
-        write_outputs(result, config.out, trainer.device)
-    return result
 
 
 def _plain(config: TrainConfig) -> dict:

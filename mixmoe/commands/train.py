@@ -69,8 +69,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=d.device, help="cpu or cuda")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data")
-    p.add_argument("--save", default=None, help="write a checkpoint here at the end")
-    p.add_argument("--resume", default=None, help="resume from this checkpoint (any world size)")
+    p.add_argument(
+        "--save-dir",
+        default=None,
+        help="sharded checkpoints here (step-N directories; every rank writes its own shards)",
+    )
+    p.add_argument(
+        "--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)"
+    )
+    p.add_argument(
+        "--save-every-minutes", type=float, default=None, help="checkpoint every M minutes"
+    )
+    p.add_argument("--keep", type=int, default=None, help="keep the newest K checkpoints")
+    p.add_argument(
+        "--resume",
+        default=None,
+        help="auto (the newest complete checkpoint under --save-dir), a step-N directory, or "
+        "a --save file; any world size whose EP size divides the experts",
+    )
+    p.add_argument(
+        "--save",
+        default=None,
+        help="also write ONE consolidated file at the end (gathered on rank 0: small models)",
+    )
     p.add_argument("--out", default="runs/train", help="directory of train.jsonl and loss.png")
     p.add_argument(
         "--tensorboard",
@@ -114,6 +135,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         save=args.save,
         resume=args.resume,
+        save_dir=args.save_dir,
+        save_every=args.save_every,
+        save_every_minutes=args.save_every_minutes,
+        keep=args.keep,
         out=args.out or None,
         progress=not args.no_progress,
         tensorboard=args.tensorboard,
@@ -152,10 +177,8 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     world = _world(args)
     spec, _ = check_world(config, world)  # before any rank starts: one-line errors
-    if config.resume and not under_torchrun():
-        from mixmoe.train.checkpoint import check_checkpoint
-
-        check_checkpoint(config.resume, spec)
+    if config.resume and config.resume != "auto" and not under_torchrun():
+        _check_resume(config.resume, spec)
     result = run_training(config, args.world_size, threads=args.threads)
     if result is None:
         return 0
@@ -167,6 +190,22 @@ def run(args: argparse.Namespace) -> int:
             f"per-step JSONL appended to {os.path.join(config.out, 'train.jsonl')}; "
             f"loss curve {os.path.join(config.out, 'loss.png')}"
         )
+    if config.save_dir:
+        from mixmoe.train.sharded import latest_checkpoint
+
+        print(f"newest checkpoint: {latest_checkpoint(config.save_dir)}")
     if config.save:
         print(f"checkpoint written to {config.save}")
     return 0
+
+
+def _check_resume(path: str, spec) -> None:
+    """Check the checkpoint before any rank starts (one-line errors)."""
+    if os.path.isdir(path):
+        from mixmoe.train.sharded import read_marker
+
+        read_marker(path, spec)
+    else:
+        from mixmoe.train.checkpoint import check_checkpoint
+
+        check_checkpoint(path, spec)

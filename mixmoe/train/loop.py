@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -41,6 +42,7 @@ import torch
 from mixmoe.config import STRATEGIES
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.train import checkpoint as ckpt_io
+from mixmoe.train import sharded
 from mixmoe.train.data import global_batch, shard, split_corpus, starts_stream
 from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradients
 from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
@@ -78,8 +80,12 @@ class TrainConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    save: str | None = None
-    resume: str | None = None
+    save: str | None = None  # one consolidated file at the end (gathered on rank 0)
+    resume: str | None = None  # "auto", a step-* checkpoint directory, or a --save file
+    save_dir: str | None = None  # sharded checkpoints (every rank writes its own shards)
+    save_every: int = 0  # steps between sharded checkpoints (0: only at the end)
+    save_every_minutes: float | None = None  # minutes between sharded checkpoints
+    keep: int | None = None  # keep the newest K complete checkpoints (None: all)
     out: str | None = None
     progress: bool = True
     profile: HardwareProfile | None = None
@@ -117,6 +123,17 @@ class TrainConfig:
             check_float(name, getattr(self, name))
         if self.time_budget_s is not None:
             check_float("time_budget_s", self.time_budget_s)
+        check_int("save_every", self.save_every, 0)
+        if self.keep is not None:
+            check_int("keep", self.keep, 1)
+        if self.save_every_minutes is not None:
+            check_float("save_every_minutes", self.save_every_minutes)
+        if (self.save_every or self.save_every_minutes or self.keep) and not self.save_dir:
+            raise ValueError("save_every / save_every_minutes / keep need --save-dir DIR")
+        if self.resume == "auto" and not self.save_dir:
+            raise ValueError(
+                "--resume auto takes the newest checkpoint under --save-dir; give --save-dir DIR"
+            )
         if self.tensorboard and not self.out:
             raise ValueError("tensorboard needs an output directory; give --out DIR")
         if self.dtype == "bfloat16" and not self.device.startswith("cuda"):
@@ -318,15 +335,47 @@ class Trainer:
         self.mems: list = [None] * M
         self.start_step = 0
         self.clock = _Clock(device)
+        self.resumed_from: str | None = None
         if config.resume:
-            ckpt = ckpt_io.read_checkpoint(config.resume, self.spec, world)
+            self._resume(config.resume)
+
+    def _resume(self, resume: str) -> None:
+        """Load the checkpoint ``resume`` names: "auto" (the newest complete one under
+        ``save_dir``; none: start from step 0), a sharded ``step-*`` directory, or a file of
+        ``save``. Collective."""
+        M, device = self.config.micro_batches, self.device
+        path = self._agreed_latest() if resume == "auto" else resume
+        if path is None:
+            return
+        dtype = next(self.model.parameters()).dtype
+        if os.path.isdir(path):
+            loaded = sharded.load_sharded(
+                path, model=self.model, optimizer=self.opt, spec=self.spec, world=self.world
+            )
+            sharded.invalidate_replica_caches(self.model)
+            self.start_step, mems = loaded.step, {"mems": loaded.mems}
+        else:
+            ckpt = ckpt_io.read_checkpoint(path, self.spec, self.world)
             ckpt_io.load_into(ckpt, self.model, self.opt)
-            self.start_step = int(ckpt["step"])
-            dtype = next(self.model.parameters()).dtype
-            self.mems = [
-                ckpt_io.mems_for_shard(ckpt, self._shard(m), self.num_shards, device, dtype)
-                for m in range(M)
-            ]
+            self.start_step, mems = int(ckpt["step"]), ckpt
+        self.mems = [
+            ckpt_io.mems_for_shard(mems, self._shard(m), self.num_shards, device, dtype)
+            for m in range(M)
+        ]
+        self.resumed_from = str(path)
+
+    def _agreed_latest(self) -> str | None:
+        """The newest complete checkpoint under ``save_dir``, the same on every rank (they
+        read the directory separately; a disagreement is an error, not a guess)."""
+        found = sharded.latest_checkpoint(self.config.save_dir)
+        step = -1 if found is None else int(found.name.split("-")[1])
+        lo, hi = _reduce(self.world, [step, -step], "max", self.device)
+        if lo != -hi:
+            raise RuntimeError(
+                f"ranks see different newest checkpoints under {self.config.save_dir} "
+                f"(steps {int(-hi)}..{int(lo)}); is the directory shared by every rank?"
+            )
+        return None if found is None else str(found)
 
     def _shard(self, m: int) -> int:
         return self.world.rank * self.config.micro_batches + m
@@ -402,6 +451,24 @@ class Trainer:
         (ce_sum,) = _reduce(self.world, [ce_total], "sum", device)
         return ce_sum / targets_total
 
+    def save_sharded(self, steps_done: int) -> str:
+        """Sharded checkpoint after ``steps_done`` steps under ``save_dir`` (collective; every
+        rank writes its own shards); returns its path."""
+        mems = self.mems if self.objective == "stream" else None
+        path = sharded.save_sharded(
+            self.config.save_dir,
+            step=steps_done,
+            model=self.model,
+            optimizer=self.opt,
+            spec=self.spec,
+            mems_global=ckpt_io.global_mems(mems, self.world),
+            config=_plain(self.config),
+            world=self.world,
+            ep_size=self.ep_size,
+            keep=self.config.keep,
+        )
+        return str(path)
+
     def save(self, path: str, steps_done: int) -> None:
         """Checkpoint after ``steps_done`` steps (collective; world rank 0 writes)."""
         ckpt_io.save_checkpoint(
@@ -440,10 +507,11 @@ def train(config: TrainConfig, comm=None) -> TrainResult:
     trainer = Trainer(config, comm)
     world, clock = trainer.world, trainer.clock
     log = _open_log(config, trainer)
-    t0 = clock.now()
+    t0 = t_saved = clock.now()
     records: list[StepRecord] = []
     stopped_by = "max_steps"
     show = config.progress and world.rank == 0
+    saved_at = trainer.start_step if trainer.resumed_from else None
     finished = False
     try:
         for step in range(trainer.start_step, config.max_steps):
@@ -461,6 +529,9 @@ def train(config: TrainConfig, comm=None) -> TrainResult:
                 log.write(asdict(rec))
             if show:
                 _progress(rec, config.max_steps)
+            if config.save_dir and not last and _save_due(config, step + 1, t_saved, trainer):
+                trainer.save_sharded(step + 1)
+                saved_at, t_saved = step + 1, clock.now()
         if show and records:
             sys.stderr.write("\n")
         final_eval = (
@@ -468,8 +539,11 @@ def train(config: TrainConfig, comm=None) -> TrainResult:
         )
         if final_eval is None and config.eval_every:
             final_eval = trainer.evaluate()
+        done = records[-1].step + 1 if records else trainer.start_step
+        if config.save_dir and saved_at != done:
+            trainer.save_sharded(done)
         if config.save:
-            trainer.save(config.save, records[-1].step + 1 if records else trainer.start_step)
+            trainer.save(config.save, done)
         finished = True
     finally:
         if log is not None and not (finished and records):
@@ -490,6 +564,18 @@ def train(config: TrainConfig, comm=None) -> TrainResult:
         start_step=trainer.start_step,
         config=_plain(config),
     )
+
+
+def _save_due(config: TrainConfig, steps_done: int, t_saved: float, trainer: Trainer) -> bool:
+    """Whether to checkpoint after ``steps_done`` steps: every ``save_every`` steps, or when
+    ``save_every_minutes`` passed on ANY rank since the last save (one all_reduce: every rank
+    decides alike)."""
+    if config.save_every and steps_done % config.save_every == 0:
+        return True
+    if config.save_every_minutes is None:
+        return False
+    late = 1.0 if trainer.clock.now() - t_saved >= 60.0 * config.save_every_minutes else 0.0
+    return _reduce(trainer.world, [late], "max", trainer.device)[0] > 0
 
 
 def _plain(config: TrainConfig) -> dict:

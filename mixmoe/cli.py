@@ -68,10 +68,22 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("analyze", "trace"): ("mixmoe.commands.analyze_trace", "analyse CMD operation traces"),
     ("analyze", "profile"): ("mixmoe.commands.analyze_profile", "analyse a torch.profiler table"),
     ("report",): ("mixmoe.commands.report", "tables and plots from benchmark logs"),
+    ("checkpoint", "consolidate"): (
+        "mixmoe.commands.checkpoint",
+        "a sharded training checkpoint (step-N directory) as one --save file",
+    ),
+    ("checkpoint", "shard"): (
+        "mixmoe.commands.checkpoint",
+        "a --save file as a sharded training checkpoint (step-N directory)",
+    ),
 }
 # the exceptions a command raises for bad input; everything else is a bug and keeps its traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError, ImportError)
-GROUP_HELP = {"bench": "benchmarks", "analyze": "trace and profile analyses"}
+GROUP_HELP = {
+    "bench": "benchmarks",
+    "analyze": "trace and profile analyses",
+    "checkpoint": "training checkpoint conversions",
+}
 DEBUG_FLAG = "--debug"
 
 

@@ -213,21 +213,27 @@ def save_sharded(
             "ep_size": ep_size,
             "config": config,
         }
-        with open(tmp / MARKER, "w") as f:
-            json.dump(info, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # the same step saved again (a resumed run): replace it
-            old = root / f".{checkpoint_name(step)}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)  # THE commit: the checkpoint is visible from here on
+        commit(tmp, final, info)
         _prune(root, step, keep)
     world.barrier()
     return final
+
+
+def commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
+    """Write ``mixmoe.json`` into the complete directory ``tmp``, then rename it to ``final``
+    (replacing an older ``final``): the one step that makes a checkpoint visible."""
+    with open(tmp / MARKER, "w") as f:
+        json.dump(info, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():  # the same step saved again (a resumed run): replace it
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)  # THE commit: the checkpoint is visible from here on
 
 
 def _prune(root: Path, step: int, keep: int | None) -> None:

@@ -101,3 +101,33 @@ def test_auto_without_a_checkpoint_starts_at_step_0_and_bad_ones_are_refused(tmp
         _cfg(1, resume="auto")
     with pytest.raises(ValueError, match="need --save-dir"):
         _cfg(1, save_every=3)
+
+
+def test_consolidate_and_shard_round_trip(tmp_path, capsys):
+    """A sharded checkpoint consolidated is the --save file of the same run, tensor for tensor;
+    sharded back, it resumes the run exactly."""
+    from mixmoe import cli
+
+    cfg = _cfg(1, max_steps=2, save_dir=str(tmp_path / "a"), save=str(tmp_path / "saved.pt"))
+    train(cfg)
+    step2 = tmp_path / "a" / "step-00000002"
+    one = tmp_path / "one.pt"
+    assert cli.main(["checkpoint", "consolidate", str(step2), str(one)]) == 0
+    got = torch.load(one, weights_only=True)
+    want = torch.load(tmp_path / "saved.pt", weights_only=True)
+    assert got["step"] == want["step"] == 2 and got["spec"] == want["spec"]
+    assert sorted(got["model"]) == sorted(want["model"])
+    for k, v in want["model"].items():
+        assert_close(got["model"][k], v, rtol=0, atol=0, msg=k)
+    assert sorted(got["optimizer"]["state"]) == sorted(want["optimizer"]["state"])
+    for name, entry in want["optimizer"]["state"].items():
+        for key, v in entry.items():
+            assert_close(got["optimizer"]["state"][name][key], v, rtol=0, atol=0)
+    for a, b in zip(got["mems"], want["mems"], strict=True):
+        assert_close(a, b, rtol=0, atol=0)
+    assert cli.main(["checkpoint", "shard", str(one), str(tmp_path / "b")]) == 0
+    assert "step-00000002" in capsys.readouterr().out
+    ref = train(_cfg(1, max_steps=4, resume=str(step2)))
+    back = train(_cfg(1, max_steps=4, resume=str(tmp_path / "b" / "step-00000002")))
+    assert_close(_curve(_as_rows(back)), _curve(_as_rows(ref)), rtol=0, atol=0)
+    assert cli.main(["checkpoint", "consolidate", str(tmp_path), str(one)]) == 2

@@ -206,6 +206,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"mixmoe: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        lines = getattr(exc, "user_lines", None)  # a failed multi-rank run: one line per rank
+        if not lines:
+            raise
+        if debug:
+            print(str(exc), file=sys.stderr)
+        for line in lines:
+            print(f"mixmoe: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 
 from mixmoe.config import STRATEGIES
 from mixmoe.train.loop import DTYPES, TrainConfig, TrainResult, check_world
@@ -98,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also write TensorBoard event files to <out>/tensorboard (needs tensorboard)",
     )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=TrainConfig().collective_timeout_s,
+        help="seconds a rank may wait in a collective (a stalled rank fails the run after this)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
@@ -142,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         out=args.out or None,
         progress=not args.no_progress,
         tensorboard=args.tensorboard,
+        collective_timeout_s=args.collective_timeout,
     )
 
 
@@ -179,7 +188,17 @@ def run(args: argparse.Namespace) -> int:
     spec, _ = check_world(config, world)  # before any rank starts: one-line errors
     if config.resume and config.resume != "auto" and not under_torchrun():
         _check_resume(config.resume, spec)
-    result = run_training(config, args.world_size, threads=args.threads)
+    from mixmoe.comm.launch import RanksFailed
+
+    try:
+        result = run_training(config, args.world_size, threads=args.threads)
+    except RanksFailed as e:
+        advice = _resume_advice(config)
+        if e.local:  # torchrun: this rank's line only, with the advice on it
+            e.user_lines = [f"{line}; {advice}" for line in e.user_lines]
+        else:
+            e.user_lines = [*e.user_lines, advice]
+        raise
     if result is None:
         return 0
     print(summary(result))
@@ -197,6 +216,23 @@ def run(args: argparse.Namespace) -> int:
     if config.save:
         print(f"checkpoint written to {config.save}")
     return 0
+
+
+def _resume_advice(config: TrainConfig) -> str:
+    """Where a failed run can resume from, and the command that does it."""
+    if not config.save_dir:
+        return "no checkpoint (no --save-dir): rerun with --save-dir DIR --save-every N"
+    from mixmoe.comm.launch import under_torchrun
+    from mixmoe.train.sharded import latest_checkpoint
+
+    last = latest_checkpoint(config.save_dir)
+    argv = list(sys.argv[1:]) if "train" in sys.argv[1:2] else ["train", "..."]
+    if "--resume" in argv:
+        i = argv.index("--resume")
+        del argv[i : i + 2]
+    prefix = ["torchrun", "...", "-m", "mixmoe"] if under_torchrun() else ["mixmoe"]
+    command = shlex.join([*prefix, *argv, "--resume", "auto"])
+    return f"last complete checkpoint: {last or 'none yet'}; resume: {command}"
 
 
 def _check_resume(path: str, spec) -> None:

@@ -91,6 +91,7 @@ class TrainConfig:
     profile: HardwareProfile | None = None
     dense: bool = False  # the dense FFN model of the same dims (no experts; strategy local)
     router_skew: float = 0.0  # added to the router bias of experts 0 .. N/2 - 1 (hot experts)
+    collective_timeout_s: float = 300.0  # a rank silent this long in a collective: the run fails
     tensorboard: bool = False  # TensorBoard event files in out/tensorboard (needs tensorboard)
 
     def __post_init__(self) -> None:
@@ -123,6 +124,7 @@ class TrainConfig:
             check_float(name, getattr(self, name))
         if self.time_budget_s is not None:
             check_float("time_budget_s", self.time_budget_s)
+        check_float("collective_timeout_s", self.collective_timeout_s)
         check_int("save_every", self.save_every, 0)
         if self.keep is not None:
             check_int("keep", self.keep, 1)

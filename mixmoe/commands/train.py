@@ -96,6 +96,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default="runs/train", help="directory of train.jsonl and loss.png")
     p.add_argument(
+        "--data",
+        default=None,
+        help="your own data: a UTF-8 text file or directory (byte-level), or a pre-tokenized "
+        "uint16/uint32 .bin file (or a directory with train.bin, val.bin) with --vocab-size "
+        "(default: the built-in pydoc corpus)",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary of a pre-tokenized --data file"
+    )
+    p.add_argument(
         "--tensorboard",
         action="store_true",
         help="also write TensorBoard event files to <out>/tensorboard (needs tensorboard)",
@@ -151,6 +161,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=not args.no_progress,
         tensorboard=args.tensorboard,
         collective_timeout_s=args.collective_timeout,
+        data=args.data,
+        vocab_size=args.vocab_size,
     )
 
 
@@ -186,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     world = _world(args)
     spec, _ = check_world(config, world)  # before any rank starts: one-line errors
+    if config.data is not None:
+        from mixmoe.train.sources import load_tokens
+
+        load_tokens(config.data, config.vocab_size)  # a bad file: one line, before any rank
     if config.resume and config.resume != "auto" and not under_torchrun():
         _check_resume(config.resume, spec)
     from mixmoe.comm.launch import RanksFailed

@@ -43,9 +43,10 @@ from mixmoe.config import STRATEGIES
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.train import checkpoint as ckpt_io
 from mixmoe.train import sharded
-from mixmoe.train.data import global_batch, shard, split_corpus, starts_stream
+from mixmoe.train.data import global_batch, shard, starts_stream
 from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradients
 from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
+from mixmoe.train.sources import load_tokens
 from mixmoe.validation import check_float, check_int
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -91,6 +92,8 @@ class TrainConfig:
     profile: HardwareProfile | None = None
     dense: bool = False  # the dense FFN model of the same dims (no experts; strategy local)
     router_skew: float = 0.0  # added to the router bias of experts 0 .. N/2 - 1 (hot experts)
+    data: str | None = None  # text file/dir or pre-tokenized .bin (mixmoe.train.sources)
+    vocab_size: int | None = None  # of a pre-tokenized --data file
     collective_timeout_s: float = 300.0  # a rank silent this long in a collective: the run fails
     tensorboard: bool = False  # TensorBoard event files in out/tensorboard (needs tensorboard)
 
@@ -115,7 +118,7 @@ class TrainConfig:
             ("seed", 0),
         ):
             check_int(name, getattr(self, name), lo)
-        for name in ("num_experts", "num_local_experts", "seq_len", "ep_size"):
+        for name in ("num_experts", "num_local_experts", "seq_len", "ep_size", "vocab_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if self.num_experts is not None and self.num_local_experts is not None:
@@ -149,6 +152,8 @@ class TrainConfig:
         else:
             n = (self.num_local_experts or 2) * ep_size
         extra = {} if self.seq_len is None else {"seq_len": self.seq_len}
+        if self.vocab_size is not None:
+            extra["token_vocab"] = self.vocab_size
         return preset(
             self.model,
             self.preset,
@@ -331,7 +336,8 @@ class Trainer:
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.objective = OBJECTIVES[self.spec.model]
-        self.train_data, self.eval_data = split_corpus()
+        tokens = load_tokens(config.data, config.vocab_size)
+        self.train_data, self.eval_data = tokens.train, tokens.eval
         M = config.micro_batches
         self.num_shards = world.world_size * M
         self.mems: list = [None] * M
@@ -390,7 +396,9 @@ class Trainer:
         cfg, spec, model, device = self.config, self.spec, self.model, self.device
         G, L, S = cfg.batch_size, spec.seq_len, self.num_shards
         t_start = self.clock.now()
-        inputs, targets = global_batch(self.objective, self.train_data, step, G, L, cfg.seed)
+        inputs, targets = global_batch(
+            self.objective, self.train_data, step, G, L, cfg.seed, mask_id=spec.token_vocab
+        )
         if self.objective == "stream" and starts_stream(self.train_data, step, G, L):
             self.mems = [None] * cfg.micro_batches
         ce_local, aux_local, replicas, fwd_s = 0.0, 0.0, 0, 0.0
@@ -440,7 +448,7 @@ class Trainer:
         with torch.no_grad(), _autocast(cfg, device):
             for i in range(cfg.eval_batches):
                 inputs, targets = global_batch(
-                    self.objective, self.eval_data, i, G, L, cfg.seed, salt=1
+                    self.objective, self.eval_data, i, G, L, cfg.seed, 1, spec.token_vocab
                 )
                 for m in range(M):
                     b = shard(inputs, targets, self._shard(m), self.num_shards)

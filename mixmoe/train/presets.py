@@ -51,11 +51,13 @@ class ModelSpec:
     moe_layers: str = "all"
     aux_loss_coef: float = 0.01
     dense: bool = False  # no MoE at all: the dense FFN model of the same dims (bench "naive")
+    token_vocab: int = BYTE_VOCAB  # ids of the data (bytes: 256; BERT adds its mask id)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model {self.model!r} is unknown; use one of {', '.join(MODELS)}")
-        for name in ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "num_experts", "top_k"):
+        for name in ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "num_experts", "top_k",
+                     "token_vocab"):  # fmt: skip
             check_int(name, getattr(self, name), 1)
         if self.d_model % self.n_head:
             raise ValueError(
@@ -80,7 +82,7 @@ class ModelSpec:
 
     @property
     def vocab_size(self) -> int:
-        return BYTE_VOCAB + 1 if self.model == "bert" else BYTE_VOCAB
+        return self.token_vocab + 1 if self.model == "bert" else self.token_vocab
 
     def moe_config(self) -> MoEConfig:
         """The MoE layers' config (Mixtral's come from its converted blocks instead)."""

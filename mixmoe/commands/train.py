@@ -61,6 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--micro-batches", type=int, default=d.micro_batches, help="gradient accumulation per rank"
     )
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    p.add_argument(
+        "--lr-schedule",
+        default=d.lr_schedule,
+        choices=["constant", "cosine", "linear"],
+        help="after the warm-up: constant, or cosine / linear decay to --min-lr at --max-steps",
+    )
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
+    p.add_argument("--min-lr", type=float, default=d.min_lr, help="the decay's floor")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
     p.add_argument("--clip", type=float, default=d.clip, help="global gradient norm (0: off)")
     p.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="balance loss")
@@ -143,6 +151,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_steps=args.max_steps,
         time_budget_s=args.time_budget,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        min_lr=args.min_lr,
         weight_decay=args.weight_decay,
         clip=args.clip,
         aux_loss_coef=args.aux_loss_coef,

@@ -46,6 +46,7 @@ from mixmoe.train import sharded
 from mixmoe.train.data import global_batch, shard, starts_stream
 from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradients
 from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
+from mixmoe.train.lr_schedule import LR_SCHEDULES, lr_at
 from mixmoe.train.sources import load_tokens
 from mixmoe.validation import check_float, check_int
 
@@ -73,6 +74,9 @@ class TrainConfig:
     max_steps: int = 50
     time_budget_s: float | None = None
     lr: float = 1e-3
+    lr_schedule: str = "constant"  # constant | cosine | linear (after the warm-up)
+    warmup_steps: int = 0
+    min_lr: float = 0.0  # the floor cosine and linear decay reach at max_steps
     weight_decay: float = 0.0
     clip: float = 1.0
     aux_loss_coef: float = 0.01
@@ -128,6 +132,14 @@ class TrainConfig:
         if self.time_budget_s is not None:
             check_float("time_budget_s", self.time_budget_s)
         check_float("collective_timeout_s", self.collective_timeout_s)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_float("min_lr", self.min_lr)
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule {self.lr_schedule!r} is unknown; use one of {', '.join(LR_SCHEDULES)}"
+            )
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}; use min_lr <= lr")
         check_int("save_every", self.save_every, 0)
         if self.keep is not None:
             check_int("keep", self.keep, 1)
@@ -385,6 +397,18 @@ class Trainer:
             )
         return None if found is None else str(found)
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (``mixmoe.train.lr_schedule``)."""
+        cfg = self.config
+        return lr_at(
+            step,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=cfg.max_steps,
+            schedule=cfg.lr_schedule,
+        )
+
     def _shard(self, m: int) -> int:
         return self.world.rank * self.config.micro_batches + m
 
@@ -417,6 +441,8 @@ class Trainer:
             replicas += sum(int((a.stats or {}).get("replicas", 0)) for a in moe_auxes(model))
         sync_gradients(self.dense, self.experts, self.world, self.edp)
         norm = float(clip_global_norm(self.dense, self.experts, self.ep, cfg.clip))
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(step)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         step_s = self.clock.now() - t_start

@@ -45,8 +45,8 @@ from mixmoe.train import checkpoint as ckpt_io
 from mixmoe.train import sharded
 from mixmoe.train.data import global_batch, shard, starts_stream
 from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradients
-from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
 from mixmoe.train.lr_schedule import LR_SCHEDULES, lr_at
+from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
 from mixmoe.train.sources import load_tokens
 from mixmoe.validation import check_float, check_int
 

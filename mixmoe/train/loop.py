@@ -278,12 +278,13 @@ def _device(config: TrainConfig) -> torch.device:
 
 def build_parallel_model(config: TrainConfig, spec: ModelSpec, ep, device: torch.device):
     """The model on ``device`` with every MoE layer parallelized over ``ep`` (same seed on
-    every rank, so dense weights are identical and each rank keeps its experts' slice)."""
+    every rank, so dense weights are identical; each rank builds only the experts it owns)."""
     from mixmoe.parallel import parallelize_moe
     from mixmoe.train.presets import build_model, moe_layers_of
 
     torch.manual_seed(config.seed)
-    model = build_model(spec)
+    # each rank builds only its own experts (same weights as the full build: per-expert seeds)
+    model = build_model(spec, ep_rank=ep.rank, ep_size=ep.world_size)
     param_dtype = torch.float64 if config.dtype == "float64" else torch.float32
     model = model.to(device=device, dtype=param_dtype)
     layers = moe_layers_of(model)

@@ -121,9 +121,11 @@ def _transformers():
     return transformers
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
-    """The single-device model with every expert (seed the RNG first: every rank must build the
-    same weights; ``mixmoe.parallel.parallelize_moe`` then keeps each rank's slice)."""
+def build_model(spec: ModelSpec, *, ep_rank: int = 0, ep_size: int = 1) -> nn.Module:
+    """The model; seed the RNG first: every rank must build the same dense weights.
+    ``ep_size`` 1: the single-device model with every expert. Otherwise only the experts rank
+    ``ep_rank`` of the EP group owns are built (Mixtral: every expert, sliced later by
+    ``parallelize_moe``), with the weights the full build holds for them."""
     if spec.model == "transformer-xl":
         from mixmoe.models.transformer_xl import TransformerXL, TransformerXLConfig
 
@@ -140,7 +142,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
             moe=None if spec.dense else spec.moe_config(),
             moe_layers=spec.moe_layers,
         )
-        return TransformerXL(cfg)
+        return TransformerXL(cfg, ep_rank=ep_rank, ep_size=ep_size)
     tf = _transformers()
     if spec.model == "mixtral":
         from mixmoe.hf.convert import convert_moe_model
@@ -196,7 +198,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
         model = tf.BertForMaskedLM(cfg)
     if spec.dense:
         return model
-    return moefy(model, spec.moe_config(), layers=spec.moe_layers)
+    return moefy(model, spec.moe_config(), layers=spec.moe_layers, ep_rank=ep_rank, ep_size=ep_size)
 
 
 def moe_layers_of(model: nn.Module):

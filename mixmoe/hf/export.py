@@ -20,7 +20,6 @@ from torch import nn
 from mixmoe.hf.convert import MoEBlock
 from mixmoe.hf.layout import hf_experts_layout
 
-
 # mixmoe Experts parameter -> ExpertWeights field (views of the transformers module)
 _PAIRS = (
     ("w1", "w1_SDF"),

@@ -81,6 +81,17 @@ def latest_checkpoint(save_dir: str | os.PathLike[str]) -> Path | None:
 # ------------------------------------------------------------------------------ flat state
 
 
+def _row(t: torch.Tensor, e: int) -> torch.Tensor:
+    """Row ``e`` of ``t``, sharing its memory. DCP copies a tensor whose storage is larger than
+    itself before writing it, and holds those copies until the save ends (measured: a save of
+    E rows as plain views costs a second copy of all E); a CPU row wrapped through numpy owns a
+    storage of exactly its size, so it is written in place. Elsewhere (CUDA, bfloat16) a view."""
+    row = t.detach()[e]
+    if row.device.type == "cpu" and row.is_contiguous() and row.dtype != torch.bfloat16:
+        return torch.from_numpy(row.numpy())
+    return row
+
+
 def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """This rank's keys (see the module docstring), as views of the live tensors: DCP writes
     them as they are, and a load fills them in place."""
@@ -90,7 +101,7 @@ def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
         if key in owners:
             mod = owners[key]
             for e in range(mod.num_experts):  # row e of this rank = global expert first + e
-                out[f"model/{key}@expert{mod.first_expert + e}"] = value[e]
+                out[f"model/{key}@expert{mod.first_expert + e}"] = _row(value, e)
         else:
             out[f"model/{key}"] = value
     names = {id(p): n for n, p in model.named_parameters()}
@@ -103,7 +114,7 @@ def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
                 if name in owners and value.shape == p.shape:
                     mod = owners[name]
                     for e in range(mod.num_experts):
-                        out[f"optim/{name}/{key}@expert{mod.first_expert + e}"] = value[e]
+                        out[f"optim/{name}/{key}@expert{mod.first_expert + e}"] = _row(value, e)
                 else:
                     out[f"optim/{name}/{key}"] = value
     return out

@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint mutation clean venv
+.PHONY: demo test test-fast lint mutation clean venv
 
 venv: $(STAMP)
 
@@ -23,14 +23,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
+# the cheap tiers (unit, kernels, hf; no multi-process or slow test): a few minutes, before a commit
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not dist and not slow and not gpu"
+
 lint: $(STAMP)
 	$(BIN)/ruff check mixmoe tests
 	$(BIN)/ruff format --check mixmoe tests
 
 # Mutation testing of the core (slow, not in CI): MUTATION_GROUPS="gating ops" for a subset.
-# Edits the sources in place while it runs; prints kill rates and survivors (tests/MUTATION.md).
+# Edits the sources in place while it runs; prints kill rates and survivors (docs/mutation-log.md).
 mutation: $(STAMP)
-	$(BIN)/python tests/mutation/run_mutation.py $(MUTATION_GROUPS)
+	$(BIN)/python scripts/mutation/run_mutation.py $(MUTATION_GROUPS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mutmut-cache .mutmut-logs

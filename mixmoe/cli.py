@@ -57,6 +57,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "mixmoe.commands.bench_planner",
         "time the mixed strategy's planner against the step it plans",
     ),
+    ("bench", "balance"): (
+        "mixmoe.commands.bench_balance",
+        "imbalance workloads: a2a / shadow / mix vs the force-balanced step (cost model)",
+    ),
     ("calibrate",): (
         "mixmoe.commands.calibrate",
         "measure this machine's hardware profile (GEMM rate, all_to_all) as JSON",

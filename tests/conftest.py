@@ -1,15 +1,27 @@
 """Suite-wide guard: when the whole suite runs, every folder holding test files must have been
 collected (pytest silently skips some folder names by default; a tier that never runs is a
-failure, not a pass). Also the Hypothesis profile ``mutation`` (``make mutation`` selects it:
-tests/mutation/run_mutation.py): no example database, fixed examples."""
+failure, not a pass); every test gets a tier marker (``unit``, ``dist``, ``kernels``, ``hf``,
+``gpu``) from its folder when it marks none. Also the Hypothesis profile ``mutation`` (``make mutation`` selects it:
+scripts/mutation/run_mutation.py): no example database, fixed examples."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+
+# Without a GPU the Triton kernels run under the CPU interpreter (tests/kernels/conftest.py). The
+# interpreter is chosen when a function is decorated, triton.language's own helpers included, so it
+# is set here, before any test module is collected: several import transformers, whose MoE
+# integration imports triton, and a triton imported compiled cannot be interpreted later.
+if os.environ.get("TRITON_INTERPRET") is None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 try:  # hypothesis is a dev dependency (make test installs it); the profile is for mutation runs
     from hypothesis import settings
@@ -17,6 +29,27 @@ try:  # hypothesis is a dev dependency (make test installs it); the profile is f
     settings.register_profile("mutation", database=None, derandomize=True)
 except ImportError:  # pragma: no cover
     pass
+
+
+TIERS = ("unit", "dist", "kernels", "hf", "gpu")
+
+
+def _tier(item: pytest.Item) -> str:
+    """The tier a test belongs to when it marks none: its folder (``kernels``), a transformers
+    test file (``hf`` in its name), else ``unit``."""
+    path = Path(str(item.fspath)).resolve().relative_to(HERE)
+    if path.parts[0] == "kernels":
+        return "kernels"
+    if "hf" in path.stem.split("_"):
+        return "hf"
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(getattr(pytest.mark, _tier(item)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

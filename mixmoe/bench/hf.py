@@ -17,7 +17,8 @@ Skewed routing adds a constant to the router's input (``skew_router``) that rais
 ``hot_expert``'s logit by ``hot_bias`` for every token and no other: with top-2 it takes about
 half of all routed slots. The same hook serves the equivalence tests. With both routings, the
 skewed records carry ``balance_bound`` = uniform ``all_to_all`` step / skewed ``all_to_all`` step:
-the ratio that perfect balancing at zero cost would reach.
+the ratio that perfect balancing at zero cost would reach, and every record ``pct_balanced`` =
+uniform ``all_to_all`` step / its step.
 
 Launch: W gloo CPU processes are spawned here; under ``torchrun`` the launched group is used
 (NCCL on GPU, by the same code).
@@ -414,12 +415,18 @@ def add_balance_bound(records: list[dict]) -> None:
     """Add ``balance_bound`` to every skewed record when the run also timed uniform routing:
     ``all_to_all``'s uniform median over its skewed median, the ratio a skewed step would reach
     if balancing the hot expert cost nothing and made the step as fast as a uniform one (the
-    same tokens, the same model; only the router differs). None when either is missing."""
+    same tokens, the same model; only the router differs). None when either is missing.
+
+    With the uniform ``all_to_all`` step, every record also gets ``pct_balanced`` = that step
+    over its own median (issue 26's "% of force-balanced": 1.0 for uniform ``all_to_all``; a
+    skewed record's distance to balance)."""
     base = {r["routing"]: r["median_ms"] for r in records if r["implementation"] == BASELINE}
     bound = base["uniform"] / base["skewed"] if {"uniform", "skewed"} <= base.keys() else None
     for r in records:
         if r["routing"] == "skewed":
             r["balance_bound"] = bound
+        if "uniform" in base:
+            r["pct_balanced"] = base["uniform"] / r["median_ms"]
 
 
 def _check_first_losses(

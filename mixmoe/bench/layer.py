@@ -16,6 +16,13 @@ statistic. With several ranks, a step's time is the maximum over ranks (synchron
 warmup / steady, ``description`` ``strategy=S``) with the layer's spans inside, the count
 exchange carrying this rank's per-expert counts (``mixmoe simulate --routing trace:DIR``).
 Recording costs a few microseconds per span inside the timed steps.
+
+``balanced`` (expert-parallel runs): one more layer, ``a2a`` under UNIFORM routing on the same
+inputs (``BALANCED``, logged as ``mixmoe-a2a-uniform``), timed in the same loop, interleaved with
+the strategies: the force-balanced bound of this run. ``summary_rows`` then gives every strategy's
+``pct_balanced`` = median balanced step / median step (1.0: as fast as perfectly balanced
+routing without replication). Not part of the correctness check (other routing, other output),
+not traced (``trace`` holds the strategies' steps only).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ class LayerBenchConfig:
     profile: str = ""  # preset name or calibrate JSON for the planners ('' = the device default)
     plan_async: bool | None = None  # MoEConfig.plan_async (mix; None: background on CUDA only)
     trace: str = ""  # a directory: per-rank CMD traces of the timed steps ('' = no tracing)
+    balanced: bool = False  # also time a2a under uniform routing: the balanced bound (W > 1)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -80,6 +88,11 @@ class LayerBenchConfig:
             raise ValueError(
                 "strategy 'local' runs on one rank; use a2a, shadow or mix with --world-size > 1"
             )
+        if self.balanced and self.world_size == 1:
+            raise ValueError(
+                "the balanced bound (a2a under uniform routing) needs --world-size > 1; drop "
+                "--balanced on one rank"
+            )
         if self.world_size == 1 and set(self.strategies) != {"local"}:
             raise ValueError(
                 f"strategies {list(self.strategies)} need --world-size > 1; use 'local' on one rank"
@@ -97,6 +110,9 @@ class LayerBenchConfig:
             strategy=strategy,
             plan_async=self.plan_async,
         )
+
+
+BALANCED = "a2a-uniform"  # the label of the balanced-bound run (``LayerBenchConfig.balanced``)
 
 
 @dataclass
@@ -192,11 +208,17 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
     rank = 0 if comm is None else comm.rank
     x_TD, dy_TD, ids_TK = _inputs(cfg, rank)
     layers = {s: build_layer(cfg, s, ids_TK, comm) for s in cfg.strategies}
+    if cfg.balanced:  # a2a on uniform ids of its own: the force-balanced bound, timed alike
+        gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank + 500_000)
+        N = cfg.num_local_experts * cfg.world_size
+        uniform_TK = synthetic_ids(RoutingSpec("uniform"), cfg.tokens, cfg.top_k, N, gen)
+        layers[BALANCED] = build_layer(cfg, "a2a", uniform_TK, comm)
     opts = {s: torch.optim.SGD(layer.parameters(), lr=cfg.lr) for s, layer in layers.items()}
-    results = {s: StrategyResult(s) for s in cfg.strategies}
+    results = {s: StrategyResult(s) for s in layers}
     with torch.no_grad():
         first = {s: layer(x_TD) for s, layer in layers.items()}
-        _check_agreement({s: y for s, (y, _) in first.items()}, torch_dtype(cfg.dtype))
+        same = {s: y for s, (y, _) in first.items() if s != BALANCED}  # same routing, same y
+        _check_agreement(same, torch_dtype(cfg.dtype))
     counts_N = next(iter(first.values()))[1].counts_N.to(torch.int64)
     if comm is not None and comm.world_size > 1:
         counts_WN = comm.all_gather_rows(counts_N).cpu().tolist()
@@ -214,8 +236,14 @@ def run_rank(cfg: LayerBenchConfig, comm=None) -> list[StrategyResult]:
         for s, layer in layers.items():
             if comm is not None:
                 comm.barrier()
+            # the balanced run is not traced: traces (and the counts they carry) are the
+            # strategies' own, as without it
             op = functools.partial(
-                _traced_op, recorder, i, "warmup" if i < cfg.warmup else "steady", s
+                _traced_op,
+                None if s == BALANCED else recorder,
+                i,
+                "warmup" if i < cfg.warmup else "steady",
+                s,
             )
             timer = StageTimer(torch.device(cfg.device))
             timer.mark()
@@ -294,12 +322,16 @@ def write_logs(
 
 
 def summary_rows(cfg: LayerBenchConfig, results: list[StrategyResult]) -> list[dict[str, Any]]:
+    """One row of medians per result; with a balanced run (``BALANCED``), every row's
+    ``pct_balanced`` = the balanced run's median step / this row's."""
     m = slice(cfg.warmup, None)
     base = next((r for r in results if r.strategy == "a2a"), results[0])
     base_ms = median(base.step_ms[m])
+    balanced = next((r for r in results if r.strategy == BALANCED), None)
     rows = []
     for r in results:
         step = median(r.step_ms[m])
+        extra = {} if balanced is None else {"pct_balanced": median(balanced.step_ms[m]) / step}
         rows.append(
             {
                 "strategy": r.strategy,
@@ -310,6 +342,7 @@ def summary_rows(cfg: LayerBenchConfig, results: list[StrategyResult]) -> list[d
                     cfg.tokens, cfg.model_dim, cfg.hidden_size, cfg.top_k, step
                 ),
                 f"vs_{base.strategy}": step / base_ms,
+                **extra,
                 **r.stats,
             }
         )

@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         + (f"; mixmoe planners on profile {cfg.profile}" if cfg.profile else "")
     )
     single = cfg.world_size == 1
+    pct = any("pct_balanced" in r for r in records)
     rows = [
         (
             r["routing"],
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['median_ms']:.1f}",
             f"{r['min_ms']:.1f}",
             f"{r['ratio']:.3f}x",
+            *([f"{100 * r['pct_balanced']:.1f}%" if "pct_balanced" in r else "-"] if pct else []),
             *([f"{r['vs_fastest_hf']:.3f}x"] if single else []),
             f"{r['hot_share']:.2f}",
             f"{r['replicas_per_step']:.1f}",
@@ -160,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         "median ms",
         "min ms",
         f"vs {cfg.baseline}",
+        *(["% of balanced"] if pct else []),
         *(["vs fastest hf"] if single else []),
         "hot share",
         "replicas/step",
@@ -168,14 +171,15 @@ def run(args: argparse.Namespace) -> int:
     if bound is not None:
         # the last skewed row is followed by the bound, in the ratio column
         last = max(i for i, r in enumerate(records) if r["routing"] == "skewed")
-        cells = ["skewed", "balanced bound*", "", "", f"{bound:.3f}x", "", ""]
+        cells = ["skewed", "balanced bound*", "", "", f"{bound:.3f}x", *([""] * pct), "", ""]
         rows.insert(last + 1, tuple(cells))
     print(render_table(headers, rows, markdown=args.markdown))
     if bound is not None:
         print(
             f"* balanced bound = {BASELINE} uniform / {BASELINE} skewed step = {bound:.3f}x: "
             "the skewed ratio that perfect balancing at zero cost would reach (only the router "
-            "differs between the two runs)"
+            "differs between the two runs); % of balanced = "
+            f"{BASELINE} uniform step / the row's step"
         )
     if args.jsonl:
         config = asdict(cfg)

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict
 
 from mixmoe.bench.layer import (
+    BALANCED,
     LayerBenchConfig,
     StrategyResult,
     jsonl_records,
@@ -24,6 +25,7 @@ from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
 
 PLAN_MODES = {"auto": None, "async": True, "sync": False}
+BALANCED_MODES = ("auto", "on", "off")
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -77,6 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "only (default: auto)",
     )
     p.add_argument(
+        "--balanced",
+        choices=BALANCED_MODES,
+        default="auto",
+        help="also time a2a under uniform routing in the same run (the force-balanced bound) and "
+        "report every strategy's %% of balanced = that step / its step; 'auto': on with more "
+        "than one rank (default: auto)",
+    )
+    p.add_argument(
         "--save-counts",
         default="",
         help="write the first forward's count matrix [W][N] here (for `mixmoe simulate "
@@ -114,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
         profile=args.profile,
         plan_async=PLAN_MODES[args.plan],
         trace=args.trace,
+        balanced=args.balanced == "on" or (args.balanced == "auto" and world > 1),
     )
 
 
@@ -121,6 +132,11 @@ def report(cfg: LayerBenchConfig, results: list[StrategyResult], save_counts: st
     """Logs, the table of medians and the JSONL records of one benchmark."""
     write_logs(cfg, results)
     print(f"routing = {cfg.routing}; medians over {cfg.steps} steps after {cfg.warmup} warm-up")
+    if cfg.balanced:
+        print(
+            f"balanced bound: {BALANCED} = a2a under uniform routing, timed in the same run; "
+            "pct_balanced = its median step / the strategy's"
+        )
     rows = summary_rows(cfg, results)
     headers = list(dict.fromkeys(k for row in rows for k in row))
     cells = [

@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile",
         default="h100-nvlink",
         help="preset (cpu, gpu, h100-nvlink, a100-nvlink, h100-pcie, a100-pcie, h100-ib, a100-ib,"
+        " h100-nvlink-ib, a100-nvlink-ib,"
         " v100-pcie, v100-nvlink) or the JSON of `mixmoe calibrate`",
     )
     p.add_argument(

@@ -157,11 +157,15 @@ def synthetic_counts(
         ids_MK = torch.empty(M * T, K, dtype=torch.int64)
         for k in range(K):
             ids_MK[:, k] = torch.multinomial(probs_N, M * T, True, generator=generator)
-            while k and spec.kind == "zipf":
-                again = (ids_MK[:, k : k + 1] == ids_MK[:, :k]).any(1).nonzero().squeeze(1)
+            rows = torch.arange(M * T) if k and spec.kind == "zipf" else None
+            while rows is not None:
+                # only the rows redrawn last time can still repeat an earlier choice: re-check
+                # those (ascending, as a full scan would find them: the same draws, faster)
+                again = rows[(ids_MK[rows, k : k + 1] == ids_MK[rows, :k]).any(1)]
                 if not len(again):
                     break
                 ids_MK[again, k] = torch.multinomial(probs_N, len(again), True, generator=generator)
+                rows = again
         rank_MT = torch.arange(w0, w0 + M).repeat_interleave(T)
         flat = (rank_MT[:, None] * N + order_N[ids_MK]).reshape(-1)
         counts_WN.view(-1).index_add_(0, flat, torch.ones_like(flat))

@@ -5,7 +5,8 @@ same all-gathered counts.
 """
 
 from mixmoe.placement.cost_model import LayerShape, Prediction, predict
-from mixmoe.placement.planner import Plan, plan_mix, plan_none, plan_shadow
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.planner import plan_mix, plan_none, plan_shadow
 from mixmoe.placement.profile import CPU_PROFILE, GPU_PROFILE, HardwareProfile, default_profile
 
 __all__ = [

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
@@ -30,54 +29,11 @@ from mixmoe.placement.cost_model import (
     counts_with_sums,
     step_model,
 )
+from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 
 # candidates evaluated in full per round of plan_mix's search (the top of the bottleneck's list)
 SEARCH_WIDTH = 8
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Where every (source rank, expert) segment of one layer step is computed.
-
-    hot:        replicated experts, ascending.
-    replicas:   ``(g, holder ranks ascending)`` for each hot g, by ascending g; holders never
-                include the owner g // E.
-    prediction: cost-model prediction of this plan.
-    baseline:   prediction for the same counts with nothing replicated (same overlap setting).
-
-    Segment (s, g) is computed at s if s owns g or holds a replica of g, else at the owner.
-    """
-
-    hot: tuple[int, ...]
-    replicas: tuple[tuple[int, tuple[int, ...]], ...]
-    prediction: Prediction
-    baseline: Prediction
-    _holders: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if list(self.hot) != sorted(set(self.hot)):
-            raise ValueError(f"Plan.hot must be strictly ascending, got {self.hot}")
-        if tuple(g for g, _ in self.replicas) != self.hot:
-            raise ValueError(f"Plan.replicas {self.replicas} must list exactly hot = {self.hot}")
-        for g, holders in self.replicas:
-            if list(holders) != sorted(set(holders)):
-                raise ValueError(f"holders of expert {g} must be strictly ascending, got {holders}")
-        object.__setattr__(self, "_holders", dict(self.replicas))
-
-    def holders(self, g: int) -> tuple[int, ...]:
-        """Ranks holding a replica of expert g (ascending); () if g is not hot."""
-        return self._holders.get(g, ())
-
-    def computed_at(self, s: int, g: int, experts_per_rank: int) -> int:
-        """The rank that computes the rows source rank s routes to expert g."""
-        if s == g // experts_per_rank or s in self._holders.get(g, ()):
-            return s
-        return g // experts_per_rank
-
-    def replica_slots(self, rank: int) -> tuple[int, ...]:
-        """Hot experts whose replica ``rank`` holds, ascending: the order of its replica slots."""
-        return tuple(g for g, holders in self.replicas if rank in holders)
 
 
 def plan_none(

@@ -26,13 +26,22 @@ measured on the development host (AMD EPYC VM, torch 2.13 CPU, 2 processes):
   an idle many-core host, more when ranks outnumber cores).
 - ``replica_fixed_s = 2e-3``: the lowest per-replica cost the layer fit of ``mixmoe calibrate``
   gave on W=2 (a core per rank) on a quiet host: 1.9-6.7 ms, median ~4 ms, over the 8 W=2
-  calibrations of the stored simulator validation (README, "Simulator validation"). Without it
+  calibrations of the stored simulator validation (docs/results/2026-11-23-simulator-validation.md). Without it
   the planner priced a replica by its bytes alone and replicated for predicted gains smaller
   than what a replica measured. The other two fixed costs stay 0.0: they are the same under every plan (step_fixed_s)
   or fitted at ~0 on a quiet host (row_overhead_s), so they move absolute predictions, not
   decisions. Under load the fit moved from one calibration to the next (step_fixed_s 0-179 ms,
   replica_fixed_s 0-808 ms at load 6-14): calibrate the machine and pass the JSON
   (``--profile``) for absolute figures.
+
+Topology (optional). ``ranks_per_node`` R splits the EP group into nodes of R consecutive ranks
+(rank r on node r // R, as ``torchrun --nproc-per-node R`` numbers them); ``link_bandwidth`` and
+``link_latency`` are then the intra-node link (NVLink) and ``inter_node_bandwidth`` /
+``inter_node_latency`` the link between nodes (one InfiniBand NIC per GPU). All three None (the
+default) is the one-link model: every pair of ranks on ``link_bandwidth`` / ``link_latency``,
+exactly as before the fields existed. ``pair_link`` and ``link_seconds`` give the link of a pair
+of ranks; a cost model that knows the topology prices each transfer with them (a cost model
+that reads ``link_bandwidth`` alone prices every pair as intra-node).
 
 ``GPU_PROFILE`` (name ``gpu-generic``: a generic modern GPU node without NVLink between the EP
 ranks), an ESTIMATE: ``gemm_flops = 300e12`` of sustained bf16 grouped GEMM (an H100-class part
@@ -60,6 +69,10 @@ class HardwareProfile:
     row_overhead_s:  seconds per row computed at a rank, on top of its GEMM FLOPs (default 0.0).
     replica_fixed_s: seconds per replica a rank serves (as owner) or holds, on top of its bytes
                      on the link (default 0.0).
+    ranks_per_node:  ranks per node R (rank r on node r // R), or None (default): one link for
+                     every pair. With R, link_bandwidth / link_latency are the intra-node link.
+    inter_node_bandwidth, inter_node_latency: the link between two ranks on different nodes
+                     (bytes/s each way, seconds per transfer); set exactly when ranks_per_node is.
     shared_core_efficiency: where ranks outnumber the cores they share (``simulate --processors
                      P`` with P < W, never the planner's max over ranks), the share of P cores'
                      work the oversubscribed ranks get, in (0, 1]: 1.0 (default) is fair
@@ -69,8 +82,9 @@ class HardwareProfile:
                      --processors P`` fits it to its skewed ``a2a`` run.
 
     The first three numbers must be positive and finite, the fixed costs finite and >= 0, the
-    efficiency in (0, 1] (``ValueError`` naming the field otherwise; ``TypeError`` if a field is
-    not a real number).
+    efficiency in (0, 1], ranks_per_node an int >= 1 and the inter-node figures positive and
+    finite, the three topology fields all None or all set (``ValueError`` naming the field
+    otherwise; ``TypeError`` if a field is not a real number, ranks_per_node not an int).
     """
 
     name: str
@@ -81,6 +95,9 @@ class HardwareProfile:
     row_overhead_s: float = 0.0
     replica_fixed_s: float = 0.0
     shared_core_efficiency: float = 1.0
+    ranks_per_node: int | None = None
+    inter_node_bandwidth: float | None = None
+    inter_node_latency: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -114,10 +131,81 @@ class HardwareProfile:
                 raise ValueError(
                     f"HardwareProfile.{field_name} must be positive and finite, got {value!r}"
                 )
+        self._check_topology()
+
+    def _check_topology(self) -> None:
+        topology = {name: getattr(self, name) for name in TOPOLOGY}
+        given = [name for name, value in topology.items() if value is not None]
+        if given and len(given) < len(TOPOLOGY):
+            missing = [name for name in TOPOLOGY if name not in given]
+            raise ValueError(
+                f"HardwareProfile topology is partial: {given} set but {missing} None; set "
+                "ranks_per_node, inter_node_bandwidth and inter_node_latency together (or none "
+                "of them for one link between every pair of ranks)"
+            )
+        if not given:
+            return
+        R = self.ranks_per_node
+        if isinstance(R, bool) or not isinstance(R, int):
+            raise TypeError(
+                f"HardwareProfile.ranks_per_node must be an int or None, got {R!r} "
+                f"({type(R).__name__})"
+            )
+        if R < 1:
+            raise ValueError(f"HardwareProfile.ranks_per_node must be >= 1, got {R}")
+        for name in ("inter_node_bandwidth", "inter_node_latency"):
+            value = topology[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"HardwareProfile.{name} must be a real number or None, got {value!r} "
+                    f"({type(value).__name__})"
+                )
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"HardwareProfile.{name} must be positive and finite, got {value!r}"
+                )
+
+    def node_of(self, rank: int) -> int:
+        """The node of ``rank``: rank // ranks_per_node, 0 for every rank without topology."""
+        _check_rank("rank", rank)
+        return 0 if self.ranks_per_node is None else rank // self.ranks_per_node
 
 
 # the optional fixed costs, in declaration order (0.0: not modelled)
 FIXED_COSTS = ("step_fixed_s", "row_overhead_s", "replica_fixed_s")
+# the optional topology, set together or not at all (None: one link for every pair)
+TOPOLOGY = ("ranks_per_node", "inter_node_bandwidth", "inter_node_latency")
+
+
+def _check_rank(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def pair_link(profile: HardwareProfile, a: int, b: int) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of the link between ranks ``a`` and ``b``: the inter-node
+    figures when the profile has a topology and the two ranks are on different nodes, else
+    ``link_bandwidth`` / ``link_latency`` (also for a == b: the caller decides whether a rank
+    sending to itself costs anything; ``link_seconds`` says it does not)."""
+    _check_rank("a", a)
+    _check_rank("b", b)
+    if profile.ranks_per_node is not None and profile.node_of(a) != profile.node_of(b):
+        assert profile.inter_node_bandwidth is not None and profile.inter_node_latency is not None
+        return profile.inter_node_bandwidth, profile.inter_node_latency
+    return profile.link_bandwidth, profile.link_latency
+
+
+def link_seconds(profile: HardwareProfile, src: int, dst: int, nbytes: int) -> float:
+    """Seconds to move ``nbytes`` (an int >= 0) from rank ``src`` to rank ``dst`` alone on
+    their link: latency + nbytes / bandwidth of ``pair_link``; 0.0 when nothing moves
+    (nbytes == 0 or src == dst)."""
+    _check_rank("nbytes", nbytes)
+    bandwidth, latency = pair_link(profile, src, dst)
+    if nbytes == 0 or src == dst:
+        return 0.0
+    return latency + nbytes / bandwidth
 
 
 CPU_PROFILE = HardwareProfile(

@@ -10,11 +10,15 @@ JSON layout (one object)::
      "name": ..., "gemm_flops": ..., "link_bandwidth": ..., "link_latency": ...,
      "step_fixed_s": ..., "row_overhead_s": ..., "replica_fixed_s": ...,   # optional, 0.0
      "shared_core_efficiency": ...,                                        # optional, 1.0
+     "ranks_per_node": ..., "inter_node_bandwidth": ..., "inter_node_latency": ...,
+                                         # optional, together: the topology (absent: one link)
      "measured": true|false, "source": "how the numbers were obtained",
      "measurements": {...}}          # optional: calibrate's raw sweeps, kept for the record
 
 The fixed costs (``HardwareProfile``) are optional: files written before they existed load with
-0.0 (the cost model without them); so is ``shared_core_efficiency`` (1.0: fair sharing).
+0.0 (the cost model without them); so is ``shared_core_efficiency`` (1.0: fair sharing), and so
+is the topology (absent: one link between every pair of ranks; written only when the profile has
+one, so a profile without it writes the same file as before).
 
 Presets are ESTIMATES, not measurements: vendor peak x a stated efficiency, the efficiency being
 a typical sustained fraction (dense bf16 GEMM ~60% of the tensor-core peak, grouped GEMMs on
@@ -32,7 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mixmoe.placement.profile import CPU_PROFILE, FIXED_COSTS, GPU_PROFILE, HardwareProfile
+from mixmoe.placement.profile import (
+    CPU_PROFILE,
+    FIXED_COSTS,
+    GPU_PROFILE,
+    TOPOLOGY,
+    HardwareProfile,
+)
 
 __all__ = [
     "FORMAT",
@@ -66,6 +76,39 @@ def _estimate(
         f"latency {lat * 1e6:g} us per all-to-all (typical NCCL launch + sync)"
     )
     profile = HardwareProfile(name, peak_flops * flops_eff, link * link_eff, lat)
+    return Preset(profile, source)
+
+
+def _estimate_nodes(
+    name: str,
+    peak_flops: float,
+    gpus: int,
+    nvlink: float,
+    nic: float,
+    what: str,
+    flops_eff: float = 0.6,
+    nvlink_eff: float = 0.7,
+    nic_eff: float = 0.8,
+    nvlink_lat: float = 15e-6,
+    nic_lat: float = 30e-6,
+) -> Preset:
+    """Nodes of ``gpus`` GPUs on NVLink (the intra-node link) joined by one NIC per GPU."""
+    source = (
+        f"ESTIMATE, not measured: {what}; gemm = {peak_flops / 1e12:g} TFLOP/s peak x "
+        f"{flops_eff:g}; {gpus} ranks per node; intra-node link = {nvlink / 1e9:g} GB/s per "
+        f"direction x {nvlink_eff:g}, latency {nvlink_lat * 1e6:g} us; inter-node link = "
+        f"{nic / 1e9:g} GB/s per direction x {nic_eff:g}, latency {nic_lat * 1e6:g} us per "
+        "all-to-all (typical NCCL launch + sync)"
+    )
+    profile = HardwareProfile(
+        name,
+        peak_flops * flops_eff,
+        nvlink * nvlink_eff,
+        nvlink_lat,
+        ranks_per_node=gpus,
+        inter_node_bandwidth=nic * nic_eff,
+        inter_node_latency=nic_lat,
+    )
     return Preset(profile, source)
 
 
@@ -126,6 +169,24 @@ PRESETS: dict[str, Preset] = {
         30e-6,
         "H100 SXM, EP group across nodes over one 400 Gb/s InfiniBand NDR NIC per GPU",
     ),  # fmt: skip
+    "h100-nvlink-ib": _estimate_nodes(
+        "h100-nvlink-ib",
+        989e12,
+        8,
+        450e9,
+        50e9,
+        "8x H100 SXM nodes (HGX), bf16 dense tensor-core peak; NVLink 4 (900 GB/s "
+        "bidirectional) inside a node, one 400 Gb/s InfiniBand NDR NIC per GPU between nodes",
+    ),  # fmt: skip
+    "a100-nvlink-ib": _estimate_nodes(
+        "a100-nvlink-ib",
+        312e12,
+        8,
+        300e9,
+        25e9,
+        "8x A100 SXM nodes (HGX), bf16 dense tensor-core peak; NVLink 3 (600 GB/s "
+        "bidirectional) inside a node, one 200 Gb/s InfiniBand HDR NIC per GPU between nodes",
+    ),  # fmt: skip
     "a100-ib": _estimate(
         "a100-ib",
         312e12,
@@ -173,6 +234,10 @@ def profile_record(
         "link_latency": profile.link_latency,
         **{k: getattr(profile, k) for k in FIXED_COSTS},
         "shared_core_efficiency": profile.shared_core_efficiency,
+        # the topology only when there is one: files of one-link profiles stay as they were
+        **(
+            {k: getattr(profile, k) for k in TOPOLOGY} if profile.ranks_per_node is not None else {}
+        ),
         "measured": bool(measured),
         "source": source,
     }
@@ -249,9 +314,16 @@ def load_profile(spec: str | os.PathLike[str] | HardwareProfile) -> HardwareProf
         math.isfinite(v) for v in values
     ):
         raise ValueError(f"profile file {text!r} holds non-numeric figures {values}")
+    topology = {k: record.get(k) for k in TOPOLOGY}  # optional: absent is None (one link)
+    R = topology["ranks_per_node"]
+    if isinstance(R, float) and R.is_integer():
+        topology["ranks_per_node"] = int(R)  # JSON written by hand may say 8.0
+    for k in ("inter_node_bandwidth", "inter_node_latency"):
+        if isinstance(topology[k], int) and not isinstance(topology[k], bool):
+            topology[k] = float(topology[k])
     try:
-        return HardwareProfile(str(record["name"]), *(float(v) for v in values))
-    except ValueError as exc:
+        return HardwareProfile(str(record["name"]), *(float(v) for v in values), **topology)
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"profile file {text!r}: {exc}") from None
 
 

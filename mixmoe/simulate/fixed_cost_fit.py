@@ -31,7 +31,7 @@ charged per replica (the owner of a hot expert serving W - 1 of them under ``sha
 on the 2-core VM (W=4, D=256 F=1024 E=2, gloo, 4 calibrations): processor sharing over-predicts
 the skewed a2a run by 12-17% (243.6-252.8 ms vs 212.4-223.2 ms), and the difference fit put
 28-31 ms per replica where the mix step alone gives 8-15 ms; per-rank CPU time of the layer
-(``time.process_time`` around each span, README "Simulator validation") puts a replica's own
+(``time.process_time`` around each span, docs/results/2026-11-23-simulator-validation.md) puts a replica's own
 cost at about 2-3 ms of CPU per replica served and 6-7 ms per replica held, 5-13 ms of a rank
 at the all-busy share. Under the max over ranks (P None or P >= W) the difference is kept:
 there it prices, on purpose, the balance replication does not buy where ranks share cores (the

@@ -29,8 +29,8 @@ ranks, as on a busy CPU host) instead of owning one each: with every core satura
 follows the total work, so step_s (fwd_s, bwd_s) is the MEAN over ranks of compute + exposed
 (the calibrated per-rank rate being the all-ranks-busy share) instead of the max. The plan is
 unchanged (the planners assume a processor per rank); on such a host balancing ranks buys
-nothing and replication only adds work, which is what the measurements show (README,
-"Simulator validation").
+nothing and replication only adds work, which is what the measurements show (docs/results/
+2026-11-23-simulator-validation.md).
 
 ``processors=P`` models W ranks sharing P processors by processor sharing, the way an
 operating system runs them: while n ranks still have work, each runs at min(1, P / n) of a
@@ -51,7 +51,7 @@ token + weight and hidden_W 0. Measured (W=4, D=256 F=1024 T=512 E=2, uniform, g
 ``time.process_time`` per rank around every span): ``a2a`` 55.4-60.3 ms of CPU per rank and
 step, ``mix`` (no replica, token exchange overlapped) 55.4-60.1 ms, the same work. Measured on the 2-core development VM (W=4, hot:0.8, a2a; ``bench layer --trace``):
 the hot rank's forward expert rows ran at 180 rows/ms while the other ranks waited, against
-72-83 rows/ms per rank when all four computed (README, "Simulator validation").
+72-83 rows/ms per rank when all four computed (docs/results/2026-11-23-simulator-validation.md).
 
 ``fixed_s`` (optional) adds a measured per-step cost that does not depend on the placement
 (gate, sort, combine, optimizer, framework overhead) to every strategy's step: it changes the
@@ -73,6 +73,7 @@ __all__ = [
     "STRATEGIES",
     "StrategyPrediction",
     "aggregate_ranks_s",
+    "layer_config",
     "overlap_under",
     "predict_layer",
     "processor_sharing_s",
@@ -149,6 +150,20 @@ def overlap_under(overlap: bool, processors: int | None, world_size: int) -> boo
     return overlap and (processors is None or processors >= world_size)
 
 
+def layer_config(shape: LayerShape, *, top_k: int, max_replicas: int) -> MoEConfig:
+    """The layer configuration the planners see for ``shape`` (``StrategySpec.planner``'s
+    ``config``): its sizes, ``top_k`` (at most N), SwiGLU when the shape has 3 GEMMs per expert,
+    and ``max_replicas``."""
+    return MoEConfig(
+        model_dim=shape.model_dim,
+        hidden_dim=shape.hidden_dim,
+        num_experts=shape.num_experts,
+        top_k=min(top_k, shape.num_experts),
+        activation="swiglu" if shape.gemms_per_expert == 3 else "gelu",
+        max_replicas=max_replicas,
+    )
+
+
 def predict_layer(
     counts_WN: object,
     shape: LayerShape,
@@ -184,14 +199,7 @@ def predict_layer(
         raise ValueError(f"fixed_s must be a number >= 0, got {fixed_s!r}")
     C_WN = counts_as_tensor(counts_WN, shape)
     W = shape.world_size
-    config = MoEConfig(
-        model_dim=shape.model_dim,
-        hidden_dim=shape.hidden_dim,
-        num_experts=shape.num_experts,
-        top_k=min(top_k, shape.num_experts),
-        activation="swiglu" if shape.gemms_per_expert == 3 else "gelu",
-        max_replicas=max_replicas,
-    )
+    config = layer_config(shape, top_k=top_k, max_replicas=max_replicas)
     out = {}
     for name in strategies:
         spec = planning_spec(name, shape.world_size)

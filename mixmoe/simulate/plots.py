@@ -3,6 +3,8 @@
 - ``plot_rank_bars``: one panel per strategy, per-rank stacked bars of compute, exposed token
   communication and replica transfer (ms), the predicted step as a dashed line.
 - ``plot_sweep``: predicted step time per strategy against a swept quantity (W, or the routing).
+- ``plot_balance``: % of force-balanced per workload and strategy, one panel per (shape, W)
+  (``mixmoe bench balance``'s records, ``mixmoe.simulate.workloads``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from mixmoe.report.matplotlib_agg import pyplot
 from mixmoe.simulate.layer import StrategyPrediction
 
-__all__ = ["plot_rank_bars", "plot_sweep"]
+__all__ = ["plot_balance", "plot_rank_bars", "plot_sweep"]
 
 
 def plot_rank_bars(
@@ -70,6 +72,34 @@ def plot_sweep(
     ax.set_ylabel("predicted layer step (ms)")
     ax.set_yscale("log")
     ax.legend()
+    return _save(fig, out_path)
+
+
+def plot_balance(records: Sequence[Mapping[str, object]], out_path: str | os.PathLike[str]) -> Path:
+    """Grouped bars of 100 x pct_balanced (capped at 100) per workload, one bar per strategy,
+    one panel per (shape, W) in first-seen order; a dotted line at 90%."""
+    plt = pyplot()
+    panels = list(dict.fromkeys((r["shape"], r["world_size"]) for r in records))
+    strategies = list(dict.fromkeys(r["strategy"] for r in records))
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (shape, W) in zip(axes.flat, panels, strict=False):
+        mine = [r for r in records if (r["shape"], r["world_size"]) == (shape, W)]
+        workloads = list(dict.fromkeys(r["workload"] for r in mine))
+        pct = {(r["workload"], r["strategy"]): min(100.0, 100 * r["pct_balanced"]) for r in mine}
+        width = 0.8 / len(strategies)
+        for i, s in enumerate(strategies):
+            xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(workloads))]
+            ax.bar(xs, [pct.get((w, s), 0.0) for w in workloads], width, label=s)
+        ax.axhline(90, color="k", linestyle=":", linewidth=1)
+        ax.set_xticks(range(len(workloads)), workloads, rotation=45, ha="right", fontsize=7)
+        ax.set_ylim(0, 105)
+        ax.set_title(f"{shape}, W={W}", fontsize=9)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("% of force-balanced (capped)")
+    axes[0][0].legend(fontsize=7)
     return _save(fig, out_path)
 
 

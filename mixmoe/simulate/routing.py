@@ -5,6 +5,8 @@ Legend: W ranks, N experts, T tokens per rank, K top-k.
 - ``uniform``, ``zipf:S``, ``hot:P``: ``mixmoe.gating.synthetic.synthetic_counts`` (the planner
   benchmark's generator; expert popularity shuffled across owners unless ``contiguous``, which
   puts the hottest experts on rank 0 as ``bench layer``'s synthetic ids do);
+- ``hotset:H:P``, ``hotrank:P``, ``idle:F``, ``rotate:H:P[:S]``: the imbalance workloads of
+  ``mixmoe.gating.imbalance`` (``rotate``: S matrices, the hot set moving every step);
 - ``counts:PATH``: the recorded matrices of a counts file (``mixmoe.formats.counts``, written by
   ``mixmoe bench layer --save-counts``); W and N must match the simulated shape.
 - ``trace:PATH``: one matrix per count exchange recorded in the layer's traces (``mixmoe bench
@@ -19,6 +21,7 @@ import torch
 
 from mixmoe.formats.counts import read_counts
 from mixmoe.formats.traces import read_traces, trace_count_steps, trace_paths
+from mixmoe.gating.imbalance import Workload, workload_counts
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 
 __all__ = ["counts_source"]
@@ -50,12 +53,17 @@ def counts_source(
                 f"W={world_size}, N={num_experts}; pass --world-size {W} and experts matching N"
             )
         return [torch.tensor(C, dtype=torch.int64) for C in steps]
+    if source.split(":", 1)[0] in ("hotset", "hotrank", "idle", "rotate"):
+        return workload_counts(
+            Workload.parse(source), world_size, tokens, top_k, num_experts, seed=seed
+        )
     try:
         spec = RoutingSpec.parse(source)
     except ValueError:
         raise ValueError(
             f"routing {source!r} is not understood; use uniform, zipf:S (S > 0), hot:P "
-            "(0 <= P <= 1), counts:PATH (a file from `mixmoe bench layer --save-counts`) or "
+            "(0 <= P <= 1), hotset:H:P, hotrank:P, idle:F, rotate:H:P[:S] (imbalance "
+            "workloads), counts:PATH (a file from `mixmoe bench layer --save-counts`) or "
             "trace:PATH (the traces of `mixmoe bench layer --trace DIR`)"
         ) from None
     if spec.kind == "gate":

@@ -5,7 +5,7 @@ import of ``mixmoe.kernels``), so it is set here, before any test module imports
 the kernels were already imported compiled in this process on a machine without CUDA (they could
 not run there anyway), they are dropped and re-imported interpreted.
 
-Tiers (see README "Kernels"):
+Tiers (see docs/kernels.md):
 - small shapes, every kernel vs a torch reference, fp32 and bf16: on CUDA if present, else on CPU
   through the interpreter (CI);
 - ``@pytest.mark.gpu``: real sizes, the autotuned launch path, the whole layer forward/backward vs

@@ -94,7 +94,7 @@ def test_predict_layer_with_shared_processors() -> None:
 
 
 def test_processor_sharing_against_the_stored_w4_measurements(capsys, monkeypatch) -> None:
-    """The README's figures: on the 2-core VM the stored W=4 runs (4 ranks, 2 cores) are
+    """The figures of docs/results/2026-11-23-simulator-validation.md: on the 2-core VM the stored W=4 runs (4 ranks, 2 cores) are
     predicted within a 3.8% median step error and 4.7 points of ratio under processor sharing
     (P = 2, the VM's cores; each record's fixed costs and shared-core efficiency re-fitted from
     the calibration runs it stores; mix's overlap not priced on the shared cores) against 10.5%
@@ -117,7 +117,7 @@ def test_processor_sharing_against_the_stored_w4_measurements(capsys, monkeypatc
     assert "processor sharing (2 cores): step error median 5.4%, 34/48 within 10%" in out
     assert "W=4: step error median 3.8% (max over ranks 10.5%)" in out
     # fair sharing (the efficiency left at 1.0): the W=4 steps are over-predicted where one
-    # rank computes alone, and the ratios miss the 5-point target (README)
+    # rank computes alone, and the ratios miss the 5-point target (docs/results)
     import mixmoe.simulate.fixed_cost_fit as calibrate_layer
 
     monkeypatch.setattr(calibrate_layer, "_solve_efficiency", lambda *a: (1.0, "fair"))

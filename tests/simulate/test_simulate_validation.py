@@ -7,7 +7,7 @@ every record from its stored counts and calibrated profile and checks:
 
 - the planner, given the counts and profile of the run, chooses the replicas the run used
   (exactly: the plan is deterministic);
-- the error table equals the figures stated in the README ("Simulator validation"): a change of
+- the error table equals the figures stated in docs/results/2026-11-23-simulator-validation.md: a change of
   the cost model or planner that moves them must update the stated figures with it.
 """
 
@@ -28,7 +28,7 @@ from mixmoe.simulate.agreement import (
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "simulator_validation.jsonl"
 
-# the README's figures for the stored file (python -m mixmoe simulate --validate DATA)
+# the figures of docs/results/2026-11-23-simulator-validation.md for the stored file (python -m mixmoe simulate --validate DATA)
 STATED = {
     "cases": 48,
     "within_10pct": 27,
@@ -74,7 +74,7 @@ def test_error_table_is_the_stated_one() -> None:
         STATED["shared_ratio_error_median_points"], abs=0.05
     )
     # the calibrated fixed costs (replica_fixed_s above all) are what bring the ratios close:
-    # the same records re-predicted without them (the model before) are far off (README)
+    # the same records re-predicted without them (the model before) are far off (docs/results)
     zeroed = [
         {**r, "profile": {**r["profile"], "step_fixed_s": 0.0, "row_overhead_s": 0.0,
                           "replica_fixed_s": 0.0}}

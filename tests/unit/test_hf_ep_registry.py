@@ -184,6 +184,7 @@ def test_balance_bound_is_uniform_over_skewed_all_to_all():
     ]
     add_balance_bound(records)
     assert [r.get("balance_bound") for r in records] == [None, None, 0.8, 0.8]
+    assert [r["pct_balanced"] for r in records] == [1.0, 200 / 210, 0.8, 200 / 230]
     only_skewed = [_record("skewed", "all_to_all", 250.0)]
     add_balance_bound(only_skewed)
     assert only_skewed[0]["balance_bound"] is None
@@ -204,4 +205,5 @@ def test_cli_table_shows_the_balance_bound(capsys, monkeypatch):
     table = [line.split() for line in lines if line.startswith(("uniform", "skewed"))]
     assert [r[1] for r in table] == ["all_to_all", "all_to_all", "mixmoe_mix", "balanced"]
     assert table[-1][-1] == "0.800x"
+    assert [r[5] for r in table[:3]] == ["100.0%", "80.0%", "87.0%"]  # % of balanced, by hand
     assert any(line.startswith("* balanced bound = all_to_all uniform") for line in lines)

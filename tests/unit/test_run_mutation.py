@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "mutation" / "run_mutation.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "mutation" / "run_mutation.py"
 
 
 @pytest.fixture

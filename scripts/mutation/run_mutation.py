@@ -9,12 +9,12 @@ mutmut edits the source files in place, one mutant at a time, and restores them:
 the tree while it runs (or run it in a copy of the tree). Results accumulate in ``.mutmut-cache`` (a rerun only tests mutants not yet tested;
 delete the file to start over). Mutants that no test can catch by design (error-message and
 log/trace text) are skipped by ``mutmut_config.py``; known equivalent survivors are explained in
-``tests/MUTATION.md``.
+``docs/mutation-log.md``.
 
-    python tests/mutation/run_mutation.py               # every group (hours on 2 CPU cores)
-    python tests/mutation/run_mutation.py gating ops    # some groups
-    python tests/mutation/run_mutation.py --report      # kill rates and survivors, no run
-    python tests/mutation/run_mutation.py placement --only mixmoe/placement/cost_model.py \
+    python scripts/mutation/run_mutation.py               # every group (hours on 2 CPU cores)
+    python scripts/mutation/run_mutation.py gating ops    # some groups
+    python scripts/mutation/run_mutation.py --report      # kill rates and survivors, no run
+    python scripts/mutation/run_mutation.py placement --only mixmoe/placement/cost_model.py \
         --defs StepModel rank_loads                     # a module's core
 
 mutmut's own progress goes to ``.mutmut-logs/GROUP.log`` (``tail -f`` it to watch); the driver

@@ -1,0 +1,111 @@
+"""``Plan``: where every (source rank, expert) segment of one layer step is computed.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes to
+expert g; expert g is owned by rank g // E).
+
+A plan is a pure value: every rank builds the same one from the same all-gathered counts, and the
+dispatcher, the cost model and the simulator all read it through the methods below.
+
+Two ways rows leave their owner's queue:
+
+- **replicas** (``hot`` / ``replicas``): a rank holding a replica of g computes its own rows of g
+  where they are (their token traffic vanishes), as ``mix`` and ``shadow`` always did.
+- **shares** (the helper plan space): the rows of one segment (s, g) are cut, in their order on the
+  source (ascending token, then choice), into consecutive runs, each computed at a named rank: the
+  owner, the source, or a *helper* holding a replica of g. A helper takes rows of any source, the
+  owner's own rows included; every run but the last is a whole number of ``block_size`` blocks so
+  that blocks never straddle two ranks. Segments without an entry follow the replica rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mixmoe.placement.cost_model import Prediction
+
+Share = tuple[int, int]  # (rank computing the run, rows in the run)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """hot:        replicated experts, ascending.
+    replicas:   ``(g, holder ranks ascending)`` for each hot g, by ascending g; holders never
+                include the owner g // E.
+    prediction: cost-model prediction of this plan.
+    baseline:   prediction for the same counts with nothing replicated (same overlap setting).
+    shares:     ``(s, g, ((rank, rows), ...))`` entries, strictly ascending by (s, g): segment
+                (s, g)'s rows cut into consecutive runs (see the module doc). Each run's rank is
+                the owner of g or a holder of g's replica; ranks within an entry are distinct and
+                every run has rows > 0. Whether the rows add up to C[s][g] and the runs are whole
+                blocks depends on the counts: ``check_shares`` checks it.
+    """
+
+    hot: tuple[int, ...]
+    replicas: tuple[tuple[int, tuple[int, ...]], ...]
+    prediction: Prediction
+    baseline: Prediction
+    shares: tuple[tuple[int, int, tuple[Share, ...]], ...] = ()
+    _holders: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _shares: dict[tuple[int, int], tuple[Share, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if list(self.hot) != sorted(set(self.hot)):
+            raise ValueError(f"Plan.hot must be strictly ascending, got {self.hot}")
+        if tuple(g for g, _ in self.replicas) != self.hot:
+            raise ValueError(f"Plan.replicas {self.replicas} must list exactly hot = {self.hot}")
+        for g, holders in self.replicas:
+            if list(holders) != sorted(set(holders)):
+                raise ValueError(f"holders of expert {g} must be strictly ascending, got {holders}")
+        object.__setattr__(self, "_holders", dict(self.replicas))
+        keys = [(s, g) for s, g, _ in self.shares]
+        if keys != sorted(set(keys)):
+            raise ValueError(f"Plan.shares must be strictly ascending by (source, expert): {keys}")
+        for s, g, runs in self.shares:
+            ranks = [rank for rank, _ in runs]
+            if not runs or len(set(ranks)) != len(ranks) or any(n <= 0 for _, n in runs):
+                raise ValueError(
+                    f"share of segment ({s}, {g}) must name distinct ranks with rows > 0: {runs}"
+                )
+        object.__setattr__(self, "_shares", {(s, g): runs for s, g, runs in self.shares})
+
+    def holders(self, g: int) -> tuple[int, ...]:
+        """Ranks holding a replica of expert g (ascending); () if g is not hot."""
+        return self._holders.get(g, ())
+
+    def computed_at(self, s: int, g: int, experts_per_rank: int) -> int:
+        """The rank that computes the rows source rank s routes to expert g, for a segment
+        without a share entry (``segment_runs`` covers every segment)."""
+        if s == g // experts_per_rank or s in self._holders.get(g, ()):
+            return s
+        return g // experts_per_rank
+
+    def segment_runs(self, s: int, g: int, rows: int, experts_per_rank: int) -> tuple[Share, ...]:
+        """Segment (s, g) of ``rows`` rows as consecutive runs ``((rank, rows), ...)``: its share
+        entry, or the whole segment at ``computed_at`` (``()`` when ``rows`` is 0)."""
+        runs = self._shares.get((s, g))
+        if runs is not None:
+            return runs
+        return ((self.computed_at(s, g, experts_per_rank), rows),) if rows else ()
+
+    def replica_slots(self, rank: int) -> tuple[int, ...]:
+        """Hot experts whose replica ``rank`` holds, ascending: the order of its replica slots."""
+        return tuple(g for g, holders in self.replicas if rank in holders)
+
+    def check_shares(self, counts_WN, experts_per_rank: int, block_size: int) -> None:
+        """ValueError unless every share entry covers exactly C[s][g] rows, names only the owner
+        or holders of g's replica, and cuts only at whole blocks (all runs but the last)."""
+        E = experts_per_rank
+        for s, g, runs in self.shares:
+            rows = int(counts_WN[s][g])
+            if sum(n for _, n in runs) != rows:
+                raise ValueError(f"share of segment ({s}, {g}) covers {runs}, not its {rows} rows")
+            allowed = {g // E, *self._holders.get(g, ())}
+            if not {rank for rank, _ in runs} <= allowed:
+                raise ValueError(
+                    f"share of segment ({s}, {g}) names ranks {runs} outside owner and holders "
+                    f"{sorted(allowed)}"
+                )
+            if any(n % block_size for _, n in runs[:-1]):
+                raise ValueError(
+                    f"share of segment ({s}, {g}) cuts inside a {block_size}-row block: {runs}"
+                )

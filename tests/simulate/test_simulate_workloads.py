@@ -1,0 +1,180 @@
+"""``mixmoe bench balance`` (``mixmoe.simulate.workloads``): its metrics against hand arithmetic on
+tiny W=4 cases, the rotating hotspot followed step by step, the summary, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mixmoe import cli
+from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.profile_io import profile_record, save_profile
+from mixmoe.simulate.routing import counts_source
+from mixmoe.simulate.workloads import BalanceConfig, ShapeSpec, case_records, summarize
+
+D, F, T = 64, 128, 512
+FLOPS, BW, LAT = 1e9, 1e8, 1e-5
+TINY = ShapeSpec("tiny", D, F, top_k=1, dtype="fp32", experts_per_rank=1)
+ROW_BYTES = D * 4
+PARAM_BYTES = (2 * D * F + F + D) * 4  # two GEMMs' weights + biases, fp32
+FLOPS_PER_ROW = 6 * 2 * D * F
+
+
+@pytest.fixture
+def cfg(tmp_path) -> BalanceConfig:
+    path = tmp_path / "tiny.json"
+    profile = HardwareProfile("tiny", FLOPS, BW, LAT)
+    save_profile(path, profile_record(profile, source="test", measured=False))
+    return BalanceConfig(
+        shapes=(TINY,), worlds=(4,), tokens=T, repeats=1, seed=3, profile=str(path)
+    )
+
+
+def _a2a_step_by_hand(C: list[list[int]]) -> float:
+    """a2a with one expert per rank: rank r computes column r; it sends the rows it routes
+    elsewhere and receives the rows others route to it, each crossing 4 times (2 sent, 2 back)."""
+    W = len(C)
+    steps = []
+    for r in range(W):
+        rows = sum(C[s][r] for s in range(W))
+        remote = (sum(C[r]) - C[r][r]) + (rows - C[r][r])
+        token = 4 * LAT + 2 * ROW_BYTES * remote / BW
+        steps.append(rows * FLOPS_PER_ROW / FLOPS + token)
+    return max(steps)
+
+
+def test_hot_rank_metrics_by_hand(cfg) -> None:
+    # hotrank:1.0 with one expert per rank and top-1: every row of every rank goes to one expert
+    (C,) = counts_source("hotrank:1.0", 4, 4, T, 1, seed=cfg.seed)
+    hot = int(C.sum(0).argmax())
+    assert C[:, hot].tolist() == [T] * 4 and int(C.sum()) == 4 * T
+    (U,) = counts_source("uniform", 4, 4, T, 1, seed=cfg.seed)
+    balanced = _a2a_step_by_hand(U.tolist())
+    a2a, shadow, mix = case_records(cfg, TINY, 4, "hotrank:1.0")
+    # a2a: the hot rank computes all 4T rows and receives 3T of them
+    step = 4 * T * FLOPS_PER_ROW / FLOPS + 4 * LAT + 2 * ROW_BYTES * 3 * T / BW
+    assert a2a["step_ms"] == pytest.approx(1e3 * step, rel=1e-12)
+    assert a2a["balanced_ms"] == pytest.approx(1e3 * balanced, rel=1e-12)
+    assert a2a["pct_balanced"] == pytest.approx(balanced / step, rel=1e-12)
+    assert a2a["imbalance"] == 4.0  # 4T rows at one rank, mean T
+    assert a2a["replica_bytes"] == 0 and a2a["replicas"] == 0 and a2a["hot_steps"] == [[]]
+    # shadow broadcasts the hot expert: every rank computes its own T rows, 3 replicas move, each
+    # its weights forward and its gradient back
+    assert shadow["hot_steps"] == [[hot]] and shadow["replicas"] == 3
+    assert shadow["imbalance"] == 1.0
+    assert shadow["replica_bytes"] == 3 * 2 * PARAM_BYTES
+    # the owner's link: it sends 3 P of weights forward, receives 3 P of gradients backward
+    step = T * FLOPS_PER_ROW / FLOPS + 2 * LAT + 3 * PARAM_BYTES / BW
+    assert shadow["step_ms"] == pytest.approx(1e3 * step, rel=1e-12)
+    assert mix["step_ms"] <= min(a2a["step_ms"], shadow["step_ms"]) * (1 + 1e-12)
+    for r in (a2a, shadow, mix):
+        assert r["planning_ms"] > 0 and r["steps"] == 1 and r["profile"].endswith("tiny.json")
+        assert (r["shape"], r["world_size"], r["num_experts"], r["top_k"]) == ("tiny", 4, 4, 1)
+
+
+def test_uniform_a2a_is_the_balanced_step(cfg) -> None:
+    (a2a,) = case_records(
+        BalanceConfig(**{**cfg.__dict__, "strategies": ("a2a",)}), TINY, 4, "uniform"
+    )
+    assert a2a["pct_balanced"] == 1.0 and a2a["step_ms"] == a2a["balanced_ms"]
+
+
+def test_rotating_hotspot_is_followed_every_step(cfg) -> None:
+    steps = counts_source("rotate:1:1.0:3", 4, 4, T, 1, seed=cfg.seed)
+    hot = [int(C.sum(0).argmax()) for C in steps]
+    assert len(set(hot)) == 3  # the hot expert moves every step
+    a2a, shadow, _ = case_records(cfg, TINY, 4, "rotate:1:1.0:3")
+    assert shadow["steps"] == 3 and shadow["hot_steps"] == [[g] for g in hot]
+    per_step = [1e3 * _a2a_step_by_hand(C.tolist()) for C in steps]
+    assert a2a["step_ms_per_step"] == pytest.approx(per_step, rel=1e-12)
+    assert a2a["step_ms"] == pytest.approx(sum(per_step) / 3, rel=1e-12)
+    assert a2a["pct_balanced"] == pytest.approx(a2a["balanced_ms"] / a2a["step_ms"])
+
+
+def test_idle_ranks_route_nothing(cfg) -> None:
+    (C,) = counts_source("idle:0.5", 4, 4, T, 1, seed=cfg.seed)
+    rows_W = C.sum(1).tolist()
+    assert sorted(rows_W) == [0, 0, 2 * T, 2 * T]  # the total of uniform, on half the ranks
+    (a2a, *_) = case_records(cfg, TINY, 4, "idle:0.5")
+    assert a2a["step_ms"] == pytest.approx(1e3 * _a2a_step_by_hand(C.tolist()), rel=1e-12)
+
+
+def _rec(shape, W, workload, strategy, step, balanced=10.0):
+    return {"shape": shape, "world_size": W, "workload": workload, "strategy": strategy,
+            "step_ms": step, "balanced_ms": balanced, "pct_balanced": balanced / step,
+            "imbalance": 1.5, "planning_ms": 0.1}  # fmt: skip
+
+
+def test_summary_caps_each_case_and_lists_mix_slower() -> None:
+    records = [
+        _rec("s", 8, "uniform", "a2a", 10.0),
+        _rec("s", 8, "uniform", "mix", 8.0),  # 125%: capped at 100%
+        _rec("s", 8, "hot:0.5", "a2a", 40.0),
+        _rec("s", 8, "hot:0.5", "shadow", 20.0),
+        _rec("s", 8, "hot:0.5", "mix", 25.0),  # 40%, slower than shadow
+    ]
+    s = summarize(records)
+    assert s["strategies"]["mix"]["mean_pct_balanced"] == pytest.approx((1.0 + 0.4) / 2)
+    assert s["strategies"]["mix"]["worst_pct_balanced"] == pytest.approx(0.4)
+    assert s["strategies"]["mix"]["worst_case"] == "s W=8 hot:0.5"
+    assert s["strategies"]["a2a"]["mean_pct_balanced"] == pytest.approx((1.0 + 0.25) / 2)
+    assert s["mix_slower"] == [
+        {"case": "s W=8 hot:0.5", "than": "shadow", "mix_ms": 25.0, "other_ms": 20.0}
+    ]
+
+
+def test_bench_balance_cli(tmp_path, capsys) -> None:
+    out, png = tmp_path / "b.jsonl", tmp_path / "b.png"
+    argv = ["bench", "balance", "--shapes", "seeds", "--world-sizes", "4", "--tokens", "256",
+            "--workloads", "uniform,hot:0.5,rotate:2:0.5:2", "--repeats", "1", "--markdown",
+            "--jsonl", str(out), "--png", str(png)]  # fmt: skip
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| shape | W | profile | workload | strategy | step ms | % of balanced |" in text
+    assert "mix: " in text and "of force-balanced on average, worst" in text
+    assert "mix predicted slower than a2a or shadow in 0 cases" in text
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["workload"], r["strategy"]) for r in records][:3] == [
+        ("uniform", "a2a"),
+        ("uniform", "shadow"),
+        ("uniform", "mix"),
+    ]
+    assert len(records) == 9 and records[0]["environment"]["torch"] == torch.__version__
+    assert records[0]["kind"] == "bench_balance" and records[0]["profile"] == "h100-nvlink"
+    assert records[-1]["steps"] == 2 and png.stat().st_size > 0
+
+
+def test_bench_balance_experts_override(tmp_path, capsys) -> None:
+    argv = ["bench", "balance", "--shapes", "deepseek", "--world-sizes", "4", "--tokens", "64",
+            "--workloads", "hot:0.5", "--strategies", "a2a", "--repeats", "1",
+            "--experts-per-rank", "3", "--jsonl", str(tmp_path / "b.jsonl"), "--png", ""]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert (
+        "deepseek-E3: D2048 F1024, 3 experts/rank, top-8, bf16, SwiGLU" in capsys.readouterr().out
+    )
+    (r,) = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert (r["shape"], r["num_experts"], r["experts_per_rank"]) == ("deepseek-E3", 12, 3)
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--workloads", "hotset:8"], "workload 'hotset:8' is not understood"),
+        (["--workloads", "idle:1.0"], "workload 'idle:1.0' is not understood"),
+        (["--shapes", "deepseek", "--world-sizes", "3"], "not a multiple of W=3"),
+        (["--shapes", "gpt"], "shape 'gpt' is unknown"),
+        (["--strategies", "local"], "strategy 'local' is not expert-parallel"),
+        (["--world-sizes", "1"], "world size must be >= 2"),
+        (["--world-sizes", "8,x"], "is not a comma list of integers"),
+        (["--repeats", "0"], "repeats must be >= 1"),
+        (["--profile", "h100-nope"], "profile 'h100-nope' is neither a preset"),
+        (["--workloads", ""], "workloads is empty"),
+        (["--experts-per-rank", "0"], "--experts-per-rank must be >= 1"),
+    ],
+)
+def test_bench_balance_bad_input(argv, expected, capsys) -> None:
+    assert cli.main(["bench", "balance", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err

@@ -19,7 +19,7 @@ import pytest
 
 from mixmoe.train.outputs import read_log
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 

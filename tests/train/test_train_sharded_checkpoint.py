@@ -49,6 +49,7 @@ def _listing(d) -> list[str]:
     return sorted(os.listdir(d))
 
 
+@pytest.mark.slow
 def test_resume_auto_across_world_sizes_and_crashed_saves(tmp_path, monkeypatch):
     ref = _as_rows(train(_cfg(1, max_steps=8)))
     d, log = tmp_path / "ckpt", tmp_path / "run"

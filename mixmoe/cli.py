@@ -80,6 +80,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "mixmoe.commands.checkpoint",
         "a --save file as a sharded training checkpoint (step-N directory)",
     ),
+    ("checkpoint", "export"): (
+        "mixmoe.commands.checkpoint",
+        "a --model mixtral training checkpoint as a transformers model (save_pretrained)",
+    ),
 }
 # the exceptions a command raises for bad input; everything else is a bug and keeps its traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError, ImportError)

@@ -43,8 +43,8 @@ def _stack_experts(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """The sharded checkpoint ``directory`` as one ``--save``-form file ``out``."""
+def consolidated(directory: str | os.PathLike[str]) -> dict:
+    """The sharded checkpoint ``directory`` as the ``--save`` form's payload (in memory)."""
     if not sharded.is_sharded_checkpoint(directory):
         raise ValueError(f"{directory} is not a complete sharded checkpoint (no {sharded.MARKER})")
     with open(os.path.join(directory, sharded.MARKER)) as f:
@@ -71,12 +71,46 @@ def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str]) 
         "mems": [full[k] for k in mems_keys] or None,
         "config": info.get("config", {}),
     }
+    return payload
+
+
+def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """The sharded checkpoint ``directory`` as one ``--save``-form file ``out``."""
+    payload = consolidated(directory)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     torch.save(payload, tmp)
     os.replace(tmp, path)
     return path
+
+
+def export_transformers(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str]):
+    """A ``--model mixtral`` checkpoint (either form) as a transformers Mixtral saved with
+    ``save_pretrained`` (safetensors) in ``out_dir``; returns the exported model."""
+    from mixmoe.hf.export import export_moe_model
+    from mixmoe.parallel import load_full_state_dict
+
+    if os.path.isdir(checkpoint):
+        payload = consolidated(checkpoint)
+    else:
+        raw = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        if not isinstance(raw, dict) or "spec" not in raw:
+            raise ValueError(f"{checkpoint} is not a mixmoe train checkpoint")
+        payload = ckpt_io.check_checkpoint(str(checkpoint), ModelSpec(**raw["spec"]))
+    spec = ModelSpec(**payload["spec"])
+    if spec.model != "mixtral":
+        raise ValueError(
+            f"{checkpoint} holds a {spec.model} model with mixmoe FFNs, which transformers has no "
+            "MoE class for; export works for --model mixtral (converted transformers blocks)"
+        )
+    model = build_model(spec)
+    dtype = next(iter(payload["model"].values())).dtype
+    model = model.to(dtype=dtype)
+    load_full_state_dict(model, payload["model"])
+    exported = export_moe_model(model)
+    exported.save_pretrained(out_dir)
+    return exported
 
 
 def shard(file: str | os.PathLike[str], save_dir: str | os.PathLike[str]) -> Path:

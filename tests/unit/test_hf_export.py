@@ -91,3 +91,29 @@ def test_a_sharded_model_is_refused():
         export_moe_model(converted)
     with pytest.raises(ValueError, match="no converted MoEBlock"):
         export_moe_model(MODELS["olmoe"]())
+
+
+def test_a_trained_mixtral_checkpoint_exports_with_equal_logits(tmp_path, capsys):
+    """mixmoe train --model mixtral, then mixmoe checkpoint export: transformers' model of the
+    export computes the trained model's logits."""
+    from mixmoe import cli
+    from mixmoe.train.loop import TrainConfig, Trainer, train
+
+    cfg = TrainConfig(
+        model="mixtral", num_experts=4, batch_size=2, seq_len=16, max_steps=2, dtype="float64",
+        progress=False, save_dir=str(tmp_path / "ck"),
+    )  # fmt: skip
+    train(cfg)
+    step = tmp_path / "ck" / "step-00000002"
+    assert cli.main(["checkpoint", "export", str(step), str(tmp_path / "hf")]) == 0
+    assert "MixtralForCausalLM saved" in capsys.readouterr().out
+    trained = Trainer(TrainConfig(**{**cfg.__dict__, "resume": str(step), "max_steps": 2})).model
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    back = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        assert_close(
+            back(input_ids=ids).logits, trained.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-6
+        )
+    assert cli.main(["checkpoint", "export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2

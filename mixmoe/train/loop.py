@@ -265,7 +265,7 @@ def _resolve_groups(config: TrainConfig, world):
         return spec, ep_size, LocalCommunicator(), world
     from mixmoe.comm import new_expert_groups
 
-    ep, edp = new_expert_groups(ep_size)
+    ep, edp = new_expert_groups(ep_size, config.collective_timeout_s)
     return spec, ep_size, ep, edp
 
 

@@ -132,3 +132,11 @@ def test_consolidate_and_shard_round_trip(tmp_path, capsys):
     back = train(_cfg(1, max_steps=4, resume=str(tmp_path / "b" / "step-00000002")))
     assert_close(_curve(_as_rows(back)), _curve(_as_rows(ref)), rtol=0, atol=0)
     assert cli.main(["checkpoint", "consolidate", str(tmp_path), str(one)]) == 2
+
+
+def test_save_every_minutes_and_keep(tmp_path):
+    d = tmp_path / "ck"
+    train(_cfg(1, max_steps=3, save_dir=str(d), save_every_minutes=1e-9))  # due after every step
+    assert _listing(d) == ["step-00000001", "step-00000002", "step-00000003"]
+    train(_cfg(1, max_steps=5, save_dir=str(d), resume="auto", save_every=1, keep=1))
+    assert _listing(d) == ["step-00000005"]

@@ -9,11 +9,13 @@ did not finish, never a stuck test.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import queue
 import re
 import signal
+import socket
 import tempfile
 import time
 import traceback
@@ -28,6 +30,14 @@ from mixmoe.comm import init_file_store, shutdown_distributed
 
 # after the first failure, how long the other ranks may take to report before they are killed
 FAILURE_GRACE_S = 3.0
+
+
+def failure_grace_s(collective_timeout_s: float | None) -> float:
+    """How long to wait for the other ranks' reports after the first failure: a rank blocked
+    in a collective that began after the first failed one times out up to one collective
+    timeout later (capped at 30 s: torchrun's own grace), so one timeout + 1 s, at least
+    ``FAILURE_GRACE_S``."""
+    return max(FAILURE_GRACE_S, min(collective_timeout_s or 0.0, 30.0) + 1.0)
 
 
 def name_process(rank: int) -> None:
@@ -136,11 +146,12 @@ def spawn_gloo(
     """``[fn(comm_rank0, *args), ..., fn(comm_rankW-1, *args)]``; ``fn`` must be picklable
     (a module-level function). ``pg_timeout_s`` bounds every collective (a stalled rank makes
     the others raise after it). When a rank raises or dies, the others get
-    ``FAILURE_GRACE_S`` to report, then every rank still running is killed and
+    ``failure_grace_s(pg_timeout_s)`` to report, then every rank still running is killed and
     ``RanksFailed`` (a RuntimeError with every rank's traceback) is raised: nothing waits for
     the ``timeout_s`` deadline, which only ends a run that hangs without any failure."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    grace = failure_grace_s(pg_timeout_s)
     got: dict[int, tuple[bool, Any, float]] = {}
     dead: dict[int, RankFailure] = {}
     with tempfile.TemporaryDirectory(prefix="mixmoe-gloo-") as tmp:
@@ -164,7 +175,7 @@ def spawn_gloo(
                     got[rank] = (ok, value, at)
                     dead.pop(rank, None)  # it reported before exiting
                     if not ok and grace_end is None:
-                        grace_end = time.monotonic() + FAILURE_GRACE_S
+                        grace_end = time.monotonic() + grace
                     continue
                 except queue.Empty:
                     pass
@@ -172,7 +183,7 @@ def spawn_gloo(
                     if r not in got and r not in dead and p.exitcode is not None:
                         dead[r] = _died(r, p.exitcode)  # unless its result is still in the pipe
                         if grace_end is None:
-                            grace_end = time.monotonic() + FAILURE_GRACE_S
+                            grace_end = time.monotonic() + grace
                 now = time.monotonic()
                 if all_seen is None and len(set(got) | set(dead)) == world_size:
                     all_seen = now
@@ -201,7 +212,7 @@ def spawn_gloo(
     silent = sorted(set(range(world_size)) - set(got) - set(dead))
     if silent:
         why = (
-            f"no answer within {FAILURE_GRACE_S:.0f} s of the first failure (stalled); killed"
+            f"no answer within {grace:.0f} s of the first failure (stalled); killed"
             if failures
             else f"did not finish within {timeout_s:.0f} s; killed"
         )
@@ -209,6 +220,61 @@ def spawn_gloo(
     if failures:
         raise RanksFailed(failures)
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _terminated(signum, frame) -> None:
+    raise RuntimeError("stopped by torchrun (SIGTERM): another rank failed")
+
+
+def _publish_pid(comm) -> None:
+    """torchrun: tell the group's store where this rank runs (host and pid)."""
+    try:
+        _store().set(f"mixmoe/pid/{comm.rank}", f"{socket.gethostname()} {os.getpid()}")
+    except Exception:  # noqa: BLE001 - a store without set: no clean-up of stalled peers
+        pass
+
+
+def _end_stalled_local_peers(comm, grace_s: float) -> None:
+    """torchrun, at the exit of a rank that failed: mark it failed in the store; after
+    ``grace_s``, SIGKILL every rank of this host that has not failed too. A stalled
+    (e.g. stopped) rank ignores torchrun's SIGTERM, which waits 30 s before its SIGKILL; the run
+    is over anyway. Ranks on other hosts are left to torchrun."""
+    try:
+        store = _store()
+        store.set(f"mixmoe/failed/{comm.rank}", "1")
+        host = socket.gethostname()
+        peers = {}  # rank -> pid of the other ranks on this host
+        for r in range(comm.world_size):
+            if r != comm.rank and store.check([f"mixmoe/pid/{r}"]):
+                peer_host, pid = store.get(f"mixmoe/pid/{r}").decode().split()
+                if peer_host == host:
+                    peers[r] = int(pid)
+        end = time.monotonic() + grace_s
+        while peers and time.monotonic() < end:  # wait for each to fail or be gone
+            peers = {
+                r: pid
+                for r, pid in peers.items()
+                if not store.check([f"mixmoe/failed/{r}"]) and _alive(pid)
+            }
+            time.sleep(0.1)
+        for pid in peers.values():  # silent past the grace: stalled
+            os.kill(pid, signal.SIGKILL)
+    except Exception:  # noqa: BLE001 - best effort: torchrun ends them later
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def under_torchrun() -> bool:
@@ -235,6 +301,11 @@ def run_on_ranks(
 
         comm = init_distributed("auto", timeout_s=pg_timeout_s)
         name_process(comm.rank)
+        _publish_pid(comm)
+        try:  # torchrun SIGTERMs the others when a rank dies: tell it as this rank's error
+            signal.signal(signal.SIGTERM, _terminated)
+        except ValueError:  # not the main thread
+            pass
         if comm.world_size != world_size:
             raise ValueError(
                 f"--world-size {world_size} but torchrun launched {comm.world_size} ranks; "
@@ -248,6 +319,12 @@ def run_on_ranks(
             failure = RankFailure(
                 comm.rank, "raised", first_error_line(e), traceback.format_exc(), time.time()
             )
+            try:  # torchrun SIGTERMs the survivors of a dead rank: print this rank's line first
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (it exits in seconds anyway)
+            except ValueError:  # not the main thread
+                pass
+            grace = failure_grace_s(pg_timeout_s)
+            atexit.register(_end_stalled_local_peers, comm, grace)  # after the line is printed
             raise RanksFailed([failure], local=True) from e
         return result if comm.rank == 0 else None
     if not device.startswith("cpu"):

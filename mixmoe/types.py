@@ -40,3 +40,34 @@ class MoEAux:
     loss: torch.Tensor
     counts_N: torch.Tensor
     stats: dict | None = None
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """One MoE layer's load over one optimizer step (``MoE.end_step``).
+
+    load_N:    int64 CPU [N]: rows routed to each global expert over the step's forwards, summed
+               over the expert-parallel group (and the ranks ``all_reduce`` added).
+    forwards:  training forwards counted (micro-batches; recomputations excluded).
+    replicas:  expert replicas the strategy used, summed over those forwards (0 on one device).
+    bias_min, bias_max: the selection bias' range AFTER this step's update (None without one).
+    """
+
+    load_N: torch.Tensor
+    forwards: int
+    replicas: int
+    bias_min: float | None = None
+    bias_max: float | None = None
+
+    @property
+    def max_over_mean(self) -> float:
+        """Busiest expert's load / the mean load (1.0 perfectly balanced; 0.0 with no rows)."""
+        mean = float(self.load_N.double().mean())
+        return float(self.load_N.max()) / mean if mean > 0 else 0.0
+
+    @property
+    def cv(self) -> float:
+        """Coefficient of variation of the loads: population std / mean (0.0 with no rows)."""
+        load = self.load_N.double()
+        mean = float(load.mean())
+        return float(load.std(unbiased=False)) / mean if mean > 0 else 0.0

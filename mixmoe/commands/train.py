@@ -1,4 +1,5 @@
-"""``mixmoe train``: train a GPT-2 / BERT / Transformer-XL / Mixtral model with mixmoe MoE FFNs on
+"""``mixmoe train``: train a GPT-2 / BERT / Transformer-XL / Mixtral / DeepSeek-style model with
+mixmoe MoE FFNs on
 the byte-level pydoc corpus, on one process, ``--world-size N`` gloo CPU processes, or the
 ``torchrun`` group. The engine is ``mixmoe.train`` (``TrainConfig``, ``train``).
 
@@ -34,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="experts per EP rank (N = this x EP size; default 2 when --num-experts is not given)",
     )
-    p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token")
+    p.add_argument(
+        "--top-k", type=int, default=None, help="experts per token (default: preset's, 2 or 4)"
+    )
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: preset's)")
     p.add_argument(
         "--strategy",
@@ -71,7 +74,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-lr", type=float, default=d.min_lr, help="the decay's floor")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
     p.add_argument("--clip", type=float, default=d.clip, help="global gradient norm (0: off)")
-    p.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef, help="balance loss")
+    p.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=None,
+        help="balance loss weight (default: preset's, 0.01; deepseek 1e-4, sequence-wise)",
+    )
+    p.add_argument(
+        "--bias-update-rate",
+        type=float,
+        default=None,
+        help="deepseek: aux-loss-free balancing bias step per optimizer step (default 1e-3; 0: off)",
+    )
+    p.add_argument(
+        "--router-skew",
+        type=float,
+        default=0.0,
+        help="skewed start: added to the router bias of experts 0 .. N/2-1",
+    )
     p.add_argument("--eval-every", type=int, default=10, help="eval every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="eval batches")
     p.add_argument(
@@ -157,6 +177,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         weight_decay=args.weight_decay,
         clip=args.clip,
         aux_loss_coef=args.aux_loss_coef,
+        bias_update_rate=args.bias_update_rate,
+        router_skew=args.router_skew,
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         dtype=args.dtype,

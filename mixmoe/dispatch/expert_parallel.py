@@ -76,6 +76,8 @@ class StepMeta:
     moving:     whether any row crosses ranks anywhere (all ranks agree; else no all_to_all).
     counts_N:   rows this rank routed to each global expert (device tensor).
     stats:      rows moved, replicas, rows per rank, whether the replicas came from the cache.
+    global_counts_N: rows every rank of the group routed to each expert (int64 CPU, C summed
+                over ranks: the step's load for balance metrics and the selection-bias update).
     """
 
     layout: StepLayout
@@ -85,6 +87,7 @@ class StepMeta:
     moving: bool
     counts_N: torch.Tensor
     stats: dict
+    global_counts_N: torch.Tensor | None = None
 
 
 class ExpertParallelDispatcher:
@@ -368,7 +371,9 @@ class ExpertParallelDispatcher:
             "mean_rows": sum(rows_W) / W,
             "replica_cached": cached,
         }
-        meta = StepMeta(layout, step, plan, routing.weights_TK, moving, counts_N, stats)
+        meta = StepMeta(
+            layout, step, plan, routing.weights_TK, moving, counts_N, stats, C.sum(dim=0)
+        )
         rows = DispatchedRows(x_TD, replicas, receive, local_done_TD)
         return rows, ExpertLayout(work), meta
 

@@ -104,5 +104,12 @@ def config_fingerprint(config: MoEConfig, world_size: int, strategy: str) -> int
         config.max_replicas,
         strategy,
         world_size,
+        # the router and the shared experts: ranks routing differently would not hang, but they
+        # would silently compute another layer than the single-device one
+        repr(config.gate),
+        config.shared_experts,
+        config.shared_dim,
+        config.shared_gate,
+        config.balance_loss,
     )
     return zlib.crc32(repr(key).encode()) & 0x7FFFFFFF

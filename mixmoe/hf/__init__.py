@@ -20,6 +20,8 @@ transformers has no expert parallelism). Needs transformers >= 5 (``pip install 
 ``experts``  mixmoe as a transformers experts implementation
 ``convert``  exact conversion of transformers sparse-MoE blocks into mixmoe ``MoE`` layers
 ``ep``       mixmoe's strategies as transformers expert-parallel implementations
+``bias_balance``  aux-loss-free balancing: moves routers' ``e_score_correction_bias`` once per
+             optimizer step (transformers never does)
 
 Importing any of them imports this package first, which registers (transformers is needed then).
 """

@@ -1,10 +1,13 @@
 """Replica placement: the cost model of one MoE layer step and the per-step plans built on it.
 
 Host-only, deterministic, no ``torch.distributed``: every rank computes the same plan from the
-same all-gathered counts.
+same all-gathered counts. One file per job: ``counts`` (validating C, its sums), ``cost_model``
+(pricing any ``Plan``), ``plan`` (the value), ``relay`` (the replica relay tree), the planners
+``shadow``, ``replica_search`` (source replicas), ``balance`` (water-filling with helpers) and
+``planner`` (``plan_none``, ``plan_mix``: the mixed strategy's plan, start here).
 """
 
-from mixmoe.placement.cost_model import LayerShape, Prediction, predict
+from mixmoe.placement.cost_model import LayerShape, Prediction, predict, predict_plan
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import plan_mix, plan_none, plan_shadow
 from mixmoe.placement.profile import CPU_PROFILE, GPU_PROFILE, HardwareProfile, default_profile
@@ -21,4 +24,5 @@ __all__ = [
     "plan_none",
     "plan_shadow",
     "predict",
+    "predict_plan",
 ]

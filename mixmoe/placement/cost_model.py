@@ -52,6 +52,7 @@ carry their length: ``rows_W`` (one entry per rank), ``colsum_N`` (one per exper
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Iterable, Mapping
@@ -59,7 +60,14 @@ from dataclasses import dataclass
 
 import torch
 
+from mixmoe.placement.counts import (  # noqa: F401  (re-exported: the planners' count arithmetic)
+    baseline_loads,
+    counts_as_lists,
+    counts_as_tensor,
+    counts_with_sums,
+)
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.relay import node_distance, relay_degrees, relay_rounds
 
 LOADS = ("rows", "local", "remote", "replica")  # the order of the stacked aggregates [4, W]
 TOKEN_COLLECTIVES = 4  # dispatch + return, forward + backward
@@ -137,154 +145,6 @@ class Prediction:
     weight_bytes: tuple[int, ...]
     rows: tuple[int, ...]
     step_s: float
-
-
-def counts_as_lists(counts_WN: object, shape: LayerShape) -> list[list[int]]:
-    """Validate ``counts_WN`` ([W][N] nested sequences of ints, or an integer CPU tensor [W, N])
-    against ``shape`` and return it as a list of W lists of N non-negative Python ints."""
-    W, N = shape.world_size, shape.num_experts
-    if isinstance(counts_WN, torch.Tensor):
-        return counts_as_tensor(counts_WN, shape).tolist()  # validated, signs included
-    try:
-        C = [[operator.index(c) for c in row] for row in counts_WN]  # type: ignore[union-attr]
-    except TypeError as exc:
-        raise TypeError(
-            f"counts_WN must be a [W][N] nested sequence of ints or an integer tensor: {exc}"
-        ) from None
-    if len(C) != W or any(len(row) != N for row in C):
-        got = f"{len(C)} rows of lengths {sorted({len(row) for row in C})}"
-        raise ValueError(f"counts_WN has {got}, expected (world_size, num_experts) = ({W}, {N})")
-    for s, row in enumerate(C):
-        if min(row, default=0) < 0:
-            g = min(range(N), key=row.__getitem__)
-            raise ValueError(f"counts_WN[{s}][{g}] = {row[g]} is negative; counts are row counts")
-    return C
-
-
-def counts_as_tensor(counts_WN: object, shape: LayerShape) -> torch.Tensor:
-    """Validate ``counts_WN`` like ``counts_as_lists`` and return it as a contiguous int64 CPU
-    tensor [W, N]: the tensor itself when it already is one (no copy), else a converted copy.
-
-    Cost on an int64 tensor: one pass over it (the sign check), ~1 ms for [1024, 4096] on one
-    core; nested sequences go through ``counts_as_lists`` (slow at scale: pass tensors there).
-    The planners use ``counts_with_sums`` instead (the sign check inside the pass that sums).
-    """
-    C_WN = _counts_tensor(counts_WN, shape)
-    if C_WN.numel() and int(C_WN.min()) < 0:
-        _raise_negative(C_WN)
-    return C_WN
-
-
-def counts_with_sums(
-    counts_WN: object, shape: LayerShape
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``counts_as_tensor`` and the sums of C in the same pass: (C_WN, colsum_N, rowsum_W), int64.
-
-    A large C (over 8 MiB) is reduced in blocks of rows small enough to stay in cache (~0.5 MiB):
-    each block's minimum, column sums and row sums are taken while it is cached, so C crosses
-    the memory bus once instead of three times (measured ~1.6x faster at [1024, 4096] int64 on
-    one core). A smaller C stays cached anyway: three plain reductions. The blocks' sign check
-    is the minimum of their int32 words (a vectorised int32 min beats the int64 one by ~20%):
-    when no word is negative no int64 is; otherwise (a negative count, or one >= 2**31) the
-    exact int64 minimum decides.
-    """
-    C_WN = _counts_tensor(counts_WN, shape)
-    W, N = C_WN.shape
-    if C_WN.numel() == 0:
-        return C_WN, C_WN.sum(0), C_WN.sum(1)
-    rows = max(1, _BLOCK_BYTES // (8 * N))
-    if rows >= W or 8 * C_WN.numel() <= _ONE_PASS_BYTES:  # three plain reductions
-        low, colsum_N, rowsum_W = C_WN.min(), _column_sums(C_WN), C_WN.sum(1)
-    else:
-        # every block's reductions written in place: three ops per block, one sum at the end
-        blocks = range(0, W, rows)
-        colsum_BN = torch.empty(len(blocks), N, dtype=torch.int64)
-        rowsum_W = torch.empty(W, dtype=torch.int64)
-        low_B = torch.empty(len(blocks), dtype=torch.int32)
-        words_W2N = C_WN.view(torch.int32)
-        for i, first in enumerate(blocks):
-            block = C_WN[first : first + rows]
-            torch.amin(words_W2N[first : first + rows], dim=(0, 1), out=low_B[i])
-            torch.sum(block, 0, out=colsum_BN[i])
-            torch.sum(block, 1, out=rowsum_W[first : first + rows])
-        colsum_N = colsum_BN.sum(0)
-        low = low_B.min()
-        if int(low) < 0:  # some int32 word is negative: the int64 counts decide
-            low = C_WN.min()
-    if int(low) < 0:
-        _raise_negative(C_WN)
-    return C_WN, colsum_N, rowsum_W
-
-
-_BLOCK_BYTES = 1 << 19  # counts_with_sums' row blocks: well inside a core's L2 (1 MiB here)
-_ONE_PASS_BYTES = 8 << 20  # below this C stays in the last-level cache: plain reductions
-
-
-def _counts_tensor(counts_WN: object, shape: LayerShape) -> torch.Tensor:
-    """Every check of ``counts_as_tensor`` but the signs."""
-    if not isinstance(counts_WN, torch.Tensor):
-        return torch.tensor(counts_as_lists(counts_WN, shape), dtype=torch.int64).reshape(
-            shape.world_size, shape.num_experts
-        )
-    W, N = shape.world_size, shape.num_experts
-    if (
-        counts_WN.dtype.is_floating_point
-        or counts_WN.dtype.is_complex
-        or counts_WN.dtype == torch.bool
-    ):
-        raise TypeError(f"counts_WN must hold integers, got dtype {counts_WN.dtype}")
-    if counts_WN.device.type != "cpu":
-        raise ValueError(
-            f"counts_WN must be a CPU tensor (the plan runs on the host), got device "
-            f"{counts_WN.device}; bring the counts to the host once and pass them here"
-        )
-    if tuple(counts_WN.shape) != (W, N):
-        raise ValueError(
-            f"counts_WN has shape {tuple(counts_WN.shape)}, expected (world_size, num_experts)"
-            f" = ({W}, {N})"
-        )
-    return counts_WN.to(torch.int64).contiguous()
-
-
-def _raise_negative(C_WN: torch.Tensor) -> None:
-    s, g = divmod(int(C_WN.argmin()), C_WN.shape[1])
-    raise ValueError(f"counts_WN[{s}][{g}] = {int(C_WN[s, g])} is negative; counts are row counts")
-
-
-def baseline_loads(
-    C_WN: torch.Tensor,
-    experts_per_rank: int,
-    sums: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``rank_loads`` with nothing replicated, vectorized over a validated int64 ``C_WN``:
-    (loads_4W, colsum_N, own_N). loads_4W: float64 [4, W], the aggregates in ``LOADS`` order
-    (replica all 0); colsum_N[g] = rows routed to g by every rank; own_N[g] = C[g // E][g], the
-    rows of g its owner routes to it (both int64). ``sums``: (colsum_N, rowsum_W) when already
-    known (``counts_with_sums``), else computed here.
-
-    Cost without ``sums``: two reductions over C (column and row sums), ~2-3 ms for [1024, 4096]
-    int64 on one core.
-    """
-    W, N = C_WN.shape
-    E = experts_per_rank
-    colsum_N, sent_all_W = (_column_sums(C_WN), C_WN.sum(1)) if sums is None else sums
-    own_N = torch.diagonal(C_WN.view(W, W, E), dim1=0, dim2=1).t().reshape(N)
-    local_W = own_N.view(W, E).sum(1)
-    rows_W = colsum_N.view(W, E).sum(1)
-    remote_W = (sent_all_W - local_W) + (rows_W - local_W)
-    loads_4W = torch.stack([rows_W, local_W, remote_W, torch.zeros_like(rows_W)])
-    return loads_4W.to(torch.float64), colsum_N, own_N
-
-
-def _column_sums(C_WN: torch.Tensor) -> torch.Tensor:
-    """C_WN.sum(0), reduced 8 rows at a time first: on one CPU core torch reduces the outer dim
-    of a [1024, 4096] int64 tensor ~2x faster this way (1.4 ms vs 2.5-3 ms measured)."""
-    W, N = C_WN.shape
-    W8 = W // 8 * 8
-    if W8 == 0:
-        return C_WN.sum(0)
-    colsum_N = C_WN[:W8].view(W8 // 8, 8, N).sum(1).sum(0)
-    return colsum_N + C_WN[W8:].sum(0) if W8 < W else colsum_N
 
 
 def replica_map(
@@ -366,6 +226,7 @@ class StepModel:
         "fixed_s",
         "_factor_41",
         "_divisor_41",
+        "bw_inter",
     )
 
     def __init__(self, shape: LayerShape, profile: HardwareProfile, overlap: bool) -> None:
@@ -377,6 +238,13 @@ class StepModel:
         self.params_bytes = shape.params_bytes_per_expert
         self.bw = profile.link_bandwidth
         self.lat = profile.link_latency
+        # topology (``profile.ranks_per_node``): inter-node bytes at inter_node_bandwidth (loads
+        # of 6 rows, ``plan_pricing``); a group spanning nodes pays the slower latency per
+        # collective. None: the one link of every pair, as before topology existed.
+        per_node = getattr(profile, "ranks_per_node", None)
+        self.bw_inter = profile.inter_node_bandwidth if per_node else None
+        if per_node and shape.world_size > per_node:
+            self.lat = max(self.lat, profile.inter_node_latency)
         self.overlap = overlap
         self.row_s = profile.row_overhead_s
         self.replica_s = profile.replica_fixed_s
@@ -391,14 +259,28 @@ class StepModel:
         ).view(4, 1)
 
     def rank_seconds(
-        self, rows: int, local: int, remote: int, replica: int, any_remote: bool, any_hot: bool
+        self,
+        rows: int,
+        local: int,
+        remote: int,
+        replica: int,
+        any_remote: bool,
+        any_hot: bool | int,
     ) -> tuple[float, float]:
         """(compute_s, comm_s) of one rank; any_remote / any_hot: whether the token / weight
-        collectives run at all (anywhere in the group)."""
+        collectives run at all (anywhere in the group). ``any_hot`` may be an int: the rounds of
+        the replica relay (``relay_rounds``; 0: none), each a fetch and a gradient return, so
+        True and 1 price alike."""
         return self._compute_s(rows), self._comm_s(local, remote, replica, any_remote, any_hot)
 
     def rank_total(
-        self, rows: int, local: int, remote: int, replica: int, any_remote: bool, any_hot: bool
+        self,
+        rows: int,
+        local: int,
+        remote: int,
+        replica: int,
+        any_remote: bool,
+        any_hot: bool | int,
     ) -> float:
         """``compute_s + comm_s`` of ``rank_seconds`` without the tuple (the list search makes
         hundreds of calls): the same terms, so the same float."""
@@ -413,7 +295,7 @@ class StepModel:
         return compute
 
     def _comm_s(
-        self, local: int, remote: int, replica: int, any_remote: bool, any_hot: bool
+        self, local: int, remote: int, replica: int, any_remote: bool, any_hot: bool | int
     ) -> float:
         token = 0.0
         if any_remote:
@@ -424,14 +306,14 @@ class StepModel:
                     hidden = hidden + local * self.row_s
                 token = max(0.0, token - hidden)
         weight = 0.0
-        if any_hot:
-            weight = WEIGHT_COLLECTIVES * self.lat + self.params_bytes * replica / self.bw
+        if any_hot:  # True: one fetch + one return; an int: that many relay rounds of each
+            weight = WEIGHT_COLLECTIVES * any_hot * self.lat + self.params_bytes * replica / self.bw
             if self.replica_s:
                 weight = weight + replica * self.replica_s
         return token + weight
 
     def seconds_W(
-        self, loads_4W: torch.Tensor, any_remote: bool | torch.Tensor, any_hot: bool
+        self, loads_4W: torch.Tensor, any_remote: bool | torch.Tensor, any_hot: bool | int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``rank_seconds`` for a batch. ``loads_4W``: float64 [..., 4, M] holding the integer
         aggregates (rows, local, remote, replica) of M ranks (``LOADS`` order) ->
@@ -443,8 +325,17 @@ class StepModel:
         ``rank_seconds`` of that entry bit for bit. ``any_remote`` may be a bool tensor that
         broadcasts against [..., M] (one flag per candidate in the planner).
         """
+        inter = None
+        if loads_4W.shape[-2] == 6:  # topology: rows 4, 5 = the inter-node remote rows, edges
+            inter, loads_4W = loads_4W.narrow(-2, 4, 2), loads_4W.narrow(-2, 0, 4)
         # rows, local, remote, replica terms (one unbind: per-op overhead dominates tiny inputs)
         compute, local, remote, replica = (loads_4W * self._factor_41 / self._divisor_41).unbind(-2)
+        if inter is not None:  # the inter-node part of each at the inter-node bandwidth
+            r_in, e_in = inter.unbind(-2)
+            remote_all, replica_all = loads_4W.unbind(-2)[2:]
+            tb, P, bw, bwi = self.token_bytes_per_row, self.params_bytes, self.bw, self.bw_inter
+            remote = (remote_all - r_in) * tb / bw + r_in * tb / bwi
+            replica = (replica_all - e_in) * P / bw + e_in * P / bwi
         if self.row_s:  # the fixed costs: skipped when 0.0, as in rank_seconds (same value)
             rows_n, local_n = loads_4W.unbind(-2)[:2]
             compute = compute + rows_n * self.row_s
@@ -460,7 +351,7 @@ class StepModel:
             token = torch.zeros_like(compute)
         if not any_hot:
             return compute, token + 0.0
-        weight = WEIGHT_COLLECTIVES * self.lat + replica
+        weight = WEIGHT_COLLECTIVES * any_hot * self.lat + replica
         if self.replica_s:
             weight = weight + loads_4W.select(-2, 3) * self.replica_s
         return compute, token + weight
@@ -477,9 +368,12 @@ class StepModel:
                 f"{factors}); use smaller counts or layer sizes"
             )
 
-    def prediction_W(self, loads_4W: torch.Tensor) -> Prediction:
-        """The ``Prediction`` of per-rank aggregates ``loads_4W`` (float64 [4, W], ``LOADS``)."""
-        any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
+    def prediction_W(self, loads_4W: torch.Tensor, rounds: int | None = None) -> Prediction:
+        """The ``Prediction`` of per-rank aggregates ``loads_4W`` (float64 [4, W], ``LOADS``).
+        ``rounds``: the replica relay's rounds (``plan_pricing``); None: one fetch and one
+        return when any replica exists (the flat fan-out)."""
+        any_remote = bool(loads_4W[2].any())
+        any_hot = bool(loads_4W[3].any()) if rounds is None else rounds
         compute_W, comm_W = self.seconds_W(loads_4W, any_remote, any_hot)
         return self.pack(compute_W, comm_W, loads_4W)
 
@@ -490,7 +384,7 @@ class StepModel:
         loads_4W = loads_4W.to(torch.int64)
         token, weight = 2 * self.token_bytes_per_row, 2 * self.params_bytes
         if int(loads_4W[2:].max()) * max(token, weight) >= 2**63:  # int64 would overflow
-            rows, _, remote, replica = loads_4W.tolist()
+            rows, _, remote, replica = loads_4W[:4].tolist()
             return self._pack_lists(compute_W.tolist(), comm_W.tolist(), rows, remote, replica)
         # the same values as _pack_lists in fewer host steps (W = 1024 plans pack twice):
         # exact int64 products, and the max of the same IEEE sums
@@ -601,3 +495,120 @@ def plan_loads(
         remote[o] -= moved
         replica[o] += len(h)
     return loads_4W.to(torch.float64)
+
+
+def plan_pricing(
+    C_WN: torch.Tensor, plan: object, experts_per_rank: int, profile: object = None
+) -> tuple[torch.Tensor, int]:
+    """The aggregates of a ``Plan`` (float64 [4, W], ``LOADS`` order; [6, W] when ``profile``
+    has a topology) and its weight rounds.
+
+    Segments without a share entry follow the replica rule (``plan_loads``). A share entry
+    (s, g, runs) puts each run's rows at its rank r: rows[r] += n; local to s when r == s, else
+    remote at both s (it sends them) and r (it computes them for s). When ``plan.relay`` is set
+    the replica column is each rank's edges in the relay trees (``relay_degrees``: per tree edge
+    the sender sends P forward and receives P of gradient, the receiver the reverse) and the
+    rounds are the deepest tree's (``relay_rounds``); otherwise the flat fan-out of today (the
+    owner serves every holder; one round when any replica exists). A plan without shares and
+    without relay prices exactly as ``plan_loads`` / ``predict``. ``profile``: its topology
+    (``ranks_per_node``) orders the relay nearest first and adds two rows: the remote rows and
+    the tree edges that cross nodes, at each rank (``StepModel.seconds_W`` prices them at the
+    inter-node bandwidth); None or one link: [4, W].
+    """
+    E = experts_per_rank
+    distance = node_distance(profile)
+    loads_4W = plan_loads(C_WN, plan.replicas, E)
+    shares = getattr(plan, "shares", ())
+    relay = getattr(plan, "relay", False)
+    rounds = int(bool(plan.replicas))
+    if not shares and not relay and distance is None:
+        return loads_4W, rounds
+    # on Python ints: a few list operations per share entry (tensor element ops cost ~us each)
+    rows, local, remote, replica = loads_4W.to(torch.int64).tolist()
+    W = len(rows)
+    per_node = getattr(profile, "ranks_per_node", None) or W
+    remote_inter, replica_inter = _inter_node_loads(C_WN, plan, E, per_node)
+    counts = []
+    if shares:
+        index = torch.tensor([[s, g] for s, g, _ in shares], dtype=torch.int64)
+        counts = C_WN[index[:, 0], index[:, 1]].tolist()
+    for (s, g, runs), c in zip(shares, counts, strict=True):
+        # the replica rule's placement undone first, then each run placed
+        for r, n in ((plan.computed_at(s, g, E), -c), *runs):
+            rows[r] += n
+            if r == s:
+                local[s] += n
+            else:
+                remote[s] += n
+                remote[r] += n
+                if s // per_node != r // per_node:
+                    remote_inter[s] += n
+                    remote_inter[r] += n
+    if relay and plan.replicas:
+        replica = [0] * W
+        replica_inter = [0] * W
+        rounds = 0
+        for g, holders in plan.replicas:
+            degrees, depth = relay_degrees(g // E, holders, distance)
+            rounds = max(rounds, depth)
+            for r, d in degrees.items():
+                replica[r] += d
+            if distance is not None:
+                for edges in relay_rounds(g // E, holders, distance):
+                    for a, b in edges:
+                        if a // per_node != b // per_node:
+                            replica_inter[a] += 1
+                            replica_inter[b] += 1
+    loads = [rows, local, remote, replica]
+    if distance is not None:
+        loads += [remote_inter, replica_inter]
+    return torch.tensor(loads, dtype=torch.float64), rounds
+
+
+def _inter_node_loads(
+    C_WN: torch.Tensor, plan: object, E: int, per_node: int
+) -> tuple[list[int], list[int]]:
+    """Remote rows and flat fan-out edges that cross nodes, per rank, under the replica rule of
+    ``plan`` (nodes of ``per_node`` consecutive ranks): a segment (s, g) computed at d != s on
+    another node counts at s and d; an owner -> holder copy on another node at both."""
+    W, N = C_WN.shape
+    if per_node >= W:
+        return [0] * W, [0] * W
+    dest_WN = (torch.arange(N) // E).expand(W, N).clone()  # every row at its owner
+    flat = [0] * W
+    for g, holders in plan.replicas:
+        h = torch.tensor(list(holders), dtype=torch.int64)
+        dest_WN[h, g] = h  # a holder computes its own rows
+        for r in holders:
+            if r // per_node != g // E // per_node:
+                flat[r] += 1
+                flat[g // E] += 1
+    node_W = torch.arange(W) // per_node
+    crossing_WN = torch.where(node_W.view(W, 1) != node_W[dest_WN], C_WN, 0)
+    remote_W = crossing_WN.sum(1)  # sent by each source
+    remote_W = remote_W.index_add_(0, dest_WN.reshape(-1), crossing_WN.reshape(-1))
+    return remote_W.tolist(), flat
+
+
+def predict_plan(
+    counts_WN: object, plan: object, shape: LayerShape, profile: HardwareProfile, overlap: bool
+) -> Prediction:
+    """The ``Prediction`` of a ``Plan`` (shares, relay and the profile's topology included:
+    ``plan_pricing``), the price every strategy's plan gets in the planners and the simulator."""
+    C_WN = counts_as_tensor(counts_WN, shape)
+    model = step_model(shape, profile, overlap)
+    loads_4W, rounds = plan_pricing(C_WN, plan, shape.experts_per_rank, profile)
+    model.check_exact(max(2 * int(C_WN.sum()), shape.world_size * shape.num_experts))
+    return model.prediction_W(loads_4W, rounds)
+
+
+def reprice(C_WN: torch.Tensor, plan, model: StepModel, profile: HardwareProfile):
+    """``plan`` (a ``Plan``) with its prediction and baseline priced by ``plan_pricing`` under
+    ``profile`` (its topology included): the planners' prices when the profile has nodes."""
+    E = C_WN.shape[1] // C_WN.shape[0]
+    none = dataclasses.replace(plan, hot=(), replicas=(), shares=(), relay=False)
+    baseline = model.prediction_W(*plan_pricing(C_WN, none, E, profile))
+    if not plan.hot and not plan.shares:
+        return dataclasses.replace(plan, prediction=baseline, baseline=baseline)
+    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
+    return dataclasses.replace(plan, prediction=prediction, baseline=baseline)

@@ -1,39 +1,47 @@
-"""Per-step, per-layer replica plans: which experts to replicate, where, and what it should cost.
+"""Per-step, per-layer plans: where every expert's rows are computed, and what it should cost.
 
 Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes to
 expert g; expert g is owned by rank g // E).
 
 Every function here is a pure function of its arguments: no randomness, no dependence on dict or
-set iteration order, ties broken by expert id. Every rank that computes a plan from the same
-all-gathered counts gets the same plan. Costs come from ``mixmoe.placement.cost_model``.
+set iteration order, ties broken by rank and expert id. Every rank that computes a plan from the
+same all-gathered counts gets the same plan. Costs come from ``mixmoe.placement.cost_model``.
 
 - ``plan_none``   (``a2a``): nothing replicated.
-- ``plan_mix``    (``mix``): cost-model greedy, replicas only on the ranks that have rows for them.
-- ``plan_shadow`` (``shadow``): FasterMoE's shadowing rule, hot experts broadcast to every rank.
+- ``plan_shadow`` (``shadow``): FasterMoE's shadowing rule (``mixmoe.placement.shadow``).
+- ``plan_mix``    (``mix``): the best of the a2a, shadow and source-replica plans
+  (``mixmoe.placement.replica_search``), then balanced by water-filling with helper ranks
+  (``mixmoe.placement.balance``).
 """
 
 from __future__ import annotations
 
-import functools
-import operator
-from collections.abc import Iterator
-
 import torch
 
+from mixmoe.placement.balance import WaterFill
 from mixmoe.placement.cost_model import (
     LayerShape,
     Prediction,
     StepModel,
-    baseline_loads,
-    counts_as_lists,
-    counts_with_sums,
+    plan_pricing,
+    reprice,
     step_model,
 )
+from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.relay import node_distance
+from mixmoe.placement.replica_search import SEARCH_WIDTH, plan_replicas
+from mixmoe.placement.shadow import plan_shadow
 
-# candidates evaluated in full per round of plan_mix's search (the top of the bottleneck's list)
-SEARCH_WIDTH = 8
+__all__ = ["BLOCK_SIZE", "plan_mix", "plan_none", "plan_replicas", "plan_shadow", "replica_slots"]
+
+BLOCK_SIZE = 64  # rows per block: shares cut segments only at whole blocks
+MOVES_PER_RANK = 4  # water-filling moves at most MOVES_PER_RANK * W + 16 per plan,
+MAX_MOVES = 512  # and at most MAX_MOVES (planning time at W >= 128: ~1 ms of Python per move)
+BALANCED = (
+    1.02  # no water-filling when the best candidate's max rank total is within 2% of the mean
+)
 
 
 def plan_none(
@@ -49,8 +57,28 @@ def plan_none(
     C_WN, *sums = counts_with_sums(counts_WN, shape)
     loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), shape.world_size * shape.num_experts))
+    if node_distance(profile) is not None:  # topology: inter-node rows at their own link
+        none = Plan((), (), _NO_PREDICTION, _NO_PREDICTION)
+        loads_4W, _ = plan_pricing(C_WN, none, shape.experts_per_rank, profile)
     baseline = model.prediction_W(loads_4W)
     return Plan((), (), baseline, baseline)
+
+
+MIN_REPLICA_SLOTS = 8  # the replica budget's floor (replica_slots)
+
+
+def replica_slots(max_replicas: int, experts_per_rank: int) -> int:
+    """Replica slots per rank the mixed plan may fill: max(``max_replicas``, E,
+    ``MIN_REPLICA_SLOTS``), 0 when ``max_replicas`` is 0 (replication off).
+
+    Why: a helper takes rows of a few hot experts and a source replica saves a hot expert's
+    traffic; the budget must let a rank hold as many replicas as it owns experts (replica memory
+    at most the rank's own expert memory: 32 slots for 256 experts on 8 ranks) and at least 8
+    (8 x 12.6 MB at the DeepSeek-like shape, 8 x 16.8 MB at the seeds' shape: small next to a
+    GPU's memory), enough for shadow's plans in the issue-26 workloads."""
+    if max_replicas == 0:
+        return 0
+    return max(max_replicas, experts_per_rank, MIN_REPLICA_SLOTS)
 
 
 def plan_mix(
@@ -61,761 +89,105 @@ def plan_mix(
     overlap: bool = True,
     *,
     search_width: int = SEARCH_WIDTH,
+    block_size: int = BLOCK_SIZE,
+    balance: bool = True,
 ) -> Plan:
-    """The mixed strategy's plan: replicate while the predicted step time strictly drops.
+    """The mixed strategy's plan: the best candidate, then balanced with helper ranks.
 
-    ``counts_WN``: an integer CPU tensor [W, N] (the all-gathered counts; int64 is used without a
-    copy) or [W][N] nested sequences of ints (converted: slow at scale, pass the tensor).
+    Candidates, each priced by the cost model with ``overlap``: ``plan_none`` (a2a),
+    ``plan_shadow`` (when its replicas fit the budget) and ``plan_replicas`` (today's
+    source-replica search, ``search_width``). From the best, ``WaterFill`` moves 64-row blocks of
+    the bottleneck rank's heaviest experts to helper ranks (any source's rows, the owner's own
+    included), the replicas reaching their new holders by the relay tree (``relay_rounds``),
+    while the predicted step drops (``mixmoe.placement.balance``). The balanced plan is kept
+    only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
+    best candidate's, so ``plan_mix`` is never predicted worse than a2a or shadow (same
+    overlap) nor than the source-replica plan.
 
-    Placement rule: replicating g gives a replica to every rank s != owner with C[s][g] > 0 (all
-    of g's rows are then computed at their sources). Candidates: experts with a remote row.
-
-    Search, bottleneck first. The step is the max over ranks, so an expert can only lower it if
-    it lowers the total of the bottleneck b (the lowest rank at the max). b's total depends on
-    b's own loads and on two group-wide flags (``StepModel.rank_seconds``): whether the token
-    collectives run (any remote row left anywhere) and whether the weight collectives run (any
-    replica). A replica only ever turns the weight flag on, so an expert lowers b's total only
-    if it touches b: b owns it (b then computes and exchanges fewer rows, and serves the
-    replicas) or b sends it rows (b then computes them itself and fetches a replica); or if it
-    ends the token phase, which needs it to hold every remote row left: then it is the one
-    expert with remote rows, so the last candidate, and b keeps its loads but stops paying the
-    token collectives' latency (``TOKEN_COLLECTIVES`` x link latency, less what overlap hid).
-    Each round:
-
-    1. b's new total is scored for every candidate: b's own E experts one by one, the others
-       as one vector over b's row of C, skipped when a bound proves none of them can lower b
-       (``_sources_may_pass``: the usual case, a replica costing more than b's biggest segment
-       saves), and the last candidate without b's loads as above; those that lower it, by
-       remote rows descending then expert id ascending (the priority of today's greedy), are
-       the round's shortlist;
-    2. the first ``search_width`` of them are evaluated at once on every rank (holders, owner,
-       and the others under the collectives that would then run); the first with a strictly
-       lower predicted step is accepted and the next round starts from the new bottleneck. A
-       candidate with a holder already at ``max_replicas`` replicas is dropped for good (replica
-       counts only grow) and does not count against the width;
-    3. a round that accepts nothing ends the search.
-
-    Guarantees: every acceptance strictly lowers the step, so ``prediction.step_s <=
-    baseline.step_s`` with equality only when nothing is replicated; no rank holds more than
-    ``max_replicas`` replicas; deterministic (no randomness, stable sorts, exact integer
-    aggregates, ties by rank then expert id): the same counts give the same plan on every rank.
-    A round whose shortlist fits in ``search_width`` stops only where an exhaustive greedy would
-    (no single further candidate lowers the step); a longer one may stop earlier.
-
-    Cost: one pass over C in cached row blocks (sign check, column and row sums:
-    ``counts_with_sums``), then per round a few dozen vector ops over N and [search_width, W]
-    (``_MixSearch``). Where per-op overhead is the cost, the same search runs in other forms,
-    with the same decisions (a test forces each on the same cases): tiny problems (W x N <=
-    ``LIST_LIMIT``) on Python lists from the validated counts, no tensor op after them
-    (``_plan_mix_lists``, ``_ListMixSearch``); up to ``HOST_LIMIT`` ranks with the loads on the
-    host and the counts in the tensor (``_HostMixSearch``: a column per evaluation, one vector
-    over b's row when the bound lets a source pass); above, small ones (open candidates x W <=
-    ``BATCH_LIMIT``) score every candidate at once in the rounds after the first acceptance
-    (``_BatchedMixSearch``). The host forms hold the GIL while they search (tens to hundreds of
-    microseconds); the tensor ops of the large problems release it in their kernels.
+    Replica budget: ``replica_slots(max_replicas, E)`` replicas held per rank (at least E, the
+    rank's own experts, and 8: ``replica_slots``); 0 turns replication off. No water-filling
+    when the best candidate is balanced already (its slowest rank within ``BALANCED`` of the
+    mean) or ``balance=False`` (the best candidate only, for comparison).
+    Guarantees: deterministic (same counts, same plan on every rank: ties by rank then expert
+    id), every share entry passes ``Plan.check_shares(counts, E, block_size)``, no rank holds
+    more than the budget's replicas, prediction.step_s <= baseline.step_s.
     """
-    model = step_model(shape, profile, overlap)
-    for name, value, lo in (("max_replicas", max_replicas, 0), ("search_width", search_width, 1)):
+    for name, value, lo in (
+        ("max_replicas", max_replicas, 0),
+        ("search_width", search_width, 1),
+        ("block_size", block_size, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < lo:
             raise ValueError(f"{name} must be >= {lo}, got {value}")
-    if shape.world_size * shape.num_experts <= LIST_LIMIT:
-        return _plan_mix_lists(counts_WN, shape, model, max_replicas, search_width)
-    C_WN, *sums = counts_with_sums(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
-    loads_4W, colsum_N, own_N = baseline_loads(C_WN, E, sums)
-    model.check_exact(max(2 * int(colsum_N.sum()), W * shape.num_experts))
-    moved_N = colsum_N - own_N
-    total_remote = int(moved_N.sum())
-    compute_W, comm_W = model.seconds_W(loads_4W, total_remote > 0, False)
-    baseline = model.pack(compute_W, comm_W, loads_4W)
-    if max_replicas == 0 or W == 1 or total_remote == 0:
-        return Plan((), (), baseline, baseline)
-    if W <= HOST_LIMIT:
-        host = _HostMixSearch(
-            model,
-            C_WN,
-            E,
-            max_replicas,
-            search_width,
-            loads_4W,
-            compute_W + comm_W,
-            moved_N,
-            total_remote,
-        )
-        while host.round():
-            pass
-        if not host.accepted:
-            return Plan((), (), baseline, baseline)
-        return _plan_of(host.accepted, model.prediction_lists(*host.loads), baseline)
-    search = _MixSearch(model, C_WN, E, max_replicas, search_width)
-    search.start(loads_4W, compute_W + comm_W, moved_N, total_remote)
-    # the first round shortlists (often the only one: nothing pays); once an expert is accepted,
-    # a small problem scores every open candidate per round instead (same decisions)
-    if search.round():
-        if search.n_open * W <= BATCH_LIMIT:
-            search = _BatchedMixSearch.resume(search)
-        while search.round():
-            pass
-    if not search.accepted:
-        return Plan((), (), baseline, baseline)
-    if search.seconds is None:
-        return _plan_of(search.accepted, model.prediction_W(search.loads_4W), baseline)
-    # the last acceptance's seconds: the same flags as prediction_W's (remote rows are left
-    # iff its expert did not hold the last ones; a replica exists)
-    return _plan_of(search.accepted, model.pack(*search.seconds, search.loads_4W), baseline)
-
-
-def _plan_of(
-    accepted: dict[int, tuple[int, ...]], prediction: Prediction, baseline: Prediction
-) -> Plan:
-    """The ``Plan`` of a search that accepted ``accepted`` ({g: holders}, not empty)."""
-    assert prediction.step_s < baseline.step_s, (prediction.step_s, baseline.step_s)
-    hot = tuple(sorted(accepted))
-    return Plan(hot, tuple((g, accepted[g]) for g in hot), prediction, baseline)
-
-
-# how one replicated expert changes the loads (LOADS order: rows, local, remote, replica) of a
-# rank that sends it c rows: c * _PER_ROW + _PER_REPLICA; its owner's change is patched in apart
-_PER_ROW_41 = torch.tensor([1.0, 1.0, -1.0, 0.0], dtype=torch.float64).view(4, 1)
-_PER_REPLICA_4 = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
-_PER_REPLICA_41 = _PER_REPLICA_4.view(4, 1)
-# the owner of a replicated expert with m remote rows: m * _OWNER_PER_ROW + holders * _PER_REPLICA
-_OWNER_PER_ROW_4 = torch.tensor([-1.0, 0.0, -1.0, 0.0], dtype=torch.float64)
-
-
-class _MixSearch:
-    """``plan_mix``'s search state. loads_4W: the per-rank aggregates with the experts accepted
-    so far (float64 [4, W] holding integers, ``LOADS`` order), totals_W their predicted seconds,
-    held_W the replicas each rank holds (full_W: at ``max_replicas``), moved_N each expert's
-    remote rows, open_N whether it is still a candidate (n_open of them), total_remote the
-    remote rows left in the group, accepted {g: holders}.
-
-    Per-op overhead, not arithmetic, is the cost up to a few hundred ranks, so a round does
-    what it can on the host: b's own E experts are scored with ``StepModel.rank_total``, and
-    the vector over b's row of C (b as a source of every expert) runs only when a bound says a
-    source candidate may pass (``_sources_may_pass``). The problems it runs (W > ``HOST_LIMIT``)
-    are large enough that a vector over W costs less than W host calls."""
-
-    def __init__(
-        self, model: StepModel, C_WN: torch.Tensor, E: int, max_replicas: int, width: int
-    ) -> None:
-        self.model, self.C_WN, self.E = model, C_WN, E
-        self.max_replicas, self.width = max_replicas, width
-        self.accepted: dict[int, tuple[int, ...]] = {}
-        self.seconds: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last acceptance
-
-    def start(
-        self,
-        loads_4W: torch.Tensor,
-        totals_W: torch.Tensor,
-        moved_N: torch.Tensor,
-        total_remote: int,
-    ) -> None:
-        self.loads_4W, self.totals_W, self.total_remote = loads_4W, totals_W, total_remote
-        self.held_W = torch.zeros(len(totals_W), dtype=torch.int64)
-        self.full_W = torch.zeros(len(totals_W), dtype=torch.bool)
-        self.moved_N = moved_N.to(torch.float64)
-        self.open_N = moved_N > 0
-        self.n_open = int(self.open_N.sum())
-
-    def _totals(self, loads: torch.Tensor, any_remote: bool | torch.Tensor) -> torch.Tensor:
-        compute, comm = self.model.seconds_W(loads, any_remote, True)
-        return compute + comm
-
-    def shortlist(self, b: int, best: float) -> list[int]:
-        """Open candidates that would bring rank b's total below ``best``, in priority order."""
-        E, C_WN, total = self.E, self.C_WN, self.model.rank_total
-        lo, hi = b * E, (b + 1) * E
-        loads_b = self.loads_4W[:, b]
-        rows, local, remote, replica = (int(x) for x in loads_b.tolist())
-        listed: list[int] = []
-        # b as the owner of g: b no longer computes nor exchanges g's m remote rows and serves
-        # one replica to each of g's n sources (E candidates: on the host)
-        open_E = self.open_N[lo:hi].tolist()
-        if any(open_E):
-            n_E = (C_WN[:, lo:hi] > 0).sum(0).tolist()
-            c_E = C_WN[b, lo:hi].tolist()
-            m_E = self.moved_N[lo:hi].tolist()
-            for i, is_open in enumerate(open_E):
-                if not is_open:
-                    continue
-                m, n = int(m_E[i]), n_E[i] - (c_E[i] > 0)
-                any_remote = m < self.total_remote
-                if total(rows - m, local, remote - m, replica + n, any_remote, True) < best:
-                    listed.append(lo + i)
-        # b as a source of g: b computes its c rows of g itself and fetches one replica
-        if self.n_open > sum(open_E):
-            c_N = C_WN[b]
-            # with two open candidates or more, none holds every remote row left: the token
-            # collectives still run after any of them; with one, its own flag
-            last = int(self.open_N.nonzero()) if self.n_open == 1 else -1
-            any_remote = last < 0 or int(self.moved_N[last]) < self.total_remote
-            if not any_remote and not int(c_N[last]):
-                # the last candidate ends the token phase and b sends it no row: b keeps its
-                # loads and stops paying the token collectives (listed is empty: n_open == 1)
-                return [last] if total(rows, local, remote, replica, False, True) < best else []
-            cmax = max(
-                int(c_N[:lo].max()) if lo else 0, int(c_N[hi:].max()) if hi < len(c_N) else 0
-            )
-            loads = (rows, local, remote, replica)
-            if _sources_may_pass(self.model, loads, cmax, any_remote, best):
-                trial_4N = c_N * _PER_ROW_41 + (loads_b + _PER_REPLICA_4).view(4, 1)
-                compute_N, comm_N = self.model.seconds_W(trial_4N, any_remote, True)
-                listed_N = (compute_N + comm_N < best) & (c_N > 0) & self.open_N
-                listed_N[lo:hi] = False  # b's own experts: scored above
-                listed += listed_N.nonzero().squeeze(1).tolist()
-        if len(listed) < 2:
-            return listed
-        # priority order: remote rows descending, expert id ascending
-        moved = self.moved_N[listed].tolist()
-        return [g for _, g in sorted(zip((-m for m in moved), listed, strict=True))]
-
-    def round(self) -> bool:
-        """One round of the search (see ``plan_mix``); True if an expert was accepted."""
-        b = int(self.totals_W.argmax())  # the first max: the lowest bottleneck rank
-        best = float(self.totals_W[b])
-        shortlist, budget = self.shortlist(b, best), self.width
-        while budget > 0 and shortlist:
-            batch, shortlist = shortlist[:budget], shortlist[budget:]
-            trial_k4W, compute_kW, comm_kW, src_kW, blocked_k = self._evaluate(batch)
-            totals_kW = compute_kW + comm_kW
-            passes = (totals_kW.amax(1) < best).tolist()
-            blocked = blocked_k.tolist()
-            for i, g in enumerate(batch):
-                if blocked[i]:
-                    self._close(g)  # a holder is full: g can never fit again
-                elif passes[i]:
-                    self._accept(g, trial_k4W[i], totals_kW[i], src_kW[i])
-                    self.seconds = (compute_kW[i], comm_kW[i])
-                    return True
-            budget -= len(blocked) - sum(blocked)
-        return False
-
-    def _evaluate(
-        self, g_k: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each candidate of ``g_k`` accepted on its own: the loads [k, 4, W], compute and comm
-        seconds [k, W], holders (bool [k, W]) and whether a holder is full (bool [k])."""
-        g_t = torch.tensor(g_k)
-        ar_k, o_k = torch.arange(len(g_k)), torch.div(g_t, self.E, rounding_mode="floor")
-        c_kW = self.C_WN[:, g_t].t()  # a copy: the owners' own rows are zeroed next
-        c_kW[ar_k, o_k] = 0
-        src_kW = c_kW > 0
-        trial_k4W = self.loads_4W + c_kW.unsqueeze(1) * _PER_ROW_41
-        trial_k4W[:, 3] += src_kW
-        m_k = self.moved_N[g_t]
-        owner_k4 = (
-            m_k.unsqueeze(1) * _OWNER_PER_ROW_4 + src_kW.sum(1, keepdim=True) * _PER_REPLICA_4
-        )
-        trial_k4W[ar_k, :, o_k] += owner_k4
-        blocked_k = (src_kW & self.full_W).any(1)
-        # every candidate leaves remote rows but possibly the last open one (see shortlist)
-        any_remote = True if self.n_open > 1 else (m_k < self.total_remote).view(-1, 1)
-        compute_kW, comm_kW = self.model.seconds_W(trial_k4W, any_remote, True)
-        return trial_k4W, compute_kW, comm_kW, src_kW, blocked_k
-
-    def _deltas(self, g_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """How accepting each candidate of ``g_k`` on its own changes every rank's loads
-        (float64 [k, 4, W]), its holders (bool [k, W]) and its remote rows (float64 [k])."""
-        ar = torch.arange(len(g_k))
-        o_k = torch.div(g_k, self.E, rounding_mode="floor")
-        c_kW = self.C_WN[:, g_k].t().to(torch.float64)
-        src_kW = c_kW > 0
-        src_kW[ar, o_k] = False
-        delta_k4W = (c_kW * src_kW).unsqueeze(1) * _PER_ROW_41 + src_kW.unsqueeze(
-            1
-        ) * _PER_REPLICA_41
-        m_k = self.moved_N[g_k]
-        n_k = src_kW.sum(1).to(torch.float64)
-        delta_k4W[ar, :, o_k] += torch.stack([-m_k, torch.zeros_like(m_k), -m_k, n_k], dim=1)
-        return delta_k4W, src_kW, m_k
-
-    def _accept(
-        self, g: int, loads_4W: torch.Tensor, totals_W: torch.Tensor, src_W: torch.Tensor
-    ) -> None:
-        self.loads_4W, self.totals_W, self.seconds = loads_4W, totals_W, None
-        self.held_W += src_W
-        self.full_W = self.held_W >= self.max_replicas
-        self.total_remote -= int(self.moved_N[g])
-        self._close(g)
-        self.accepted[g] = tuple(src_W.nonzero().squeeze(1).tolist())
-
-    def _close(self, g: int) -> None:
-        self.open_N[g] = False
-        self.n_open -= 1
-
-
-# _BatchedMixSearch runs where candidates x ranks is at most this: its [P, 4, W] tensors then stay
-# tiny, and a fixed handful of ops per round beats the shortlist's two passes
-BATCH_LIMIT = 2048
-
-
-class _BatchedMixSearch(_MixSearch):
-    """``_MixSearch`` for small problems, where per-op overhead and not arithmetic is the cost,
-    from the second round on (``resume``): every open candidate's effect (``_deltas``) is built
-    once, in priority order (remote rows
-    descending, expert id ascending), and each round scores all open candidates at once with a
-    fixed number of vector ops, instead of a shortlist pass and then an evaluation pass.
-
-    Same decisions as ``_MixSearch.round``, value for value (the same integer loads through the
-    same ``seconds_W``): the shortlist is the open candidates that touch the bottleneck b (or
-    end the token phase: see ``plan_mix``) and lower its total; the first ``width`` of them that no full holder blocks are the evaluated
-    ones; the first of those whose step drops is accepted. Blocked candidates are closed as soon
-    as they are listed (the sequential search closes them when it reaches them: they can never
-    be accepted, and they never count against the width, so no decision differs).
-    """
-
-    @classmethod
-    def resume(cls, search: _MixSearch) -> _BatchedMixSearch:
-        """Go on from ``search``'s state (its accepted experts, loads and open candidates)."""
-        batched = cls.__new__(cls)
-        batched.__dict__.update(search.__dict__)
-        g = batched.open_N.nonzero().squeeze(1)
-        batched.g_P = g[torch.sort(batched.moved_N[g], descending=True, stable=True).indices]
-        batched.delta_P4W, batched.src_PW, m_P = batched._deltas(batched.g_P)
-        batched.m_P1 = m_P.view(-1, 1)
-        batched.o_P = torch.div(batched.g_P, batched.E, rounding_mode="floor")
-        batched.open_P = torch.ones(len(batched.g_P), dtype=torch.bool)
-        batched._update()
-        return batched
-
-    def _update(self) -> None:
-        """What changes only when an expert is accepted: which candidates leave remote rows in
-        the group (the token collectives still run), and which have a full holder."""
-        self.any_remote_P1 = self.m_P1 < self.total_remote
-        self.ends_remote_P = ~self.any_remote_P1.view(-1)
-        self.blocked_P = (self.src_PW & (self.held_W >= self.max_replicas)).any(1)
-
-    def round(self) -> bool:
-        b = int(self.totals_W.argmax())  # the first max: the lowest bottleneck rank
-        best = float(self.totals_W[b])
-        trial_P4W = self.loads_4W + self.delta_P4W
-        totals_PW = self._totals(trial_P4W, self.any_remote_P1)
-        # a candidate lowers b's total only if it changes b's loads or ends the token phase
-        touches_P = self.src_PW[:, b] | (self.o_P == b) | self.ends_remote_P
-        listed_P = self.open_P & touches_P & (totals_PW[:, b] < best)
-        usable_P = listed_P & ~self.blocked_P
-        evaluated_P = usable_P & (usable_P.cumsum(0) <= self.width)
-        accepted = (evaluated_P & (totals_PW.amax(1) < best)).nonzero()
-        self.open_P &= ~(listed_P & self.blocked_P)
-        if not len(accepted):
-            return False
-        i = int(accepted[0])
-        self.open_P[i] = False
-        self._accept(int(self.g_P[i]), trial_P4W[i], totals_PW[i], self.src_PW[i])
-        self._update()
-        return True
-
-
-# plan_mix runs on Python lists (``_plan_mix_lists``) where W x N is at most this: the counts fit
-# in a few small lists, and scalar arithmetic beats tensor ops that would each cost more than the
-# work they do
-LIST_LIMIT = 1024
-
-
-def _plan_mix_lists(
-    counts_WN: object, shape: LayerShape, model: StepModel, max_replicas: int, width: int
-) -> Plan:
-    """``plan_mix`` on Python lists and floats, for tiny problems (W x N <= ``LIST_LIMIT``): the
-    counts are validated and brought to the host once (``counts_as_lists``); every aggregate is
-    an exact Python int and every second comes from ``StepModel.rank_total`` /
-    ``rank_seconds``, equal to ``seconds_W`` bit for bit on the same integer loads, so the
-    decisions, loads and predictions are those of the tensor paths (a test forces each path on
-    the same cases)."""
-    C = counts_as_lists(counts_WN, shape)
-    W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
-    colsum = [sum(col) for col in zip(*C, strict=True)]
-    model.check_exact(max(2 * sum(colsum), W * N))
-    rows = [sum(colsum[r * E : (r + 1) * E]) for r in range(W)]
-    local = [sum(C[r][r * E : (r + 1) * E]) for r in range(W)]
-    remote = [sum(C[r]) - local[r] + rows[r] - local[r] for r in range(W)]
-    moved = [colsum[g] - C[g // E][g] for g in range(N)]
-    total_remote = sum(moved)
-    loads = [rows, local, remote, [0] * W]
-    baseline = model.prediction_lists(*loads)
-    if max_replicas == 0 or W == 1 or total_remote == 0:
-        return Plan((), (), baseline, baseline)
-    totals = list(map(operator.add, baseline.compute_s, baseline.comm_s))
-    search = _ListMixSearch(model, C, E, max_replicas, width, loads, totals, moved, total_remote)
-    while search.round():
-        pass
-    if not search.accepted:
-        return Plan((), (), baseline, baseline)
-    return _plan_of(search.accepted, model.prediction_lists(*search.loads), baseline)
-
-
-class _ListMixSearch:
-    """``_MixSearch`` on the host: loads, totals, replica counts and candidates in Python
-    lists, seconds from ``StepModel.rank_total`` (see ``_plan_mix_lists``); the counts on
-    Python lists too.
-
-    The same search step for step: the bottleneck b, its shortlist (open candidates touching b,
-    or the last one when it ends the token phase, whose new total at b drops below the step, by
-    remote rows descending then expert id), the
-    first ``width`` unblocked ones evaluated on every rank, the first whose step drops accepted.
-    Walked lazily: the shortlist is consumed in priority order and each listed candidate is
-    evaluated as soon as it is reached, so a round stops at the first acceptance (or the
-    width); a listed candidate with a full holder is closed when it is reached, as in
-    ``_MixSearch``, and the candidates after the stop are left as they are, so no decision
-    differs. An evaluation stops at the first rank whose new total is not below the step; the
-    ranks it does not touch keep their loads, so their totals are computed once per acceptance.
-    b's row is scored only when ``_sources_may_pass`` says a source candidate may pass.
-    """
-
-    def __init__(
-        self,
-        model: StepModel,
-        C: list[list[int]],
-        E: int,
-        max_replicas: int,
-        width: int,
-        loads: list[list[int]],
-        totals: list[float],
-        moved: list[int],
-        total_remote: int,
-        is_open: list[bool] | None = None,
-    ) -> None:
-        """``is_open``: whether each expert is a candidate (has remote rows); computed here
-        when not given."""
-        self.model, self.C, self.E = model, C, E
-        self.max_replicas, self.width = max_replicas, width
-        self.accepted: dict[int, tuple[int, ...]] = {}
-        self.loads, self.totals = loads, totals  # [rows, local, remote, replica] x W ints
-        self.moved, self.total_remote = moved, total_remote
-        self.held = [0] * len(totals)
-        self.open = [m > 0 for m in moved] if is_open is None else is_open
-        self.n_open = sum(self.open)
-        # any_remote -> each rank's total with its current loads (None: not computed yet)
-        self._kept: dict[bool, list[float | None]] = {}
-
-    @functools.cached_property
-    def order(self) -> list[int]:
-        """The candidates in priority order: remote rows descending, expert id ascending."""
-        return sorted((g for g, m in enumerate(self.moved) if m > 0), key=self._priority)
-
-    def _priority(self, g: int) -> tuple[int, int]:
-        return -self.moved[g], g
-
-    def _column(self, g: int) -> list[int]:
-        """C[s][g] for every rank s."""
-        return [row[g] for row in self.C]
-
-    def _listed(self, b: int, best: float) -> Iterator[int]:
-        """b's shortlist (see the class doc), lazily, in priority order."""
-        rows, local, remote, replica = (load[b] for load in self.loads)
-        C, E, row_b, total = self.C, self.E, self.C[b], self.model.rank_total
-        lo, hi = b * E, (b + 1) * E
-        cmax = max(max(row_b[:lo], default=0), max(row_b[hi:], default=0))
-        # with two open candidates or more none holds every remote row left: the token
-        # collectives run after any of them (with one, the weaker bound without them)
-        loads_b = (rows, local, remote, replica)
-        sources = _sources_may_pass(self.model, loads_b, cmax, self.n_open > 1, best)
-        for g in self.order:
-            if not self.open[g]:
-                continue
-            m = self.moved[g]
-            if lo <= g < hi:  # b owns g: it computes and exchanges m rows less, serves n replicas
-                n = sum(1 for s, row in enumerate(C) if s != b and row[g] > 0)
-                new = total(rows - m, local, remote - m, replica + n, m < self.total_remote, True)
-            elif row_b[g]:  # b computes its c rows of g itself and fetches a replica
-                if not sources:
-                    continue
-                c = row_b[g]
-                new = total(
-                    rows + c, local + c, remote - c, replica + 1, m < self.total_remote, True
-                )
-            elif m == self.total_remote:  # g, the last candidate, ends the token phase
-                new = total(rows, local, remote, replica, False, True)
-            else:
-                continue
-            if new < best:
-                yield g
-
-    def _close(self, g: int) -> None:
-        self.open[g] = False
-        self.n_open -= 1
-
-    def round(self) -> bool:
-        """One round of the search (see ``plan_mix``); True if an expert was accepted."""
-        totals = self.totals
-        best = max(totals)
-        b = totals.index(best)  # the first max: the lowest bottleneck rank
-        evaluated = 0
-        for g in self._listed(b, best):
-            if evaluated == self.width:
-                return False
-            o, col = g // self.E, self._column(g)
-            src = [s for s, c in enumerate(col) if c > 0 and s != o]
-            if any(self.held[s] >= self.max_replicas for s in src):
-                self._close(g)  # a holder is full: g can never fit again
-                continue
-            evaluated += 1
-            if self._try(g, o, col, src, best):
-                return True
-        return False
-
-    def _try(self, g: int, o: int, col: list[int], src: list[int], best: float) -> bool:
-        """Accept g if every rank's total then stays below ``best``; False (nothing changed)
-        at the first rank that does not."""
-        (rows, local, remote, replica), total = self.loads, self.model.rank_total
-        m = self.moved[g]
-        any_remote = m < self.total_remote
-        changed = {o: (rows[o] - m, local[o], remote[o] - m, replica[o] + len(src))}
-        for s in src:
-            c = col[s]
-            changed[s] = (rows[s] + c, local[s] + c, remote[s] - c, replica[s] + 1)
-        new = {}
-        for r, ld in changed.items():
-            t = total(*ld, any_remote, True)
-            if not t < best:
-                return False
-            new[r] = t
-        kept = self._kept.get(any_remote)
-        if kept is None:  # the other ranks' totals with their loads (each computed once)
-            kept = self._kept[any_remote] = [None] * len(rows)
-        for r, t in enumerate(kept):
-            if t is None and r not in new:
-                kept[r] = t = total(rows[r], local[r], remote[r], replica[r], any_remote, True)
-            if r not in new and not t < best:
-                return False
-        new_totals = [new.get(r, t) for r, t in enumerate(kept)]
-        for r, ld in changed.items():
-            rows[r], local[r], remote[r], replica[r] = ld
-        for s in src:
-            self.held[s] += 1
-        self.totals, self._kept = new_totals, {}
-        self.total_remote -= m
-        self._close(g)
-        self.accepted[g] = tuple(src)
-        return True
-
-
-# _HostMixSearch runs where W is at most this: evaluating a candidate on the host costs W calls
-# of ``rank_total`` (~0.5 us each), below the ~25 tensor ops of an evaluation up to about here
-# (measured: host 2x faster at W = 16, even at W = 64, 1.3x slower at W = 128)
-HOST_LIMIT = 64
-
-
-class _HostMixSearch(_ListMixSearch):
-    """``_ListMixSearch`` with the counts left in the tensor ``C_WN`` (W <= ``HOST_LIMIT``, W x N
-    too large for lists): a column of C comes to the host when a candidate is evaluated, b's
-    own experts are scored on the host, and b's row is scored as one vector (when the bound
-    lets a source candidate pass). Same decisions (a test forces every path)."""
-
-    def __init__(
-        self,
-        model: StepModel,
-        C_WN: torch.Tensor,
-        E: int,
-        max_replicas: int,
-        width: int,
-        loads_4W: torch.Tensor,
-        totals_W: torch.Tensor,
-        moved_N: torch.Tensor,
-        total_remote: int,
-    ) -> None:
-        self.C_WN, self.open_N = C_WN, moved_N > 0
-        loads, moved = loads_4W.to(torch.int64).tolist(), moved_N.tolist()
-        super().__init__(
-            model,
-            [],
-            E,
-            max_replicas,
-            width,
-            loads,
-            totals_W.tolist(),
-            moved,
-            total_remote,
-            self.open_N.tolist(),
-        )
-
-    def _column(self, g: int) -> list[int]:
-        return self.C_WN[:, g].tolist()
-
-    def _close(self, g: int) -> None:
-        super()._close(g)
-        self.open_N[g] = False
-
-    def _listed(self, b: int, best: float) -> Iterator[int]:
-        loads_b = tuple(load[b] for load in self.loads)
-        rows, local, remote, replica = loads_b
-        E, C_WN, total = self.E, self.C_WN, self.model.rank_total
-        lo, hi = b * E, (b + 1) * E
-        listed: list[int] = []
-        # b as the owner of g: b no longer computes nor exchanges g's m remote rows and serves
-        # one replica to each of g's n sources (E candidates)
-        open_own = [g for g in range(lo, hi) if self.open[g]]
-        if open_own:
-            n_E = (C_WN[:, lo:hi] > 0).sum(0).tolist()
-            c_E = C_WN[b, lo:hi].tolist()
-            for g in open_own:
-                m, n = self.moved[g], n_E[g - lo] - (c_E[g - lo] > 0)
-                any_remote = m < self.total_remote
-                if total(rows - m, local, remote - m, replica + n, any_remote, True) < best:
-                    listed.append(g)
-        # b as a source of g: b computes its c rows of g itself and fetches one replica
-        if self.n_open > len(open_own):
-            c_N = C_WN[b]
-            # with two open candidates or more none holds every remote row left, so the token
-            # collectives still run after any of them; with one, its own flag
-            last = int(self.open_N.nonzero()) if self.n_open == 1 else -1
-            any_remote = last < 0 or self.moved[last] < self.total_remote
-            if not any_remote and not int(c_N[last]):
-                # the last candidate ends the token phase and b sends it no row: b keeps its
-                # loads and stops paying the token collectives (listed is empty: n_open == 1)
-                ends = total(rows, local, remote, replica, False, True) < best
-                return iter([last] if ends else [])
-            cmax = max(
-                int(c_N[:lo].max()) if lo else 0, int(c_N[hi:].max()) if hi < len(c_N) else 0
-            )
-            if _sources_may_pass(self.model, loads_b, cmax, any_remote, best):
-                base_41 = torch.tensor(
-                    [rows, local, remote, replica + 1], dtype=torch.float64
-                ).view(4, 1)
-                compute_N, comm_N = self.model.seconds_W(
-                    c_N * _PER_ROW_41 + base_41, any_remote, True
-                )
-                listed_N = (compute_N + comm_N < best) & (c_N > 0) & self.open_N
-                listed_N[lo:hi] = False  # b's own experts: scored above
-                listed += listed_N.nonzero().squeeze(1).tolist()
-        return iter(sorted(listed, key=self._priority))
-
-
-def _sources_may_pass(
-    model: StepModel,
-    loads_b: tuple[int, int, int, int],
-    cmax: int,
-    any_remote: bool,
-    best: float,
-) -> bool:
-    """Whether some expert that rank b does not own may bring b's total below ``best``; False
-    is a proof that none can, so b's row of C need not be scored.
-
-    b holds ``loads_b`` (rows, local, remote, replica) and sends at most ``cmax`` rows to one
-    expert of another rank. Replicating an expert it sends c rows to gives b the loads
-    (rows + c, local + c, remote - c, replica + 1), whose seconds are compute(c) + comm(c)
-    (``StepModel.rank_seconds``); along that path compute never decreases and comm never
-    increases (more rows computed at b, fewer sent: a test checks both on random loads), so
-    for every c in [lo, hi], compute(c) + comm(c) >= compute(lo) + comm(hi) (float addition
-    is monotone too). Branch and bound over [1, cmax]: an interval whose bound is not
-    below ``best`` holds no passing c; the others are halved until the budget of intervals is
-    spent (then True: maybe) or a single c passes (True). ``any_remote`` False gives a weaker
-    bound that holds for either flag (no token term)."""
-    if cmax == 0:
-        return False  # b sends no rows to other ranks' experts
-    rows, local, remote, replica = loads_b
-    seconds = model.rank_seconds
-
-    def bound(lo: int, hi: int) -> float:
-        compute = seconds(rows + lo, local + lo, remote - lo, replica + 1, any_remote, True)[0]
-        comm = seconds(rows + hi, local + hi, remote - hi, replica + 1, any_remote, True)[1]
-        return compute + comm
-
-    intervals = [(1, cmax)]
-    for _ in range(_BOUND_INTERVALS):
-        if not intervals:
-            return False
-        lo, hi = intervals.pop()
-        if not bound(lo, hi) < best:
-            continue
-        if lo == hi:
-            return True  # compute(c) + comm(c) is b's new total at c: it passes
-        mid = (lo + hi) // 2
-        intervals += [(mid + 1, hi), (lo, mid)]
-    return bool(intervals)
-
-
-# the intervals _sources_may_pass examines at most before it answers "maybe"
-_BOUND_INTERVALS = 32
-
-
-def plan_shadow(
-    counts_WN: object, shape: LayerShape, profile: HardwareProfile, *, overlap: bool = False
-) -> Plan:
-    """FasterMoE's shadowing rule (He et al., "FasterMoE: Modeling and Optimizing Training of
-    Large-Scale Dynamic Pre-Trained Models", PPoPP'22, Sec. 4 "Dynamic Shadowing"; the authors'
-    implementation is ``global_policy`` in FastMoE's ``fmoe/fastermoe/shadow_policy.py``).
-
-    A shadowed expert is broadcast to every other rank (holders = all ranks but the owner) and
-    every rank computes its own rows for it. With
-
-        t_row   = flops_per_row / gemm_flops       (FasterMoE: 3 * comp_time; fwd + bwd compute)
-        t_feat  = 4 * row_bytes / link_bandwidth   (FasterMoE: 4 * send_feature_time; a row goes
-                                                    out and back, in forward and in backward)
-        t_model = params_bytes_per_expert / link_bandwidth   (FasterMoE: send_model_time)
-        B_r(S)  = rows computed at rank r when the experts in S are shadowed
-                = sum_{g owned by r, g not in S} sum_s C[s][g]  +  sum_{g in S} C[r][g]
-        lat(S)  = max_r B_r(S) * (t_row + t_feat) + |S| * t_model
-
-    experts are sorted by global load L_g = sum_s C[s][g] descending (ties: lower id first);
-    S starts empty and, in that order, g joins S while lat(S + {g}) < lat(S) (strictly); the
-    first g that does not lower the estimate ends the search.
-
-    Generalisation of the published rule, which assumes one expert per worker and scores a
-    shadowing by the next-heaviest expert's load B_k: here the heaviest *rank* is recomputed with
-    the shadowed rows counted where they are actually computed (at their sources), which coincides
-    with it when E = 1 and shadowed rows are negligible next to B_k. Latency terms are not part
-    of FasterMoE's estimate and are left out of the decision; ``prediction`` (full cost model,
-    ``overlap`` default False) is reported for comparison.
-    """
+    slots = replica_slots(max_replicas, E)
+    best = plan_replicas(counts_WN, shape, profile, slots, overlap, search_width=search_width)
     model = step_model(shape, profile, overlap)
     C_WN, *sums = counts_with_sums(counts_WN, shape)
-    W, E = shape.world_size, shape.experts_per_rank
-    loads_4W, load_N, own_N = baseline_loads(C_WN, E, sums)
-    model.check_exact(max(2 * int(load_N.sum()), W * shape.num_experts))
-    baseline = model.prediction_W(loads_4W)
-    if W == 1:
-        return Plan((), (), baseline, baseline)
-    t_row_feat = (
-        shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
-    )
-    t_model = shape.params_bytes_per_expert / profile.link_bandwidth
-    load_W = load_N.view(W, E).sum(1)  # rows computed at each rank (int64)
-    best = int(load_W.max()) * t_row_feat
-    # load descending, ties by expert id ascending (a stable sort of the ascending ids)
-    order = torch.sort(load_N, descending=True, stable=True).indices.tolist()
-    load, own = load_N.tolist(), own_N.tolist()
-    shadowed: list[int] = []
-    for g in order:
-        o = g // E
-        trial_W = load_W + C_WN[:, g]
-        trial_W[o] = int(load_W[o]) - load[g] + own[g]
-        lat = int(trial_W.max()) * t_row_feat + (len(shadowed) + 1) * t_model
-        if not lat < best:
+    if node_distance(profile) is not None:  # topology: the search saw one link; price it
+        best = reprice(C_WN, best, model, profile)
+    if W == 1 or slots == 0:
+        return best
+    shadow = plan_shadow(C_WN, shape, profile)
+    if shadow.hot and len(shadow.hot) <= slots:  # fits the budget: price it under mix's overlap
+        loads_4W, rounds = plan_pricing(C_WN, shadow, E, profile)
+        pred = model.prediction_W(loads_4W, rounds)
+        if pred.step_s < best.prediction.step_s:
+            best = Plan(shadow.hot, shadow.replicas, pred, best.baseline)
+    totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
+    if not balance or max(totals) <= BALANCED * sum(totals) / W:
+        return best  # balanced already: water-filling has little to win (planning time)
+    if best.hot:  # the best candidate relayed: kept when cheaper than the owner sending every copy
+        relayed = Plan(best.hot, best.replicas, best.prediction, best.baseline, relay=True)
+        pred = model.prediction_W(*plan_pricing(C_WN, relayed, E, profile))
+        if pred.step_s < best.prediction.step_s:
+            best = Plan(best.hot, best.replicas, pred, best.baseline, relay=True)
+    # water-fill from the best candidate and from nothing replicated (the candidate may have
+    # filled the replica slots that helpers need); the lower prediction wins, ties: the first
+    # (the second only when the first stays unbalanced)
+    starts = [dict(best.replicas)] + ([{}] if best.hot else [])
+    for start in starts:
+        plan = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile)
+        if plan is not None and plan.prediction.step_s < best.prediction.step_s:
+            best = Plan(plan.hot, plan.replicas, plan.prediction, best.baseline, plan.shares, True)
+        totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
+        if max(totals) <= BALANCED * sum(totals) / W:
             break
-        best, load_W = lat, trial_W
-        shadowed.append(g)
-    hot = tuple(sorted(shadowed))
-    replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
-    if not hot:
-        return Plan((), (), baseline, baseline)
-    return Plan(hot, replicas, model.prediction_W(_shadow_loads(C_WN, loads_4W, hot, E)), baseline)
+    return best
 
 
-def _shadow_loads(
-    C_WN: torch.Tensor, loads_4W: torch.Tensor, hot: tuple[int, ...], E: int
-) -> torch.Tensor:
-    """The aggregates (``LOADS`` order, float64 [4, W]) with every g of ``hot`` replicated on
-    every rank but its owner: each source computes its own rows of g (they turn local, and stop
-    being remote at the source and at the owner); the owner serves W - 1 replicas per g, every
-    other rank holds one. Integer arithmetic on the baseline's exact aggregates."""
-    W = C_WN.shape[0]
-    g_S = torch.tensor(hot, dtype=torch.int64)
-    o_S = torch.div(g_S, E, rounding_mode="floor")
-    at_source_WS = C_WN[:, g_S].clone()
-    at_source_WS[o_S, torch.arange(len(hot))] = 0  # the owner's own rows were local already
-    moved_S = at_source_WS.sum(0)  # rows of g that travelled to its owner, now computed at home
-    gained_W = at_source_WS.sum(1)
-    lost_W = torch.zeros(W, dtype=torch.int64).index_add_(0, o_S, moved_S)
-    owned_W = torch.bincount(o_S, minlength=W)
-    delta_4W = torch.stack(
-        [
-            gained_W - lost_W,
-            gained_W,
-            -gained_W - lost_W,
-            (len(hot) - owned_W) + owned_W * (W - 1),
-        ]
-    )
-    return loads_4W + delta_4W.to(torch.float64)
+def _water_fill(
+    C_WN: torch.Tensor,
+    colsum_N: torch.Tensor,
+    shape: LayerShape,
+    model: StepModel,
+    start: dict[int, tuple[int, ...]],
+    slots: int,
+    block_size: int,
+    profile: HardwareProfile,
+) -> Plan | None:
+    """``WaterFill`` from the replicas ``start``, priced (``plan_pricing``); None if no move."""
+    W, E = shape.world_size, shape.experts_per_rank
+    hot = tuple(sorted(start))
+    plan = Plan(hot, tuple((g, start[g]) for g in hot), _NO_PREDICTION, _NO_PREDICTION, relay=True)
+    distance = node_distance(profile)
+    loads_4W, _ = plan_pricing(C_WN, plan, E, profile)
+    any_remote = bool(loads_4W[2].any())
+    fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
+    fill.set_loads(loads_4W[:4].to(torch.int64).tolist())  # the search: one link (module doc)
+    for _ in range(min(MOVES_PER_RANK * W + 16, MAX_MOVES)):
+        if not fill.step():
+            break
+    if not fill.moves:
+        return None
+    hot = tuple(sorted(g for g, h in fill.holders.items() if h))
+    replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
+    plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
+    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
+    return Plan(hot, replicas, prediction, prediction, plan.shares, relay=True)
+
+
+# a placeholder prediction for plans priced right after they are built
+_NO_PREDICTION = Prediction((), (), (), (), (), float("inf"))

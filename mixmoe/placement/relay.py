@@ -40,3 +40,32 @@ def relay_rounds(
         rounds.append(tuple((order[j], rank) for j, rank in enumerate(new)))
         have += len(new)
     return tuple(rounds)
+
+
+def relay_degrees(
+    owner: int, holders: Sequence[int], distance: Callable[[int, int], int] | None = None
+) -> tuple[dict[int, int], int]:
+    """Tree edges per rank of ``relay_rounds(owner, holders, distance)`` and its rounds, without
+    building the rounds: ({rank: edges}, rounds). In the served order [owner, h0, h1, ...] of n
+    ranks, position j sends in every round k with 2**k > j and j + 2**k < n, and receives once
+    when j > 0; the tree has (n - 1).bit_length() rounds. Each edge costs both its ranks one
+    copy of the weights per direction (forward fetch, gradient return)."""
+    if not holders:
+        return {}, 0
+    dist = distance or (lambda a, b: 0)
+    order = [owner, *sorted(holders, key=lambda h: (dist(owner, h), h))]
+    n = len(order)
+    degrees = {owner: (n - 1).bit_length()}  # the owner sends in every round
+    for j in range(1, n):
+        # sends in rounds k = j.bit_length() .. (n - j - 1).bit_length() - 1, receives once
+        degrees[order[j]] = 1 + max(0, (n - j - 1).bit_length() - j.bit_length())
+    return degrees, (n - 1).bit_length()
+
+
+def node_distance(profile: object) -> Callable[[int, int], int] | None:
+    """0 for two ranks of one node, 1 across nodes, from the profile's ``ranks_per_node`` (None
+    when the profile has no topology: every pair alike)."""
+    per_node = getattr(profile, "ranks_per_node", None)
+    if not per_node:
+        return None
+    return lambda a, b: int(a // per_node != b // per_node)

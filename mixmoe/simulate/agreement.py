@@ -40,7 +40,15 @@ from typing import Any
 
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.replica_search import plan_replicas
 from mixmoe.simulate.layer import STRATEGIES, predict_layer
+
+# the stored runs were measured before issue 26: their mix plans came from the source-replica
+# search (today's ``plan_replicas``), so they are replayed with it; runs of the balanced
+# ``plan_mix`` must be measured anew to validate it
+STORED_RUN_PLANNERS = {
+    "mix": lambda C, shape, profile, cfg: plan_replicas(C, shape, profile, cfg.max_replicas)
+}
 
 __all__ = [
     "DEFAULT_CASES",
@@ -190,6 +198,7 @@ def compare(
             max_replicas=case.max_replicas,
             strategies=tuple(recs),
             fixed_s=fixed_ms / 1e3,
+            planners=STORED_RUN_PLANNERS,
         )
         preds = predict_layer(first["counts_WN"], shape, profile, **kw)
         shared = predict_layer(first["counts_WN"], shape, profile, shared=True, **kw)

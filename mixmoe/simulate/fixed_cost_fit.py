@@ -58,8 +58,9 @@ from typing import Any
 
 import torch
 
-from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
+from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_pricing
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.replica_search import plan_replicas
 
 __all__ = ["HOT", "REPLICATE", "TOP_K", "fit_fixed_costs"]
 
@@ -89,8 +90,13 @@ def _loads(run: dict[str, Any], shape: LayerShape, base: HardwareProfile):
         top_k=TOP_K,
         strategy=run["strategy"],
     )
-    plan = spec.planner(C_WN, shape, REPLICATE if run["strategy"] == "mix" else base, config)
-    return plan_loads(C_WN, plan.replicas, shape.experts_per_rank), spec.overlap
+    # mix: the source-replica search the stored calibration runs were planned by (before the
+    # balanced plan_mix of issue 26), forced to replicate by the REPLICATE profile
+    if run["strategy"] == "mix":
+        plan = plan_replicas(C_WN, shape, REPLICATE, config.max_replicas)
+    else:
+        plan = spec.planner(C_WN, shape, base, config)
+    return plan_pricing(C_WN, plan, shape.experts_per_rank)[0], spec.overlap
 
 
 def _step(

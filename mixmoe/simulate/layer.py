@@ -66,7 +66,7 @@ import torch
 
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.strategies import planning_spec
-from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_loads
+from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_pricing
 from mixmoe.placement.profile import HardwareProfile
 
 __all__ = [
@@ -176,6 +176,7 @@ def predict_layer(
     shared: bool = False,
     processors: int | None = None,
     plan_profile: HardwareProfile | None = None,
+    planners: dict | None = None,
 ) -> dict[str, StrategyPrediction]:
     """Predictions per strategy for one step's counts (int CPU tensor [W, N] or nested lists).
 
@@ -183,7 +184,9 @@ def predict_layer(
     ``shared`` / ``processors``: how ranks sharing processors aggregate (module doc).
     ``plan_profile``: the profile the planners plan with when it is not ``profile`` (a measured
     run planned with one profile, priced with another: ``simulate --validate`` re-fitting a
-    record's fixed costs prices the plan the run used)."""
+    record's fixed costs prices the plan the run used). ``planners``: {strategy: planner} in
+    place of the strategy's own (``StrategySpec.planner``'s signature): a stored run planned by
+    an earlier planner is replayed with it."""
     if not strategies:
         raise ValueError("no strategy given; use one or more of a2a, shadow, mix")
     if processors is not None:
@@ -203,9 +206,11 @@ def predict_layer(
     out = {}
     for name in strategies:
         spec = planning_spec(name, shape.world_size)
-        plan = spec.planner(C_WN, shape, plan_profile or profile, config)
-        loads_4W = plan_loads(C_WN, plan.replicas, shape.experts_per_rank)
-        any_remote, any_hot = bool(loads_4W[2].any()), bool(loads_4W[3].any())
+        planner = (planners or {}).get(name, spec.planner)
+        plan = planner(C_WN, shape, plan_profile or profile, config)
+        # the plan's aggregates (share entries, relay edges) and its replica rounds
+        loads_4W, any_hot = plan_pricing(C_WN, plan, shape.experts_per_rank, profile)
+        any_remote = bool(loads_4W[2].any())
         compute_W, exposed_W = StepModel(shape, profile, spec.overlap).seconds_W(
             loads_4W, any_remote, any_hot
         )

@@ -40,9 +40,11 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from mixmoe.config import STRATEGIES
+from mixmoe.layers.balance import end_balance_step
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.train import checkpoint as ckpt_io
 from mixmoe.train import sharded
+from mixmoe.train.balance_log import BalanceLog
 from mixmoe.train.data import global_batch, shard, starts_stream
 from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradients
 from mixmoe.train.lr_schedule import LR_SCHEDULES, lr_at
@@ -51,21 +53,31 @@ from mixmoe.train.sources import load_tokens
 from mixmoe.validation import check_float, check_int
 
 DTYPES = ("float32", "float64", "bfloat16")
-OBJECTIVES = {"gpt2": "causal", "mixtral": "causal", "bert": "masked", "transformer-xl": "stream"}
+OBJECTIVES = {
+    "gpt2": "causal",
+    "mixtral": "causal",
+    "deepseek": "causal",
+    "bert": "masked",
+    "transformer-xl": "stream",
+}
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run depends on. ``num_experts`` is the GLOBAL expert count N;
     ``num_local_experts`` (experts per EP rank) is the alternative (N = E * ep_size); with
-    neither, N = 2 * ep_size. ``batch_size`` is the GLOBAL batch (rows of ``seq_len`` bytes)."""
+    neither, N = 2 * ep_size (``deepseek``: the preset's). ``batch_size`` is the GLOBAL batch
+    (rows of ``seq_len`` bytes). ``top_k`` / ``aux_loss_coef`` None: the preset's (2 / 0.01;
+    ``deepseek`` 4 / 1e-4). ``bias_update_rate``: aux-loss-free balancing step of ``deepseek``
+    (None: the preset's 1e-3; 0: off). ``router_skew`` adds to the router bias of experts
+    0 .. N/2 - 1 at the start (a skewed start, to watch balancing work)."""
 
     model: str = "gpt2"
     preset: str = "tiny"
     moe_layers: str = "all"
     num_experts: int | None = None
     num_local_experts: int | None = None
-    top_k: int = 2
+    top_k: int | None = None
     seq_len: int | None = None
     strategy: str = "local"
     ep_size: int | None = None
@@ -79,7 +91,7 @@ class TrainConfig:
     min_lr: float = 0.0  # the floor cosine and linear decay reach at max_steps
     weight_decay: float = 0.0
     clip: float = 1.0
-    aux_loss_coef: float = 0.01
+    aux_loss_coef: float | None = None
     eval_every: int = 0
     eval_batches: int = 2
     dtype: str = "float32"
@@ -96,6 +108,7 @@ class TrainConfig:
     profile: HardwareProfile | None = None
     dense: bool = False  # the dense FFN model of the same dims (no experts; strategy local)
     router_skew: float = 0.0  # added to the router bias of experts 0 .. N/2 - 1 (hot experts)
+    bias_update_rate: float | None = None  # deepseek's aux-loss-free balancing (0: off)
     data: str | None = None  # text file/dir or pre-tokenized .bin (mixmoe.train.sources)
     vocab_size: int | None = None  # of a pre-tokenized --data file
     collective_timeout_s: float = 300.0  # a rank silent this long in a collective: the run fails
@@ -113,7 +126,6 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {DTYPES}")
         for name, lo in (
-            ("top_k", 1),
             ("batch_size", 1),
             ("micro_batches", 1),
             ("max_steps", 0),
@@ -122,13 +134,21 @@ class TrainConfig:
             ("seed", 0),
         ):
             check_int(name, getattr(self, name), lo)
-        for name in ("num_experts", "num_local_experts", "seq_len", "ep_size", "vocab_size"):
+        for name in (
+            "num_experts",
+            "num_local_experts",
+            "seq_len",
+            "ep_size",
+            "top_k",
+            "vocab_size",
+        ):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if self.num_experts is not None and self.num_local_experts is not None:
             raise ValueError("give num_experts (global) or num_local_experts (per rank), not both")
-        for name in ("lr", "weight_decay", "clip", "aux_loss_coef"):
-            check_float(name, getattr(self, name))
+        for name in ("lr", "weight_decay", "clip", "aux_loss_coef", "bias_update_rate"):
+            if getattr(self, name) is not None:
+                check_float(name, getattr(self, name))
         if self.time_budget_s is not None:
             check_float("time_budget_s", self.time_budget_s)
         check_float("collective_timeout_s", self.collective_timeout_s)
@@ -161,20 +181,24 @@ class TrainConfig:
         """The ``ModelSpec`` for an EP group of ``ep_size`` ranks."""
         if self.num_experts is not None:
             n = self.num_experts
-        else:
+        elif self.num_local_experts is not None or self.model != "deepseek":
             n = (self.num_local_experts or 2) * ep_size
-        extra = {} if self.seq_len is None else {"seq_len": self.seq_len}
-        if self.vocab_size is not None:
-            extra["token_vocab"] = self.vocab_size
+        else:
+            n = None  # the deepseek preset's own expert count
+        extra = {
+            name: value
+            for name, value in (
+                ("seq_len", self.seq_len),
+                ("num_experts", n),
+                ("top_k", self.top_k),
+                ("aux_loss_coef", self.aux_loss_coef),
+                ("bias_update_rate", self.bias_update_rate),
+                ("token_vocab", self.vocab_size),
+            )
+            if value is not None
+        }
         return preset(
-            self.model,
-            self.preset,
-            moe_layers=self.moe_layers,
-            num_experts=n,
-            top_k=self.top_k,
-            aux_loss_coef=self.aux_loss_coef,
-            dense=self.dense,
-            **extra,
+            self.model, self.preset, moe_layers=self.moe_layers, dense=self.dense, **extra
         )
 
 
@@ -183,7 +207,9 @@ class StepRecord:
     """One optimizer step. ``loss``: global-batch mean task loss (before the step's update);
     ``aux_loss``: mean over shards of the summed MoE aux loss; ``grad_norm``: the global norm
     before clipping; ``step_ms``: the slowest rank's step; ``replicas``: expert replicas used by
-    the MoE layers of this step, summed over layers and ranks (mix / shadow)."""
+    the MoE layers of this step, summed over layers and ranks (mix / shadow). ``moe``: one dict
+    per MoE layer (``mixmoe.train.balance_log``): its global load this step, busiest expert /
+    mean, coefficient of variation, dead experts, replicas, selection-bias range."""
 
     step: int
     loss: float
@@ -196,6 +222,7 @@ class StepRecord:
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
     eval_loss: float | None = None
+    moe: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -356,6 +383,7 @@ class Trainer:
         self.mems: list = [None] * M
         self.start_step = 0
         self.clock = _Clock(device)
+        self.balance = BalanceLog()
         self.resumed_from: str | None = None
         if config.resume:
             self._resume(config.resume)
@@ -446,6 +474,7 @@ class Trainer:
             group["lr"] = self.lr_at(step)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        moe = self._end_balance_step()
         step_s = self.clock.now() - t_start
         loss, aux_loss, replicas_all = _reduce(
             self.world, [ce_local, aux_local, replicas], "sum", device
@@ -462,7 +491,16 @@ class Trainer:
             replicas=int(replicas_all),
             fwd_ms=fwd_s * 1e3,
             bwd_ms=bwd_s * 1e3,
+            moe=moe,
         )
+
+    def _end_balance_step(self) -> tuple[dict, ...]:
+        """Once per optimizer step: every MoE layer's step load (summed over the EP group by the
+        dispatcher; over the other EP groups or data-parallel ranks by one all_reduce per step)
+        moves its selection bias and becomes the step's balance metrics."""
+        edp = self.edp
+        reduce = None if edp.world_size == 1 else (lambda t: edp.all_reduce(t))
+        return self.balance.step(end_balance_step(self.model, reduce))
 
     def evaluate(self) -> float:
         """Mean task loss over ``eval_batches`` held-out global batches (collective)."""

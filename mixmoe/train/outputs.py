@@ -1,7 +1,9 @@
 """What a training run leaves on disk, written AS IT RUNS by world rank 0: one JSONL line per
 step (``train.jsonl``, appended and flushed at once, so a killed run keeps the log of every step
-it finished), optional TensorBoard event files, and at the end a loss-curve PNG, which
-``plot_log`` redraws from any log, a partial one included (``mixmoe report RUN/train.jsonl``).
+it finished), optional TensorBoard event files (loss, lr, tokens/s, aux loss, and per MoE layer
+its balance metrics), and at the end a loss-curve PNG, which ``plot_log`` redraws from any log,
+a partial one included (``mixmoe report RUN/train.jsonl``), and for MoE models a per-layer
+expert-load heat-map PNG (matplotlib, imported lazily).
 
 A line is ``{"kind": "train", "config", "environment", "model", "strategy", "world_size",
 "ep_size", **StepRecord fields}`` (``mixmoe.formats.results``' shape). A resumed run appends to
@@ -24,12 +26,20 @@ from mixmoe.formats.results import environment
 JSONL_NAME = "train.jsonl"
 PNG_NAME = "loss.png"
 TENSORBOARD_DIR = "tensorboard"
+HEATMAP_NAME = "load_heatmap.png"
 
 
 def _scalars(prefix: str, record: Mapping[str, Any]) -> Iterable[tuple[str, float]]:
-    """Every finite number of ``record`` as (tag, value); dicts (per-layer metrics) flattened."""
+    """Every finite number of ``record`` as (tag, value); dicts flattened; ``moe`` (one dict per
+    MoE layer, ``mixmoe.train.balance_log``) as ``<prefix>/moe/<layer>/<metric>`` without the
+    per-expert load vector."""
     for key, value in record.items():
         if isinstance(value, bool) or key == "step":
+            continue
+        if key == "moe" and isinstance(value, list | tuple):
+            for layer in value:
+                metrics = {k: v for k, v in layer.items() if k not in ("layer", "load")}
+                yield from _scalars(f"{prefix}/moe/{layer.get('layer')}", metrics)
             continue
         if isinstance(value, int | float) and math.isfinite(value):
             yield f"{prefix}/{key}", float(value)
@@ -91,8 +101,14 @@ class RunLog:
             self._tb = None
 
     def close(self, title: str) -> Path:
-        """Close the files and draw ``loss.png`` from the log (returns its path)."""
+        """Close the files and draw ``loss.png`` (and, when the steps carry MoE balance
+        records, ``load_heatmap.png``) from the log; returns the loss PNG's path."""
         self.close_files()
+        records = latest_per_step(read_log(self.path))
+        if any(r.get("moe") for r in records):
+            from mixmoe.report.load_balance import plot_load_heatmap
+
+            plot_load_heatmap(records, self.dir / HEATMAP_NAME, f"{title}: expert load")
         return plot_log(self.path, self.dir / PNG_NAME, title)
 
 

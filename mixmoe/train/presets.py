@@ -1,8 +1,17 @@
-"""Model presets of ``mixmoe train``: ``gpt2 | bert | transformer-xl | mixtral`` x ``tiny | base``,
+"""Model presets of ``mixmoe train``: ``gpt2 | bert | transformer-xl | mixtral | deepseek`` x
+``tiny | base``,
 built from configs with random init (nothing downloaded), byte-level (vocabulary 256; BERT 257
 with id 256 the mask token), with mixmoe MoE FFNs on the chosen blocks.
 
 Legend: B batch rows of this shard, L sequence length, V vocabulary, N global experts.
+
+``deepseek`` is a GPT-2 (causal, byte-level) whose FFNs are DeepSeek-style MoE layers: fine-grained
+SwiGLU experts (hidden d_ff / 4; tiny: 12 experts, top-4; base: 64 experts, d_ff / 8, top-6),
+sigmoid scores with group-limited top-k (4 groups, 2 kept; base 8 groups, 4 kept; fewer when the
+expert count does not divide), weights renormalised and scaled by 2.5, a float32 router, one shared
+expert of the routed experts' size, aux-loss-free balancing (selection bias, rate
+``bias_update_rate``, 1e-3; 0 turns it off) and a small sequence-wise balance loss
+(``aux_loss_coef`` 1e-4). The attention is GPT-2's (no MLA).
 
 ``tiny`` runs on a CPU in seconds (2 blocks, d_model 64, 4 heads, FFN 128, sequence 64, no
 dropout); ``base`` is the sizes of the original system's model benchmarks, for GPUs (12 blocks,
@@ -18,6 +27,7 @@ transformers (GPT-2, BERT, Mixtral) is imported lazily, with the install command
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,7 +39,7 @@ from mixmoe.models.layer_selection import select_layers
 from mixmoe.train.corpus import BYTE_VOCAB
 from mixmoe.validation import check_int
 
-MODELS = ("gpt2", "bert", "transformer-xl", "mixtral")
+MODELS = ("gpt2", "bert", "transformer-xl", "mixtral", "deepseek")
 PRESETS = ("tiny", "base")
 MASK_ID = BYTE_VOCAB  # BERT's [MASK]: one id past the bytes
 IGNORE = -100  # target of a position that is not predicted (BERT: unmasked positions)
@@ -51,6 +61,8 @@ class ModelSpec:
     moe_layers: str = "all"
     aux_loss_coef: float = 0.01
     dense: bool = False  # no MoE at all: the dense FFN model of the same dims (bench "naive")
+    bias_update_rate: float = 1e-3  # deepseek: aux-loss-free balancing step (0: off)
+    expert_dim: int | None = None  # deepseek: hidden size of one routed expert (None: d_ff)
     token_vocab: int = BYTE_VOCAB  # ids of the data (bytes: 256; BERT adds its mask id)
 
     def __post_init__(self) -> None:
@@ -77,6 +89,14 @@ class ModelSpec:
                 f"moe_layers={self.moe_layers!r}: every Mixtral block is a MoE block; "
                 "use --moe-layers all with --model mixtral"
             )
+        if self.expert_dim is not None:
+            check_int("expert_dim", self.expert_dim, 1)
+        if not 0.0 <= self.bias_update_rate < math.inf:
+            raise ValueError(
+                f"bias_update_rate must be finite and >= 0, got {self.bias_update_rate}"
+            )
+        if self.model == "deepseek":
+            self._deepseek_moe_config()  # its own checks (groups, top-k) at construction
         if self.dense and self.model == "mixtral":
             raise ValueError("mixtral has no dense twin here; use gpt2, bert or transformer-xl")
 
@@ -86,6 +106,8 @@ class ModelSpec:
 
     def moe_config(self) -> MoEConfig:
         """The MoE layers' config (Mixtral's come from its converted blocks instead)."""
+        if self.model == "deepseek":
+            return self._deepseek_moe_config()
         return MoEConfig(
             model_dim=self.d_model,
             hidden_dim=self.d_ff,
@@ -95,6 +117,44 @@ class ModelSpec:
             gate=GateConfig(type="topk"),
             aux_loss_coef=self.aux_loss_coef,
         )
+
+    def _deepseek_moe_config(self) -> MoEConfig:
+        N, K = self.num_experts, self.top_k
+        hidden = self.expert_dim or self.d_ff
+        n_groups = math.gcd(N, 8 if N >= 64 else 4)  # groups must divide N
+        keep = max(1, n_groups // 2)
+        per_group = N // n_groups
+        if per_group < 2 or K > keep * per_group:  # too few experts for a group limit: none
+            n_groups, keep = 1, None
+        gate = GateConfig(
+            type="topk",
+            score="sigmoid",
+            normalize="renorm",
+            n_groups=n_groups,
+            topk_groups=keep,
+            route_scale=2.5,
+            router_dtype="float32",
+            expert_bias=self.bias_update_rate > 0,
+            bias_update_rate=self.bias_update_rate,
+        )
+        return MoEConfig(
+            model_dim=self.d_model,
+            hidden_dim=hidden,
+            num_experts=N,
+            top_k=K,
+            activation="swiglu",
+            bias=False,
+            gate=gate,
+            aux_loss_coef=self.aux_loss_coef,
+            balance_loss="sequence",
+            shared_experts=1,
+        )
+
+
+_DEEPSEEK = {
+    "tiny": {"num_experts": 12, "top_k": 4, "expert_dim": 32, "aux_loss_coef": 1e-4},
+    "base": {"num_experts": 64, "top_k": 6, "expert_dim": 512, "aux_loss_coef": 1e-4},
+}
 
 
 def preset(model: str, size: str = "tiny", **overrides) -> ModelSpec:
@@ -107,6 +167,8 @@ def preset(model: str, size: str = "tiny", **overrides) -> ModelSpec:
     if size == "base":
         spec = replace(spec, n_layer=12, d_model=1024, n_head=16, d_ff=4096, seq_len=512)
         spec = replace(spec, dropout=0.1)
+    if model == "deepseek":
+        spec = replace(spec, **_DEEPSEEK[size])
     return replace(spec, **overrides)
 
 
@@ -167,7 +229,7 @@ def build_model(spec: ModelSpec, *, ep_rank: int = 0, ep_size: int = 1) -> nn.Mo
         return model
     from mixmoe.models.moefy import moefy
 
-    if spec.model == "gpt2":
+    if spec.model in ("gpt2", "deepseek"):
         cfg = tf.GPT2Config(
             vocab_size=spec.vocab_size,
             n_positions=spec.seq_len,
@@ -198,7 +260,9 @@ def build_model(spec: ModelSpec, *, ep_rank: int = 0, ep_size: int = 1) -> nn.Mo
         model = tf.BertForMaskedLM(cfg)
     if spec.dense:
         return model
-    return moefy(model, spec.moe_config(), layers=spec.moe_layers, ep_rank=ep_rank, ep_size=ep_size)
+    return moefy(
+        model, spec.moe_config(), layers=spec.moe_layers, ep_rank=ep_rank, ep_size=ep_size
+    )
 
 
 def moe_layers_of(model: nn.Module):

@@ -334,10 +334,10 @@ def test_count_lists_of_the_wrong_shape_name_their_shape() -> None:
 def test_counts_with_sums_blocks_write_their_own_rows_without_a_resize(monkeypatch) -> None:
     """The row-block path (forced: blocks of 2 rows, the last one short) writes each block's row
     sums into its slice of the output, no resize of an ``out=`` view (torch warns on one)."""
-    import mixmoe.placement.cost_model as cost_model
+    import mixmoe.placement.counts as counts_mod  # the count arithmetic's own module
 
-    monkeypatch.setattr(cost_model, "_BLOCK_BYTES", 8 * 6 * 2)
-    monkeypatch.setattr(cost_model, "_ONE_PASS_BYTES", 0)
+    monkeypatch.setattr(counts_mod, "_BLOCK_BYTES", 8 * 6 * 2)
+    monkeypatch.setattr(counts_mod, "_ONE_PASS_BYTES", 0)
     shape = LayerShape(8, 8, experts_per_rank=2, world_size=3, bytes_per_element=2)
     C_WN = torch.randint(0, 1000, (3, 6), generator=torch.Generator().manual_seed(9))
     with warnings.catch_warnings():

@@ -20,12 +20,12 @@ from mixmoe.placement import (
     HardwareProfile,
     LayerShape,
     Plan,
-    plan_mix,
     plan_none,
     plan_shadow,
     predict,
 )
 from mixmoe.placement.cost_model import StepModel
+from mixmoe.placement.replica_search import plan_replicas
 from mixmoe.reference.planner import plan_mix_rescan, plan_shadow_lists
 
 COMPUTE_BOUND = HardwareProfile(
@@ -69,7 +69,7 @@ def test_deterministic_and_input_form_independent(profile: HardwareProfile) -> N
     counts_WN = _random_counts(W, W * E, seed=7)
     shape = LayerShape(64, 256, E, W, 2)
     for plan_fn in (
-        lambda c: plan_mix(c, shape, profile, max_replicas=4),
+        lambda c: plan_replicas(c, shape, profile, max_replicas=4),
         lambda c: plan_shadow(c, shape, profile),
         lambda c: plan_none(c, shape, profile),
     ):
@@ -110,7 +110,7 @@ def test_mix_properties(
     cell = st.one_of(st.just(0), st.integers(1, 8), st.integers(0, 2000))
     counts_WN = data.draw(st.lists(st.lists(cell, min_size=N, max_size=N), min_size=W, max_size=W))
     shape = LayerShape(64, 256, E, W, data.draw(st.sampled_from([2, 4])))
-    plan = plan_mix(counts_WN, shape, profile, max_replicas, overlap=overlap)
+    plan = plan_replicas(counts_WN, shape, profile, max_replicas, overlap=overlap)
 
     assert plan.prediction.step_s <= plan.baseline.step_s
     assert (plan.prediction.step_s < plan.baseline.step_s) == bool(plan.hot)
@@ -127,7 +127,9 @@ def test_mix_properties(
 
     # with a width that fits every shortlist the search stops only where an exhaustive greedy
     # would: no single further expert that fits strictly helps
-    plan = plan_mix(counts_WN, shape, profile, max_replicas, overlap=overlap, search_width=10**6)
+    plan = plan_replicas(
+        counts_WN, shape, profile, max_replicas, overlap=overlap, search_width=10**6
+    )
     assert plan.prediction.step_s <= plan.baseline.step_s
     held = [len(plan.replica_slots(r)) for r in range(W)]
     for g in range(N):
@@ -268,12 +270,12 @@ def test_extreme_skew() -> None:
     W, E = 4, 2
     counts_WN = [[64] + [0] * (W * E - 1) for _ in range(W)]
     shape = LayerShape(64, 256, E, W, 4)
-    plan = plan_mix(counts_WN, shape, COMPUTE_BOUND, max_replicas=1)
+    plan = plan_replicas(counts_WN, shape, COMPUTE_BOUND, max_replicas=1)
     assert plan.replicas == ((0, (1, 2, 3)),)
     assert plan.prediction.rows == (64, 64, 64, 64)
     assert plan.baseline.rows == (256, 0, 0, 0)
-    assert plan_mix(counts_WN, shape, LINK_BOUND, max_replicas=1).hot == ()
-    assert plan_mix(counts_WN, shape, COMPUTE_BOUND, max_replicas=0).hot == ()
+    assert plan_replicas(counts_WN, shape, LINK_BOUND, max_replicas=1).hot == ()
+    assert plan_replicas(counts_WN, shape, COMPUTE_BOUND, max_replicas=0).hot == ()
 
 
 def test_uniform_routing_cheap_compute_replicates_nothing() -> None:
@@ -284,7 +286,7 @@ def test_uniform_routing_cheap_compute_replicates_nothing() -> None:
         "cheap-compute", gemm_flops=1e18, link_bandwidth=1e9, link_latency=1e-5
     )
     for profile in (cheap_compute, GPU_PROFILE, CPU_PROFILE):
-        assert plan_mix(counts_WN, shape, profile, max_replicas=8).hot == ()
+        assert plan_replicas(counts_WN, shape, profile, max_replicas=8).hot == ()
 
 
 def test_shadow_toy_two_ranks() -> None:
@@ -344,19 +346,19 @@ def test_bad_planner_inputs() -> None:
     shape = LayerShape(4, 8, experts_per_rank=2, world_size=2, bytes_per_element=2)
     counts_WN = [[1, 2, 3, 4], [4, 3, 2, 1]]
     with pytest.raises(ValueError, match="max_replicas must be >= 0, got -1"):
-        plan_mix(counts_WN, shape, CPU_PROFILE, max_replicas=-1)
+        plan_replicas(counts_WN, shape, CPU_PROFILE, max_replicas=-1)
     with pytest.raises(TypeError, match="max_replicas"):
-        plan_mix(counts_WN, shape, CPU_PROFILE, max_replicas=True)
+        plan_replicas(counts_WN, shape, CPU_PROFILE, max_replicas=True)
     with pytest.raises(TypeError, match="overlap"):
-        plan_mix(counts_WN, shape, CPU_PROFILE, 2, overlap=1)
-    for plan_fn in (plan_none, plan_shadow, lambda c, s, p: plan_mix(c, s, p, 2)):
+        plan_replicas(counts_WN, shape, CPU_PROFILE, 2, overlap=1)
+    for plan_fn in (plan_none, plan_shadow, lambda c, s, p: plan_replicas(c, s, p, 2)):
         with pytest.raises(ValueError, match=r"\(2, 3\).*\(2, 4\)"):
             plan_fn(torch.ones(2, 3, dtype=torch.int64), shape, CPU_PROFILE)
         with pytest.raises(ValueError, match=r"counts_WN\[1\]\[2\] = -2"):
             plan_fn([[1, 2, 3, 4], [4, 3, -2, 1]], shape, CPU_PROFILE)
 
 
-# -- plan_mix at scale: agreement with today's planner, determinism, the vector cost model ------
+# -- plan_replicas (the source-replica search) at scale: agreement with the rescan, determinism --
 
 GRID = [
     (routing, W, N, profile, max_replicas)
@@ -379,7 +381,7 @@ def test_mix_within_tolerance_of_todays_planner(contiguous: bool) -> None:
         )
         shape = LayerShape(1024, 4096, N // W, W, 2)
         a2a = plan_none(counts_WN, shape, profile).prediction.step_s
-        new = plan_mix(counts_WN, shape, profile, max_replicas).prediction.step_s / a2a
+        new = plan_replicas(counts_WN, shape, profile, max_replicas).prediction.step_s / a2a
         old = plan_mix_rescan(counts_WN, shape, profile, max_replicas).prediction.step_s / a2a
         gaps.append((new - old, routing, W, N, profile.name, max_replicas))
     assert max(gaps)[0] <= 0.02, max(gaps)
@@ -406,13 +408,15 @@ def test_mix_same_plan_from_every_layout_and_thread() -> None:
 
     counts_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 16, 512, 2, 64, torch.Generator())
     shape = LayerShape(1024, 4096, 4, 16, 2)
-    ref = plan_mix(counts_WN, shape, COMPUTE_BOUND, 4)
+    ref = plan_replicas(counts_WN, shape, COMPUTE_BOUND, 4)
     assert ref.hot  # the case replicates something
     for counts in _layouts(counts_WN):
-        assert plan_mix(counts, shape, COMPUTE_BOUND, 4) == ref
+        assert plan_replicas(counts, shape, COMPUTE_BOUND, 4) == ref
     # background threads (how the layer may run it off the critical path) give the same plan
     with ThreadPoolExecutor(4) as pool:
-        plans = list(pool.map(lambda _: plan_mix(counts_WN, shape, COMPUTE_BOUND, 4), range(8)))
+        plans = list(
+            pool.map(lambda _: plan_replicas(counts_WN, shape, COMPUTE_BOUND, 4), range(8))
+        )
     assert all(p == ref for p in plans)
 
 
@@ -428,18 +432,19 @@ def test_mix_same_plan_in_another_process() -> None:
     code = (
         "import torch, pickle, sys\n"
         "from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts\n"
-        "from mixmoe.placement import HardwareProfile, LayerShape, plan_mix\n"
+        "from mixmoe.placement import HardwareProfile, LayerShape\n"
+        "from mixmoe.placement.replica_search import plan_replicas\n"
         "COMPUTE_BOUND = HardwareProfile('compute-bound', 1e9, 1e11, 1e-6)\n"
         "torch.set_num_threads(1)\n"
         "c = synthetic_counts(RoutingSpec.parse('hot:0.3'), 32, 256, 2, 128, "
         "torch.Generator().manual_seed(5))\n"
-        "p = plan_mix(c, LayerShape(1024, 4096, 4, 32, 2), COMPUTE_BOUND, 4)\n"
+        "p = plan_replicas(c, LayerShape(1024, 4096, 4, 32, 2), COMPUTE_BOUND, 4)\n"
         "sys.stdout.write(repr((p.replicas, p.prediction, p.baseline)))\n"
     )
     counts_WN = synthetic_counts(
         RoutingSpec.parse("hot:0.3"), 32, 256, 2, 128, torch.Generator().manual_seed(5)
     )
-    plan = plan_mix(counts_WN, LayerShape(1024, 4096, 4, 32, 2), COMPUTE_BOUND, 4)
+    plan = plan_replicas(counts_WN, LayerShape(1024, 4096, 4, 32, 2), COMPUTE_BOUND, 4)
     assert plan.hot
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -516,7 +521,7 @@ def test_source_bound_premise_and_soundness(
     candidate gives b, (rows + c, local + c, remote - c, replica + 1), compute never decreases
     and comm never increases (its premise, checked here on random loads, remote - c below zero
     included), and a False answer means no c in [1, cmax] brings b's total below ``best``."""
-    from mixmoe.placement.planner import _sources_may_pass
+    from mixmoe.placement.replica_search import _sources_may_pass
 
     shape = LayerShape(data.draw(st.integers(1, 4096)), data.draw(st.integers(1, 8192)), 4, 8, 2)
     model = StepModel(shape, profile, overlap)
@@ -540,7 +545,7 @@ def test_source_bound_is_exact_while_its_interval_budget_lasts(profile: Hardware
     """The bound's precision is its purpose (a True scores b's whole row of C): with cmax <= 16
     at most 2 * cmax - 1 <= 31 intervals exist, fewer than ``_BOUND_INTERVALS``, so the answer
     is exact, True iff some c in [1, cmax] brings b's total below ``best``."""
-    from mixmoe.placement.planner import _BOUND_INTERVALS, _sources_may_pass
+    from mixmoe.placement.replica_search import _BOUND_INTERVALS, _sources_may_pass
 
     assert 2 * 16 - 1 < _BOUND_INTERVALS
     gen = torch.Generator().manual_seed(7)
@@ -593,13 +598,13 @@ def test_mix_bounded_search_and_bad_width() -> None:
     counts_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 8, 512, 2, 32, torch.Generator())
     shape = LayerShape(1024, 4096, 4, 8, 2)
     for width in (1, 2, 8):
-        plan = plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=width)
+        plan = plan_replicas(counts_WN, shape, GPU_PROFILE, 2, search_width=width)
         assert plan.prediction.step_s <= plan.baseline.step_s
         assert all(len(plan.replica_slots(r)) <= 2 for r in range(8))
     with pytest.raises(ValueError, match="search_width must be >= 1, got 0"):
-        plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=0)
+        plan_replicas(counts_WN, shape, GPU_PROFILE, 2, search_width=0)
     with pytest.raises(TypeError, match="search_width"):
-        plan_mix(counts_WN, shape, GPU_PROFILE, 2, search_width=2.0)
+        plan_replicas(counts_WN, shape, GPU_PROFILE, 2, search_width=2.0)
 
 
 # (LIST_LIMIT, HOST_LIMIT, BATCH_LIMIT) forcing each search path
@@ -618,24 +623,24 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
     after the first acceptance (``_BatchedMixSearch``). Forced each way, they give equal plans
     (hot set, holders, prediction, baseline), width and replica cap binding included, with and
     without candidates listed as sources of the bottleneck (the link-bound profile)."""
-    import mixmoe.placement.planner as planner
+    import mixmoe.placement.replica_search as replica_search
 
     bound_answers = []  # both answers of the bound must occur (b's row scored or skipped)
-    may_pass = planner._sources_may_pass
+    may_pass = replica_search._sources_may_pass
     monkeypatch.setattr(
-        planner,
+        replica_search,
         "_sources_may_pass",
         lambda *args: bound_answers.append(may_pass(*args)) or bound_answers[-1],
     )
     sources_listed = []  # candidates the bottleneck b does not own, listed (tensor path)
-    shortlist = planner._MixSearch.shortlist
+    shortlist = replica_search._MixSearch.shortlist
 
     def counted_shortlist(search, b, best):
         listed = shortlist(search, b, best)
         sources_listed.extend(g for g in listed if g // search.E != b)
         return listed
 
-    monkeypatch.setattr(planner._MixSearch, "shortlist", counted_shortlist)
+    monkeypatch.setattr(replica_search._MixSearch, "shortlist", counted_shortlist)
     plans, hot = {}, 0
     for seed, (W, E) in enumerate(((2, 4), (3, 1), (4, 8), (8, 2), (16, 1), (5, 3))):
         for routing in ("uniform", "zipf:1.2", "hot:0.3", "zipf:2.0"):
@@ -653,10 +658,10 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
             ):
                 shape = LayerShape(64, hidden, E, W, 2)
                 for path, (list_limit, host_limit, batch_limit) in PATHS.items():
-                    monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
-                    monkeypatch.setattr(planner, "HOST_LIMIT", host_limit)
-                    monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
-                    plans[path] = plan_mix(
+                    monkeypatch.setattr(replica_search, "LIST_LIMIT", list_limit)
+                    monkeypatch.setattr(replica_search, "HOST_LIMIT", host_limit)
+                    monkeypatch.setattr(replica_search, "BATCH_LIMIT", batch_limit)
+                    plans[path] = plan_replicas(
                         counts_WN, shape, profile, max_replicas, search_width=width
                     )
                 case = (seed, routing, profile.name, max_replicas)
@@ -668,12 +673,12 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
 
 
 def _force_path(monkeypatch, path: str) -> None:
-    import mixmoe.placement.planner as planner
+    import mixmoe.placement.replica_search as replica_search
 
     list_limit, host_limit, batch_limit = PATHS[path]
-    monkeypatch.setattr(planner, "LIST_LIMIT", list_limit)
-    monkeypatch.setattr(planner, "HOST_LIMIT", host_limit)
-    monkeypatch.setattr(planner, "BATCH_LIMIT", batch_limit)
+    monkeypatch.setattr(replica_search, "LIST_LIMIT", list_limit)
+    monkeypatch.setattr(replica_search, "HOST_LIMIT", host_limit)
+    monkeypatch.setattr(replica_search, "BATCH_LIMIT", batch_limit)
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -692,25 +697,25 @@ def test_a_width_of_two_stops_every_form_alike(path: str, monkeypatch) -> None:
         )
         shape = LayerShape(64, 256, E, W, 2)
         _force_path(monkeypatch, "lists")
-        want = plan_mix(counts_WN, shape, COMPUTE_BOUND, cap, search_width=2)
-        wide = plan_mix(counts_WN, shape, COMPUTE_BOUND, cap, search_width=10**6)
+        want = plan_replicas(counts_WN, shape, COMPUTE_BOUND, cap, search_width=2)
+        wide = plan_replicas(counts_WN, shape, COMPUTE_BOUND, cap, search_width=10**6)
         assert len(want.hot) < len(wide.hot), (seed, want.hot, wide.hot)  # the width binds
         _force_path(monkeypatch, path)
-        got = plan_mix(counts_WN, shape, COMPUTE_BOUND, cap, search_width=2)
+        got = plan_replicas(counts_WN, shape, COMPUTE_BOUND, cap, search_width=2)
         assert (got.hot, got.replicas) == (want.hot, want.replicas), (seed, got, want)
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_replica_cap_of_zero_replicates_nothing_in_every_form(path: str, monkeypatch) -> None:
     """``max_replicas=0``: every form returns the baseline plan, on skewed counts where both
-    profiles would replicate with a cap of 1 (the tensor searches rely on plan_mix's early return:
+    profiles would replicate with a cap of 1 (the tensor searches rely on plan_replicas' early return:
     their full-holder flags start clear)."""
     _force_path(monkeypatch, path)
     C_WN = synthetic_counts(RoutingSpec.parse("hot:0.8"), 4, 512, 2, 16, torch.Generator())
     shape = LayerShape(64, 16, 4, 4, 2)
     for profile in (UNIT, LINK_BOUND):
-        assert plan_mix(C_WN, shape, profile, 1, False).hot != ()
-        plan = plan_mix(C_WN, shape, profile, 0, False)
+        assert plan_replicas(C_WN, shape, profile, 1, False).hot != ()
+        plan = plan_replicas(C_WN, shape, profile, 0, False)
         assert plan.hot == () and plan.prediction == plan.baseline
 
 
@@ -729,7 +734,9 @@ def test_search_paths_break_ties_by_expert_id_among_many_candidates(seed: int, m
             plans = {}
             for path in PATHS:
                 _force_path(monkeypatch, path)
-                plans[path] = plan_mix(C_WN, shape, UNIT, max_replicas, False, search_width=width)
+                plans[path] = plan_replicas(
+                    C_WN, shape, UNIT, max_replicas, False, search_width=width
+                )
             assert all(plan == plans["lists"] for plan in plans.values()), (width, plans)
             accepted.append(len(plans["lists"].hot))
     assert max(accepted) >= 5  # several rounds after the first acceptance
@@ -761,7 +768,7 @@ def test_search_paths_agree_on_small_toys(
         for max_replicas, width, overlap in ((2, 1, False), (1, 2, True), (3, 10**6, False)):
             for path in PATHS:
                 _force_path(monkeypatch, path)
-                plans[path] = plan_mix(
+                plans[path] = plan_replicas(
                     counts_WN, shape, profile, max_replicas, overlap, search_width=width
                 )
             want = plans["shortlist"]
@@ -872,7 +879,9 @@ def test_the_bottlenecks_candidates_are_scored_exactly_at_width_one(case: int, m
     plans = {}
     for path in PATHS:
         _force_path(monkeypatch, path)
-        plans[path] = plan_mix(counts_WN, shape, profile, max_replicas, overlap, search_width=1)
+        plans[path] = plan_replicas(
+            counts_WN, shape, profile, max_replicas, overlap, search_width=1
+        )
     want = plans["shortlist"]
     assert want.hot == hot
     assert all(plan == want for plan in plans.values())
@@ -929,7 +938,7 @@ def test_the_expert_that_ends_the_token_phase_is_found_off_the_bottleneck(
     for path in PATHS:
         _force_path(monkeypatch, path)
         for width in (1, 8, 10**6):
-            got = plan_mix(counts_WN, shape, profile, max_replicas, False, search_width=width)
+            got = plan_replicas(counts_WN, shape, profile, max_replicas, False, search_width=width)
             assert got == want, (path, width)
 
 
@@ -938,12 +947,13 @@ def test_counts_with_sums_takes_its_row_blocks_at_the_default_sizes() -> None:
     size, 59 rows per block) is summed in row blocks: the plain sums, and its negative count
     found (the other test forces the block sizes)."""
     import mixmoe.placement.cost_model as cost_model
+    import mixmoe.placement.counts as counts_mod
 
     W = 1100
     shape = LayerShape(8, 8, 1, W, 2)
     C_WN = torch.randint(0, 1000, (W, W), generator=torch.Generator().manual_seed(5))
-    assert 8 * C_WN.numel() > cost_model._ONE_PASS_BYTES
-    assert cost_model._BLOCK_BYTES // (8 * W) < W
+    assert 8 * C_WN.numel() > counts_mod._ONE_PASS_BYTES
+    assert counts_mod._BLOCK_BYTES // (8 * W) < W
     C, colsum_N, rowsum_W = cost_model.counts_with_sums(C_WN, shape)
     assert torch.equal(colsum_N, C_WN.sum(0)) and torch.equal(rowsum_W, C_WN.sum(1))
     C_WN[W - 1, 7] = -1
@@ -954,14 +964,15 @@ def test_counts_with_sums_takes_its_row_blocks_at_the_default_sizes() -> None:
 def test_counts_with_sums_is_one_checked_pass() -> None:
     """Row blocks (forced small) give the plain sums; a negative count in any block is found."""
     import mixmoe.placement.cost_model as cost_model
+    import mixmoe.placement.counts as counts_mod
 
     gen = torch.Generator().manual_seed(3)
-    saved = cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES
+    saved = counts_mod._BLOCK_BYTES, counts_mod._ONE_PASS_BYTES
     for W, E in ((1, 5), (7, 3), (40, 2), (33, 8)):
         shape = LayerShape(8, 8, E, W, 2)
         C_WN = torch.randint(0, 1000, (W, W * E), generator=gen)
         for block_bytes in (1, 8 * W * E * 3, 1 << 20):  # one row, three rows, one block
-            cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = block_bytes, 0
+            counts_mod._BLOCK_BYTES, counts_mod._ONE_PASS_BYTES = block_bytes, 0
             try:
                 C, colsum_N, rowsum_W = cost_model.counts_with_sums(C_WN, shape)
                 assert torch.equal(C, C_WN) and C.dtype == torch.int64
@@ -976,13 +987,13 @@ def test_counts_with_sums_is_one_checked_pass() -> None:
                 with pytest.raises(ValueError, match=rf"counts_WN\[{s}\]\[{g}\] = -2 is negative"):
                     cost_model.counts_with_sums(bad, shape)
             finally:
-                cost_model._BLOCK_BYTES, cost_model._ONE_PASS_BYTES = saved
+                counts_mod._BLOCK_BYTES, counts_mod._ONE_PASS_BYTES = saved
 
 
 @pytest.mark.parametrize("W, E", [(4, 2), (2, 1024), (32, 64)])  # list, host and W*N > LIST_LIMIT
 @pytest.mark.parametrize("remote", [0, 1])
-def test_plan_mix_baseline_prices_the_token_phase_only_when_a_row_leaves(W, E, remote) -> None:
-    """The baseline of ``plan_mix`` is the no-replica prediction of the independent list model:
+def test_plan_replicas_baseline_prices_the_token_phase_only_when_a_row_leaves(W, E, remote) -> None:
+    """The baseline of ``plan_replicas`` is the no-replica prediction of the independent list model:
     with every row at home it has no token phase (no all-to-all latency); a single remote row
     brings the four all-to-alls in on every rank."""
     C_WN = torch.zeros(W, W * E, dtype=torch.int64)
@@ -992,7 +1003,7 @@ def test_plan_mix_baseline_prices_the_token_phase_only_when_a_row_leaves(W, E, r
     shape = LayerShape(64, 256, E, W, 2)
     for profile in (GPU_PROFILE, CPU_PROFILE):
         for overlap in (True, False):
-            plan = plan_mix(C_WN, shape, profile, 4, overlap)
+            plan = plan_replicas(C_WN, shape, profile, 4, overlap)
             assert plan.baseline == predict(C_WN.tolist(), {}, shape, profile, overlap)
         # without overlap every rank pays the 4 all-to-all latencies once any row leaves
         comm_s = plan.baseline.comm_s
@@ -1000,7 +1011,7 @@ def test_plan_mix_baseline_prices_the_token_phase_only_when_a_row_leaves(W, E, r
 
 
 PLANNERS = {
-    "mix": lambda C, shape: plan_mix(C, shape, CPU_PROFILE, 4),
+    "mix": lambda C, shape: plan_replicas(C, shape, CPU_PROFILE, 4),
     "none": lambda C, shape: plan_none(C, shape, CPU_PROFILE),
     "shadow": lambda C, shape: plan_shadow(C, shape, CPU_PROFILE),
 }
@@ -1037,6 +1048,7 @@ def test_plan_is_frozen_and_shows_its_public_fields() -> None:
         "prediction",
         "baseline",
         "shares",
+        "relay",
     ]
     assert repr(plan).startswith("Plan(hot=(), replicas=(), prediction=Prediction(")
     assert "_holders" not in repr(plan) and "_shares" not in repr(plan)

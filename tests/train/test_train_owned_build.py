@@ -11,7 +11,7 @@ from mixmoe.train.checkpoint import expert_owners
 from mixmoe.train.presets import build_model, preset
 
 
-@pytest.mark.parametrize("model", ["gpt2", "bert", "transformer-xl"])
+@pytest.mark.parametrize("model", ["gpt2", "bert", "transformer-xl", "deepseek"])
 def test_owned_build_is_the_full_builds_slice(model):
     spec = preset(model, "tiny", num_experts=6)
     torch.manual_seed(5)

@@ -42,6 +42,7 @@ TINY: dict[str, object] = {
     "moe_topk": 2,
     "top_k_experts": 2,
     "n_group": 1,
+    "n_shared_experts": 1,
     "topk_group": 1,
     "first_k_dense_replace": 1,
     "num_dense_layers": 1,
@@ -60,6 +61,8 @@ TINY: dict[str, object] = {
     "linear_num_value_heads": 2,
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
+    "linear_head_dim": 8,
+    "linear_num_heads": 2,
     "max_position_embeddings": 128,
     "sliding_window": 8,
     "num_nextn_predict_layers": 0,
@@ -116,36 +119,91 @@ def _model_class(module, experts_names: list[str]):
     return min(candidates, key=lambda c: (c[0], c[1]))[2]
 
 
-def _shrunk_config(config_cls):
+# Per-family corrections where the generic sizes contradict a family's own constraints.
+FAMILY_TINY: dict[str, dict[str, object]] = {
+    # one hash-routed layer (its frozen token -> expert table is randomised by build_tiny) and one
+    # top-k routed layer: the default (3 hash layers first) would leave a 2-layer model with no
+    # learned routing, and the all-zero table sends every token to expert 0 twice
+    "deepseek_v4": {"mlp_layer_types": ["hash_moe", "moe"]},
+    # MLA attention rotating head_dim (= qk_rope_head_dim) dims
+    "deepseek_v3": {"head_dim": 8},
+    "axk1": {"head_dim": 8},
+    # no default layer list (the model indexes config.layer_types): one conv, one attention layer
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # sliding-window layers double the kv heads: keep them at most the attention heads
+    "mimo_v2_flash": {"num_key_value_heads": 1},
+    # multimodal rope: the sections must sum to half the rotary dim (16 * 0.5 / 2)
+    "glm4v_moe": {
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [1, 1, 2],
+        }
+    },
+}
+
+
+def _settable(config, name: str) -> bool:
+    """The config has ``name`` as a field, or as an alias (``attribute_map``) for a size (a None
+    given through an alias would erase a list the family does not recompute)."""
+    if name in config.to_dict():
+        return True
+    return TINY[name] is not None and name in getattr(config, "attribute_map", {})
+
+
+def _shrunk_config(config_cls, family: str = "", extra: dict | None = None):
     try:
-        present = config_cls().to_dict()
+        default = config_cls()
     except Exception as e:
         raise NotBuildable(f"{config_cls.__name__}() does not build: {e}") from e
-    overrides = {k: v for k, v in TINY.items() if k in present}
+    overrides = {k: v for k, v in TINY.items() if _settable(default, k)}
+    overrides.update(FAMILY_TINY.get(family, {}))
+    overrides.update(extra or {})
     try:
-        return config_cls(**overrides)
+        config = config_cls(**overrides)
     except Exception as e:
         raise NotBuildable(f"{config_cls.__name__} rejects the tiny sizes: {e}") from e
+    # layer-type lists the config does not recompute from None: the default's first layers
+    n = int(TINY["num_hidden_layers"])
+    fixed = {
+        key: listed[:n]
+        for key in ("layer_types", "mlp_layer_types")
+        if getattr(config, key, 0) is None
+        and isinstance(listed := default.to_dict().get(key), list)
+    }
+    return config_cls(**overrides, **fixed) if fixed else config
 
 
 def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
     """Parameters left constant by the init (zero routers, unit norms) get noise: routing ties
-    and dead gradients would make equality tests vacuous."""
+    and dead gradients would make equality tests vacuous. Routers' selection biases
+    (``e_score_correction_bias``, zero at init) get noise too, so selection-only bias paths run,
+    and frozen token -> expert tables (DeepSeek-V4's ``tid2eid``, all zero at init: every token
+    to expert 0, K times) get K distinct random experts per token."""
     with torch.no_grad():
         for p in model.parameters():
             if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
                 p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        for m in model.modules():
+            bias = getattr(m, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.add_(0.05 * torch.randn(bias.shape, generator=gen, dtype=bias.dtype))
+            table = getattr(m, "tid2eid", None)  # [vocab, K] expert ids of each token id
+            if isinstance(table, torch.Tensor):
+                n, k = int(m.num_experts), table.shape[1]
+                rows = [torch.randperm(n, generator=gen)[:k] for _ in range(len(table))]
+                table.copy_(torch.stack(rows))
 
 
-def build_tiny(family: str, experts_names: list[str], seed: int):
+def build_tiny(family: str, experts_names: list[str], seed: int, extra: dict | None = None):
     """``(model, experts modules)``: the family's tiny float32 model in eval mode (no dropout,
-    no jitter) with its experts modules."""
+    no jitter) with its experts modules. ``extra``: config values over the tiny ones."""
     try:
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     except Exception as e:
         raise NotBuildable(f"modeling module does not import: {e}") from e
     model_cls = _model_class(module, experts_names)
-    config = _shrunk_config(model_cls.config_class)
+    config = _shrunk_config(model_cls.config_class, family, extra)
     try:
         with torch.device("meta"):
             n = sum(p.numel() for p in model_cls(config).parameters())

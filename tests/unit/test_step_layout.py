@@ -16,8 +16,9 @@ import torch
 from mixmoe.dispatch.step_layout import build_own_layout, build_step_layout
 from mixmoe.dispatch.step_plan import build_step_plan
 from mixmoe.placement.cost_model import LayerShape
-from mixmoe.placement.planner import plan_mix, plan_none, plan_shadow
+from mixmoe.placement.planner import plan_none, plan_shadow
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.replica_search import plan_replicas
 from mixmoe.schedule.sort import expert_counts
 from mixmoe.types import Routing
 
@@ -40,7 +41,7 @@ def _plan(name: str, C_WN: torch.Tensor, E: int):
     if name == "none":
         return plan_none(C_WN, shape, REPLICATE)
     if name == "mix":
-        return plan_mix(C_WN, shape, REPLICATE, max_replicas=3)
+        return plan_replicas(C_WN, shape, REPLICATE, max_replicas=3)
     return plan_shadow(C_WN, shape, REPLICATE)
 
 

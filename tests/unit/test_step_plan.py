@@ -11,8 +11,9 @@ import torch
 
 from mixmoe.dispatch.step_plan import build_step_plan
 from mixmoe.placement.cost_model import LayerShape
-from mixmoe.placement.planner import plan_mix, plan_none, plan_shadow
+from mixmoe.placement.planner import plan_none, plan_shadow
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.replica_search import plan_replicas
 
 # replication pays at once: slow GEMMs, a fast link
 REPLICATE = HardwareProfile("test", gemm_flops=1e6, link_bandwidth=1e12, link_latency=1e-9)
@@ -57,7 +58,7 @@ def test_step_plan_equals_the_loop_twin(W, E, planner, seed):
     shape = LayerShape(8, 16, E, W, 4)
     plan = {
         "none": lambda: plan_none(C_WN, shape, REPLICATE),
-        "mix": lambda: plan_mix(C_WN, shape, REPLICATE, max_replicas=3),
+        "mix": lambda: plan_replicas(C_WN, shape, REPLICATE, max_replicas=3),
         "shadow": lambda: plan_shadow(C_WN, shape, REPLICATE),
     }[planner]()
     C = C_WN.tolist()
@@ -71,13 +72,14 @@ def test_step_plan_equals_the_loop_twin(W, E, planner, seed):
 
 @pytest.mark.parametrize("W,E", [(2, 2), (4, 2)])
 def test_step_plan_with_a_replicated_hot_expert(W, E):
-    """Every rank sends most of its rows to expert 0: mix replicates it, and the bookkeeping
-    keeps those rows at their sources."""
+    """Every rank sends most of its rows to expert 0: the source-replica search replicates it
+    (``plan_replicas``: no share entries, the twin's replica rule), and the bookkeeping keeps
+    those rows at their sources."""
     gen = torch.Generator().manual_seed(1)
     C_WN = torch.randint(1, 5, (W, W * E), generator=gen)
     C_WN[:, 0] = 500
     shape = LayerShape(8, 16, E, W, 4)
-    plan = plan_mix(C_WN, shape, REPLICATE, max_replicas=4)
+    plan = plan_replicas(C_WN, shape, REPLICATE, max_replicas=4)
     assert plan.hot and plan.hot[0] == 0, plan
     for r in range(W):
         step = build_step_plan(C_WN, plan, r, E)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from mixmoe import MoE, MoEConfig
+from mixmoe import GateConfig, MoE, MoEConfig
 from mixmoe.comm import LocalCommunicator
 from mixmoe.dispatch.layout import expert_row_layout
 from mixmoe.dispatch.step import ExpertOutputs
@@ -118,6 +118,9 @@ def test_config_fingerprint_is_31_bits_and_tells_every_agreed_field_apart() -> N
         "bias": False,
         "block_size": 32,
         "max_replicas": 1,
+        "gate": GateConfig(score="sigmoid", normalize="renorm"),
+        "shared_experts": 1,
+        "balance_loss": "sequence",
     }
     want = config_fingerprint(MoEConfig(**base), 2, "mix")
     assert want == config_fingerprint(MoEConfig(**base), 2, "mix")  # a pure function

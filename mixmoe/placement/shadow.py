@@ -1,0 +1,109 @@
+"""``shadow``: FasterMoE's dynamic shadowing rule (``plan_shadow``), one of ``plan_mix``'s candidates.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes to
+expert g; expert g is owned by rank g // E).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixmoe.placement.cost_model import LayerShape, reprice, step_model
+from mixmoe.placement.counts import baseline_loads, counts_with_sums
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.relay import node_distance
+
+__all__ = ["plan_shadow"]
+
+
+def plan_shadow(
+    counts_WN: object, shape: LayerShape, profile: HardwareProfile, *, overlap: bool = False
+) -> Plan:
+    """FasterMoE's shadowing rule (He et al., "FasterMoE: Modeling and Optimizing Training of
+    Large-Scale Dynamic Pre-Trained Models", PPoPP'22, Sec. 4 "Dynamic Shadowing"; the authors'
+    implementation is ``global_policy`` in FastMoE's ``fmoe/fastermoe/shadow_policy.py``).
+
+    A shadowed expert is broadcast to every other rank (holders = all ranks but the owner) and
+    every rank computes its own rows for it. With
+
+        t_row   = flops_per_row / gemm_flops       (FasterMoE: 3 * comp_time; fwd + bwd compute)
+        t_feat  = 4 * row_bytes / link_bandwidth   (FasterMoE: 4 * send_feature_time; a row goes
+                                                    out and back, in forward and in backward)
+        t_model = params_bytes_per_expert / link_bandwidth   (FasterMoE: send_model_time)
+        B_r(S)  = rows computed at rank r when the experts in S are shadowed
+                = sum_{g owned by r, g not in S} sum_s C[s][g]  +  sum_{g in S} C[r][g]
+        lat(S)  = max_r B_r(S) * (t_row + t_feat) + |S| * t_model
+
+    experts are sorted by global load L_g = sum_s C[s][g] descending (ties: lower id first);
+    S starts empty and, in that order, g joins S while lat(S + {g}) < lat(S) (strictly); the
+    first g that does not lower the estimate ends the search.
+
+    Generalisation of the published rule, which assumes one expert per worker and scores a
+    shadowing by the next-heaviest expert's load B_k: here the heaviest *rank* is recomputed with
+    the shadowed rows counted where they are actually computed (at their sources), which coincides
+    with it when E = 1 and shadowed rows are negligible next to B_k. Latency terms are not part
+    of FasterMoE's estimate and are left out of the decision; ``prediction`` (full cost model,
+    ``overlap`` default False) is reported for comparison.
+    """
+    model = step_model(shape, profile, overlap)
+    C_WN, *sums = counts_with_sums(counts_WN, shape)
+    W, E = shape.world_size, shape.experts_per_rank
+    loads_4W, load_N, own_N = baseline_loads(C_WN, E, sums)
+    model.check_exact(max(2 * int(load_N.sum()), W * shape.num_experts))
+    baseline = model.prediction_W(loads_4W)
+    if W == 1:
+        return Plan((), (), baseline, baseline)
+    t_row_feat = (
+        shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
+    )
+    t_model = shape.params_bytes_per_expert / profile.link_bandwidth
+    load_W = load_N.view(W, E).sum(1)  # rows computed at each rank (int64)
+    best = int(load_W.max()) * t_row_feat
+    # load descending, ties by expert id ascending (a stable sort of the ascending ids)
+    order = torch.sort(load_N, descending=True, stable=True).indices.tolist()
+    load, own = load_N.tolist(), own_N.tolist()
+    shadowed: list[int] = []
+    for g in order:
+        o = g // E
+        trial_W = load_W + C_WN[:, g]
+        trial_W[o] = int(load_W[o]) - load[g] + own[g]
+        lat = int(trial_W.max()) * t_row_feat + (len(shadowed) + 1) * t_model
+        if not lat < best:
+            break
+        best, load_W = lat, trial_W
+        shadowed.append(g)
+    hot = tuple(sorted(shadowed))
+    replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
+    if node_distance(profile) is not None:  # topology: each plan priced per link (one rule)
+        return reprice(C_WN, Plan(hot, replicas, baseline, baseline), model, profile)
+    if not hot:
+        return Plan((), (), baseline, baseline)
+    return Plan(hot, replicas, model.prediction_W(_shadow_loads(C_WN, loads_4W, hot, E)), baseline)
+
+
+def _shadow_loads(
+    C_WN: torch.Tensor, loads_4W: torch.Tensor, hot: tuple[int, ...], E: int
+) -> torch.Tensor:
+    """The aggregates (``LOADS`` order, float64 [4, W]) with every g of ``hot`` replicated on
+    every rank but its owner: each source computes its own rows of g (they turn local, and stop
+    being remote at the source and at the owner); the owner serves W - 1 replicas per g, every
+    other rank holds one. Integer arithmetic on the baseline's exact aggregates."""
+    W = C_WN.shape[0]
+    g_S = torch.tensor(hot, dtype=torch.int64)
+    o_S = torch.div(g_S, E, rounding_mode="floor")
+    at_source_WS = C_WN[:, g_S].clone()
+    at_source_WS[o_S, torch.arange(len(hot))] = 0  # the owner's own rows were local already
+    moved_S = at_source_WS.sum(0)  # rows of g that travelled to its owner, now computed at home
+    gained_W = at_source_WS.sum(1)
+    lost_W = torch.zeros(W, dtype=torch.int64).index_add_(0, o_S, moved_S)
+    owned_W = torch.bincount(o_S, minlength=W)
+    delta_4W = torch.stack(
+        [
+            gained_W - lost_W,
+            gained_W,
+            -gained_W - lost_W,
+            (len(hot) - owned_W) + owned_W * (W - 1),
+        ]
+    )
+    return loads_4W + delta_4W.to(torch.float64)

@@ -260,9 +260,7 @@ def build_model(spec: ModelSpec, *, ep_rank: int = 0, ep_size: int = 1) -> nn.Mo
         model = tf.BertForMaskedLM(cfg)
     if spec.dense:
         return model
-    return moefy(
-        model, spec.moe_config(), layers=spec.moe_layers, ep_rank=ep_rank, ep_size=ep_size
-    )
+    return moefy(model, spec.moe_config(), layers=spec.moe_layers, ep_rank=ep_rank, ep_size=ep_size)
 
 
 def moe_layers_of(model: nn.Module):

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 from mixmoe.comm.launch import spawn_gloo
 from mixmoe.train import sharded
-from mixmoe.train.loop import train
+from mixmoe.train.loop import TrainConfig, train
 from mixmoe.train.outputs import read_log
 
 pytestmark = pytest.mark.dist
@@ -140,3 +140,20 @@ def test_save_every_minutes_and_keep(tmp_path):
     assert _listing(d) == ["step-00000001", "step-00000002", "step-00000003"]
     train(_cfg(1, max_steps=5, save_dir=str(d), resume="auto", save_every=1, keep=1))
     assert _listing(d) == ["step-00000005"]
+
+
+def test_deepseek_resumes_its_balancing_biases_exactly(tmp_path):
+    """The aux-loss-free selection biases are buffers: a resumed run continues them."""
+    kw = {"model": "deepseek", "batch_size": 2, "seq_len": 16, "dtype": "float64",
+          "progress": False, "router_skew": 1.0}  # fmt: skip
+    full = train(TrainConfig(max_steps=4, **kw))
+    d = str(tmp_path / "ck")
+    train(TrainConfig(max_steps=4, save_dir=d, save_every=2, **kw))
+    resumed = train(TrainConfig(max_steps=4, resume=f"{d}/step-00000002", **kw))
+    assert [s.loss for s in resumed.steps] == [s.loss for s in full.steps[2:]]
+
+    # loads and bias ranges continue (the dead-expert window restarts: a metric, not state)
+    def biases(steps):
+        return [[(m["load"], m["bias_min"], m["bias_max"]) for m in s.moe] for s in steps]
+
+    assert biases(resumed.steps) == biases(full.steps[2:])

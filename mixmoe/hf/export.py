@@ -8,7 +8,7 @@ Legend: S experts of a transformers module, D model dim, F expert hidden dim, N 
 copies every weight in: the blocks' routers and experts through the one layout adapter
 (``hf_experts_layout`` gives views of the fresh experts' parameters in mixmoe's layout, so a
 copy into them writes transformers' own layout, transposed or concatenated as that family
-stores it) and the shared experts; every other tensor by name. The result computes what the
+stores it), a DeepSeek-V3 selection bias, the shared experts; every other tensor by name. The result computes what the
 converted model computes (the conversion is exact both ways).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixmoe.hf.convert import MoEBlock
+from mixmoe.hf.convert import SHARED_NAMES, MoEBlock
 from mixmoe.hf.layout import hf_experts_layout
 
 # mixmoe Experts parameter -> ExpertWeights field (views of the transformers module)
@@ -47,6 +47,9 @@ def _copy_block(block: MoEBlock, target: nn.Module, name: str) -> None:
             f"{tuple(moe.gate.wg.weight.shape)}; export into the model's own config"
         )
     router.weight.copy_(moe.gate.wg.weight)
+    bias = getattr(moe.gate, "expert_bias", None)
+    if bias is not None:  # DeepSeek-V3's selection bias (moved by aux-loss-free balancing)
+        router.e_score_correction_bias.copy_(bias)
     dst = hf_experts_layout(target.experts, require_mixmoe_activation=True).weights
     src = moe.experts
     for field, hf_field in _PAIRS:
@@ -55,15 +58,20 @@ def _copy_block(block: MoEBlock, target: nn.Module, name: str) -> None:
             raise ValueError(f"{name}: expert {field} exists on one side only")
         if to is not None:
             to.copy_(frm)  # a view of transformers' tensor: writes its layout
-    shared = getattr(target, "shared_expert", None)
-    if (shared is None) != (block.shared is None):
+    mlp = next((getattr(target, n) for n in SHARED_NAMES if hasattr(target, n)), None)
+    shared = getattr(moe, "shared", None)
+    if (mlp is None) != (shared is None):
         raise ValueError(f"{name}: a shared expert on one side only")
-    if shared is not None:
-        for part in ("gate_proj", "up_proj", "down_proj"):
-            getattr(shared, part).weight.copy_(getattr(block.shared, part).weight)
+    if mlp is not None:
+        # mixmoe's shared MLP holds [in, out]; nn.Linear [out, in]
+        for part, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            getattr(mlp, part).weight.copy_(getattr(shared, w).T)
+            lin_bias = getattr(mlp, part).bias
+            if lin_bias is not None:
+                lin_bias.copy_(getattr(shared, "b" + w[1:]))
         gate = getattr(target, "shared_expert_gate", None)
         if gate is not None:
-            gate.weight.copy_(block.shared.gate.weight)
+            gate.weight.copy_(shared.gate_w[None, :])  # [D] -> [1, D]
 
 
 @torch.no_grad()

@@ -8,8 +8,8 @@ Legend: S experts of a transformers module, D model dim, F expert hidden dim, N 
 copies every weight in: the blocks' routers and experts through the one layout adapter
 (``hf_experts_layout`` gives views of the fresh experts' parameters in mixmoe's layout, so a
 copy into them writes transformers' own layout, transposed or concatenated as that family
-stores it), a DeepSeek-V3 selection bias, the shared experts; every other tensor by name. The result computes what the
-converted model computes (the conversion is exact both ways).
+stores it), a DeepSeek-V3 selection bias, the shared experts; every other tensor by name. The
+result computes what the converted model computes (the conversion is exact both ways).
 """
 
 from __future__ import annotations

@@ -106,8 +106,26 @@ class RanksFailed(RuntimeError):
         return lines
 
 
-def _child(rank, world_size, store_path, threads, pg_timeout_s, fn, args, results) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies (a launcher killed
+    by pid would otherwise leave its ranks training on as orphans); exit now if it is already
+    gone. A no-op where prctl is unavailable."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child(
+    rank, world_size, store_path, threads, pg_timeout_s, fn, args, results, parent_pid
+) -> None:
     name_process(rank)
+    die_with_parent(parent_pid)
     try:
         torch.set_num_threads(threads)
         comm = init_file_store(store_path, rank=rank, world_size=world_size, timeout_s=pg_timeout_s)
@@ -159,7 +177,17 @@ def spawn_gloo(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(r, world_size, store_path, threads, pg_timeout_s, fn, args, results),
+                args=(
+                    r,
+                    world_size,
+                    store_path,
+                    threads,
+                    pg_timeout_s,
+                    fn,
+                    args,
+                    results,
+                    os.getpid(),
+                ),  # fmt: skip
             )
             for r in range(world_size)
         ]

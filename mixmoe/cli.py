@@ -72,10 +72,26 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("analyze", "trace"): ("mixmoe.commands.analyze_trace", "analyse CMD operation traces"),
     ("analyze", "profile"): ("mixmoe.commands.analyze_profile", "analyse a torch.profiler table"),
     ("report",): ("mixmoe.commands.report", "tables and plots from benchmark logs"),
+    ("checkpoint", "consolidate"): (
+        "mixmoe.commands.checkpoint",
+        "a sharded training checkpoint (step-N directory) as one --save file",
+    ),
+    ("checkpoint", "shard"): (
+        "mixmoe.commands.checkpoint",
+        "a --save file as a sharded training checkpoint (step-N directory)",
+    ),
+    ("checkpoint", "export"): (
+        "mixmoe.commands.checkpoint",
+        "a --model mixtral training checkpoint as a transformers model (save_pretrained)",
+    ),
 }
 # the exceptions a command raises for bad input; everything else is a bug and keeps its traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError, ImportError)
-GROUP_HELP = {"bench": "benchmarks", "analyze": "trace and profile analyses"}
+GROUP_HELP = {
+    "bench": "benchmarks",
+    "analyze": "trace and profile analyses",
+    "checkpoint": "training checkpoint conversions",
+}
 DEBUG_FLAG = "--debug"
 
 
@@ -198,6 +214,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"mixmoe: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        lines = getattr(exc, "user_lines", None)  # a failed multi-rank run: one line per rank
+        if not lines:
+            raise
+        if debug:
+            print(str(exc), file=sys.stderr)
+        for line in lines:
+            print(f"mixmoe: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,6 +11,10 @@ import torch.distributed as dist
 
 from mixmoe.comm.communicator import Communicator, ProcessGroupCommunicator
 
+# start-up (rendezvous, the first barrier) may wait this long for a slow rank even when the
+# collective timeout is short: ranks import torch at their own pace
+STARTUP_TIMEOUT_S = 300.0
+
 
 def init_distributed(
     backend: str = "auto",
@@ -24,7 +28,8 @@ def init_distributed(
 
     backend "auto": NCCL when CUDA is available, gloo otherwise. Without ``store`` the usual
     ``torchrun`` variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are read. ``timeout_s``
-    bounds every collective: a rank that never joins makes the others fail instead of hanging.
+    bounds every collective after start-up: a rank that never joins makes the others fail
+    instead of hanging (the rendezvous itself may take up to ``STARTUP_TIMEOUT_S``).
     """
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -33,7 +38,7 @@ def init_distributed(
     if not dist.is_initialized():
         kwargs = {}
         if timeout_s is not None:
-            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+            kwargs["timeout"] = datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
         if store is not None:
             if rank is None or world_size is None:
                 raise ValueError("init_distributed(store=...) needs rank and world_size")
@@ -60,6 +65,11 @@ def init_distributed(
             torch.cuda.set_device(
                 int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             )
+        if timeout_s is not None and timeout_s < STARTUP_TIMEOUT_S:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            dist.barrier()  # everyone is here: from now on the short timeout holds
+            _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
     return ProcessGroupCommunicator()
 
 
@@ -84,23 +94,27 @@ def shutdown_distributed() -> None:
             pass
 
 
-def new_expert_groups(ep_size: int) -> tuple[Communicator, Communicator]:
+def new_expert_groups(
+    ep_size: int, timeout_s: float | None = None
+) -> tuple[Communicator, Communicator]:
     """Split the world into expert-parallel groups of ``ep_size`` consecutive ranks.
 
     Returns ``(ep, edp)``: the EP group of this rank, and its expert-data-parallel group (the ranks
     holding the same experts in the other EP groups, across which expert gradients are averaged).
-    Every rank must call this (group creation is collective).
+    Every rank must call this (group creation is collective). ``timeout_s`` bounds their
+    collectives (None: torch's default).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide the world size {world}")
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     ep_group = edp_group = None
     for start in range(0, world, ep_size):
-        g = dist.new_group(list(range(start, start + ep_size)))
+        g = dist.new_group(list(range(start, start + ep_size)), **kw)
         if start <= rank < start + ep_size:
             ep_group = g
     for offset in range(ep_size):
-        g = dist.new_group(list(range(offset, world, ep_size)))
+        g = dist.new_group(list(range(offset, world, ep_size)), **kw)
         if rank % ep_size == offset:
             edp_group = g
     return ProcessGroupCommunicator(ep_group), ProcessGroupCommunicator(edp_group)

@@ -11,7 +11,8 @@ system: the table's first system).
 A ``train.jsonl`` of ``mixmoe train`` (detected from its records) gives, per run, the loss and
 one row per MoE layer of expert balance (busiest expert / mean at the first, middle and last
 step, the last step's coefficient of variation, dead experts and bias range, replicas per step);
-``--plots DIR`` adds ``<name>_run<i>_load_heatmap.png`` (expert x step load heat-map).
+``--plots DIR`` adds ``<name>_run<i>_load_heatmap.png`` (expert x step load heat-map). Its
+``loss.png`` is redrawn beside it (or in ``--plots DIR``), from a killed run's partial log too.
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def _baseline(stats: list[RunStats], wanted: str | None) -> str:
 
 def _train_reports(paths: list[str], args: argparse.Namespace) -> None:
     from mixmoe.report.load_balance import balance_table, plot_load_heatmap
+    from mixmoe.train.outputs import PNG_NAME, plot_log
 
     for path in paths:
+        png = Path(args.plots) / PNG_NAME if args.plots else Path(path).with_name(PNG_NAME)
+        print(f"loss curve: {plot_log(path, png)}")
         for i, steps in enumerate(read_train_runs(path)):
             cfg = steps[0].get("config") or {}
             last = steps[-1]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 
 from mixmoe.config import STRATEGIES
 from mixmoe.train.loop import DTYPES, TrainConfig, TrainResult, check_world
@@ -62,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--micro-batches", type=int, default=d.micro_batches, help="gradient accumulation per rank"
     )
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    p.add_argument(
+        "--lr-schedule",
+        default=d.lr_schedule,
+        choices=["constant", "cosine", "linear"],
+        help="after the warm-up: constant, or cosine / linear decay to --min-lr at --max-steps",
+    )
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
+    p.add_argument("--min-lr", type=float, default=d.min_lr, help="the decay's floor")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
     p.add_argument("--clip", type=float, default=d.clip, help="global gradient norm (0: off)")
     p.add_argument(
@@ -89,9 +99,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=d.device, help="cpu or cuda")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data")
-    p.add_argument("--save", default=None, help="write a checkpoint here at the end")
-    p.add_argument("--resume", default=None, help="resume from this checkpoint (any world size)")
+    p.add_argument(
+        "--save-dir",
+        default=None,
+        help="sharded checkpoints here (step-N directories; every rank writes its own shards)",
+    )
+    p.add_argument(
+        "--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)"
+    )
+    p.add_argument(
+        "--save-every-minutes", type=float, default=None, help="checkpoint every M minutes"
+    )
+    p.add_argument("--keep", type=int, default=None, help="keep the newest K checkpoints")
+    p.add_argument(
+        "--resume",
+        default=None,
+        help="auto (the newest complete checkpoint under --save-dir), a step-N directory, or "
+        "a --save file; any world size whose EP size divides the experts",
+    )
+    p.add_argument(
+        "--save",
+        default=None,
+        help="also write ONE consolidated file at the end (gathered on rank 0: small models)",
+    )
     p.add_argument("--out", default="runs/train", help="directory of train.jsonl and loss.png")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="your own data: a UTF-8 text file or directory (byte-level), or a pre-tokenized "
+        "uint16/uint32 .bin file (or a directory with train.bin, val.bin) with --vocab-size "
+        "(default: the built-in pydoc corpus)",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary of a pre-tokenized --data file"
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard event files to <out>/tensorboard (needs tensorboard)",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=TrainConfig().collective_timeout_s,
+        help="seconds a rank may wait in a collective (a stalled rank fails the run after this)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
@@ -119,6 +171,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_steps=args.max_steps,
         time_budget_s=args.time_budget,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        min_lr=args.min_lr,
         weight_decay=args.weight_decay,
         clip=args.clip,
         aux_loss_coef=args.aux_loss_coef,
@@ -131,8 +186,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         save=args.save,
         resume=args.resume,
+        save_dir=args.save_dir,
+        save_every=args.save_every,
+        save_every_minutes=args.save_every_minutes,
+        keep=args.keep,
         out=args.out or None,
         progress=not args.no_progress,
+        tensorboard=args.tensorboard,
+        collective_timeout_s=args.collective_timeout,
+        data=args.data,
+        vocab_size=args.vocab_size,
     )
 
 
@@ -168,11 +231,23 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     world = _world(args)
     spec, _ = check_world(config, world)  # before any rank starts: one-line errors
-    if config.resume and not under_torchrun():
-        from mixmoe.train.checkpoint import check_checkpoint
+    if config.data is not None:
+        from mixmoe.train.sources import load_tokens
 
-        check_checkpoint(config.resume, spec)
-    result = run_training(config, args.world_size, threads=args.threads)
+        load_tokens(config.data, config.vocab_size)  # a bad file: one line, before any rank
+    if config.resume and config.resume != "auto" and not under_torchrun():
+        _check_resume(config.resume, spec)
+    from mixmoe.comm.launch import RanksFailed
+
+    try:
+        result = run_training(config, args.world_size, threads=args.threads)
+    except RanksFailed as e:
+        advice = _resume_advice(config)
+        if e.local:  # torchrun: this rank's line only, with the advice on it
+            e.user_lines = [f"{line}; {advice}" for line in e.user_lines]
+        else:
+            e.user_lines = [*e.user_lines, advice]
+        raise
     if result is None:
         return 0
     print(summary(result))
@@ -183,6 +258,39 @@ def run(args: argparse.Namespace) -> int:
             f"per-step JSONL appended to {os.path.join(config.out, 'train.jsonl')}; "
             f"loss curve {os.path.join(config.out, 'loss.png')}"
         )
+    if config.save_dir:
+        from mixmoe.train.sharded import latest_checkpoint
+
+        print(f"newest checkpoint: {latest_checkpoint(config.save_dir)}")
     if config.save:
         print(f"checkpoint written to {config.save}")
     return 0
+
+
+def _resume_advice(config: TrainConfig) -> str:
+    """Where a failed run can resume from, and the command that does it."""
+    if not config.save_dir:
+        return "no checkpoint (no --save-dir): rerun with --save-dir DIR --save-every N"
+    from mixmoe.comm.launch import under_torchrun
+    from mixmoe.train.sharded import latest_checkpoint
+
+    last = latest_checkpoint(config.save_dir)
+    argv = list(sys.argv[1:]) if "train" in sys.argv[1:2] else ["train", "..."]
+    if "--resume" in argv:
+        i = argv.index("--resume")
+        del argv[i : i + 2]
+    prefix = ["torchrun", "...", "-m", "mixmoe"] if under_torchrun() else ["mixmoe"]
+    command = shlex.join([*prefix, *argv, "--resume", "auto"])
+    return f"last complete checkpoint: {last or 'none yet'}; resume: {command}"
+
+
+def _check_resume(path: str, spec) -> None:
+    """Check the checkpoint before any rank starts (one-line errors)."""
+    if os.path.isdir(path):
+        from mixmoe.train.sharded import read_marker
+
+        read_marker(path, spec)
+    else:
+        from mixmoe.train.checkpoint import check_checkpoint
+
+        check_checkpoint(path, spec)

@@ -203,8 +203,8 @@ def _communicator(group: object | None):
     """None, a mixmoe communicator as it is, or a torch process group wrapped in one."""
     if group is None:
         return None
-    from mixmoe.comm import Communicator
+    from mixmoe.comm import Communicator, ProcessGroupCommunicator
 
     if isinstance(group, Communicator):
         return group
-    return Communicator(group)
+    return ProcessGroupCommunicator(group)

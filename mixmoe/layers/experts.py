@@ -69,7 +69,8 @@ class Experts(nn.Module):
         """Per-expert seeded init (see the module docstring); ``base_seed`` None draws one from
         the global RNG. Nothing is drawn for parameters on the meta device."""
         if base_seed is None:
-            base_seed = int(torch.randint(0, 2**62, (1,)))
+            # on the CPU even under a meta/cuda default device: the same draw everywhere
+            base_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
         params = self.named_expert_parameters()
         if not params or params[0][1].is_meta:
             return

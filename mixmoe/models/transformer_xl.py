@@ -193,7 +193,10 @@ class TransformerXL(nn.Module):
     shifted by one); ``mems`` is the previous segment's ``output.mems`` (same B).
     """
 
-    def __init__(self, cfg: TransformerXLConfig) -> None:
+    def __init__(self, cfg: TransformerXLConfig, *, ep_rank: int = 0, ep_size: int = 1) -> None:
+        """``ep_rank`` / ``ep_size``: build only the experts this rank of an expert-parallel
+        group owns (the weights the full build from the same seed holds for them; then
+        ``parallelize_moe`` each MoE layer)."""
         super().__init__()
         if not isinstance(cfg, TransformerXLConfig):
             raise TypeError(f"cfg must be a TransformerXLConfig, got {type(cfg).__name__}")
@@ -208,7 +211,7 @@ class TransformerXL(nn.Module):
             core = None
             if i in moe_blocks:
                 core = MoEFFN(
-                    MoE(cfg.moe),
+                    MoE(cfg.moe, ep_rank=ep_rank, ep_size=ep_size),
                     name=f"blocks.{i}.ff.core",
                     collector=collector,
                     dropout=nn.Dropout(cfg.dropout),

@@ -40,7 +40,7 @@ FORMAT_VERSION = 1
 FREE_FIELDS = ("dropout", "aux_loss_coef")
 
 
-def _expert_owners(model: nn.Module) -> dict[str, Experts]:
+def expert_owners(model: nn.Module) -> dict[str, Experts]:
     out = {}
     for mod_name, mod in model.named_modules():
         if isinstance(mod, Experts):
@@ -55,6 +55,18 @@ def _gather_rows(comm, x: torch.Tensor) -> torch.Tensor:
         return x.detach().clone()
     every = comm.all_gather_rows(x.detach().contiguous().reshape(-1))
     return every.reshape((comm.world_size * x.shape[0],) + tuple(x.shape[1:]))
+
+
+def global_mems(mems_shards: list | None, world) -> list[torch.Tensor] | None:
+    """Collective: the Transformer-XL memory of the global batch, one [G, M, D] per block
+    (this rank's micro-batches in shard order, ranks in rank order), or None."""
+    if mems_shards is None or not mems_shards or not mems_shards[0]:
+        return None
+    mems = []
+    for layer in range(len(mems_shards[0])):
+        local = torch.cat([shard[layer] for shard in mems_shards], dim=0)
+        mems.append(_gather_rows(world, local).cpu())
+    return mems
 
 
 def save_checkpoint(
@@ -74,7 +86,7 @@ def save_checkpoint(
     ``mems_shards``: this rank's Transformer-XL memory per micro-batch (in shard order), or None.
     """
     full_model = gather_full_state_dict(model, ep)
-    owners = _expert_owners(model)
+    owners = expert_owners(model)
     names = {id(p): n for n, p in model.named_parameters()}
     opt_state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
@@ -87,12 +99,7 @@ def save_checkpoint(
                     value = _gather_rows(ep, value)
                 entry[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
             opt_state[name] = entry
-    mems = None
-    if mems_shards is not None and mems_shards and mems_shards[0]:
-        mems = []
-        for layer in range(len(mems_shards[0])):
-            local = torch.cat([shard[layer] for shard in mems_shards], dim=0)
-            mems.append(_gather_rows(world, local).cpu())
+    mems = global_mems(mems_shards, world)
     if world.rank != 0:
         return
     payload = {
@@ -130,12 +137,18 @@ def check_checkpoint(path: str, spec: ModelSpec) -> dict[str, Any]:
             f"checkpoint {path!r} has format version {ckpt.get('version')!r}; this mixmoe "
             f"reads version {FORMAT_VERSION}"
         )
-    saved = ckpt.get("spec") or {}
+    spec_mismatch(path, ckpt.get("spec") or {}, spec)
+    return ckpt
+
+
+def spec_mismatch(path: str, saved: dict[str, Any], spec: ModelSpec) -> None:
+    """ValueError naming every field of the saved spec that differs from ``spec`` (the fields
+    of ``FREE_FIELDS`` may differ)."""
     want = asdict(spec)
     diff = [
         f"{f.name}={saved.get(f.name)!r} (this run: {want[f.name]!r})"
         for f in fields(ModelSpec)
-        if f.name not in FREE_FIELDS and saved.get(f.name) != want[f.name]
+        if f.name not in FREE_FIELDS and saved.get(f.name, want[f.name]) != want[f.name]
     ]
     if diff:
         raise ValueError(
@@ -143,16 +156,15 @@ def check_checkpoint(path: str, spec: ModelSpec) -> dict[str, Any]:
             "flags it was trained with (--model, --preset, --num-experts, --top-k, "
             "--moe-layers, --seq-len)"
         )
-    return ckpt
 
 
-def read_checkpoint(path: str, spec: ModelSpec, world) -> dict[str, Any]:
-    """Collective: every rank reads and checks ``path``; all raise the same kind of ValueError
-    if any rank failed (one all_reduce of the verdict), otherwise all return the payload."""
+def agree(check, world, path: str) -> None:
+    """Collective: run ``check()`` on every rank; if it raised ValueError on any rank, raise on
+    every rank (the rank's own error, or one pointing to the other rank's), so nobody is left
+    waiting in a later collective."""
     error: ValueError | None = None
-    ckpt: dict[str, Any] = {}
     try:
-        ckpt = check_checkpoint(path, spec)
+        check()
     except ValueError as e:
         error = e
     ok = torch.tensor([0.0 if error else 1.0])
@@ -164,6 +176,17 @@ def read_checkpoint(path: str, spec: ModelSpec, world) -> dict[str, Any]:
         raise error
     if float(ok) < 1.0:
         raise ValueError(f"checkpoint {path!r} could not be read on another rank; see its error")
+
+
+def read_checkpoint(path: str, spec: ModelSpec, world) -> dict[str, Any]:
+    """Collective: every rank reads and checks ``path``; all raise the same kind of ValueError
+    if any rank failed (one all_reduce of the verdict), otherwise all return the payload."""
+    ckpt: dict[str, Any] = {}
+
+    def check() -> None:
+        ckpt.update(check_checkpoint(path, spec))
+
+    agree(check, world, path)
     return ckpt
 
 
@@ -174,7 +197,7 @@ def load_into(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
         load_full_state_dict(model, ckpt["model"])
     except (KeyError, RuntimeError) as e:
         raise ValueError(f"checkpoint does not fit this model: {str(e).splitlines()[0]}") from None
-    owners = _expert_owners(model)
+    owners = expert_owners(model)
     params = dict(model.named_parameters())
     saved = ckpt["optimizer"]["state"]
     for name, p in params.items():

@@ -30,4 +30,5 @@ def run_training(
         threads=threads,
         timeout_s=24 * 3600,
         command="mixmoe train",
+        pg_timeout_s=config.collective_timeout_s,
     )

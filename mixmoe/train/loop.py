@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -42,10 +43,13 @@ from mixmoe.config import STRATEGIES
 from mixmoe.layers.balance import end_balance_step
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.train import checkpoint as ckpt_io
+from mixmoe.train import sharded
 from mixmoe.train.balance_log import BalanceLog
-from mixmoe.train.data import global_batch, shard, split_corpus, starts_stream
+from mixmoe.train.data import global_batch, shard, starts_stream
 from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradients
+from mixmoe.train.lr_schedule import LR_SCHEDULES, lr_at
 from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
+from mixmoe.train.sources import load_tokens
 from mixmoe.validation import check_float, check_int
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -82,6 +86,9 @@ class TrainConfig:
     max_steps: int = 50
     time_budget_s: float | None = None
     lr: float = 1e-3
+    lr_schedule: str = "constant"  # constant | cosine | linear (after the warm-up)
+    warmup_steps: int = 0
+    min_lr: float = 0.0  # the floor cosine and linear decay reach at max_steps
     weight_decay: float = 0.0
     clip: float = 1.0
     aux_loss_coef: float | None = None
@@ -90,14 +97,22 @@ class TrainConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    save: str | None = None
-    resume: str | None = None
+    save: str | None = None  # one consolidated file at the end (gathered on rank 0)
+    resume: str | None = None  # "auto", a step-* checkpoint directory, or a --save file
+    save_dir: str | None = None  # sharded checkpoints (every rank writes its own shards)
+    save_every: int = 0  # steps between sharded checkpoints (0: only at the end)
+    save_every_minutes: float | None = None  # minutes between sharded checkpoints
+    keep: int | None = None  # keep the newest K complete checkpoints (None: all)
     out: str | None = None
     progress: bool = True
     profile: HardwareProfile | None = None
     dense: bool = False  # the dense FFN model of the same dims (no experts; strategy local)
     router_skew: float = 0.0  # added to the router bias of experts 0 .. N/2 - 1 (hot experts)
     bias_update_rate: float | None = None  # deepseek's aux-loss-free balancing (0: off)
+    data: str | None = None  # text file/dir or pre-tokenized .bin (mixmoe.train.sources)
+    vocab_size: int | None = None  # of a pre-tokenized --data file
+    collective_timeout_s: float = 300.0  # a rank silent this long in a collective: the run fails
+    tensorboard: bool = False  # TensorBoard event files in out/tensorboard (needs tensorboard)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -119,7 +134,14 @@ class TrainConfig:
             ("seed", 0),
         ):
             check_int(name, getattr(self, name), lo)
-        for name in ("num_experts", "num_local_experts", "seq_len", "ep_size", "top_k"):
+        for name in (
+            "num_experts",
+            "num_local_experts",
+            "seq_len",
+            "ep_size",
+            "top_k",
+            "vocab_size",
+        ):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if self.num_experts is not None and self.num_local_experts is not None:
@@ -129,6 +151,28 @@ class TrainConfig:
                 check_float(name, getattr(self, name))
         if self.time_budget_s is not None:
             check_float("time_budget_s", self.time_budget_s)
+        check_float("collective_timeout_s", self.collective_timeout_s)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_float("min_lr", self.min_lr)
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule {self.lr_schedule!r} is unknown; use one of {', '.join(LR_SCHEDULES)}"
+            )
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}; use min_lr <= lr")
+        check_int("save_every", self.save_every, 0)
+        if self.keep is not None:
+            check_int("keep", self.keep, 1)
+        if self.save_every_minutes is not None:
+            check_float("save_every_minutes", self.save_every_minutes)
+        if (self.save_every or self.save_every_minutes or self.keep) and not self.save_dir:
+            raise ValueError("save_every / save_every_minutes / keep need --save-dir DIR")
+        if self.resume == "auto" and not self.save_dir:
+            raise ValueError(
+                "--resume auto takes the newest checkpoint under --save-dir; give --save-dir DIR"
+            )
+        if self.tensorboard and not self.out:
+            raise ValueError("tensorboard needs an output directory; give --out DIR")
         if self.dtype == "bfloat16" and not self.device.startswith("cuda"):
             raise ValueError("dtype bfloat16 (autocast) is for CUDA; use float32 on the CPU")
         self.model_spec(self.ep_size or 1)  # the model's own checks (moe_layers range, ...)
@@ -149,6 +193,7 @@ class TrainConfig:
                 ("top_k", self.top_k),
                 ("aux_loss_coef", self.aux_loss_coef),
                 ("bias_update_rate", self.bias_update_rate),
+                ("token_vocab", self.vocab_size),
             )
             if value is not None
         }
@@ -247,7 +292,7 @@ def _resolve_groups(config: TrainConfig, world):
         return spec, ep_size, LocalCommunicator(), world
     from mixmoe.comm import new_expert_groups
 
-    ep, edp = new_expert_groups(ep_size)
+    ep, edp = new_expert_groups(ep_size, config.collective_timeout_s)
     return spec, ep_size, ep, edp
 
 
@@ -260,12 +305,13 @@ def _device(config: TrainConfig) -> torch.device:
 
 def build_parallel_model(config: TrainConfig, spec: ModelSpec, ep, device: torch.device):
     """The model on ``device`` with every MoE layer parallelized over ``ep`` (same seed on
-    every rank, so dense weights are identical and each rank keeps its experts' slice)."""
+    every rank, so dense weights are identical; each rank builds only the experts it owns)."""
     from mixmoe.parallel import parallelize_moe
     from mixmoe.train.presets import build_model, moe_layers_of
 
     torch.manual_seed(config.seed)
-    model = build_model(spec)
+    # each rank builds only its own experts (same weights as the full build: per-expert seeds)
+    model = build_model(spec, ep_rank=ep.rank, ep_size=ep.world_size)
     param_dtype = torch.float64 if config.dtype == "float64" else torch.float32
     model = model.to(device=device, dtype=param_dtype)
     layers = moe_layers_of(model)
@@ -330,22 +376,67 @@ class Trainer:
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.objective = OBJECTIVES[self.spec.model]
-        self.train_data, self.eval_data = split_corpus()
+        tokens = load_tokens(config.data, config.vocab_size)
+        self.train_data, self.eval_data = tokens.train, tokens.eval
         M = config.micro_batches
         self.num_shards = world.world_size * M
         self.mems: list = [None] * M
         self.start_step = 0
         self.clock = _Clock(device)
         self.balance = BalanceLog()
+        self.resumed_from: str | None = None
         if config.resume:
-            ckpt = ckpt_io.read_checkpoint(config.resume, self.spec, world)
+            self._resume(config.resume)
+
+    def _resume(self, resume: str) -> None:
+        """Load the checkpoint ``resume`` names: "auto" (the newest complete one under
+        ``save_dir``; none: start from step 0), a sharded ``step-*`` directory, or a file of
+        ``save``. Collective."""
+        M, device = self.config.micro_batches, self.device
+        path = self._agreed_latest() if resume == "auto" else resume
+        if path is None:
+            return
+        dtype = next(self.model.parameters()).dtype
+        if os.path.isdir(path):
+            loaded = sharded.load_sharded(
+                path, model=self.model, optimizer=self.opt, spec=self.spec, world=self.world
+            )
+            sharded.invalidate_replica_caches(self.model)
+            self.start_step, mems = loaded.step, {"mems": loaded.mems}
+        else:
+            ckpt = ckpt_io.read_checkpoint(path, self.spec, self.world)
             ckpt_io.load_into(ckpt, self.model, self.opt)
-            self.start_step = int(ckpt["step"])
-            dtype = next(self.model.parameters()).dtype
-            self.mems = [
-                ckpt_io.mems_for_shard(ckpt, self._shard(m), self.num_shards, device, dtype)
-                for m in range(M)
-            ]
+            self.start_step, mems = int(ckpt["step"]), ckpt
+        self.mems = [
+            ckpt_io.mems_for_shard(mems, self._shard(m), self.num_shards, device, dtype)
+            for m in range(M)
+        ]
+        self.resumed_from = str(path)
+
+    def _agreed_latest(self) -> str | None:
+        """The newest complete checkpoint under ``save_dir``, the same on every rank (they
+        read the directory separately; a disagreement is an error, not a guess)."""
+        found = sharded.latest_checkpoint(self.config.save_dir)
+        step = -1 if found is None else int(found.name.split("-")[1])
+        lo, hi = _reduce(self.world, [step, -step], "max", self.device)
+        if lo != -hi:
+            raise RuntimeError(
+                f"ranks see different newest checkpoints under {self.config.save_dir} "
+                f"(steps {int(-hi)}..{int(lo)}); is the directory shared by every rank?"
+            )
+        return None if found is None else str(found)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (``mixmoe.train.lr_schedule``)."""
+        cfg = self.config
+        return lr_at(
+            step,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=cfg.max_steps,
+            schedule=cfg.lr_schedule,
+        )
 
     def _shard(self, m: int) -> int:
         return self.world.rank * self.config.micro_batches + m
@@ -358,7 +449,9 @@ class Trainer:
         cfg, spec, model, device = self.config, self.spec, self.model, self.device
         G, L, S = cfg.batch_size, spec.seq_len, self.num_shards
         t_start = self.clock.now()
-        inputs, targets = global_batch(self.objective, self.train_data, step, G, L, cfg.seed)
+        inputs, targets = global_batch(
+            self.objective, self.train_data, step, G, L, cfg.seed, mask_id=spec.token_vocab
+        )
         if self.objective == "stream" and starts_stream(self.train_data, step, G, L):
             self.mems = [None] * cfg.micro_batches
         ce_local, aux_local, replicas, fwd_s = 0.0, 0.0, 0, 0.0
@@ -377,6 +470,8 @@ class Trainer:
             replicas += sum(int((a.stats or {}).get("replicas", 0)) for a in moe_auxes(model))
         sync_gradients(self.dense, self.experts, self.world, self.edp)
         norm = float(clip_global_norm(self.dense, self.experts, self.ep, cfg.clip))
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(step)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         moe = self._end_balance_step()
@@ -418,7 +513,7 @@ class Trainer:
         with torch.no_grad(), _autocast(cfg, device):
             for i in range(cfg.eval_batches):
                 inputs, targets = global_batch(
-                    self.objective, self.eval_data, i, G, L, cfg.seed, salt=1
+                    self.objective, self.eval_data, i, G, L, cfg.seed, 1, spec.token_vocab
                 )
                 for m in range(M):
                     b = shard(inputs, targets, self._shard(m), self.num_shards)
@@ -430,6 +525,24 @@ class Trainer:
         model.train(was_training)
         (ce_sum,) = _reduce(self.world, [ce_total], "sum", device)
         return ce_sum / targets_total
+
+    def save_sharded(self, steps_done: int) -> str:
+        """Sharded checkpoint after ``steps_done`` steps under ``save_dir`` (collective; every
+        rank writes its own shards); returns its path."""
+        mems = self.mems if self.objective == "stream" else None
+        path = sharded.save_sharded(
+            self.config.save_dir,
+            step=steps_done,
+            model=self.model,
+            optimizer=self.opt,
+            spec=self.spec,
+            mems_global=ckpt_io.global_mems(mems, self.world),
+            config=_plain(self.config),
+            world=self.world,
+            ep_size=self.ep_size,
+            keep=self.config.keep,
+        )
+        return str(path)
 
     def save(self, path: str, steps_done: int) -> None:
         """Checkpoint after ``steps_done`` steps (collective; world rank 0 writes)."""
@@ -446,37 +559,76 @@ class Trainer:
         )
 
 
+def _open_log(config: TrainConfig, trainer: Trainer):
+    """Rank 0's streamed log (``mixmoe.train.outputs.RunLog``), or None."""
+    if not config.out or trainer.world.rank != 0:
+        return None
+    from mixmoe.train.outputs import RunLog
+
+    common = {
+        "model": trainer.spec.model,
+        "strategy": config.strategy,
+        "world_size": trainer.world.world_size,
+        "ep_size": trainer.ep_size,
+    }
+    return RunLog(config.out, _plain(config), trainer.device, common, config.tensorboard)
+
+
 def train(config: TrainConfig, comm=None) -> TrainResult:
     """Train on this rank (``comm``: the world communicator; None = one process). Every rank of
     the world calls it with the same config; all return the same ``TrainResult``. Rank 0
-    writes the outputs (``out``: JSONL + loss-curve PNG; ``save``: the checkpoint)."""
+    writes the outputs (``out``: JSONL streamed step by step, TensorBoard, and the loss-curve
+    PNG at the end; ``save``: the checkpoint)."""
     trainer = Trainer(config, comm)
     world, clock = trainer.world, trainer.clock
-    t0 = clock.now()
+    log = _open_log(config, trainer)
+    t0 = t_saved = clock.now()
     records: list[StepRecord] = []
     stopped_by = "max_steps"
     show = config.progress and world.rank == 0
-    for step in range(trainer.start_step, config.max_steps):
-        if config.time_budget_s is not None:
-            over = 1.0 if clock.now() - t0 > config.time_budget_s else 0.0
-            if _reduce(world, [over], "max", trainer.device)[0] > 0:
-                stopped_by = "time_budget"
-                break
-        rec = trainer.step(step)
-        last = step == config.max_steps - 1
-        if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
-            rec = replace(rec, eval_loss=trainer.evaluate())
-        records.append(rec)
-        if show:
-            _progress(rec, config.max_steps)
-    if show and records:
-        sys.stderr.write("\n")
-    final_eval = records[-1].eval_loss if records and records[-1].eval_loss is not None else None
-    if final_eval is None and config.eval_every:
-        final_eval = trainer.evaluate()
-    if config.save:
-        trainer.save(config.save, records[-1].step + 1 if records else trainer.start_step)
-    result = TrainResult(
+    saved_at = trainer.start_step if trainer.resumed_from else None
+    finished = False
+    try:
+        for step in range(trainer.start_step, config.max_steps):
+            if config.time_budget_s is not None:
+                over = 1.0 if clock.now() - t0 > config.time_budget_s else 0.0
+                if _reduce(world, [over], "max", trainer.device)[0] > 0:
+                    stopped_by = "time_budget"
+                    break
+            rec = trainer.step(step)
+            last = step == config.max_steps - 1
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                rec = replace(rec, eval_loss=trainer.evaluate())
+            records.append(rec)
+            if log is not None:
+                log.write(asdict(rec))
+            if show:
+                _progress(rec, config.max_steps)
+            if config.save_dir and not last and _save_due(config, step + 1, t_saved, trainer):
+                trainer.save_sharded(step + 1)
+                saved_at, t_saved = step + 1, clock.now()
+        if show and records:
+            sys.stderr.write("\n")
+        final_eval = (
+            records[-1].eval_loss if records and records[-1].eval_loss is not None else None
+        )
+        if final_eval is None and config.eval_every:
+            final_eval = trainer.evaluate()
+        done = records[-1].step + 1 if records else trainer.start_step
+        if config.save_dir and saved_at != done:
+            trainer.save_sharded(done)
+        if config.save:
+            trainer.save(config.save, done)
+        finished = True
+    finally:
+        if log is not None and not (finished and records):
+            log.close_files()  # the lines written so far are on disk already
+    if log is not None and records:
+        log.close(
+            f"{trainer.spec.model} {config.strategy} W={world.world_size} "
+            f"N={trainer.spec.num_experts}"
+        )
+    return TrainResult(
         steps=tuple(records),
         final_eval_loss=final_eval,
         stopped_by=stopped_by,
@@ -487,11 +639,18 @@ def train(config: TrainConfig, comm=None) -> TrainResult:
         start_step=trainer.start_step,
         config=_plain(config),
     )
-    if config.out and world.rank == 0:
-        from mixmoe.train.outputs import write_outputs
 
-        write_outputs(result, config.out, trainer.device)
-    return result
+
+def _save_due(config: TrainConfig, steps_done: int, t_saved: float, trainer: Trainer) -> bool:
+    """Whether to checkpoint after ``steps_done`` steps: every ``save_every`` steps, or when
+    ``save_every_minutes`` passed on ANY rank since the last save (one all_reduce: every rank
+    decides alike)."""
+    if config.save_every and steps_done % config.save_every == 0:
+        return True
+    if config.save_every_minutes is None:
+        return False
+    late = 1.0 if trainer.clock.now() - t_saved >= 60.0 * config.save_every_minutes else 0.0
+    return _reduce(trainer.world, [late], "max", trainer.device)[0] > 0
 
 
 def _plain(config: TrainConfig) -> dict:

@@ -63,11 +63,13 @@ class ModelSpec:
     dense: bool = False  # no MoE at all: the dense FFN model of the same dims (bench "naive")
     bias_update_rate: float = 1e-3  # deepseek: aux-loss-free balancing step (0: off)
     expert_dim: int | None = None  # deepseek: hidden size of one routed expert (None: d_ff)
+    token_vocab: int = BYTE_VOCAB  # ids of the data (bytes: 256; BERT adds its mask id)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model {self.model!r} is unknown; use one of {', '.join(MODELS)}")
-        for name in ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "num_experts", "top_k"):
+        for name in ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "num_experts", "top_k",
+                     "token_vocab"):  # fmt: skip
             check_int(name, getattr(self, name), 1)
         if self.d_model % self.n_head:
             raise ValueError(
@@ -100,7 +102,7 @@ class ModelSpec:
 
     @property
     def vocab_size(self) -> int:
-        return BYTE_VOCAB + 1 if self.model == "bert" else BYTE_VOCAB
+        return self.token_vocab + 1 if self.model == "bert" else self.token_vocab
 
     def moe_config(self) -> MoEConfig:
         """The MoE layers' config (Mixtral's come from its converted blocks instead)."""
@@ -181,9 +183,11 @@ def _transformers():
     return transformers
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
-    """The single-device model with every expert (seed the RNG first: every rank must build the
-    same weights; ``mixmoe.parallel.parallelize_moe`` then keeps each rank's slice)."""
+def build_model(spec: ModelSpec, *, ep_rank: int = 0, ep_size: int = 1) -> nn.Module:
+    """The model; seed the RNG first: every rank must build the same dense weights.
+    ``ep_size`` 1: the single-device model with every expert. Otherwise only the experts rank
+    ``ep_rank`` of the EP group owns are built (Mixtral: every expert, sliced later by
+    ``parallelize_moe``), with the weights the full build holds for them."""
     if spec.model == "transformer-xl":
         from mixmoe.models.transformer_xl import TransformerXL, TransformerXLConfig
 
@@ -200,7 +204,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
             moe=None if spec.dense else spec.moe_config(),
             moe_layers=spec.moe_layers,
         )
-        return TransformerXL(cfg)
+        return TransformerXL(cfg, ep_rank=ep_rank, ep_size=ep_size)
     tf = _transformers()
     if spec.model == "mixtral":
         from mixmoe.hf.convert import convert_moe_model
@@ -256,7 +260,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
         model = tf.BertForMaskedLM(cfg)
     if spec.dense:
         return model
-    return moefy(model, spec.moe_config(), layers=spec.moe_layers)
+    return moefy(model, spec.moe_config(), layers=spec.moe_layers, ep_rank=ep_rank, ep_size=ep_size)
 
 
 def moe_layers_of(model: nn.Module):

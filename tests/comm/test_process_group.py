@@ -127,6 +127,7 @@ class _Stand:
     def __init__(self, monkeypatch, rank: int, devices: int) -> None:
         self.inits: list[tuple[str, dict]] = []
         self.devices: list[int] = []
+        self.timeouts: list = []  # collective timeouts set after the start-up barrier
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
         monkeypatch.setattr(torch.cuda, "set_device", self.devices.append)
@@ -136,6 +137,10 @@ class _Stand:
             dist, "init_process_group", lambda backend, **kw: self.inits.append((backend, kw))
         )
         monkeypatch.setattr(pg_module, "ProcessGroupCommunicator", lambda group=None: "comm")
+        monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+        import torch.distributed.distributed_c10d as c10d
+
+        monkeypatch.setattr(c10d, "_set_pg_timeout", lambda t, group=None: self.timeouts.append(t))
 
 
 def test_auto_picks_nccl_where_cuda_is_and_sets_the_local_device(fresh_world, monkeypatch):
@@ -146,10 +151,10 @@ def test_auto_picks_nccl_where_cuda_is_and_sets_the_local_device(fresh_world, mo
     assert stand.devices == [2]  # no LOCAL_RANK: the global rank modulo the devices
     monkeypatch.setenv("LOCAL_RANK", "3")
     init_distributed("nccl", rank=7, world_size=8, store=store, timeout_s=2.0)
-    assert stand.inits[1] == (
-        "nccl",
-        dict(store=store, rank=7, world_size=8, timeout=datetime.timedelta(seconds=2.0)),
-    )
+    # the rendezvous may take STARTUP_TIMEOUT_S; the collectives after it 2 s
+    startup = datetime.timedelta(seconds=pg_module.STARTUP_TIMEOUT_S)
+    assert stand.inits[1] == ("nccl", dict(store=store, rank=7, world_size=8, timeout=startup))
+    assert stand.timeouts == [datetime.timedelta(seconds=2.0)]
     assert stand.devices == [2, 3]  # torchrun's LOCAL_RANK wins
 
 
@@ -165,7 +170,7 @@ def _groups_of(monkeypatch, world: int, rank: int, ep_size: int) -> tuple:
     the (ep, edp) member lists it returns."""
     created: list[tuple[int, ...]] = []
 
-    def new_group(ranks):
+    def new_group(ranks, **kw):
         created.append(tuple(ranks))
         return tuple(ranks)
 

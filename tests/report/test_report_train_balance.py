@@ -63,6 +63,9 @@ def test_runs_table_and_heatmap(tmp_path):
     png = plot_load_heatmap(runs[0], tmp_path / "h.png", "t")
     assert png.stat().st_size > 1000
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"kind": "train", "step": 0}\n{oops\n')
+    bad.write_text('{"kind": "train", "step": 0}\n{oops\n{"kind": "train", "step": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON line"):
         read_train_runs(bad)
+    torn = tmp_path / "torn.jsonl"  # a run killed while writing its last line: skipped
+    torn.write_text('{"kind": "train", "step": 0}\n{"kind": "train", "st')
+    assert [[r["step"] for r in run] for run in read_train_runs(torn)] == [[0]]

@@ -56,3 +56,30 @@ def checkpoint_jobs(
     except ValueError as e:
         out["split_error"] = f"ValueError: {e}"
     return out
+
+
+def train_crashing_in_save(comm, config: TrainConfig, crash_rank: int, crash_at: int) -> str:
+    """Train ``config``; the ``crash_at``-th sharded save fails on ``crash_rank`` right after
+    that rank wrote its shard file (the others' files and DCP's metadata may exist). Returns
+    the error every rank saw."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs.FileSystemWriter.write_data
+    calls = [0]
+
+    def write_data(self, plan, planner):
+        calls[0] += 1
+        fut = real(self, plan, planner)
+        if comm.rank == crash_rank and calls[0] == crash_at:
+            fut.wait()
+            raise RuntimeError("simulated crash after this rank's shards were written")
+        return fut
+
+    fs.FileSystemWriter.write_data = write_data
+    try:
+        train(config, comm)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    finally:
+        fs.FileSystemWriter.write_data = real
+    return "no error"

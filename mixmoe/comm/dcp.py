@@ -18,8 +18,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from mixmoe.comm.communicator import Communicator
 
-def _no_dist(comm) -> bool:
+
+def _no_dist(comm: Communicator) -> bool:
     return comm is None or comm.world_size == 1 or not dist.is_initialized()
 
 
@@ -37,7 +39,9 @@ def _plain_error(what: str, e: BaseException) -> RuntimeError:
     return RuntimeError(f"checkpoint {what} failed on rank(s) {ranks}: {text}")
 
 
-def save_flat(state: dict[str, torch.Tensor], path: str | os.PathLike[str], comm) -> None:
+def save_flat(
+    state: dict[str, torch.Tensor], path: str | os.PathLike[str], comm: Communicator
+) -> None:
     """Collective over ``comm`` (None or a world of one: this process alone): write ``state``
     into the directory ``path`` (created); DCP's ``.metadata`` is written last, by rank 0, once
     every rank's file is complete."""
@@ -66,7 +70,9 @@ def stored_keys(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...]
     return out
 
 
-def load_flat(state: dict[str, torch.Tensor], path: str | os.PathLike[str], comm) -> None:
+def load_flat(
+    state: dict[str, torch.Tensor], path: str | os.PathLike[str], comm: Communicator
+) -> None:
     """Collective over ``comm``: fill the tensors of ``state`` (each rank its own keys, shapes as
     stored) in place from the DCP directory ``path``."""
     with warnings.catch_warnings():

@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mixmoe.comm import init_file_store, shutdown_distributed
+from mixmoe.comm.communicator import Communicator
 
 # after the first failure, how long the other ranks may take to report before they are killed
 FAILURE_GRACE_S = 3.0
@@ -260,7 +261,7 @@ def _terminated(signum, frame) -> None:
     raise RuntimeError("stopped by torchrun (SIGTERM): another rank failed")
 
 
-def _publish_pid(comm) -> None:
+def _publish_pid(comm: Communicator) -> None:
     """torchrun: tell the group's store where this rank runs (host and pid)."""
     try:
         _store().set(f"mixmoe/pid/{comm.rank}", f"{socket.gethostname()} {os.getpid()}")
@@ -268,7 +269,7 @@ def _publish_pid(comm) -> None:
         pass
 
 
-def _end_stalled_local_peers(comm, grace_s: float) -> None:
+def _end_stalled_local_peers(comm: Communicator, grace_s: float) -> None:
     """torchrun, at the exit of a rank that failed: mark it failed in the store; after
     ``grace_s``, SIGKILL every rank of this host that has not failed too. A stalled
     (e.g. stopped) rank ignores torchrun's SIGTERM, which waits 30 s before its SIGKILL; the run

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixmoe.comm import Communicator
 from mixmoe.layers.experts import Experts
 from mixmoe.parallel import gather_full_state_dict, load_full_state_dict
 from mixmoe.train.presets import ModelSpec
@@ -49,7 +50,7 @@ def expert_owners(model: nn.Module) -> dict[str, Experts]:
     return out
 
 
-def _gather_rows(comm, x: torch.Tensor) -> torch.Tensor:
+def _gather_rows(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
     """[E, ...] on every rank of ``comm`` -> [W*E, ...] in rank order."""
     if comm.world_size == 1:
         return x.detach().clone()

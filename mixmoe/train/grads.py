@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixmoe.comm import Communicator
+
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(dense + gate parameters, expert parameters) of ``model``, in ``named_parameters`` order
@@ -44,7 +46,7 @@ def _fill_missing(params: list[nn.Parameter]) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def _flat_all_reduce(comm, params: list[nn.Parameter]) -> None:
+def _flat_all_reduce(comm: Communicator, params: list[nn.Parameter]) -> None:
     if comm.world_size == 1 or not params:
         return
     grads = [p.grad for p in params]

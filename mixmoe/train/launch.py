@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 
+from mixmoe.comm import Communicator
 from mixmoe.comm.launch import run_on_ranks, under_torchrun
 from mixmoe.train.loop import TrainConfig, TrainResult, train
 
 
-def _rank_main(comm, config: TrainConfig) -> TrainResult:
+def _rank_main(comm: Communicator, config: TrainConfig) -> TrainResult:
     return train(config, comm)
 
 

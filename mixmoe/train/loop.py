@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from mixmoe.comm import Communicator
 from mixmoe.config import STRATEGIES
 from mixmoe.layers.balance import end_balance_step
 from mixmoe.placement.profile import HardwareProfile
@@ -359,7 +360,7 @@ class Trainer:
     step: ``step(i) -> StepRecord`` (``mixmoe train`` and ``mixmoe bench model`` both run it).
     Building it is collective (expert groups, checkpoint verdict): every rank builds one."""
 
-    def __init__(self, config: TrainConfig, comm=None) -> None:
+    def __init__(self, config: TrainConfig, comm: Communicator | None = None) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         from mixmoe.comm import LocalCommunicator
@@ -574,7 +575,7 @@ def _open_log(config: TrainConfig, trainer: Trainer):
     return RunLog(config.out, _plain(config), trainer.device, common, config.tensorboard)
 
 
-def train(config: TrainConfig, comm=None) -> TrainResult:
+def train(config: TrainConfig, comm: Communicator | None = None) -> TrainResult:
     """Train on this rank (``comm``: the world communicator; None = one process). Every rank of
     the world calls it with the same config; all return the same ``TrainResult``. Rank 0
     writes the outputs (``out``: JSONL streamed step by step, TensorBoard, and the loss-curve

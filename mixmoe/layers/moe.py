@@ -124,6 +124,12 @@ class MoE(nn.Module):
                 f"{tuple(x.shape)}; reshape it to [..., {self.config.model_dim}]"
             )
         p_dtype = self.experts.w1.dtype
+        if x.device.type == "cuda" and p_dtype == torch.float64:
+            # found on an H200: the Triton kernels refused float64 from deep inside the experts
+            raise TypeError(
+                "float64 experts run on the CPU only: the CUDA kernels take float32, bfloat16 "
+                "and float16; use layer.float() (or bf16) on CUDA, or keep float64 on the CPU"
+            )
         if x.dtype != p_dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
                 f"MoE input dtype {x.dtype} differs from the layer's parameters ({p_dtype}); "

@@ -336,3 +336,14 @@ def test_combine_weights_grad_fp32_accumulation_real_sizes():
 
     gen = torch.Generator().manual_seed(16)
     check_combine_weights_grad_wide_bf16(8192, 2, 16384, gen, torch.device("cuda"))
+
+
+def test_float64_layer_on_cuda_is_a_clear_error():
+    """The Triton kernels take fp32/bf16/fp16: a float64 layer on CUDA is refused at the layer
+    with the fix, not deep inside a kernel launcher (found on an H200, 2026-11-26)."""
+    from mixmoe import MoE, MoEConfig
+
+    layer = MoE(MoEConfig(model_dim=32, hidden_dim=64, num_experts=4), device="cuda")
+    layer = layer.double()
+    with pytest.raises(TypeError, match="float64 experts run on the CPU only"):
+        layer(torch.randn(8, 32, device="cuda", dtype=torch.float64))

@@ -188,6 +188,11 @@ class MoEConfig:
     2 gloo ranks x 1 thread, `bench layer --plan`). Every setting gives the same plan and the
     same numbers; only the overlap differs.
 
+    plan_helpers: under ``mix``, balance the plan with helper ranks (True, the default: blocks of
+    the busiest ranks' rows move to ranks with spare capacity, ``mixmoe.placement.balance``), or
+    keep the best of the a2a, shadow and source-replica plans (False: planning takes a fraction
+    of the time on skewed counts, see docs/results/balance-after.md, for a less balanced step).
+
     balance_loss: which load-balancing loss ``aux_loss_coef`` weighs (all equal 1.0 under perfectly
     uniform routing; P = per-token balance probabilities: softmax(logits), or for
     ``score="sigmoid"`` the sigmoid scores divided by their sum; padded tokens never count):
@@ -221,6 +226,7 @@ class MoEConfig:
     strategy: str = "local"
     max_replicas: int = 4
     plan_async: bool | None = None
+    plan_helpers: bool = True
     balance_loss: str = "micro_batch"
     shared_experts: int = 0
     shared_hidden_dim: int | None = None
@@ -237,6 +243,8 @@ class MoEConfig:
                 f"plan_async must be True, False or None (auto: on CUDA only), got "
                 f"{self.plan_async!r}"
             )
+        if not isinstance(self.plan_helpers, bool):
+            raise TypeError(f"plan_helpers must be True or False, got {self.plan_helpers!r}")
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k={self.top_k} exceeds num_experts={self.num_experts}; "

@@ -47,7 +47,12 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
         "mix",
         # share entries cut at the layer's blocks, so that no block straddles two ranks
         lambda C, shape, prof, cfg: plan_mix(
-            C, shape, prof, cfg.max_replicas, block_size=cfg.block_size
+            C,
+            shape,
+            prof,
+            cfg.max_replicas,
+            block_size=cfg.block_size,
+            balance=getattr(cfg, "plan_helpers", True),
         ),
         True,
         True,
@@ -105,6 +110,7 @@ def config_fingerprint(config: MoEConfig, world_size: int, strategy: str) -> int
         config.bias,
         config.block_size,
         config.max_replicas,
+        config.plan_helpers,
         strategy,
         world_size,
         # the router and the shared experts: ranks routing differently would not hang, but they

@@ -44,38 +44,22 @@ LOGS = ROOT / ".mutmut-logs"
 # tests that see a wrong plan, split or replica: test_strategies runs every strategy against the
 # single-rank layer, test_gradient_accumulation the cached replica gradients), so only survivors
 # pay for the slow nets and a mutant counts as killed if any test of either list catches it.
+# the one-process test folders (the former tests/unit): the wide net of several groups
+ONE_PROCESS = [
+    f"tests/{d}"
+    for d in ("gating", "dispatch", "layers", "ops", "schedule", "comm", "parallel", "hf")
+    + ("bench", "project")
+]
 GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "gating": (
         ["mixmoe/gating"],
         ["tests/gating/test_gating.py", "tests/layers/test_layer_vs_reference.py"],
-        [
-            "tests/gating",
-            "tests/dispatch",
-            "tests/layers",
-            "tests/ops",
-            "tests/schedule",
-            "tests/comm",
-            "tests/parallel",
-            "tests/hf",
-            "tests/bench",
-            "tests/project",
-        ],
+        ONE_PROCESS,
     ),
     "schedule": (
         ["mixmoe/schedule"],
         ["tests/schedule/test_schedule.py"],
-        [
-            "tests/gating",
-            "tests/dispatch",
-            "tests/layers",
-            "tests/ops",
-            "tests/schedule",
-            "tests/comm",
-            "tests/parallel",
-            "tests/hf",
-            "tests/bench",
-            "tests/project",
-        ],
+        ONE_PROCESS,
     ),
     "placement": (  # a wrong cost changes which plan is picked, not the layer's numbers
         ["mixmoe/placement"],
@@ -99,19 +83,7 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/ops/test_ops.py",
             "tests/kernels/test_grouped_mm_expert_mlp.py",
         ],
-        [
-            "tests/gating",
-            "tests/dispatch",
-            "tests/layers",
-            "tests/ops",
-            "tests/schedule",
-            "tests/comm",
-            "tests/parallel",
-            "tests/hf",
-            "tests/bench",
-            "tests/project",
-            "tests/kernels",
-        ],
+        [*ONE_PROCESS, "tests/kernels"],
     ),
     "parallel": (
         ["mixmoe/parallel"],

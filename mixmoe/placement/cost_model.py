@@ -513,16 +513,21 @@ def predict(
 
 
 def plan_loads(
-    C_WN: torch.Tensor, replicas: Iterable[tuple[int, Iterable[int]]], experts_per_rank: int
+    C_WN: torch.Tensor,
+    replicas: Iterable[tuple[int, Iterable[int]]],
+    experts_per_rank: int,
+    *,
+    base_4W: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rank_loads`` of a validated int64 ``C_WN`` under ``replicas`` (``(g, holder ranks)``
     pairs, e.g. ``Plan.replicas``): float64 [4, W] in ``LOADS`` order, equal to
     ``rank_loads`` exactly (integers). Starts from ``baseline_loads`` and moves each hot expert's
     holder rows from its owner to the holders; cost: the baseline's two reductions, one gather
     of the hot columns and a few Python ops per holder (the what-if simulator uses it at
-    W = 1024, N = 4096)."""
+    W = 1024, N = 4096). ``base_4W``: ``baseline_loads(C_WN, E)[0]`` when the caller has it
+    (a planner pricing several plans of one C: the two reductions once)."""
     E = experts_per_rank
-    loads_4W = baseline_loads(C_WN, E)[0]
+    loads_4W = baseline_loads(C_WN, E)[0] if base_4W is None else base_4W
     replicas = [(g, h) for g, h in ((g, tuple(h)) for g, h in replicas) if h]
     if not replicas:
         return loads_4W
@@ -546,7 +551,12 @@ def plan_loads(
 
 
 def plan_pricing(
-    C_WN: torch.Tensor, plan: object, experts_per_rank: int, profile: object = None
+    C_WN: torch.Tensor,
+    plan: object,
+    experts_per_rank: int,
+    profile: object = None,
+    *,
+    base_4W: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """The aggregates of a ``Plan`` (float64 [4, W], ``LOADS`` order; [6, W] when ``profile``
     has a topology) and its weight rounds.
@@ -561,11 +571,11 @@ def plan_pricing(
     without relay prices exactly as ``plan_loads`` / ``predict``. ``profile``: its topology
     (``ranks_per_node``) orders the relay nearest first and adds two rows: the remote rows and
     the tree edges that cross nodes, at each rank (``StepModel.seconds_W`` prices them at the
-    inter-node bandwidth); None or one link: [4, W].
+    inter-node bandwidth); None or one link: [4, W]. ``base_4W``: as for ``plan_loads``.
     """
     E = experts_per_rank
     distance = node_distance(profile)
-    loads_4W = plan_loads(C_WN, plan.replicas, E)
+    loads_4W = plan_loads(C_WN, plan.replicas, E, base_4W=base_4W)
     shares = getattr(plan, "shares", ())
     relay = getattr(plan, "relay", False)
     rounds = int(bool(plan.replicas))

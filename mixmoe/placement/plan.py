@@ -72,6 +72,17 @@ class Plan:
                 )
         object.__setattr__(self, "_shares", {(s, g): runs for s, g, runs in self.shares})
 
+    def priced(self, prediction: Prediction, baseline: Prediction) -> Plan:
+        """This plan with ``prediction`` and ``baseline`` set: equal to ``dataclasses.replace``
+        of them, without repeating ``__post_init__``'s checks of fields this plan has passed
+        already (a W = 1024 plan has ~10**4 share entries: its checks cost milliseconds)."""
+        out = object.__new__(Plan)
+        for name in ("hot", "replicas", "shares", "relay", "_holders", "_shares"):
+            object.__setattr__(out, name, getattr(self, name))
+        object.__setattr__(out, "prediction", prediction)
+        object.__setattr__(out, "baseline", baseline)
+        return out
+
     def holders(self, g: int) -> tuple[int, ...]:
         """Ranks holding a replica of expert g (ascending); () if g is not hot."""
         return self._holders.get(g, ())

@@ -32,7 +32,7 @@ from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
 from mixmoe.placement.replica_search import SEARCH_WIDTH, plan_replicas
-from mixmoe.placement.shadow import plan_shadow
+from mixmoe.placement.shadow import plan_shadow, shadow_hot
 
 __all__ = ["BLOCK_SIZE", "plan_mix", "plan_none", "plan_replicas", "plan_shadow", "replica_slots"]
 
@@ -137,23 +137,27 @@ def plan_mix(
         best = reprice(C_WN, best, model, profile)
     if W == 1 or slots == 0:
         return best
-    shadow = plan_shadow(C_WN, shape, profile, counted=counted)
-    if shadow.hot and len(shadow.hot) <= slots:  # fits the budget: price it under mix's overlap
-        loads_4W, rounds = plan_pricing(C_WN, shadow, E, profile)
+    # the aggregates with nothing replicated: every pricing below starts from them
+    base_4W, colsum_N, own_N = baseline_loads(C_WN, E, sums)
+    hot = shadow_hot(C_WN, shape, profile, colsum_N, own_N)  # plan_shadow's experts
+    if hot and len(hot) <= slots:  # fits the budget: price it under mix's overlap
+        replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
+        shadow = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION)
+        loads_4W, rounds = plan_pricing(C_WN, shadow, E, profile, base_4W=base_4W)
         pred = model.prediction_W(loads_4W, rounds)
         if pred.step_s < best.prediction.step_s:
-            best = Plan(shadow.hot, shadow.replicas, pred, best.baseline)
+            best = shadow.priced(pred, best.baseline)
     totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
     if not balance or max(totals) <= BALANCED * sum(totals) / W:
         return best  # balanced already: water-filling has little to win (planning time)
     start_loads = {}  # the fills' start loads under relay pricing, by start (key: its hot)
     if best.hot:  # the best candidate relayed: kept when cheaper than the owner sending every copy
         relayed = Plan(best.hot, best.replicas, best.prediction, best.baseline, relay=True)
-        loads_4W, rounds = plan_pricing(C_WN, relayed, E, profile)
+        loads_4W, rounds = plan_pricing(C_WN, relayed, E, profile, base_4W=base_4W)
         start_loads[best.hot] = loads_4W
         pred = model.prediction_W(loads_4W, rounds)
         if pred.step_s < best.prediction.step_s:
-            best = Plan(best.hot, best.replicas, pred, best.baseline, relay=True)
+            best = relayed.priced(pred, best.baseline)
     # water-fill from the best candidate and from nothing replicated (the candidate may have
     # filled the replica slots that helpers need); the lower prediction wins, ties: the first
     # (the second only when the first stays unbalanced). Each fill is judged by its own
@@ -162,10 +166,10 @@ def plan_mix(
     starts = [dict(best.replicas)] + ([{}] if best.hot else [])
     won, won_step = None, best.prediction.step_s
     for start in starts:
-        fill = _water_fill(C_WN, sums[0], shape, model, start, slots, block_size, profile,
-                           won_step, start_loads.get(tuple(sorted(start))))  # fmt: skip
+        fill = _water_fill(C_WN, colsum_N, shape, model, start, slots, block_size, profile,
+                           won_step, start_loads.get(tuple(sorted(start))), base_4W)  # fmt: skip
         if fill is not None:
-            step = _fill_step(fill, model, C_WN, E, profile)
+            step = _fill_step(fill, model, C_WN, E, profile, base_4W)
             if step < won_step:
                 won, won_step = fill, step
         if won_step <= BALANCED * _fill_mean(won, best):
@@ -175,10 +179,10 @@ def plan_mix(
     hot = tuple(sorted(g for g, h in won.holders.items() if h))
     replicas = tuple((g, tuple(won.holders[g])) for g in hot)
     plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, won.shares(), relay=True)
-    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
+    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile, base_4W=base_4W))
     if not prediction.step_s < best.prediction.step_s:  # the guarantee holds on the price
         return best
-    return Plan(hot, replicas, prediction, best.baseline, plan.shares, True)
+    return plan.priced(prediction, best.baseline)
 
 
 def _fill_mean(fill: WaterFill | None, best: Plan) -> float:
@@ -190,7 +194,12 @@ def _fill_mean(fill: WaterFill | None, best: Plan) -> float:
 
 
 def _fill_step(
-    fill: WaterFill, model: StepModel, C_WN: torch.Tensor, E: int, profile: HardwareProfile
+    fill: WaterFill,
+    model: StepModel,
+    C_WN: torch.Tensor,
+    E: int,
+    profile: HardwareProfile,
+    base_4W: torch.Tensor | None = None,
 ) -> float:
     """The predicted step (s) of the plan the fill would emit: from its own loads and rounds
     (one link: the same numbers ``plan_pricing`` gives that plan), or priced in full when the
@@ -204,7 +213,7 @@ def _fill_step(
     hot = tuple(sorted(g for g, h in fill.holders.items() if h))
     replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
     plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
-    return model.prediction_W(*plan_pricing(C_WN, plan, E, profile)).step_s
+    return model.prediction_W(*plan_pricing(C_WN, plan, E, profile, base_4W=base_4W)).step_s
 
 
 def _water_fill(
@@ -218,19 +227,21 @@ def _water_fill(
     profile: HardwareProfile,
     beat: float,
     loads_4W: torch.Tensor | None = None,
+    base_4W: torch.Tensor | None = None,
 ) -> WaterFill | None:
     """``WaterFill`` from the replicas ``start`` after its moves; None if no move.
     ``beat``: the step (s) the fill must beat: it stops once its water level (the mean rank
     total: its max is never below it, and moves mostly add traffic, so the level mostly
     rises) reaches it, or once its max is within ``FILL_STOP`` of its level (the last moves of
     a nearly level fill gain < 1% each; planning time: ``docs/results/balance-after.md``). ``loads_4W``: the start plan's
-    ``plan_pricing`` under relay, when the caller has it."""
+    ``plan_pricing`` under relay, when the caller has it; ``base_4W``: the aggregates with
+    nothing replicated (``baseline_loads``), when the caller has them."""
     W, E = shape.world_size, shape.experts_per_rank
     if loads_4W is None:
         hot = tuple(sorted(start))
         plan = Plan(hot, tuple((g, start[g]) for g in hot), _NO_PREDICTION, _NO_PREDICTION,
                     relay=True)  # fmt: skip
-        loads_4W, _ = plan_pricing(C_WN, plan, E, profile)
+        loads_4W, _ = plan_pricing(C_WN, plan, E, profile, base_4W=base_4W)
     distance = node_distance(profile)
     any_remote = bool(loads_4W[2].any())
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)

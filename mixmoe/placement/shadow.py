@@ -14,7 +14,7 @@ from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
 
-__all__ = ["plan_shadow"]
+__all__ = ["plan_shadow", "shadow_hot"]
 
 
 def plan_shadow(
@@ -60,32 +60,57 @@ def plan_shadow(
     baseline = model.prediction_W(loads_4W)
     if W == 1:
         return Plan((), (), baseline, baseline)
-    t_row_feat = (
-        shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
-    )
-    t_model = shape.params_bytes_per_expert / profile.link_bandwidth
-    load_W = load_N.view(W, E).sum(1)  # rows computed at each rank (int64)
-    best = int(load_W.max()) * t_row_feat
-    # load descending, ties by expert id ascending (a stable sort of the ascending ids)
-    order = torch.sort(load_N, descending=True, stable=True).indices.tolist()
-    load, own = load_N.tolist(), own_N.tolist()
-    shadowed: list[int] = []
-    for g in order:
-        o = g // E
-        trial_W = load_W + C_WN[:, g]
-        trial_W[o] = int(load_W[o]) - load[g] + own[g]
-        lat = int(trial_W.max()) * t_row_feat + (len(shadowed) + 1) * t_model
-        if not lat < best:
-            break
-        best, load_W = lat, trial_W
-        shadowed.append(g)
-    hot = tuple(sorted(shadowed))
+    hot = shadow_hot(C_WN, shape, profile, load_N, own_N)
     replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
     if node_distance(profile) is not None:  # topology: each plan priced per link (one rule)
         return reprice(C_WN, Plan(hot, replicas, baseline, baseline), model, profile)
     if not hot:
         return Plan((), (), baseline, baseline)
     return Plan(hot, replicas, model.prediction_W(_shadow_loads(C_WN, loads_4W, hot, E)), baseline)
+
+
+def shadow_hot(
+    C_WN: torch.Tensor,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    load_N: torch.Tensor,
+    own_N: torch.Tensor,
+) -> tuple[int, ...]:
+    """The experts FasterMoE's rule shadows, ascending (the search of ``plan_shadow``'s doc),
+    without pricing them: ``plan_mix`` prices the plan under its own overlap. ``load_N``,
+    ``own_N``: ``baseline_loads``' column sums and owners' own rows of the validated int64
+    ``C_WN``.
+
+    On Python ints (a W-list per tried expert, one column of C brought to the host each): the
+    search usually stops within a few experts, and a handful of tensor ops per expert cost
+    more than the list arithmetic up to W ~ 10**3. lat(S) is compared as
+    ``max_r B_r * (t_row + t_feat) + |S| * t_model`` in the same float operations as before.
+    """
+    W, E = shape.world_size, shape.experts_per_rank
+    if W == 1:
+        return ()
+    t_row_feat = (
+        shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
+    )
+    t_model = shape.params_bytes_per_expert / profile.link_bandwidth
+    load, own = load_N.tolist(), own_N.tolist()
+    # rows computed at each rank (owners' column sums)
+    load_W = [sum(load[r * E : (r + 1) * E]) for r in range(W)]
+    best = max(load_W) * t_row_feat
+    # load descending, ties by expert id ascending (a stable sort of the ascending ids)
+    order = torch.sort(load_N, descending=True, stable=True).indices.tolist()
+    shadowed: list[int] = []
+    for g in order:
+        o = g // E
+        # every source computes its own rows of g; the owner keeps only its own
+        trial_W = list(map(int.__add__, load_W, C_WN[:, g].tolist()))
+        trial_W[o] = load_W[o] - load[g] + own[g]
+        lat = max(trial_W) * t_row_feat + (len(shadowed) + 1) * t_model
+        if not lat < best:
+            break
+        best, load_W = lat, trial_W
+        shadowed.append(g)
+    return tuple(sorted(shadowed))
 
 
 def _shadow_loads(

@@ -39,6 +39,7 @@ guarantees (never worse than a2a or shadow) are the caller's, the search is a he
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,16 @@ __all__ = ["WaterFill"]
 
 def _larger_first(segment: tuple[int, int]) -> tuple[int, int]:
     return -segment[1], segment[0]
+
+
+def _reorder(order: list[tuple[int, int]], s: int, old: int, new: int) -> None:
+    """Source s's segment in ``order`` (largest first then by source, ``_larger_first``) goes
+    from ``old`` to ``new`` rows (0: not listed): one bisection out, one in, instead of sorting
+    again (at W = 1024 a hot expert's owner holds ~W segments and every move changes a few)."""
+    if old:
+        del order[bisect_left(order, (-old, s), key=_larger_first)]
+    if new:
+        insort(order, (s, new), key=_larger_first)
 
 
 def _crossing(
@@ -101,7 +112,8 @@ class WaterFill:
                 self.held[r] += 1
         self.where: dict[int, dict[int, dict[int, int]]] = {}
         self.runs: dict[tuple[int, int], dict[int, int]] = {}  # touched segments: {rank: rows}
-        self._order: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (g, r): sorted at r
+        # (g, r): [g's segments at r sorted by _larger_first, their rows], kept up to date
+        self._order: dict[tuple[int, int], list] = {}
         self.helped: dict[int, dict[int, int]] = {}
         # rows each expert's owner computes: all of them but its start holders' own
         owner_rows = colsum_N.clone()
@@ -150,14 +162,14 @@ class WaterFill:
 
     # ---- one move -----------------------------------------------------------------------------
 
-    def _ordered(self, g: int, b: int) -> tuple[list[tuple[int, int]], int]:
-        """g's segments at b, largest first then by source, and their rows in all: cached until
-        a move changes g's rows at b (at W = 1024 a hot expert's owner holds ~W segments)."""
+    def _ordered(self, g: int, b: int) -> list:
+        """[g's segments at b, largest first then by source; their rows in all]: sorted on
+        first use, then updated by each move that changes g's rows at b (``apply``)."""
         cached = self._order.get((g, b))
         if cached is None:
             at_b = self._where(g).get(b, {})
             order = sorted(at_b.items(), key=_larger_first)
-            cached = self._order[g, b] = (order, sum(at_b.values()))
+            cached = self._order[g, b] = [order, sum(at_b.values())]
         return cached
 
     def _groups(self, g: int, b: int, y: int) -> list[tuple[int, list[tuple[int, int]], int]]:
@@ -317,8 +329,7 @@ class WaterFill:
         placed = self._where(g)
         at_b, at_y = placed[b], placed.setdefault(y, {})
         moved = 0
-        self._order.pop((g, b), None)
-        self._order.pop((g, y), None)
+        order_b, order_y = self._order.get((g, b)), self._order.get((g, y))
         for s, n in takes:
             runs = self.runs.get((s, g))
             if runs is None:  # first touch: the whole segment is at b, where the rule put it
@@ -327,11 +338,20 @@ class WaterFill:
             if not runs[b]:
                 del runs[b]
             runs[y] = runs.get(y, 0) + n
-            at_b[s] -= n
+            old_b, old_y = at_b[s], at_y.get(s, 0)
+            at_b[s] = old_b - n
             if not at_b[s]:
                 del at_b[s]
-            at_y[s] = at_y.get(s, 0) + n
+            at_y[s] = old_y + n
             moved += n
+            if order_b is not None:
+                _reorder(order_b[0], s, old_b, old_b - n)
+            if order_y is not None:
+                _reorder(order_y[0], s, old_y, old_y + n)
+        if order_b is not None:
+            order_b[1] -= moved
+        if order_y is not None:
+            order_y[1] += moved
         o = g // self.E
         for r, n in ((b, -moved), (y, moved)):
             if r == o:
@@ -417,8 +437,12 @@ class WaterFill:
         for (s, g), placed in sorted(segs.items()):
             o = g // E
             rule = s if (s == o or s in held.get(g, ())) else o
-            placed = {r: n for r, n in placed.items() if n}
-            if list(placed) == [rule]:
+            if 0 in placed.values():  # (a move never leaves an empty run: defensive)
+                placed = {r: n for r, n in placed.items() if n}
+            if len(placed) == 1:
+                if rule in placed:
+                    continue
+                out.append((s, g, tuple(placed.items())))
                 continue
             runs = sorted(placed.items(), key=lambda p: (p[1] % blk != 0, p[0]))
             out.append((s, g, tuple(runs)))

@@ -122,6 +122,7 @@ class WaterFill:
         self.owner_rows = owner_rows.tolist()
         self.degrees: dict[int, dict[int, int]] = {}
         self._totals_by_rounds: dict[int, Callable[[int, int, int, int], float]] = {}
+        self._grow: dict[int, dict[int, tuple]] = {}  # g -> {y: _grown(g, y)}
         self.moves = 0
 
     def set_loads(self, loads: list[list[int]]) -> None:
@@ -223,13 +224,8 @@ class WaterFill:
         if y != o and y not in self.holders.get(g, ()):
             if self.held[y] >= self.slots:
                 return None
-            h = sorted([*self.holders.get(g, ()), y])
-            degrees, depth = relay_degrees(o, h, self.distance)
-            old = self.degrees.get(g, {})
-            tree, rounds = (h, degrees, depth), max(self.rounds, depth)
-            for r in sorted(set(degrees) | set(old)):
-                if degrees.get(r, 0) != old.get(r, 0):
-                    extra[r] = degrees.get(r, 0) - old.get(r, 0)
+            tree, extra = self._grown(g, y)
+            rounds = max(self.rounds, tree[2])
         groups = self._groups(g, b, y)
         if not groups:
             return None
@@ -317,6 +313,23 @@ class WaterFill:
             return None
         return new_max, best_takes, changed, tree, rounds
 
+    def _grown(self, g: int, y: int) -> tuple[tuple, dict[int, int]]:
+        """g's relay tree with y added as a holder, (holders, degrees, rounds), and the tree
+        edges each rank gains (or loses) with it: cached until g's holders change (the same
+        (g, y) is tried again in many moves while b sheds g's rows)."""
+        grown = self._grow.setdefault(g, {})
+        hit = grown.get(y)
+        if hit is None:
+            h = sorted([*self.holders.get(g, ()), y])
+            degrees, depth = relay_degrees(g // self.E, h, self.distance)
+            old = self.degrees.get(g, {})
+            extra = {}
+            for r in sorted(set(degrees) | set(old)):
+                if degrees.get(r, 0) != old.get(r, 0):
+                    extra[r] = degrees.get(r, 0) - old.get(r, 0)
+            hit = grown[y] = ((h, degrees, depth), extra)
+        return hit
+
     def apply(self, g: int, b: int, y: int, move) -> None:
         """Commit a move ``evaluate`` returned."""
         _, takes, changed, tree, rounds = move
@@ -326,6 +339,7 @@ class WaterFill:
             h, degrees, _ = tree
             self.holders[g], self.degrees[g] = h, degrees
             self.held[y] += 1
+            self._grow.pop(g, None)  # trees grown from g's old holders
         placed = self._where(g)
         at_b, at_y = placed[b], placed.setdefault(y, {})
         moved = 0
@@ -372,15 +386,29 @@ class WaterFill:
 
     # ---- the search ---------------------------------------------------------------------------
 
+    def run(self, moves: int, beat: float, stop: float) -> None:
+        """Up to ``moves`` moves (``step``), stopping once the water level (the mean rank
+        total) reaches ``beat``, once the max is within ``stop`` times the level, or once the
+        bottleneck cannot be relieved."""
+        W = self.W
+        for _ in range(moves):
+            totals = self.totals
+            level, best = sum(totals) / W, max(totals)
+            if level >= beat or best <= stop * level or not self._step(best, level):
+                break
+
     def step(self) -> bool:
         """One move (module doc); False when the bottleneck cannot be relieved."""
         totals = self.totals
-        best = max(totals)
+        return self._step(max(totals), sum(totals) / len(totals))
+
+    def _step(self, best: float, level: float) -> bool:
+        """``step`` given the max rank total ``best`` and the level (the mean total)."""
+        totals = self.totals
         b = totals.index(best)  # the first max: the lowest bottleneck rank
         E = self.E
         mine = [(self.owner_rows[g], g) for g in range(b * E, (b + 1) * E)]
         mine += [(n, g) for g, n in self.helped.get(b, {}).items()]
-        level = sum(totals) / len(totals)
         heavy = sorted((p for p in mine if p[0] > 0), key=lambda p: (-p[0], p[1]))[:2]
         chosen = None
         low = min(totals)

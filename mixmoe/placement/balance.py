@@ -39,7 +39,7 @@ guarantees (never worse than a2a or shadow) are the caller's, the search is a he
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Callable
 
 import torch
@@ -50,18 +50,19 @@ from mixmoe.placement.relay import relay_degrees
 __all__ = ["WaterFill"]
 
 
-def _larger_first(segment: tuple[int, int]) -> tuple[int, int]:
-    return -segment[1], segment[0]
-
-
-def _reorder(order: list[tuple[int, int]], s: int, old: int, new: int) -> None:
-    """Source s's segment in ``order`` (largest first then by source, ``_larger_first``) goes
-    from ``old`` to ``new`` rows (0: not listed): one bisection out, one in, instead of sorting
-    again (at W = 1024 a hot expert's owner holds ~W segments and every move changes a few)."""
+def _reorder(cached: list, s: int, old: int, new: int) -> None:
+    """Source s's segment in a cached order (``WaterFill._ordered``: segments largest first then
+    by source, beside their sort keys (-rows, source)) goes from ``old`` to ``new`` rows (0: not
+    listed): one bisection of the keys out, one in, instead of sorting again (at W = 1024 a hot
+    expert's owner holds ~W segments and every move changes a few)."""
+    order, keys = cached[0], cached[2]
     if old:
-        del order[bisect_left(order, (-old, s), key=_larger_first)]
+        i = bisect_left(keys, (-old, s))
+        del order[i], keys[i]
     if new:
-        insort(order, (s, new), key=_larger_first)
+        i = bisect_left(keys, (-new, s))
+        order.insert(i, (s, new))
+        keys.insert(i, (-new, s))
 
 
 def _crossing(
@@ -112,7 +113,8 @@ class WaterFill:
                 self.held[r] += 1
         self.where: dict[int, dict[int, dict[int, int]]] = {}
         self.runs: dict[tuple[int, int], dict[int, int]] = {}  # touched segments: {rank: rows}
-        # (g, r): [g's segments at r sorted by _larger_first, their rows], kept up to date
+        # (g, r): [g's segments at r, largest first then by source, their rows, sort keys],
+        # kept up to date by each move
         self._order: dict[tuple[int, int], list] = {}
         self.helped: dict[int, dict[int, int]] = {}
         # rows each expert's owner computes: all of them but its start holders' own
@@ -164,13 +166,15 @@ class WaterFill:
     # ---- one move -----------------------------------------------------------------------------
 
     def _ordered(self, g: int, b: int) -> list:
-        """[g's segments at b, largest first then by source; their rows in all]: sorted on
-        first use, then updated by each move that changes g's rows at b (``apply``)."""
+        """[g's segments (source, rows) at b, largest first then by source; their rows in all;
+        their sort keys (-rows, source)]: sorted on first use, then updated by each move that
+        changes g's rows at b (``apply``)."""
         cached = self._order.get((g, b))
         if cached is None:
             at_b = self._where(g).get(b, {})
-            order = sorted(at_b.items(), key=_larger_first)
-            cached = self._order[g, b] = [order, sum(at_b.values())]
+            keys = sorted([(-n, s) for s, n in at_b.items()])  # largest first, then by source
+            order = [(s, -k) for k, s in keys]
+            cached = self._order[g, b] = [order, sum(at_b.values()), keys]
         return cached
 
     def _groups(self, g: int, b: int, y: int) -> list[tuple[int, list[tuple[int, int]], int]]:
@@ -183,7 +187,7 @@ class WaterFill:
         own_y, own_b = at_b.get(y, 0), at_b.get(b, 0) if b != y else 0
         if own_y:
             groups.append((y, [(y, own_y)], own_y))
-        order, rows = self._ordered(g, b)
+        order, rows, _ = self._ordered(g, b)
         mid = rows - own_y - own_b  # the other sources' rows
         if mid:
             groups.append((-1, order, mid))
@@ -359,9 +363,9 @@ class WaterFill:
             at_y[s] = old_y + n
             moved += n
             if order_b is not None:
-                _reorder(order_b[0], s, old_b, old_b - n)
+                _reorder(order_b, s, old_b, old_b - n)
             if order_y is not None:
-                _reorder(order_y[0], s, old_y, old_y + n)
+                _reorder(order_y, s, old_y, old_y + n)
         if order_b is not None:
             order_b[1] -= moved
         if order_y is not None:

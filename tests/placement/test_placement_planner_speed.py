@@ -1,0 +1,147 @@
+"""The planner's speed devices keep its numbers: cached segment orders and grown relay trees equal
+a fresh computation after every move, ``Plan.priced`` equals ``dataclasses.replace``,
+``plan_pricing``'s ``base_4W`` changes nothing, and the garbage collector's pause is restored.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes to
+expert g).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixmoe.placement import CPU_PROFILE, LayerShape, plan_mix
+from mixmoe.placement.balance import WaterFill
+from mixmoe.placement.cost_model import plan_pricing, predict, step_model
+from mixmoe.placement.counts import baseline_loads, counts_with_sums
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.planner import BLOCK_SIZE
+from mixmoe.placement.relay import relay_degrees
+
+# a link fast enough next to compute that skewed counts of a few hundred rows get balanced
+CPU = CPU_PROFILE
+NODES = dataclasses.replace(
+    CPU,
+    ranks_per_node=2,
+    inter_node_bandwidth=CPU.link_bandwidth / 4,
+    inter_node_latency=2 * CPU.link_latency,
+)
+
+
+def _skewed(W: int, E: int, rows: int, seed: int) -> torch.Tensor:
+    """counts_WN: every rank sends a third of its rows to one hot expert and the rest at random
+    (Zipf-like weights over the experts), fresh per seed; one rank sends nothing when seed is
+    odd (a rank with zero rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    N = W * E
+    weights = 1.0 / torch.arange(1, N + 1, dtype=torch.float64) ** 1.2
+    weights = weights[torch.randperm(N, generator=gen)]
+    C_WN = torch.zeros(W, N, dtype=torch.int64)
+    for s in range(W):
+        picks = torch.multinomial(weights, rows, replacement=True, generator=gen)
+        C_WN[s] = torch.bincount(picks, minlength=N)
+    C_WN[:, int(torch.randint(0, N, (1,), generator=gen))] += rows // 3
+    if seed % 2:
+        C_WN[int(torch.randint(0, W, (1,), generator=gen))] = 0
+    return C_WN
+
+
+def _fill(W: int, E: int, seed: int, start: dict[int, tuple[int, ...]]):
+    shape = LayerShape(256, 1024, E, W, 2)
+    C_WN, colsum_N, _ = counts_with_sums(_skewed(W, E, 900, seed), shape)
+    model = step_model(shape, CPU, True)
+    P = predict(C_WN, (), shape, CPU)
+    hot = tuple(sorted(start))
+    plan = Plan(hot, tuple((g, start[g]) for g in hot), P, P, relay=True)
+    loads, _ = plan_pricing(C_WN, plan, E)
+    fill = WaterFill(model, C_WN, E, start, 8, BLOCK_SIZE, None, colsum_N, bool(loads[2].any()))
+    fill.set_loads(loads.to(torch.int64).tolist())
+    return fill, C_WN
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 4), st.integers(0, 10**6), st.booleans())
+def test_cached_orders_and_trees_equal_a_fresh_computation(W, E, seed, replicated) -> None:
+    """After every move, each cached segment order (``WaterFill._ordered``: kept up to date by
+    bisection) equals a fresh sort of the expert's placement at that rank, with its row sum and
+    sort keys, and each cached grown tree (``_grown``) equals ``relay_degrees`` of the current
+    holders plus the receiver, with the edge changes against the current tree."""
+    start = {}
+    if replicated:  # a start plan with replicas: the trees grow from existing holders
+        start = {0: tuple(range(1, W))} if E == 1 else {E: (0,)}
+    fill, _ = _fill(W, E, seed, start)
+    for _ in range(30):
+        if not fill.step():
+            break
+        assert fill._order or fill.moves  # the search used its caches
+        for (g, r), (order, rows, keys) in fill._order.items():
+            at_r = fill._where(g).get(r, {})
+            assert order == sorted(at_r.items(), key=lambda p: (-p[1], p[0]))
+            assert rows == sum(at_r.values())
+            assert keys == [(-n, s) for s, n in order]
+        for g, grown in fill._grow.items():
+            old = fill.degrees.get(g, {})
+            for y, ((h, degrees, depth), extra) in grown.items():
+                assert h == sorted([*fill.holders.get(g, ()), y])
+                assert (degrees, depth) == relay_degrees(g // E, h, None)
+                want = {r: degrees.get(r, 0) - old.get(r, 0) for r in {*degrees, *old}}
+                assert extra == {r: d for r, d in want.items() if d}
+
+
+def test_plan_priced_equals_replace() -> None:
+    """``Plan.priced`` is ``dataclasses.replace`` of the prediction and baseline: an equal plan
+    whose lookups (holders, segment runs) work."""
+    shape = LayerShape(256, 1024, 2, 4, 2)
+    C_WN = _skewed(4, 2, 700, 3)
+    plan = plan_mix(C_WN, shape, CPU, 4)
+    assert plan.shares  # a balanced plan with share entries
+    other = predict(C_WN, (), shape, CPU)
+    priced = plan.priced(other, plan.prediction)
+    assert priced == dataclasses.replace(plan, prediction=other, baseline=plan.prediction)
+    s, g, runs = plan.shares[0]
+    assert priced.segment_runs(s, g, int(C_WN[s, g]), 2) == runs
+    assert priced.holders(g) == plan.holders(g)
+
+
+@pytest.mark.parametrize("profile", [CPU, NODES], ids=["one-link", "nodes"])
+def test_plan_pricing_with_base_loads_is_unchanged(profile) -> None:
+    """``plan_pricing(..., base_4W=baseline_loads(...))`` equals the pricing without it."""
+    W, E = 6, 3
+    shape = LayerShape(256, 1024, E, W, 2)
+    for seed in range(4):
+        C_WN = _skewed(W, E, 800, seed)
+        plan = plan_mix(C_WN, shape, profile, 4)
+        base_4W = baseline_loads(C_WN, E)[0]
+        for candidate in (plan, dataclasses.replace(plan, shares=(), relay=False)):
+            want = plan_pricing(C_WN, candidate, E, profile)
+            got = plan_pricing(C_WN, candidate, E, profile, base_4W=base_4W)
+            assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_collector_paused_during_the_search_and_restored(enabled, monkeypatch) -> None:
+    """The cyclic garbage collector is off while the fill runs and back in its entry state
+    after ``plan_mix``."""
+    seen = []
+    run = WaterFill.run
+
+    def spy(self, *args):
+        seen.append(gc.isenabled())
+        return run(self, *args)
+
+    monkeypatch.setattr(WaterFill, "run", spy)
+    shape = LayerShape(256, 1024, 2, 8, 2)
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        plan = plan_mix(_skewed(8, 2, 900, 5), shape, CPU, 4)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+    assert plan.shares and seen and not any(seen)

@@ -127,14 +127,21 @@ class WaterFill:
         self._grow: dict[int, dict[int, tuple]] = {}  # g -> {y: _grown(g, y)}
         self.moves = 0
 
-    def set_loads(self, loads: list[list[int]]) -> None:
-        """Per-rank (rows, local, remote, replica) of the start plan under relay pricing."""
+    def set_loads(self, loads: list[list[int]], loads_4W: torch.Tensor | None = None) -> None:
+        """Per-rank (rows, local, remote, replica) of the start plan under relay pricing;
+        ``loads_4W``: the same loads as a float64 [4, W] tensor, when the caller has it (the
+        start totals are then ``StepModel.seconds_W``'s, the same floats as ``total_fn``'s, in
+        a few tensor ops instead of W calls)."""
         self.rows, self.local, self.remote, self.replica = (list(x) for x in loads)
         depth = 0
         for g, h in self.holders.items():
             self.degrees[g], d = relay_degrees(g // self.E, h, self.distance)
             depth = max(depth, d)
         self.rounds = depth
+        if loads_4W is not None:
+            compute_W, comm_W = self.model.seconds_W(loads_4W, self.any_remote, depth)
+            self.totals = (compute_W + comm_W).tolist()
+            return
         total = self._total_fn(depth)
         self.totals = list(map(total, self.rows, self.local, self.remote, self.replica))
 

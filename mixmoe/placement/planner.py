@@ -35,7 +35,7 @@ from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
-from mixmoe.placement.replica_search import SEARCH_WIDTH, plan_replicas
+from mixmoe.placement.replica_search import LIST_LIMIT, SEARCH_WIDTH, plan_replicas
 from mixmoe.placement.shadow import plan_shadow, shadow_hot
 
 __all__ = ["BLOCK_SIZE", "plan_mix", "plan_none", "plan_replicas", "plan_shadow", "replica_slots"]
@@ -133,16 +133,25 @@ def plan_mix(
     slots = replica_slots(max_replicas, E)
     counted = counts_with_sums(counts_WN, shape)  # checked and summed once for every candidate
     C_WN, *sums = counted
+    # the aggregates with nothing replicated: the replica search (but on its tiny-problem lists)
+    # and every pricing below start from them
+    base = baseline_loads(C_WN, E, sums) if W * shape.num_experts > LIST_LIMIT else None
     best = plan_replicas(
-        C_WN, shape, profile, slots, overlap, search_width=search_width, counted=counted
+        C_WN,
+        shape,
+        profile,
+        slots,
+        overlap,
+        search_width=search_width,
+        counted=counted,
+        baseline=base,
     )
     model = step_model(shape, profile, overlap)
     if node_distance(profile) is not None:  # topology: the search saw one link; price it
         best = reprice(C_WN, best, model, profile)
     if W == 1 or slots == 0:
         return best
-    # the aggregates with nothing replicated: every pricing below starts from them
-    base_4W, colsum_N, own_N = baseline_loads(C_WN, E, sums)
+    base_4W, colsum_N, own_N = base if base is not None else baseline_loads(C_WN, E, sums)
     hot = shadow_hot(C_WN, shape, profile, colsum_N, own_N)  # plan_shadow's experts
     if hot and len(hot) <= slots:  # fits the budget: price it under mix's overlap
         replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
@@ -274,7 +283,8 @@ def _water_fill(
     distance = node_distance(profile)
     any_remote = bool(loads_4W[2].any())
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
-    fill.set_loads(loads_4W[:4].to(torch.int64).tolist())  # the search: one link (module doc)
+    # the search: one link (module doc)
+    fill.set_loads(loads_4W[:4].to(torch.int64).tolist(), loads_4W[:4])
     fill.run(min(MOVES_PER_RANK * W + 16, MAX_MOVES), beat, FILL_STOP)
     return fill if fill.moves else None
 

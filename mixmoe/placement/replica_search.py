@@ -38,6 +38,7 @@ def plan_replicas(
     *,
     search_width: int = SEARCH_WIDTH,
     counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    baseline: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Plan:
     """Today's mixed-strategy search (before helpers): replicate while the predicted step strictly
     drops. ``plan_mix`` starts from its plan (one candidate) and balances from there.
@@ -45,7 +46,9 @@ def plan_replicas(
     ``counts_WN``: an integer CPU tensor [W, N] (the all-gathered counts; int64 is used without a
     copy) or [W][N] nested sequences of ints (converted: slow at scale, pass the tensor).
     ``counted``: ``counts_with_sums(counts_WN, shape)`` when the caller has it (``plan_mix``:
-    the counts are then checked and summed once per plan, ~4 ms at [1024, 4096]).
+    the counts are then checked and summed once per plan, ~4 ms at [1024, 4096]); ``baseline``:
+    ``baseline_loads(C_WN, E, sums)`` of them when the caller has it (read, never changed; the
+    tiny problems of ``_plan_mix_lists`` do not use it).
 
     Placement rule: replicating g gives a replica to every rank s != owner with C[s][g] > 0 (all
     of g's rows are then computed at their sources). Candidates: experts with a remote row.
@@ -104,7 +107,7 @@ def plan_replicas(
         return _plan_mix_lists(counts_WN, shape, model, max_replicas, search_width)
     C_WN, *sums = counted if counted is not None else counts_with_sums(counts_WN, shape)
     W, E = shape.world_size, shape.experts_per_rank
-    loads_4W, colsum_N, own_N = baseline_loads(C_WN, E, sums)
+    loads_4W, colsum_N, own_N = baseline if baseline is not None else baseline_loads(C_WN, E, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), W * shape.num_experts))
     moved_N = colsum_N - own_N
     total_remote = int(moved_N.sum())

@@ -6,6 +6,8 @@ expert g; expert g is owned by rank g // E).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from mixmoe.placement.cost_model import LayerShape, reprice, step_model
@@ -93,24 +95,31 @@ def shadow_hot(
         shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
     )
     t_model = shape.params_bytes_per_expert / profile.link_bandwidth
-    load, own = load_N.tolist(), own_N.tolist()
-    # rows computed at each rank (owners' column sums)
-    load_W = [sum(load[r * E : (r + 1) * E]) for r in range(W)]
+    load_W = load_N.view(W, E).sum(1).tolist()  # rows computed at each rank (int64 sums)
     best = max(load_W) * t_row_feat
-    # load descending, ties by expert id ascending (a stable sort of the ascending ids)
-    order = torch.sort(load_N, descending=True, stable=True).indices.tolist()
+    # load descending, ties by expert id ascending (a stable sort of the ascending ids); the
+    # search mostly stops within the first few: their loads on the host, a few at a time
+    order_N = torch.sort(load_N, descending=True, stable=True).indices
     shadowed: list[int] = []
-    for g in order:
+    for g in _prefixes(order_N):
         o = g // E
         # every source computes its own rows of g; the owner keeps only its own
         trial_W = list(map(int.__add__, load_W, C_WN[:, g].tolist()))
-        trial_W[o] = load_W[o] - load[g] + own[g]
+        trial_W[o] = load_W[o] - int(load_N[g]) + int(own_N[g])
         lat = max(trial_W) * t_row_feat + (len(shadowed) + 1) * t_model
         if not lat < best:
             break
         best, load_W = lat, trial_W
         shadowed.append(g)
     return tuple(sorted(shadowed))
+
+
+def _prefixes(order_N: torch.Tensor) -> Iterator[int]:
+    """The ints of ``order_N`` in order, brought to the host 8, 64, 512, ... at a time."""
+    first, size = 0, 8
+    while first < len(order_N):
+        yield from order_N[first : first + size].tolist()
+        first, size = first + size, 8 * size
 
 
 def _shadow_loads(

@@ -145,3 +145,24 @@ def test_collector_paused_during_the_search_and_restored(enabled, monkeypatch) -
     finally:
         gc.enable() if was else gc.disable()
     assert plan.shares and seen and not any(seen)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 4), st.integers(0, 10**6), st.booleans())
+def test_start_totals_from_the_tensor_equal_total_fn(W, E, seed, replicated) -> None:
+    """``WaterFill.set_loads`` with the loads tensor gives the start totals ``total_fn`` gives
+    rank by rank, bit for bit (relay rounds of the start's replicas included)."""
+    start = {}
+    if replicated:
+        start = {0: tuple(range(1, W))} if E == 1 else {E: (0,), 0: tuple(range(1, W))}
+    fill, C_WN = _fill(W, E, seed, start)
+    shape = LayerShape(256, 1024, E, W, 2)
+    hot = tuple(sorted(start))
+    P = predict(C_WN, (), shape, CPU)
+    plan = Plan(hot, tuple((g, start[g]) for g in hot), P, P, relay=True)
+    loads_4W, _ = plan_pricing(C_WN, plan, E)
+    fill.set_loads(loads_4W.to(torch.int64).tolist(), loads_4W)
+    total = fill.model.total_fn(fill.any_remote, fill.rounds)
+    want = list(map(total, fill.rows, fill.local, fill.remote, fill.replica))
+    assert fill.totals == want
+    assert fill.rounds == (max(len(h) for h in start.values()).bit_length() if start else 0)

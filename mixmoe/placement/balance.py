@@ -278,11 +278,18 @@ class WaterFill:
             # cross, checked at k and k + 1, and bisected in what is left when the guess misses
             # (the totals bend where overlap hides all of a rank's traffic)
             hi = -(-amount // blk)
+            probed: dict[int, tuple[float, float]] = {}  # rows moved -> (b's, y's totals)
 
-            def fits(k: int, s: int = s, amount: int = amount) -> bool:
-                t_lb, t_ly = moved(s, min(k * blk, amount))
-                c = total(*t_ly)
-                return total(*t_lb) >= c and c <= cap
+            def totals_at(n: int, s: int = s, probed: dict = probed) -> tuple[float, float]:
+                hit = probed.get(n)
+                if hit is None:
+                    t_lb, t_ly = moved(s, n)
+                    hit = probed[n] = (total(*t_lb), total(*t_ly))
+                return hit
+
+            def fits(k: int, amount: int = amount) -> bool:
+                tb_k, ty_k = totals_at(min(k * blk, amount))
+                return tb_k >= ty_k and ty_k <= cap
 
             lo, k = 0, _crossing(tb - ty, tb_now - ty_now, cap - ty_now, cap - ty, amount, blk)
             if k < hi:  # a guess inside: one probe each side settles most searches
@@ -303,10 +310,9 @@ class WaterFill:
                 n = sum(m for _, m in part)
                 if n <= 0:
                     continue
-                t_lb, t_ly = moved(s, n)
-                m = max(total(*t_lb), total(*t_ly))
+                m = max(totals_at(n))  # mostly probed already: a cut at k whole blocks
                 if m < best_pair:
-                    best_pair, best_takes, best_loads = m, takes + part, (t_lb, t_ly)
+                    best_pair, best_takes, best_loads = m, takes + part, moved(s, n)
             break
         if not best_takes:
             return None
@@ -452,7 +458,10 @@ class WaterFill:
             out.append(least(r for r in range(self.W) if self.distance(o, r) == 0))
         out.append(least([*self.holders.get(g, ()), o]))
         # the source sending b the most rows of g (ties: the lowest rank): b's order's first
-        out.append(next((s for s, _ in self._ordered(g, b)[0] if s != b), None))
+        for s, _ in self._ordered(g, b)[0]:
+            if s != b:
+                out.append(s)
+                break
         seen: list[int] = []
         for y in out:
             if y is not None and y not in seen:

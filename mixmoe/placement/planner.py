@@ -243,6 +243,10 @@ def _fill_step(
     (one link: the same numbers ``plan_pricing`` gives that plan), or priced in full when the
     profile has a topology (the search saw one link)."""
     if node_distance(profile) is None:
+        if any(fill.remote) == fill.any_remote:
+            # the search's totals are those of its loads under its rounds and flags (every
+            # rank recomputed when the rounds change: WaterFill.apply), so their max is the step
+            return max(fill.totals)
         loads_4W = torch.tensor(
             [fill.rows, fill.local, fill.remote, fill.replica], dtype=torch.float64
         )

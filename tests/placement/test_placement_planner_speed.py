@@ -21,7 +21,7 @@ from mixmoe.placement.balance import WaterFill
 from mixmoe.placement.cost_model import plan_pricing, predict, step_model
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.plan import Plan
-from mixmoe.placement.planner import BLOCK_SIZE
+from mixmoe.placement.planner import BLOCK_SIZE, _fill_step
 from mixmoe.placement.relay import relay_degrees
 
 # a link fast enough next to compute that skewed counts of a few hundred rows get balanced
@@ -166,3 +166,21 @@ def test_start_totals_from_the_tensor_equal_total_fn(W, E, seed, replicated) -> 
     want = list(map(total, fill.rows, fill.local, fill.remote, fill.replica))
     assert fill.totals == want
     assert fill.rounds == (max(len(h) for h in start.values()).bit_length() if start else 0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 4), st.integers(0, 10**6))
+def test_fill_step_is_the_priced_step_of_the_fill_plan(W, E, seed) -> None:
+    """``planner._fill_step`` (the search's own max when its flags hold) equals the step of
+    the plan the fill would emit, priced by ``plan_pricing``, after every move."""
+    fill, C_WN = _fill(W, E, seed, {})
+    shape = LayerShape(256, 1024, E, W, 2)
+    P = predict(C_WN, (), shape, CPU)
+    for _ in range(20):
+        if not fill.step():
+            break
+        hot = tuple(sorted(g for g, h in fill.holders.items() if h))
+        replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
+        plan = Plan(hot, replicas, P, P, fill.shares(), relay=True)
+        want = fill.model.prediction_W(*plan_pricing(C_WN, plan, E)).step_s
+        assert _fill_step(fill, fill.model, C_WN, E, CPU) == want

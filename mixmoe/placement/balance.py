@@ -39,7 +39,7 @@ guarantees (never worse than a2a or shadow) are the caller's, the search is a he
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Callable
 
 import torch
@@ -78,6 +78,39 @@ def _crossing(
     if room_end < 0.0 <= room_now:
         n = min(n, amount * room_now / (room_now - room_end))
     return int(n) // blk
+
+
+def _edge_changes(owner: int, holders: list[int], y: int) -> tuple[int, dict[int, int]]:
+    """One link: the rounds of ``relay_degrees(owner, holders + [y])`` and its edges minus those
+    of ``relay_degrees(owner, holders)`` per rank (ascending, nonzero only); ``holders``
+    ascending, without y.
+
+    In the served order [owner, *holders] of n ranks, position j >= 1 has 1 + max(0,
+    (n - j - 1).bit_length() - j.bit_length()) edges and the owner (n - 1).bit_length(). y
+    enters at position p (n grows by one): a position j < p changes only where n - j is a
+    power of two (its first term grows), a position j >= p moves to j + 1 and changes only
+    where j + 1 is a power of two (its second term grows); so O(log n) ranks are looked at,
+    not the whole tree (W = 1024: hundreds of holders per hot expert)."""
+    n = len(holders) + 1  # the order's length before y joins
+
+    def edges(j: int, n: int) -> int:
+        return 1 + max(0, (n - j - 1).bit_length() - j.bit_length())
+
+    p = bisect_left(holders, y) + 1  # y's position in the new order
+    extra = {owner: n.bit_length() - (n - 1).bit_length(), y: edges(p, n + 1)}
+    k = 1
+    while n - k >= 1:  # j = n - 2**i before p
+        j = n - k
+        if j < p:
+            extra[holders[j - 1]] = edges(j, n + 1) - edges(j, n)
+        k *= 2
+    k = 2
+    while k - 1 <= n - 1:  # j = 2**i - 1 from p on: now at j + 1
+        j = k - 1
+        if j >= p:
+            extra[holders[j - 1]] = edges(j + 1, n + 1) - edges(j, n)
+        k *= 2
+    return n.bit_length(), {r: d for r, d in sorted(extra.items()) if d}
 
 
 class WaterFill:
@@ -225,7 +258,8 @@ class WaterFill:
 
     def evaluate(self, g: int, b: int, y: int, best: float, level: float = float("inf")):
         """The best move of g's rows from b to y (module doc, step 3-5): (new max over the
-        changed ranks, takes [(source, rows)], changed {rank: loads}, new tree or None, rounds)
+        changed ranks, takes [(source, rows)], changed {rank: loads}, g's tree grown by y
+        (``_grown``) or None, rounds)
         or None when no move keeps every changed rank below ``best``."""
         E, blk = self.E, self.block
         o = g // E
@@ -235,8 +269,8 @@ class WaterFill:
         if y != o and y not in self.holders.get(g, ()):
             if self.held[y] >= self.slots:
                 return None
-            tree, extra = self._grown(g, y)
-            rounds = max(self.rounds, tree[2])
+            tree = self._grown(g, y)
+            rounds, extra = max(self.rounds, tree[0]), tree[1]
         groups = self._groups(g, b, y)
         if not groups:
             return None
@@ -330,21 +364,29 @@ class WaterFill:
             return None
         return new_max, best_takes, changed, tree, rounds
 
-    def _grown(self, g: int, y: int) -> tuple[tuple, dict[int, int]]:
-        """g's relay tree with y added as a holder, (holders, degrees, rounds), and the tree
-        edges each rank gains (or loses) with it: cached until g's holders change (the same
-        (g, y) is tried again in many moves while b sheds g's rows)."""
-        grown = self._grow.setdefault(g, {})
+    def _grown(self, g: int, y: int) -> tuple[int, dict[int, int], list[int] | None, dict | None]:
+        """g's relay tree with y added as a holder: (its rounds, the tree edges each rank gains or
+        loses {rank: edges}, the holders ascending, {rank: edges}), cached until g's holders
+        change (the same (g, y) is tried again in many moves while b sheds g's rows). With one
+        link the last two are None (``apply`` builds them) and the changes come from
+        ``_edge_changes`` in O(log H); with a topology from ``relay_degrees`` in full."""
+        grown = self._grow.get(g)
+        if grown is None:
+            grown = self._grow[g] = {}
         hit = grown.get(y)
         if hit is None:
-            h = sorted([*self.holders.get(g, ()), y])
+            holders, old = self.holders.get(g, ()), self.degrees.get(g, {})
+            if self.distance is None:
+                depth, extra = _edge_changes(g // self.E, holders, y)
+                hit = grown[y] = (depth, extra, None, None)
+                return hit
+            h = sorted([*holders, y])
             degrees, depth = relay_degrees(g // self.E, h, self.distance)
-            old = self.degrees.get(g, {})
             extra = {}
             for r in sorted(set(degrees) | set(old)):
                 if degrees.get(r, 0) != old.get(r, 0):
                     extra[r] = degrees.get(r, 0) - old.get(r, 0)
-            hit = grown[y] = ((h, degrees, depth), extra)
+            hit = grown[y] = (depth, extra, h, degrees)
         return hit
 
     def apply(self, g: int, b: int, y: int, move) -> None:
@@ -353,7 +395,13 @@ class WaterFill:
         for r, ld in changed.items():
             self.rows[r], self.local[r], self.remote[r], self.replica[r] = ld
         if tree is not None:
-            h, degrees, _ = tree
+            _, extra, h, degrees = tree
+            if h is None:  # one link: g's holders and tree edges updated by the changes
+                h = list(self.holders.get(g, ()))
+                insort(h, y)
+                degrees = dict(self.degrees.get(g, {}))
+                for r, d in extra.items():
+                    degrees[r] = degrees.get(r, 0) + d
             self.holders[g], self.degrees[g] = h, degrees
             self.held[y] += 1
             self._grow.pop(g, None)  # trees grown from g's old holders

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixmoe.placement import CPU_PROFILE, LayerShape, plan_mix
-from mixmoe.placement.balance import WaterFill
+from mixmoe.placement.balance import WaterFill, _edge_changes
 from mixmoe.placement.cost_model import plan_pricing, predict, step_model
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.plan import Plan
@@ -85,13 +85,31 @@ def test_cached_orders_and_trees_equal_a_fresh_computation(W, E, seed, replicate
             assert order == sorted(at_r.items(), key=lambda p: (-p[1], p[0]))
             assert rows == sum(at_r.values())
             assert keys == [(-n, s) for s, n in order]
+        for g, holders in fill.holders.items():  # the trees the moves built
+            assert fill.degrees[g] == relay_degrees(g // E, holders, None)[0]
         for g, grown in fill._grow.items():
             old = fill.degrees.get(g, {})
-            for y, ((h, degrees, depth), extra) in grown.items():
-                assert h == sorted([*fill.holders.get(g, ()), y])
-                assert (degrees, depth) == relay_degrees(g // E, h, None)
-                want = {r: degrees.get(r, 0) - old.get(r, 0) for r in {*degrees, *old}}
-                assert extra == {r: d for r, d in want.items() if d}
+            for y, (depth, extra, h, degrees) in grown.items():
+                want_h = sorted([*fill.holders.get(g, ()), y])
+                want_degrees, want_depth = relay_degrees(g // E, want_h, None)
+                assert depth == want_depth and h in (None, want_h)
+                assert degrees in (None, want_degrees)
+                diff = {r: want_degrees.get(r, 0) - old.get(r, 0) for r in {*want_degrees, *old}}
+                assert extra == {r: d for r, d in diff.items() if d}
+
+
+def test_edge_changes_equal_two_relay_trees() -> None:
+    """``balance._edge_changes`` (O(log H)) equals the difference of ``relay_degrees`` with and
+    without the new holder, for every position of the newcomer in trees of 0 to 40 holders."""
+    gen = torch.Generator().manual_seed(7)
+    for H in range(41):
+        for _ in range(4):
+            ranks = (torch.randperm(60, generator=gen)[: H + 1] + 1).tolist()
+            y, holders = ranks[0], sorted(ranks[1:])
+            old, _ = relay_degrees(0, holders, None)
+            new, depth = relay_degrees(0, sorted([*holders, y]), None)
+            diff = {r: new.get(r, 0) - old.get(r, 0) for r in sorted({*new, *old})}
+            assert _edge_changes(0, holders, y) == (depth, {r: d for r, d in diff.items() if d})
 
 
 def test_plan_priced_equals_replace() -> None:

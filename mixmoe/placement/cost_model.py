@@ -440,13 +440,19 @@ class StepModel:
         )
 
     def prediction_lists(
-        self, rows: list[int], local: list[int], remote: list[int], replica: list[int]
+        self,
+        rows: list[int],
+        local: list[int],
+        remote: list[int],
+        replica: list[int],
+        rounds: int | None = None,
     ) -> Prediction:
         """``prediction_W`` of aggregates held as lists of Python ints, without a tensor (the
         list planner's whole plan costs less than a few tensor ops): ``rank_seconds`` per rank,
-        equal to ``seconds_W`` bit for bit, so the same ``Prediction``. The caller has run
-        ``check_exact`` on them."""
-        any_remote, any_hot = any(remote), any(replica)
+        equal to ``seconds_W`` bit for bit, so the same ``Prediction``. ``rounds``: as for
+        ``prediction_W``. The caller has run ``check_exact`` on them."""
+        any_remote = any(remote)
+        any_hot = any(replica) if rounds is None else rounds
         seconds = self.rank_seconds
         compute, comm = [], []
         for loads in zip(rows, local, remote, replica, strict=True):

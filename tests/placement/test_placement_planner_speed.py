@@ -21,7 +21,7 @@ from mixmoe.placement.balance import WaterFill, _edge_changes
 from mixmoe.placement.cost_model import plan_pricing, predict, step_model
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.plan import Plan
-from mixmoe.placement.planner import BLOCK_SIZE, _fill_step
+from mixmoe.placement.planner import BLOCK_SIZE, _fill_step, _prediction
 from mixmoe.placement.relay import relay_degrees
 
 # a link fast enough next to compute that skewed counts of a few hundred rows get balanced
@@ -202,3 +202,22 @@ def test_fill_step_is_the_priced_step_of_the_fill_plan(W, E, seed) -> None:
         plan = Plan(hot, replicas, P, P, fill.shares(), relay=True)
         want = fill.model.prediction_W(*plan_pricing(C_WN, plan, E)).step_s
         assert _fill_step(fill, fill.model, C_WN, E, CPU) == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.integers(0, 10**6), st.sampled_from([None, 0, 1, 3]))
+def test_list_prediction_equals_the_tensor_one(W, seed, rounds) -> None:
+    """``planner._prediction`` (lists up to 64 ranks) and ``prediction_lists(..., rounds)`` give
+    ``prediction_W``'s Prediction exactly, relay rounds included."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = LayerShape(256, 1024, 2, W, 2)
+    loads_4W = torch.randint(0, 5000, (4, W), generator=gen).to(torch.float64)
+    loads_4W[1] = torch.minimum(loads_4W[1], loads_4W[0])  # local rows are rows computed
+    loads_4W[3] = torch.randint(0, 6, (W,), generator=gen).to(torch.float64)
+    for overlap in (False, True):
+        model = step_model(shape, CPU, overlap)
+        want = model.prediction_W(loads_4W, rounds)
+        got = model.prediction_lists(*loads_4W.to(torch.int64).tolist(), rounds=rounds)
+        assert got == want
+        if rounds is not None:
+            assert _prediction(model, loads_4W, rounds) == want

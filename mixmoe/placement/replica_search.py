@@ -111,27 +111,24 @@ def plan_replicas(
     model.check_exact(max(2 * int(colsum_N.sum()), W * shape.num_experts))
     moved_N = colsum_N - own_N
     total_remote = int(moved_N.sum())
-    compute_W, comm_W = model.seconds_W(loads_4W, total_remote > 0, False)
-    baseline = model.pack(compute_W, comm_W, loads_4W)
-    if max_replicas == 0 or W == 1 or total_remote == 0:
-        return Plan((), (), baseline, baseline)
-    if W <= HOST_LIMIT:
+    if W <= HOST_LIMIT:  # the loads on the host: the baseline priced on lists (same floats)
+        loads = loads_4W.to(torch.int64).tolist()
+        baseline = model.prediction_lists(*loads)
+        if max_replicas == 0 or W == 1 or total_remote == 0:
+            return Plan((), (), baseline, baseline)
+        totals = list(map(operator.add, baseline.compute_s, baseline.comm_s))
         host = _HostMixSearch(
-            model,
-            C_WN,
-            E,
-            max_replicas,
-            search_width,
-            loads_4W,
-            compute_W + comm_W,
-            moved_N,
-            total_remote,
+            model, C_WN, E, max_replicas, search_width, loads, totals, moved_N, total_remote
         )
         while host.round():
             pass
         if not host.accepted:
             return Plan((), (), baseline, baseline)
         return _plan_of(host.accepted, model.prediction_lists(*host.loads), baseline)
+    compute_W, comm_W = model.seconds_W(loads_4W, total_remote > 0, False)
+    baseline = model.pack(compute_W, comm_W, loads_4W)
+    if max_replicas == 0 or W == 1 or total_remote == 0:
+        return Plan((), (), baseline, baseline)
     search = _MixSearch(model, C_WN, E, max_replicas, search_width)
     search.start(loads_4W, compute_W + comm_W, moved_N, total_remote)
     # the first round shortlists (often the only one: nothing pays); once an expert is accepted,
@@ -594,13 +591,14 @@ class _HostMixSearch(_ListMixSearch):
         E: int,
         max_replicas: int,
         width: int,
-        loads_4W: torch.Tensor,
-        totals_W: torch.Tensor,
+        loads: list[list[int]],
+        totals: list[float],
         moved_N: torch.Tensor,
         total_remote: int,
     ) -> None:
+        """``loads``: the baseline's [rows, local, remote, replica] lists of W ints (kept and
+        updated: the search's own), ``totals`` their seconds per rank."""
         self.C_WN, self.open_N = C_WN, moved_N > 0
-        loads, moved = loads_4W.to(torch.int64).tolist(), moved_N.tolist()
         super().__init__(
             model,
             [],
@@ -608,8 +606,8 @@ class _HostMixSearch(_ListMixSearch):
             max_replicas,
             width,
             loads,
-            totals_W.tolist(),
-            moved,
+            totals,
+            moved_N.tolist(),
             total_remote,
             self.open_N.tolist(),
         )

@@ -99,13 +99,12 @@ def shadow_hot(
     best = max(load_W) * t_row_feat
     # load descending, ties by expert id ascending (a stable sort of the ascending ids); the
     # search mostly stops within the first few: their loads on the host, a few at a time
-    order_N = torch.sort(load_N, descending=True, stable=True).indices
     shadowed: list[int] = []
-    for g in _prefixes(order_N):
+    for g, load_g, own_g in _by_load(load_N, own_N):
         o = g // E
         # every source computes its own rows of g; the owner keeps only its own
         trial_W = list(map(int.__add__, load_W, C_WN[:, g].tolist()))
-        trial_W[o] = load_W[o] - int(load_N[g]) + int(own_N[g])
+        trial_W[o] = load_W[o] - load_g + own_g
         lat = max(trial_W) * t_row_feat + (len(shadowed) + 1) * t_model
         if not lat < best:
             break
@@ -114,11 +113,15 @@ def shadow_hot(
     return tuple(sorted(shadowed))
 
 
-def _prefixes(order_N: torch.Tensor) -> Iterator[int]:
-    """The ints of ``order_N`` in order, brought to the host 8, 64, 512, ... at a time."""
+def _by_load(load_N: torch.Tensor, own_N: torch.Tensor) -> Iterator[tuple[int, int, int]]:
+    """(g, load_N[g], own_N[g]) by load descending, ties by expert id ascending (a stable sort
+    of the ascending ids), brought to the host 8, 64, 512, ... at a time."""
+    load_sorted_N, order_N = torch.sort(load_N, descending=True, stable=True)
     first, size = 0, 8
     while first < len(order_N):
-        yield from order_N[first : first + size].tolist()
+        g_B = order_N[first : first + size]
+        loads_B = load_sorted_N[first : first + size].tolist()
+        yield from zip(g_B.tolist(), loads_B, own_N[g_B].tolist(), strict=True)
         first, size = first + size, 8 * size
 
 

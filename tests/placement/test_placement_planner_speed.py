@@ -221,3 +221,22 @@ def test_list_prediction_equals_the_tensor_one(W, seed, rounds) -> None:
         assert got == want
         if rounds is not None:
             assert _prediction(model, loads_4W, rounds) == want
+
+
+@pytest.mark.parametrize(
+    ("shares", "match"),
+    [
+        (((1, 2, ((0, 5),)), (0, 3, ((0, 5),))), "strictly ascending"),  # out of order
+        (((0, 3, ((0, 5),)), (0, 3, ((1, 5),))), "strictly ascending"),  # a segment twice
+        (((0, 3, ()),), "distinct ranks with rows > 0"),  # no run
+        (((0, 3, ((0, 0),)),), "distinct ranks with rows > 0"),  # one empty run
+        (((0, 3, ((0, 64), (0, 5))),), "distinct ranks with rows > 0"),  # a rank twice
+        (((0, 3, ((0, 64), (1, -1))),), "distinct ranks with rows > 0"),  # a negative run
+    ],
+)
+def test_plan_rejects_malformed_shares(shares, match) -> None:
+    """``Plan``'s checks of share entries (the fast path for one-run entries included)."""
+    P = predict([[1, 1], [1, 1]], (), LayerShape(8, 8, 1, 2, 2), CPU)
+    with pytest.raises(ValueError, match=match):
+        Plan((), (), P, P, shares)
+    Plan((), (), P, P, ((0, 1, ((0, 64), (1, 5))), (1, 0, ((1, 3),))))  # well formed

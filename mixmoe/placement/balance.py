@@ -28,8 +28,12 @@ source, the rest at the owner: ``Plan``'s replica rule) and, one ``step`` per mo
    a move does not change (the first replica would never pay where ranks tie at the max).
 
 Speed (the plan runs every step): totals come from ``StepModel.total_fn`` (``rank_total`` with
-the group flags bound, the same floats), probes on tuples, each (g, rank) segment order cached
-with its row sum until a move changes it; a move costs ~0.1-0.2 ms of Python at W = 8-256.
+the group flags bound, the same floats), probes on tuples and memoised per crossing search, each
+(g, rank) segment order cached with its row sum and sort keys and updated by bisection when a
+move changes it, a new holder's relay-tree edge changes computed in O(log H) with one link
+(``_edge_changes``) and cached per (g, y) until g's holders change; a move costs ~0.05-0.1 ms
+of Python at W = 8-256, ~0.3 ms at W = 1024 (tests/placement/test_placement_planner_speed.py
+checks every cache against a fresh computation).
 
 Deterministic: ties by rank and expert id, no set or dict iteration order used for decisions.
 The caller (``plan_mix``) bounds the moves, prices the result with the cost model

@@ -31,8 +31,8 @@ Speed (the plan runs every step): totals come from ``StepModel.total_fn`` (``ran
 the group flags bound, the same floats), probes on tuples and memoised per crossing search, each
 (g, rank) segment order cached with its row sum and sort keys and updated by bisection when a
 move changes it, a new holder's relay-tree edge changes computed in O(log H) with one link
-(``_edge_changes``) and cached per (g, y) until g's holders change; a move costs ~0.05-0.1 ms
-of Python at W = 8-256, ~0.3 ms at W = 1024 (tests/placement/test_placement_planner_speed.py
+(``_edge_changes``) and cached per (g, y) until g's holders change; a move costs ~0.07 ms
+of Python at W = 64, ~0.15 ms at W = 256, ~0.3 ms at W = 1024 (tests/placement/test_placement_planner_speed.py
 checks every cache against a fresh computation).
 
 Deterministic: ties by rank and expert id, no set or dict iteration order used for decisions.

@@ -32,8 +32,8 @@ the group flags bound, the same floats), probes on tuples and memoised per cross
 (g, rank) segment order cached with its row sum and sort keys and updated by bisection when a
 move changes it, a new holder's relay-tree edge changes computed in O(log H) with one link
 (``_edge_changes``) and cached per (g, y) until g's holders change; a move costs ~0.07 ms
-of Python at W = 64, ~0.15 ms at W = 256, ~0.3 ms at W = 1024 (tests/placement/test_placement_planner_speed.py
-checks every cache against a fresh computation).
+of Python at W = 64, ~0.15 ms at W = 256, ~0.3 ms at W = 1024 (every cache is checked
+against a fresh computation: ``tests/placement/test_placement_planner_speed.py``).
 
 Deterministic: ties by rank and expert id, no set or dict iteration order used for decisions.
 The caller (``plan_mix``) bounds the moves, prices the result with the cost model

@@ -14,7 +14,12 @@ from mixmoe.bench.calibrate import CalibrateConfig, calibrate
 from mixmoe.comm.launch import spawn_gloo
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.planner import plan_mix
-from mixmoe.placement.profile_io import load_profile, read_profile_record
+from mixmoe.placement.profile_io import (
+    load_profile,
+    profile_record,
+    read_profile_record,
+    save_profile,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -92,7 +97,7 @@ def _calibrate_slow(comm, cfg: CalibrateConfig):
     return profile, m
 
 
-def test_each_link_fit_finds_its_own_link() -> None:
+def test_each_link_fit_finds_its_own_link(tmp_path) -> None:
     cfg = CalibrateConfig(
         model_dim=16, hidden_size=32, experts=2, rows=(16, 64), world_size=4, ranks_per_node=2,
         a2a_bytes=(4096, 262144, 1 << 20), layer_tokens=(), repeats=3, warmup=1,
@@ -105,3 +110,6 @@ def test_each_link_fit_finds_its_own_link() -> None:
     # ... and the intra-node fit never saw it
     assert profile.link_bandwidth >= 5 * profile.inter_node_bandwidth, m
     assert profile.link_latency < profile.inter_node_latency, m
+    # the measured profile survives its file: the same profile comes back
+    record = profile_record(profile, source="test", measured=True, measurements=m)
+    assert load_profile(save_profile(tmp_path / "slow.json", record)) == profile

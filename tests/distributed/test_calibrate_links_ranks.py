@@ -12,6 +12,7 @@ import torch
 from mixmoe import cli
 from mixmoe.bench.calibrate import CalibrateConfig, calibrate
 from mixmoe.comm.launch import spawn_gloo
+from mixmoe.commands.calibrate import agree_ranks_per_node
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.planner import plan_mix
 from mixmoe.placement.profile_io import (
@@ -93,8 +94,14 @@ class SlowInterNode:
 
 
 def _calibrate_slow(comm, cfg: CalibrateConfig):
+    agree_ranks_per_node(comm, 2, "cpu")  # equal node sizes: nothing to say
+    try:  # torchrun nodes of unequal sizes: every rank (all join the check) refuses
+        agree_ranks_per_node(comm, 2 if comm.rank < 2 else 4, "cpu")
+        unequal = ""
+    except ValueError as exc:
+        unequal = str(exc)
     profile, m = calibrate(cfg, SlowInterNode(comm, cfg.ranks_per_node))
-    return profile, m
+    return profile, m, unequal
 
 
 def test_each_link_fit_finds_its_own_link(tmp_path) -> None:
@@ -102,7 +109,9 @@ def test_each_link_fit_finds_its_own_link(tmp_path) -> None:
         model_dim=16, hidden_size=32, experts=2, rows=(16, 64), world_size=4, ranks_per_node=2,
         a2a_bytes=(4096, 262144, 1 << 20), layer_tokens=(), repeats=3, warmup=1,
     )  # fmt: skip
-    profile, m = spawn_gloo(_calibrate_slow, 4, cfg, timeout_s=240)[0]
+    results = spawn_gloo(_calibrate_slow, 4, cfg, timeout_s=240)
+    assert all("different numbers of ranks (2 to 4)" in r[2] for r in results), results
+    profile, m, _ = results[0]
     assert profile.ranks_per_node == 2
     # the inter-node fit recovers the planted link (gloo's own time is small beside it) ...
     assert 0.5 * SLOW_BANDWIDTH <= profile.inter_node_bandwidth <= 2 * SLOW_BANDWIDTH, m

@@ -117,7 +117,7 @@ def test_each_link_fit_finds_its_own_link(tmp_path) -> None:
     assert 0.5 * SLOW_BANDWIDTH <= profile.inter_node_bandwidth <= 2 * SLOW_BANDWIDTH, m
     assert 0.75 * SLOW_LATENCY <= profile.inter_node_latency <= 2 * SLOW_LATENCY, m
     # ... and the intra-node fit never saw it
-    assert profile.link_bandwidth >= 5 * profile.inter_node_bandwidth, m
+    assert profile.link_bandwidth >= 3 * profile.inter_node_bandwidth, m
     assert profile.link_latency < profile.inter_node_latency, m
     # the measured profile survives its file: the same profile comes back
     record = profile_record(profile, source="test", measured=True, measurements=m)

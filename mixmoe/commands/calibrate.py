@@ -259,7 +259,7 @@ def _print_links(measurements: dict, world: int, spawned: bool) -> None:
         print(f"\nall_to_all_single on {world} ranks")
         _print_sweep(measurements["all_to_all"])
         if topology["ranks_per_node"] is not None:
-            print(f"(--ranks-per-node {topology['ranks_per_node']}: {topology['measured']})")
+            print(f"(ranks per node {topology['ranks_per_node']}: {topology['measured']})")
         return
     print(f"\nlinks: {topology['measured']}")
     for key, title in (("intra_node", "intra-node"), ("inter_node", "inter-node")):

@@ -159,3 +159,13 @@ def test_torchrun_node_size_is_the_default(monkeypatch) -> None:
     assert cfg.ranks_per_node == 4  # the flag wins
     monkeypatch.delenv("RANK")
     assert torchrun_ranks_per_node() is None  # not under torchrun: one link unless given
+
+
+def test_one_node_run_prints_one_link_and_why(capsys) -> None:
+    from mixmoe.commands.calibrate import _print_links
+
+    _, entries = links_profile("one", 1e11, {"all": _points(*INTRA)}, 4, 4)
+    _print_links(entries, 4, spawned=True)
+    text = capsys.readouterr().out
+    assert "all_to_all_single on 4 ranks" in text and "intra-node all_to_all" not in text
+    assert "(ranks per node 4: one node (4 ranks per node >= 4 ranks)" in text

@@ -281,12 +281,13 @@ class ExpertParallelDispatcher:
 
     def _fetch(self, weights: ExpertWeights, plan: Plan, step: StepPlan, versions: list[int]):
         """Replica weights for this step (None if nothing is replicated) and whether the fetch
-        was served from the cache (``ReplicaCache``: keyed on the replicas and the owners'
-        versions)."""
+        was served from the cache (``ReplicaCache``: keyed on the replicas, the relay flag and
+        the owners' versions)."""
         if not plan.replicas:
             return None, False
         E = self.experts_per_rank
-        key = (plan.replicas, tuple(versions[g // E] for g, _ in plan.replicas))
+        # the relay flag too: the same replicas fetched by another route are other buffers
+        key = (plan.replicas, plan.relay, tuple(versions[g // E] for g, _ in plan.replicas))
         replicas_HQ, hit = self.replica_cache.fetch(
             self.comm, weights, step.fetch, key, self.spec.cache_replicas
         )

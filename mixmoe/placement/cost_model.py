@@ -427,11 +427,13 @@ class StepModel:
     ) -> Prediction:
         """The ``Prediction`` of ``seconds_W``'s output and the aggregates it came from."""
         token, weight = 2 * self.token_bytes_per_row, 2 * self.params_bytes
-        # replica copies may be fractional (the relay's chunks): their bytes, rounded to whole
-        # bytes as ``_pack_lists`` rounds them (the same IEEE product, half to even)
-        weight_W = torch.round(loads_4W[3] * weight)
-        replica = loads_4W[3].tolist()
+        replica_W = loads_4W[3]
+        replica = [int(x) if x.is_integer() else x for x in replica_W.tolist()]
         loads_4W = loads_4W.to(torch.int64)
+        # whole copies: exact int64 products; fractional ones (the relay's chunks) rounded to
+        # whole bytes as ``_pack_lists`` rounds them (the same IEEE product, half to even)
+        whole_W = loads_4W[3].to(torch.float64) == replica_W
+        fraction_W = torch.round(replica_W * weight).to(torch.int64)
         if int(loads_4W[2:].max() + 1) * max(token, weight) >= 2**63:  # int64 would overflow
             rows, _, remote = loads_4W[:3].tolist()
             return self._pack_lists(compute_W.tolist(), comm_W.tolist(), rows, remote, replica)
@@ -441,7 +443,7 @@ class StepModel:
             compute_s=tuple(compute_W.tolist()),
             comm_s=tuple(comm_W.tolist()),
             token_bytes=tuple((loads_4W[2] * token).tolist()),
-            weight_bytes=tuple(weight_W.to(torch.int64).tolist()),
+            weight_bytes=tuple(torch.where(whole_W, loads_4W[3] * weight, fraction_W).tolist()),
             rows=tuple(loads_4W[0].tolist()),
             step_s=float((compute_W + comm_W).max()),
         )
@@ -475,7 +477,9 @@ class StepModel:
             compute_s=tuple(compute),
             comm_s=tuple(comm),
             token_bytes=tuple(map(token.__mul__, remote)),
-            weight_bytes=tuple(int(round(weight * n)) for n in replica),
+            weight_bytes=tuple(
+                weight * n if isinstance(n, int) else int(round(weight * n)) for n in replica
+            ),
             rows=tuple(rows),
             step_s=max(map(operator.add, compute, comm)),
         )

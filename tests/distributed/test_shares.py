@@ -17,6 +17,7 @@ profiles, one with two ranks per node) run through the same comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -217,8 +218,9 @@ def _run_case(comm, case: dict) -> dict:
 
 def _eval_cache(comm) -> dict:
     """The replica cache under share plans (mix, no grad): a repeated plan with unchanged weights
-    is served from the cache; an in-place write, or helpers that change every call (a rotating
-    hotspot), refetch; every answer equals a fresh fetch."""
+    is served from the cache; an in-place write, helpers that change every call (a rotating
+    hotspot), or the same replicas by another route (relay or not), refetch; every answer
+    equals a fresh fetch."""
     world = comm.world_size
     case = {
         "name": "cache",
@@ -257,6 +259,15 @@ def _eval_cache(comm) -> dict:
         out["equal"].append(torch.equal(y3, fresh()) and not torch.equal(y2, y3))
         disp.plan_hook = _hook(dict(case, recipe="rotating", rotate=True), E, B)
         out["y"] = [y3, call(), fresh(), call()]  # a new hot expert and holders every call
+        # the same replicas by another route (the owner's flat fan-out instead of the relay):
+        # other round buffers, so a refetch (a cached relay buffer would serve wrong weights)
+        disp.plan_hook = _hook(case, E, B)
+        y4, y5 = call(), call()
+        hook = _hook(case, E, B)
+        disp.plan_hook = lambda C_WN, base: dataclasses.replace(hook(C_WN, base), relay=False)
+        y6 = call()
+        out["equal"].append(torch.equal(y4, y5) and torch.equal(y6, fresh()))
+        out["y"] += [y4, y6]
     return out
 
 
@@ -418,7 +429,8 @@ def test_forced_share_plans_match_single_rank(world: int) -> None:
     assert planner_shares > 0, "the real planner never used a helper"
     for r in range(world):  # the cache rules
         ev = per_rank[r][-1]
-        assert ev["cached"] == [False, True, False, False, False, False, False], ev["cached"]
+        want = [False, True, False, False, False, False, False, False, True, False, False]
+        assert ev["cached"] == want, ev["cached"]
         assert all(ev["equal"]), ev["equal"]
         y3, *rotated = ev["y"]  # rotating helpers compute the same layer
         for y in rotated:

@@ -194,17 +194,62 @@ def unpack_experts(packed_HQ: torch.Tensor, like: ExpertWeights) -> ExpertWeight
     return ExpertWeights(**out)
 
 
-def _read(
-    buffers: list[torch.Tensor], offsets: list[list[int]], take: Take, Q: int
-) -> torch.Tensor:
-    """The 1-D piece ``take`` names (a view): its entry whole, or its chunk of a whole row.
-    ``offsets[b]``: where each entry of buffer b starts, and the buffer's end."""
-    b, i, j, n = take
-    start, stop = offsets[b][i], offsets[b][i + 1]
-    if stop - start == Q and n > 1:  # a chunk of a whole row (an owner scattering)
-        lo, hi = piece_range(j, n, Q)
-        return buffers[b].narrow(0, start + lo, hi - lo)
-    return buffers[b].narrow(0, start, stop - start)  # the entry is the piece
+class _Buffers:
+    """The fetch's flat buffers (0: the packed owned rows, k + 1: round k's received pieces),
+    each split ONCE into consecutive views at every boundary any read needs (``torch.split``:
+    one backward node per buffer that concatenates its parts' gradients; a ``narrow`` per read
+    would allocate a zero gradient of the whole buffer per read, quadratic in the pieces), plus
+    an empty last part: what a round's send or the replicas depend on to keep the chain."""
+
+    def __init__(self, plan: RelayPlan, Q: int) -> None:
+        self.Q = Q
+        # where each entry of each buffer starts (and the buffer's end), and whether it is a row
+        starts = [[i * Q for i in range(len(plan.pack_local_ids) + 1)]]
+        whole = [[True] * len(plan.pack_local_ids)]
+        for rd in plan.rounds:
+            ends = [0]
+            for piece in rd.recv:  # received pieces lie back to back, in receive order
+                ends.append(ends[-1] + _size(piece, Q))
+            starts.append(ends)
+            whole.append([n == 1 for _, _, n in rd.recv])
+        self.starts, self.whole = starts, whole
+        cuts = [{0, s[-1]} for s in starts]
+        for takes in [rd.send for rd in plan.rounds] + list(plan.slot_pieces):
+            for take in takes:
+                b, lo, hi = self.span(take)
+                cuts[b] |= {lo, hi}
+        self.cuts = [sorted(c) for c in cuts]
+        self.index = [{x: i for i, x in enumerate(c)} for c in self.cuts]
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+
+    def span(self, take: Take) -> tuple[int, int, int]:
+        """(buffer, start, stop) of the piece ``take`` names: its entry, or its chunk of the
+        entry's whole row (an owner scattering)."""
+        b, i, j, n = take
+        start, stop = self.starts[b][i], self.starts[b][i + 1]
+        if self.whole[b][i] and n > 1:
+            lo, hi = piece_range(j, n, self.Q)
+            return b, start + lo, start + hi
+        return b, start, stop
+
+    def add(self, buffer: torch.Tensor) -> None:
+        """Buffer ``len(self.parts)``, split at its cuts (and an empty part at its end)."""
+        cuts = self.cuts[len(self.parts)]
+        sizes = [hi - lo for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)] + [0]
+        self.parts.append(torch.split(buffer, sizes))
+
+    def read(self, takes) -> list[torch.Tensor]:
+        """The views of the pieces ``takes`` names, in order (a piece spanning several parts
+        as those parts)."""
+        out = []
+        for take in takes:
+            b, lo, hi = self.span(take)
+            out += self.parts[b][self.index[b][lo] : self.index[b][hi]]
+        return out
+
+    def chain(self) -> torch.Tensor:
+        """The empty last part of the latest buffer (a dependency, no data)."""
+        return self.parts[-1][-1]
 
 
 def fetch_replicas(
@@ -216,18 +261,20 @@ def fetch_replicas(
     home.
 
     Each round's send buffer and the replicas always depend on the buffer received last (an
-    empty slice of it when nothing is read from it): backward then runs the rounds' gradient
+    empty part of it when nothing is read from it): backward then runs the rounds' gradient
     exchanges in reverse order on every rank (a chain, never a hang), and every round's
     backward runs. Backward: see the module doc (reduce-scatter, then home to the owner)."""
     packed_PQ = pack_experts(owned, plan.pack_local_ids)
     Q = packed_PQ.shape[1]
-    buffers = [packed_PQ.reshape(-1)]  # flat: entry i of buffer 0 is packed row i
-    offsets = [[i * Q for i in range(len(plan.pack_local_ids) + 1)]]
+    bufs = _Buffers(plan, Q)
+    bufs.add(packed_PQ.reshape(-1))  # flat: entry i of buffer 0 is packed row i
+    received = []
     trace = ("moe.replica_fetch", "exp")  # the gradient return's span: moe.replica_fetch.backward
     for k, rd in enumerate(plan.rounds):
-        pieces = [_read(buffers, offsets, take, Q) for take in rd.send]
-        send = torch.cat([*pieces, buffers[-1][:0]])  # [:0]: the chain (docstring)
-        in_splits, out_splits = rd.element_splits([p.numel() for p in pieces], Q)
+        pieces = bufs.read(rd.send)
+        send = torch.cat([*pieces, bufs.chain()])
+        sizes = [hi - lo for _, lo, hi in map(bufs.span, rd.send)]
+        in_splits, out_splits = rd.element_splits(sizes, Q)
         hit = None if cached is None else cached[k]
         with trace_span(
             "moe.replica_fetch",
@@ -239,18 +286,12 @@ def fetch_replicas(
             in_splits=in_splits,
             out_splits=out_splits,
         ):
-            buffers.append(cached_all_to_all(comm, send, out_splits, in_splits, hit, trace))
-        ends = [0]
-        for piece in rd.recv:  # the received pieces lie back to back, in receive order
-            ends.append(ends[-1] + _size(piece, Q))
-        offsets.append(ends)
-    rows = [
-        torch.cat([_read(buffers, offsets, take, Q) for take in takes])  # chunks in order
-        for takes in plan.slot_pieces
-    ]
-    last = buffers[-1][:0].view(0, Q)  # the chain again: the replicas depend on every round
-    replicas_HQ = torch.cat([torch.stack(rows), last]) if rows else last
-    return replicas_HQ, [b.detach() for b in buffers[1:]]
+            out = cached_all_to_all(comm, send, out_splits, in_splits, hit, trace)
+        received.append(out.detach())
+        bufs.add(out)
+    # every slot's chunks in order, back to back: one copy, viewed as rows
+    flat = torch.cat([*(p for takes in plan.slot_pieces for p in bufs.read(takes)), bufs.chain()])
+    return flat.view(len(plan.slot_pieces), Q), received
 
 
 class ReplicaCache:

@@ -30,7 +30,7 @@ import torch
 
 from mixmoe.comm.autograd import cached_all_to_all
 from mixmoe.ops.expert_mlp import ExpertWeights
-from mixmoe.placement.relay import relay_messages
+from mixmoe.placement.relay import piece_range, relay_messages
 from mixmoe.tracing import trace_span
 
 # (expert g, chunk j, chunks n): chunk j of g's packed row cut into n near-equal parts in
@@ -40,14 +40,6 @@ Piece = tuple[int, int, int]
 # (buffer 0 = this rank's packed owned rows, k + 1 = round k's received pieces); the entry is
 # either that very piece or the whole row it is cut from
 Take = tuple[int, int, int, int]
-
-
-def piece_range(j: int, n: int, Q: int) -> tuple[int, int]:
-    """[start, stop) of chunk j of a row of Q elements cut into n parts like
-    ``torch.tensor_split(row, n)``: the first Q % n parts hold Q // n + 1 elements."""
-    base, extra = divmod(Q, n)
-    start = j * base + min(j, extra)
-    return start, start + base + (j < extra)
 
 
 @dataclass(frozen=True)

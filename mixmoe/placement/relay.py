@@ -41,6 +41,14 @@ Message = tuple[int, int, int, int]
 COPY_GRID_BITS = 24  # copies are priced in multiples of 2**-24 (module doc)
 
 
+def piece_range(j: int, n: int, Q: int) -> tuple[int, int]:
+    """[start, stop) of chunk j of a packed row of Q elements cut into n parts like
+    ``torch.tensor_split(row, n)``: the first Q % n parts hold Q // n + 1 elements."""
+    base, extra = divmod(Q, n)
+    start = j * base + min(j, extra)
+    return start, start + base + (j < extra)
+
+
 def _grid(numerator: int, denominator: int) -> float:
     """numerator / denominator copies floored to a multiple of 2**-COPY_GRID_BITS (exact)."""
     return ((numerator << COPY_GRID_BITS) // denominator) / (1 << COPY_GRID_BITS)

@@ -11,11 +11,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from mixmoe.dispatch.replicas import piece_range
 from mixmoe.placement.cost_model import Prediction
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.relay import (
     COPY_GRID_BITS,
+    piece_range,
     relay_degrees,
     relay_inter_copies,
     relay_messages,

@@ -170,3 +170,30 @@ def test_scatter_owner_sends_one_copy_and_holders_under_two(H: int) -> None:
         lo, hi = piece_range(j, H, row.numel())
         assert part.tolist() == list(range(lo, hi))
     assert not uses_scatter(0, [1]) and relay_messages(0, [1]) == (((0, 1, 0, 1),),)
+
+
+def test_fractional_copies_price_alike_on_both_paths_and_round_to_bytes() -> None:
+    """A scattered plan's copies (1 at the owner, 2 - 1/H at holders, H = 3, 5, 6 at once) give
+    the same ``Prediction`` from the tensor path (``prediction_W``) and the list path
+    (``prediction_lists``, ``rank_seconds`` per rank), weight bytes = round(2 P x copies); also
+    where an int64 product would overflow (then Python numbers)."""
+    import dataclasses
+
+    from mixmoe.placement import GPU_PROFILE, LayerShape
+    from mixmoe.placement.cost_model import StepModel, plan_pricing
+
+    shape = LayerShape(64, 96, 1, 8, 2)
+    C = torch.randint(1, 50, (8, 8), generator=torch.Generator().manual_seed(3))
+    plan = Plan((0, 2, 7), ((0, (1, 2, 3)), (2, (0, 1, 3, 4, 5)), (7, (1, 2, 3, 4, 5, 6))), P, P)
+    loads, rounds = plan_pricing(C, dataclasses.replace(plan, relay=True), 1)
+    assert rounds == 2 and not all(x.is_integer() for x in loads[3].tolist())
+    model = StepModel(shape, GPU_PROFILE, True)
+    weight = 2 * shape.params_bytes_per_expert
+    rows, local, remote, replica = loads.tolist()
+    listed = model.prediction_lists(*[list(map(int, x)) for x in (rows, local, remote)], replica)
+    assert model.prediction_W(loads) == listed  # both: one fetch round (the flag form)
+    assert listed.weight_bytes == tuple(round(weight * x) for x in replica)
+    assert model.prediction_W(loads, rounds).weight_bytes == listed.weight_bytes
+    tiny = StepModel(LayerShape(1, 1, 4, 8, 4), GPU_PROFILE, True)  # 32 weight bytes per copy
+    huge = torch.tensor([[1.0] * 8, [1.0] * 8, [1.0] * 8, [2.0**58 + 0.5] * 7 + [1.5]])
+    assert tiny.prediction_W(huge).weight_bytes == tuple(round(32 * x) for x in huge[3].tolist())

@@ -234,7 +234,7 @@ def _water_fill(
     distance = node_distance(profile)
     any_remote = bool(loads_4W[2].any())
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
-    fill.set_loads(loads_4W[:4].to(torch.int64).tolist())  # the search: one link (module doc)
+    fill.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()])  # copies: float
     for _ in range(min(MOVES_PER_RANK * W + 16, MAX_MOVES)):
         level = sum(fill.totals) / W
         if level >= beat or max(fill.totals) <= FILL_STOP * level or not fill.step():

@@ -10,15 +10,18 @@ Legend: E experts, R rows per expert, D model dim, F expert hidden dim, W ranks.
    ``gemm_flops`` is the slope of a least-squares line of forward + backward seconds against
    FLOPs over the sweep (the intercept, a fixed cost per call, is reported, not used by the cost
    model); on a machine too noisy for a positive slope, the mean rate over the sweep.
-2. all_to_all. ``all_to_all_single`` with equal splits on W ranks (gloo over ``spawn_gloo`` on
-   CPU, NCCL on GPU when launched by torchrun: the same ``_a2a_rank`` code), each rank sending
-   S bytes in all (S (W-1)/W of them to other ranks) for a sweep of S. A step's time is the max
-   over ranks (all-reduced), its median over repeats is the point. ``link_latency`` and
-   ``link_bandwidth`` are the intercept and 1 / slope of a least-squares line of seconds against
-   the bytes a rank sends to others (the cost model's ``latency + bytes / bandwidth``); the
-   intercept is floored at the smallest measured time / 2 when the fit makes it negative. Too
-   noisy for a positive slope: latency = the fastest call, bandwidth from the largest size.
-   ``measurements`` records which method gave the numbers.
+2. The links (``mixmoe.bench.calibrate_links``). ``all_to_all_single`` on W ranks (gloo over
+   ``spawn_gloo`` on CPU, NCCL on GPU when launched by torchrun: the same code), each rank
+   sending S bytes for a sweep of S; a point is the slowest rank's time, its median over repeats.
+   Without ``ranks_per_node`` (or with one node, or one rank per node) one sweep to every rank:
+   ``link_latency`` and ``link_bandwidth`` are the intercept and 1 / slope of a least-squares
+   line of seconds against the bytes a rank sends to others (the cost model's ``latency + bytes
+   / bandwidth``; ``fit_link``: the intercept floored at the smallest time / 2, a fallback when
+   too noisy for a positive slope). With R ranks per node (2 <= R < W, R dividing W) two sweeps
+   fitted the same way: inside the nodes (``link_*``, the intra-node link) and across them
+   (``inter_node_bandwidth`` / ``inter_node_latency``); the profile gets the topology
+   (``ranks_per_node`` R). ``measurements`` records the sweeps, the fits and their methods, and
+   ``measurements["topology"]`` what was measured and why.
 3. The fixed costs (``step_fixed_s``, ``row_overhead_s``, ``replica_fixed_s``): a fit to short
    runs of the real layer at ``layer_tokens`` tokens per rank (``mixmoe.bench.calibrate_layer``;
    ``layer_tokens=()`` skips it and leaves them 0.0); with ``processors`` (ranks sharing that
@@ -45,6 +48,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mixmoe.bench.calibrate_links import (
+    check_ranks_per_node,
+    fit_line,
+    link_sweeps,
+    links_profile,
+    sweep_links,
+)
 from mixmoe.bench.timing import median
 from mixmoe.comm import Communicator
 from mixmoe.placement.profile import HardwareProfile
@@ -56,8 +66,8 @@ __all__ = [
     "calibrate",
     "fit_line",
     "links_preset",
-    "measure_a2a",
     "measure_gemm",
+    "measure_links",
     "measure_ranks",
 ]
 
@@ -70,7 +80,11 @@ class CalibrateConfig:
     (world_size=1), the preset whose link figures (and replica_fixed_s) the profile takes, not
     measured ("": ``gpu`` on CUDA, ``cpu`` on CPU); with world_size >= 2 the links are measured
     and ``links`` must stay ""; processors: the cores the ranks share (None: a core per rank),
-    the fixed costs then fitted under the simulator's processor-sharing aggregation."""
+    the fixed costs then fitted under the simulator's processor-sharing aggregation;
+    ranks_per_node: R ranks per node (rank r on node r // R): with 2 <= R < world_size the
+    intra-node and inter-node links are measured apart and the profile gets the topology; None
+    (default), R >= world_size (one node) or R == 1 (every pair across nodes): one link.
+    ``ValueError`` when R does not divide world_size or world_size is 1."""
 
     model_dim: int = 256
     hidden_size: int = 1024
@@ -86,6 +100,7 @@ class CalibrateConfig:
     name: str = "calibrated"
     links: str = ""
     processors: int | None = None
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         for name, lo in (
@@ -129,6 +144,7 @@ class CalibrateConfig:
             raise ValueError(
                 f"links={self.links!r} is not a preset; use one of {', '.join(PRESETS)}"
             )
+        check_ranks_per_node(self.world_size, self.ranks_per_node)
 
 
 def links_preset(cfg: CalibrateConfig) -> str:
@@ -137,17 +153,6 @@ def links_preset(cfg: CalibrateConfig) -> str:
     if cfg.links:
         return cfg.links
     return "cpu" if torch.device(cfg.device).type == "cpu" else "gpu"
-
-
-def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y against x (at least two distinct x)."""
-    n = len(x)
-    mx, my = sum(x) / n, sum(y) / n
-    sxx = sum((a - mx) ** 2 for a in x)
-    if sxx == 0:
-        raise ValueError(f"a line fit needs at least two distinct sizes, got {x}")
-    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sxx
-    return my - slope * mx, slope
 
 
 def _sync(device: torch.device) -> None:
@@ -198,14 +203,15 @@ def measure_gemm(cfg: CalibrateConfig) -> list[dict[str, float]]:
 
 def _rank_sweeps(
     comm: Communicator, cfg: CalibrateConfig
-) -> tuple[list[dict], list[dict], list[dict]]:
+) -> tuple[list[dict], dict[str, list[dict]], list[dict]]:
     """Every rank at once: the expert MLP sweep (each rank's times all-reduced to the slowest:
-    the per-rank rate while W ranks share the machine, as in a W-rank benchmark), the
-    all_to_all sweep, then the layer runs of the fixed-cost fit; every rank returns the same
-    figures. ``comm`` None: one rank without a process group (no all_to_all sweep: [])."""
+    the per-rank rate while W ranks share the machine, as in a W-rank benchmark), the link
+    sweeps ({sweep name: points}, ``mixmoe.bench.calibrate_links``), then the layer runs of the
+    fixed-cost fit; every rank returns the same figures. ``comm`` None: one rank without a
+    process group (no link sweep: {})."""
     gemm = measure_gemm(cfg)
     if comm is None:
-        a2a: list[dict] = []
+        links: dict[str, list[dict]] = {}
     else:
         device = torch.device(cfg.device)
         times = torch.tensor([[p["fwd_s"], p["bwd_s"]] for p in gemm], dtype=torch.float64)
@@ -213,47 +219,26 @@ def _rank_sweeps(
         for p, (f, b) in zip(gemm, slowest, strict=True):
             p.update(fwd_s=f, bwd_s=b, fwd_flops=p["flops_fwd_bwd"] / 3 / f)
             p["bwd_flops"] = p["flops_fwd_bwd"] * 2 / 3 / b
-        a2a = _a2a_rank(comm, cfg)
+        links = _link_rank(comm, cfg)
     if not cfg.layer_tokens:
-        return gemm, a2a, []
+        return gemm, links, []
     from mixmoe.bench.calibrate_layer import layer_runs
 
-    return gemm, a2a, layer_runs(comm, cfg)
+    return gemm, links, layer_runs(comm, cfg)
 
 
-def _a2a_rank(comm: Communicator, cfg: CalibrateConfig) -> list[dict[str, float]]:
-    """Every rank: the all_to_all sweep; every rank returns the same (all-reduced) medians."""
-    W = comm.world_size
-    device = torch.device(cfg.device)
-    out = []
-    for nbytes in cfg.a2a_bytes:
-        per = max(1, nbytes // (4 * W))  # fp32 elements per destination
-        x = torch.randn(per * W, device=device)
-        y = torch.empty_like(x)
-        splits = [per] * W
-        times = []
-        for i in range(cfg.warmup + cfg.repeats):
-            comm.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            comm.all_to_all(y, x, splits, splits)
-            _sync(device)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-            if i >= cfg.warmup:
-                times.append(float(comm.all_reduce_max(dt)))
-        sent = 4 * per * W
-        out.append(
-            {"bytes_per_rank": sent, "bytes_to_others": sent * (W - 1) // W, "s": median(times)}
-        )
-    return out
+def _link_rank(comm: Communicator, cfg: CalibrateConfig) -> dict[str, list[dict]]:
+    """Every rank: the link sweeps ``link_sweeps`` names for this W and R, in order."""
+    sweeps, _ = link_sweeps(comm.world_size, cfg.ranks_per_node)
+    return sweep_links(comm, cfg, sweeps, cfg.ranks_per_node)
 
 
 def measure_ranks(
     cfg: CalibrateConfig, comm: Communicator | None = None
-) -> tuple[list[dict], list[dict], list[dict]]:
-    """(expert MLP sweep, all_to_all sweep, layer runs) measured on ``comm`` (torchrun's group)
+) -> tuple[list[dict], dict[str, list[dict]], list[dict]]:
+    """(expert MLP sweep, link sweeps by name, layer runs) measured on ``comm`` (torchrun's group)
     or on W spawned gloo ranks (CPU), all ranks at once; on one rank (``cfg.world_size`` 1) in
-    this process on ``cfg.device``, without a process group (no all_to_all sweep)."""
+    this process on ``cfg.device``, without a process group (no link sweep)."""
     W = cfg.world_size if comm is None else comm.world_size
     if W != cfg.world_size:
         raise ValueError(
@@ -270,20 +255,22 @@ def measure_ranks(
     return spawn_gloo(_rank_sweeps, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
 
 
-def measure_a2a(cfg: CalibrateConfig, comm: Communicator | None = None) -> list[dict[str, float]]:
-    """The all_to_all sweep alone (see ``measure_ranks``)."""
+def measure_links(
+    cfg: CalibrateConfig, comm: Communicator | None = None
+) -> dict[str, list[dict[str, float]]]:
+    """The link sweeps alone, {sweep name: points} (see ``measure_ranks``)."""
     if comm is not None:
-        return _a2a_rank(comm, cfg)
+        return _link_rank(comm, cfg)
     from mixmoe.comm.launch import spawn_gloo
 
-    return spawn_gloo(_a2a_rank, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
+    return spawn_gloo(_link_rank, cfg.world_size, cfg, threads=cfg.threads, timeout_s=600)[0]
 
 
 def calibrate(
     cfg: CalibrateConfig, comm: Communicator | None = None
 ) -> tuple[HardwareProfile, dict[str, Any]]:
     """(the measured profile, the raw measurements and the fits)."""
-    gemm, a2a, runs = measure_ranks(cfg, comm)
+    gemm, sweeps, runs = measure_ranks(cfg, comm)
     flops = [p["flops_fwd_bwd"] for p in gemm]
     secs = [p["fwd_s"] + p["bwd_s"] for p in gemm]
     icpt_g, slope_g = fit_line(flops, secs)
@@ -293,14 +280,17 @@ def calibrate(
     measurements: dict[str, Any] = {
         "gemm": gemm,
         "gemm_fit": {"intercept_s": icpt_g, "flops": 1.0 / slope_g, "method": gemm_method},
-        "all_to_all": a2a,
     }
-    if a2a:
-        profile, measurements["a2a_fit"] = _fit_links(cfg.name, 1.0 / slope_g, a2a)
+    one_rank = not sweeps
+    if not one_rank:
+        W = cfg.world_size
+        profile, fits = links_profile(cfg.name, 1.0 / slope_g, sweeps, W, cfg.ranks_per_node)
+        measurements.update(fits)
     else:  # one rank: no link to measure; the preset's figures, said so
         preset = links_preset(cfg)
         links = PRESETS[preset].profile
         profile = HardwareProfile(cfg.name, 1.0 / slope_g, links.link_bandwidth, links.link_latency)
+        measurements["all_to_all"] = []
         measurements["a2a_fit"] = {
             "bandwidth": links.link_bandwidth,
             "intercept_s": links.link_latency,
@@ -321,7 +311,7 @@ def calibrate(
             bytes_per_element=4 if cfg.device == "cpu" else 2,
         )
         profile, fixed = fit_fixed_costs(profile, runs, shape, cfg.processors)
-    if not a2a:  # nothing replicated on one rank: the preset's figure, not measured
+    if one_rank:  # nothing replicated on one rank: the preset's figure, not measured
         replica = PRESETS[links_preset(cfg)].profile.replica_fixed_s
         profile = dataclasses.replace(profile, replica_fixed_s=replica)
         fixed["replica_fixed_s"] = replica
@@ -330,26 +320,3 @@ def calibrate(
         )
     measurements["fixed_costs"] = fixed
     return profile, measurements
-
-
-def _fit_links(
-    name: str, gemm_flops: float, a2a: list[dict[str, float]]
-) -> tuple[HardwareProfile, dict[str, Any]]:
-    """The profile with the link figures fitted to the all_to_all sweep, and the fit's record."""
-    sent = [p["bytes_to_others"] for p in a2a]
-    a2a_s = [p["s"] for p in a2a]
-    lat, slope_a = fit_line(sent, a2a_s)
-    a2a_method = "least-squares intercept and slope"
-    if slope_a <= 0:  # noisy: latency = the fastest call, bandwidth from the largest size
-        i = max(range(len(sent)), key=sent.__getitem__)
-        lat = min(a2a_s)
-        slope_a = max(a2a_s[i] - lat, a2a_s[i] / 2) / sent[i]
-        a2a_method = "fallback: latency = fastest call, bandwidth at the largest size"
-    lat_floor = min(a2a_s) / 2
-    profile = HardwareProfile(name, gemm_flops, 1.0 / slope_a, max(lat, lat_floor))
-    return profile, {
-        "intercept_s": lat,
-        "bandwidth": 1.0 / slope_a,
-        "latency_floor_s": lat_floor,
-        "method": a2a_method,
-    }

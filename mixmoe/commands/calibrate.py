@@ -6,6 +6,8 @@ the engine is ``mixmoe.bench.calibrate``. Under torchrun (NCCL on GPUs) the all_
 on the launched group, otherwise on ``--world-size`` spawned gloo CPU ranks. ``--world-size 1``
 (or torchrun with one process) calibrates one device in this process, without a process group:
 the link figures come from the ``--links`` preset and are printed and stored as NOT measured.
+``--ranks-per-node R`` (under torchrun: its ``LOCAL_WORLD_SIZE`` when not given) measures the
+intra-node and the inter-node link apart when the ranks span several nodes of several ranks.
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "takes, NOT measured (default: gpu on cuda, cpu on cpu)",
     )
     p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="R ranks per node (rank r on node r // R): with 2 <= R < world size the intra-node "
+        "and inter-node links are measured apart and the profile gets the topology; R >= world "
+        "size (one node) or 1: one link. Default: torchrun's LOCAL_WORLD_SIZE under torchrun, "
+        "else one link (spawned gloo ranks: R groups them into simulated nodes)",
+    )
+    p.add_argument(
         "--a2a-bytes",
         type=_ints,
         default=d.a2a_bytes,
@@ -80,12 +91,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/profile.json", help="write the profile JSON here")
 
 
+def torchrun_ranks_per_node() -> int | None:
+    """This rank's node size as torchrun launched it (``LOCAL_WORLD_SIZE``), or None outside
+    torchrun. torchrun numbers ranks node by node, so rank r is on node r // R when every node
+    runs R ranks (``agree_ranks_per_node`` checks that every rank read the same R)."""
+    from mixmoe.comm.launch import under_torchrun
+
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if under_torchrun() and local else None
+
+
+def agree_ranks_per_node(comm, ranks_per_node: int, device: str) -> None:
+    """Every rank of ``comm`` (a collective: all join): ``ValueError`` on every rank when the
+    ranks read different node sizes (torchrun nodes of unequal ``--nproc-per-node``)."""
+    import torch
+
+    R = torch.tensor([ranks_per_node, -ranks_per_node], dtype=torch.float64, device=device)
+    hi, neg_lo = comm.all_reduce_max(R).cpu().tolist()
+    if hi != -neg_lo:
+        raise ValueError(
+            f"torchrun's nodes run different numbers of ranks ({int(-neg_lo)} to {int(hi)}); "
+            "the topology needs equal nodes: give --ranks-per-node, or --ranks-per-node "
+            f"{comm.world_size} for one link"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     from mixmoe.comm.launch import under_torchrun
 
     world = args.world_size
     if world is None:
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else CalibrateConfig.world_size
+    per_node = args.ranks_per_node
+    if per_node is None and world > 1:
+        per_node = torchrun_ranks_per_node()  # None outside torchrun: one link
     return CalibrateConfig(
         model_dim=args.model_dim,
         hidden_size=args.hidden_size,
@@ -94,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         world_size=world,
         links=args.links,
         processors=args.processors,
+        ranks_per_node=per_node,
         a2a_bytes=args.a2a_bytes,
         layer_tokens=args.layer_tokens,
         repeats=args.repeats,
@@ -116,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         from mixmoe.comm import init_distributed
 
         comm = init_distributed("auto")
+        if args.ranks_per_node is None and cfg.ranks_per_node is not None:  # detected per rank
+            agree_ranks_per_node(comm, cfg.ranks_per_node, cfg.device)
     elif under_torchrun() and cfg.world_size != 1:
         raise ValueError(
             f"--world-size {cfg.world_size} but torchrun launched 1 rank; give --world-size 1"
@@ -148,8 +190,7 @@ def run(args: argparse.Namespace) -> int:
             f"replica_fixed_s from preset {links['preset']!r}: {links['source']}"
         )
     else:
-        print(f"\nall_to_all_single on {world} ranks")
-        _print_a2a(measurements)
+        _print_links(measurements, world, spawned=comm is None)
     fit = measurements["fixed_costs"]
     if "runs" in fit:
         print(f"\nlayer runs for the fixed costs ({fit['method']})")
@@ -179,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
             f"; link_bandwidth, link_latency, replica_fixed_s NOT measured: preset "
             f"{links['preset']!r}"
         )
+    if profile.ranks_per_node is not None:
+        source += f"; {measurements['topology']['measured']}"
     record = profile_record(profile, source=source, measured=True, measurements=measurements)
     record["config"] = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     out = save_profile(args.out, record)
@@ -188,6 +231,13 @@ def run(args: argparse.Namespace) -> int:
         f"link_latency = {profile.link_latency * 1e6:.1f} us, step_fixed = "
         f"{profile.step_fixed_s * 1e3:.3f} ms, row_overhead = {profile.row_overhead_s * 1e6:.3f} "
         f"us, replica_fixed = {profile.replica_fixed_s * 1e3:.3f} ms"
+        + (
+            f", ranks_per_node = {profile.ranks_per_node}, inter_node_bandwidth = "
+            f"{profile.inter_node_bandwidth / 1e9:.3f} GB/s, inter_node_latency = "
+            f"{profile.inter_node_latency * 1e6:.1f} us"
+            if profile.ranks_per_node is not None
+            else ""
+        )
         + (
             f", shared_core_efficiency = {profile.shared_core_efficiency:.3f} "
             f"(predict with simulate --processors {cfg.processors})"
@@ -203,7 +253,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_a2a(measurements: dict) -> None:
+def _print_links(measurements: dict, world: int, spawned: bool) -> None:
+    topology = measurements["topology"]
+    if "all_to_all" in measurements:
+        print(f"\nall_to_all_single on {world} ranks")
+        _print_sweep(measurements["all_to_all"])
+        if topology["ranks_per_node"] is not None:
+            print(f"(ranks per node {topology['ranks_per_node']}: {topology['measured']})")
+        return
+    print(f"\nlinks: {topology['measured']}")
+    for key, title in (("intra_node", "intra-node"), ("inter_node", "inter-node")):
+        print(
+            f"\n{title} all_to_all_single on {world} ranks ({measurements[key + '_fit']['method']})"
+        )
+        _print_sweep(measurements[key])
+    if spawned:
+        print(
+            "\n(spawned gloo ranks share one host: the 'nodes' are groups of ranks and both links "
+            "are loopback, so they measure about the same; on real nodes they differ)"
+        )
+
+
+def _print_sweep(points: list[dict]) -> None:
     print(
         render_table(
             ["bytes/rank", "to others", "ms", "GB/s"],
@@ -214,7 +285,7 @@ def _print_a2a(measurements: dict) -> None:
                     f"{p['s'] * 1e3:.3f}",
                     f"{p['bytes_to_others'] / p['s'] / 1e9:.3f}",
                 ]
-                for p in measurements["all_to_all"]
+                for p in points
             ],
         )
     )

@@ -13,8 +13,9 @@ One step on rank r, as three calls (``MoE.forward`` makes them):
        thread while this rank's rows for its own experts are sorted and computed (when the last
        plan kept them all here: a plan with share entries may send some to helpers); the step
        then waits for the plan.
-    3. replica fetch: the relay rounds of packed weights, one all_to_all each (``replicas.py``;
-       cached under ``mix`` while the plan's replicas and the owners' versions are unchanged);
+    3. replica fetch: the relay rounds of packed weights (whole rows or chunks), one all_to_all
+       each (``replicas.py``; cached under ``mix`` while the plan's replicas, its relay flag
+       and the owners' versions are unchanged);
        its backward sends replica gradients home the reverse way.
     4. one sort of the rows into [own | replica | sent | dropped] and the step's index tensors
        from one upload (``step_layout.py``; under share entries the sent rows are grouped by
@@ -281,12 +282,13 @@ class ExpertParallelDispatcher:
 
     def _fetch(self, weights: ExpertWeights, plan: Plan, step: StepPlan, versions: list[int]):
         """Replica weights for this step (None if nothing is replicated) and whether the fetch
-        was served from the cache (``ReplicaCache``: keyed on the replicas and the owners'
-        versions)."""
+        was served from the cache (``ReplicaCache``: keyed on the replicas, the relay flag and
+        the owners' versions)."""
         if not plan.replicas:
             return None, False
         E = self.experts_per_rank
-        key = (plan.replicas, tuple(versions[g // E] for g, _ in plan.replicas))
+        # the relay flag too: the same replicas fetched by another route are other buffers
+        key = (plan.replicas, plan.relay, tuple(versions[g // E] for g, _ in plan.replicas))
         replicas_HQ, hit = self.replica_cache.fetch(
             self.comm, weights, step.fetch, key, self.spec.cache_replicas
         )

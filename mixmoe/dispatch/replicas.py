@@ -2,13 +2,22 @@
 
 Legend: E owned experts, H replicas held here, Q packed parameters per expert.
 
-The fetch follows each hot expert's binomial relay tree (``placement/relay.py``): in round k every
-rank that already holds the weights sends them to one that does not, so no rank sends more than
-ceil(log2(H + 1)) copies of one expert (a flat fan-out makes the owner send all H). One
-``all_to_all`` of packed rows per round, the rounds of every expert together. Backward runs the
-rounds in reverse: each relay rank adds the gradients its receivers return to its own before
-sending the sum on, and the owner's pack (``index_select``) adds the total to the owned
-parameters' ``.grad`` once: replicas never drift and optimizers only ever see owned parameters.
+The fetch executes each hot expert's route of ``placement/relay.py`` (``relay_messages``): with
+two or more holders (on the owner's node) a **scatter + all-gather** of chunks (round 0 the owner
+sends chunk i, ``tensor_split`` order, to holder i; round 1 every holder sends its chunk to every
+other holder), so the owner sends one copy and every holder receives one; with one holder, or
+holders across nodes, the **binomial tree** of whole rows. One ``all_to_all`` of a flat buffer of
+pieces (whole rows or chunks) per round, the rounds of every expert together; every rank joins
+every round, with nothing to send too.
+
+Backward is autograd's reverse of the same ops, one ``all_to_all`` of gradients per round in
+reverse order: a holder's replica gradient splits into its chunks; chunk j goes back to the holder
+it came from, which sums it with its own chunk j's gradient (the all-gather's reverse is a
+reduce-scatter); that holder sends its sum to the owner, whose chunks of the packed row add up
+to the row's gradient, and the pack (``index_select``, each owned expert packed once) adds it to
+the owned parameters' ``.grad`` exactly once. A tree relay rank likewise adds what its receivers
+return to its own gradient before passing it on. Replicas never drift and optimizers only ever
+see owned parameters.
 """
 
 from __future__ import annotations
@@ -21,57 +30,79 @@ import torch
 
 from mixmoe.comm.autograd import cached_all_to_all
 from mixmoe.ops.expert_mlp import ExpertWeights
-from mixmoe.placement.relay import relay_rounds
+from mixmoe.placement.relay import piece_range, relay_messages
 from mixmoe.tracing import trace_span
 
-Row = tuple[
-    int, int
-]  # (buffer, row): buffer 0 = this rank's packed owned experts, k + 1 = round k's
+# (expert g, chunk j, chunks n): chunk j of g's packed row cut into n near-equal parts in
+# ``torch.tensor_split`` order; (g, 0, 1) is the whole row
+Piece = tuple[int, int, int]
+# (buffer, entry, chunk j, chunks n): piece (j, n) read from entry ``entry`` of buffer ``buffer``
+# (buffer 0 = this rank's packed owned rows, k + 1 = round k's received pieces); the entry is
+# either that very piece or the whole row it is cut from
+Take = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
 class RelayRound:
-    """One round of the relay on this rank: one all_to_all of packed rows.
+    """One round of the replica fetch on this rank: one all_to_all of a flat buffer of pieces.
 
-    send_rows: the rows sent, in send order (grouped by receiver ascending, then expert id), each
-               read from a buffer this rank holds before the round.
-    in_splits / out_splits: rows sent to / received from each rank.
-    recv_experts: global id of each received row, in receive order (sender ascending, then id).
+    send:       the pieces sent, in send order (receiver ascending, then expert id, chunk), each
+                read from a buffer this rank holds before the round.
+    in_splits / out_splits: pieces sent to / received from each rank (the element splits follow
+                from Q: ``element_splits``).
+    recv:       each received piece, in receive order (sender ascending, then expert id, chunk).
     """
 
-    send_rows: tuple[Row, ...]
+    send: tuple[Take, ...]
     in_splits: list[int]
     out_splits: list[int]
-    recv_experts: tuple[int, ...]
+    recv: tuple[Piece, ...]
+
+    def element_splits(self, sent_sizes: list[int], Q: int) -> tuple[list[int], list[int]]:
+        """(elements sent to, elements received from) each rank, given the sizes of the sent
+        pieces in send order and the packed row length Q."""
+        in_splits, out_splits, pos = [], [], 0
+        for n in self.in_splits:
+            in_splits.append(sum(sent_sizes[pos : pos + n]))
+            pos += n
+        pos = 0
+        for n in self.out_splits:
+            out_splits.append(
+                sum(_size(piece, Q) for piece in self.recv[pos : pos + n])
+            )  # fmt: skip
+            pos += n
+        return in_splits, out_splits
+
+    @property
+    def recv_experts(self) -> tuple[int, ...]:
+        """Global expert id of each received piece, in receive order."""
+        return tuple(g for g, _, _ in self.recv)
+
+
+def _size(piece: Piece, Q: int) -> int:
+    start, stop = piece_range(piece[1], piece[2], Q)
+    return stop - start
 
 
 @dataclass(frozen=True)
 class RelayPlan:
     """Host-side description of the replica fetch on this rank: every hot expert's weights travel
-    down its binomial relay tree (``placement.relay.relay_rounds``), the rounds of all experts
-    run together, one all_to_all per round; every rank joins every round.
+    by its route (``placement.relay.relay_messages``: scatter + all-gather of chunks, or the
+    binomial tree), the rounds of all experts run together, one all_to_all per round; every rank
+    joins every round.
 
     pack_local_ids: owned experts (0..E-1, ascending) this rank sends in any round: packed once,
                     so the pack's backward adds each one's returning gradient to ``.grad`` once.
     rounds:         the rounds, in order.
-    slot_rows:      where each replica slot's row arrives (slots in ``recv_experts`` order).
+    slot_pieces:    for each replica slot (``recv_experts`` order), where its chunks arrive, in
+                    chunk order (one ``Take`` for a whole row).
     recv_experts:   global ids of the replicas held here, ascending (the replica slot order).
     """
 
     pack_local_ids: list[int]
     rounds: tuple[RelayRound, ...]
-    slot_rows: tuple[Row, ...]
+    slot_pieces: tuple[tuple[Take, ...], ...]
     recv_experts: tuple[int, ...]
-
-    @property
-    def in_splits(self) -> list[int]:
-        """Rows sent to each rank over all rounds (a trace's summary of the fetch)."""
-        return [sum(col) for col in zip(*(rd.in_splits for rd in self.rounds), strict=True)]
-
-    @property
-    def out_splits(self) -> list[int]:
-        """Rows received from each rank over all rounds."""
-        return [sum(col) for col in zip(*(rd.out_splits for rd in self.rounds), strict=True)]
 
     @staticmethod
     def build(
@@ -84,36 +115,46 @@ class RelayPlan:
         relay: bool = True,
     ) -> RelayPlan:
         """``replicas``: ((g, holder ranks), ...) for every replicated expert, ascending g (a
-        plan's ``replicas``); ``distance``: the relay's nearest-first order (None: by rank);
-        ``relay`` False: the owner sends every copy, in one round (a flat fan-out). Identical
-        round structure on every rank (every rank computes every tree)."""
+        plan's ``replicas``); ``distance``: the relay's nearest-first order and route choice
+        (None: one link, by rank); ``relay`` False: the owner sends every whole copy, in one
+        round (a flat fan-out). Identical round structure on every rank (every rank computes
+        every expert's messages)."""
         E, r, W = experts_per_rank, rank, world_size
         if relay:
-            trees = [(g, relay_rounds(g // E, holders, distance)) for g, holders in replicas]
+            routes = [(g, relay_messages(g // E, holders, distance)) for g, holders in replicas]
         else:
-            trees = [(g, (tuple((g // E, h) for h in holders),)) for g, holders in replicas]
-        num_rounds = max((len(t) for _, t in trees), default=0)
+            routes = [(g, (tuple((g // E, h, 0, 1) for h in holders),)) for g, holders in replicas]
+        num_rounds = max((len(m) for _, m in routes), default=0)
         pack = sorted(  # owned experts this rank sends (it relays others from its buffers)
-            {g - r * E for g, t in trees if g // E == r for edges in t for s, _ in edges if s == r}
+            {g - r * E for g, m in routes if g // E == r for msgs in m for s, *_ in msgs if s == r}
         )
-        where: dict[int, Row] = {r * E + i: (0, j) for j, i in enumerate(pack)}  # expert -> row
+        # piece -> (buffer, entry) of every piece this rank holds: its packed rows first
+        where: dict[Piece, tuple[int, int]] = {
+            (r * E + i, 0, 1): (0, j) for j, i in enumerate(pack)
+        }
         rounds = []
         for k in range(num_rounds):
-            edges = [(s, q, g) for g, t in trees if k < len(t) for s, q in t[k]]
-            sends = sorted((q, g) for s, q, g in edges if s == r)  # by receiver, then expert
-            recvs = sorted((s, g) for s, q, g in edges if q == r)  # the all_to_all's order
+            msgs = [(s, q, g, j, n) for g, m in routes if k < len(m) for s, q, j, n in m[k]]
+            sends = sorted((q, g, j, n) for s, q, g, j, n in msgs if s == r)
+            recvs = sorted((s, g, j, n) for s, q, g, j, n in msgs if q == r)  # all_to_all order
             in_splits, out_splits = [0] * W, [0] * W
-            for q, _ in sends:
+            send = []
+            for q, g, j, n in sends:
                 in_splits[q] += 1
-            for s, _ in recvs:
+                # a sender holds what it sends: that very piece, or the whole row to cut it from
+                b, i = where[(g, j, n)] if (g, j, n) in where else where[(g, 0, 1)]
+                send.append((b, i, j, n))
+            for i, (s, g, j, n) in enumerate(recvs):
                 out_splits[s] += 1
-            # a sender holds what it sends: owned (packed) or received in an earlier round
-            send_rows = tuple(where[g] for _, g in sends)
-            for i, (_, g) in enumerate(recvs):
-                where[g] = (k + 1, i)
-            rounds.append(RelayRound(send_rows, in_splits, out_splits, tuple(g for _, g in recvs)))
+                where[(g, j, n)] = (k + 1, i)
+            recv = tuple((g, j, n) for _, g, j, n in recvs)
+            rounds.append(RelayRound(tuple(send), in_splits, out_splits, recv))
         held = tuple(g for g, holders in replicas if r in holders)
-        return RelayPlan(pack, tuple(rounds), tuple(where[g] for g in held), held)
+        chunks = {g: n for (g, _, n) in where}  # a held expert arrives whole or in n chunks
+        slots = tuple(
+            tuple((*where[(g, j, chunks[g])], j, chunks[g]) for j in range(chunks[g])) for g in held
+        )
+        return RelayPlan(pack, tuple(rounds), slots, held)
 
 
 def _present(weights: ExpertWeights) -> list[tuple[str, torch.Tensor]]:
@@ -145,48 +186,87 @@ def unpack_experts(packed_HQ: torch.Tensor, like: ExpertWeights) -> ExpertWeight
     return ExpertWeights(**out)
 
 
-def _gather(buffers: list[torch.Tensor], rows: tuple[Row, ...]) -> torch.Tensor:
-    """``[buffers[b][i] for (b, i) in rows]`` as one tensor, always depending on the last buffer
-    (an empty selection too): each round's send then depends on the round before, so backward
-    runs the rounds' gradient exchanges in reverse order on every rank (a chain, never a hang),
-    and the replicas depend on every round (each one's backward runs). No copy when ``rows``
-    are exactly the last buffer's rows in order."""
-    last = len(buffers) - 1
-    if [b for b, _ in rows] == [last] * len(rows) and [i for _, i in rows] == list(
-        range(buffers[last].shape[0])
-    ):
-        return buffers[last]
-    device = buffers[0].device
-    picked, slots = [], []
-    for b in sorted({b for b, _ in rows} | {last}):
-        mine = [j for j, (src, _) in enumerate(rows) if src == b]
-        idx = torch.tensor([rows[j][1] for j in mine], dtype=torch.int64, device=device)
-        picked.append(buffers[b].index_select(0, idx))
-        slots += mine
-    grouped = torch.cat(picked)  # rows grouped by buffer; put them back in the asked order
-    if slots == sorted(slots):
-        return grouped
-    inverse = [0] * len(slots)
-    for pos, j in enumerate(slots):
-        inverse[j] = pos
-    return grouped.index_select(0, torch.tensor(inverse, dtype=torch.int64, device=device))
+class _Buffers:
+    """The fetch's flat buffers (0: the packed owned rows, k + 1: round k's received pieces),
+    each split ONCE into consecutive views at every boundary any read needs (``torch.split``:
+    one backward node per buffer that concatenates its parts' gradients; a ``narrow`` per read
+    would allocate a zero gradient of the whole buffer per read, quadratic in the pieces), plus
+    an empty last part: what a round's send or the replicas depend on to keep the chain."""
+
+    def __init__(self, plan: RelayPlan, Q: int) -> None:
+        self.Q = Q
+        # where each entry of each buffer starts (and the buffer's end), and whether it is a row
+        starts = [[i * Q for i in range(len(plan.pack_local_ids) + 1)]]
+        whole = [[True] * len(plan.pack_local_ids)]
+        for rd in plan.rounds:
+            ends = [0]
+            for piece in rd.recv:  # received pieces lie back to back, in receive order
+                ends.append(ends[-1] + _size(piece, Q))
+            starts.append(ends)
+            whole.append([n == 1 for _, _, n in rd.recv])
+        self.starts, self.whole = starts, whole
+        cuts = [{0, s[-1]} for s in starts]
+        for takes in [rd.send for rd in plan.rounds] + list(plan.slot_pieces):
+            for take in takes:
+                b, lo, hi = self.span(take)
+                cuts[b] |= {lo, hi}
+        self.cuts = [sorted(c) for c in cuts]
+        self.index = [{x: i for i, x in enumerate(c)} for c in self.cuts]
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+
+    def span(self, take: Take) -> tuple[int, int, int]:
+        """(buffer, start, stop) of the piece ``take`` names: its entry, or its chunk of the
+        entry's whole row (an owner scattering)."""
+        b, i, j, n = take
+        start, stop = self.starts[b][i], self.starts[b][i + 1]
+        if self.whole[b][i] and n > 1:
+            lo, hi = piece_range(j, n, self.Q)
+            return b, start + lo, start + hi
+        return b, start, stop
+
+    def add(self, buffer: torch.Tensor) -> None:
+        """Buffer ``len(self.parts)``, split at its cuts (and an empty part at its end)."""
+        cuts = self.cuts[len(self.parts)]
+        sizes = [hi - lo for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)] + [0]
+        self.parts.append(torch.split(buffer, sizes))
+
+    def read(self, takes) -> list[torch.Tensor]:
+        """The views of the pieces ``takes`` names, in order (a piece spanning several parts
+        as those parts)."""
+        out = []
+        for take in takes:
+            b, lo, hi = self.span(take)
+            out += self.parts[b][self.index[b][lo] : self.index[b][hi]]
+        return out
+
+    def chain(self) -> torch.Tensor:
+        """The empty last part of the latest buffer (a dependency, no data)."""
+        return self.parts[-1][-1]
 
 
 def fetch_replicas(
     comm, owned: ExpertWeights, plan: RelayPlan, cached: list[torch.Tensor] | None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Packed replica rows [H, Q] on this rank, in slot order, and each round's received rows
-    (what the cache keeps). ``cached``: every round's received rows from an earlier fetch, when
-    every rank agreed the cache is valid: nothing moves forward, gradients still go home.
+    """Packed replica rows [H, Q] on this rank, in slot order, and each round's received flat
+    buffer (what the cache keeps). ``cached``: every round's received buffer from an earlier
+    fetch, when every rank agreed the cache is valid: nothing moves forward, gradients still go
+    home.
 
-    Backward runs the rounds in reverse, each an all_to_all of gradients: a relay rank's
-    gradient of a row it received is its own use plus everything its receivers sent back
-    (autograd sums them) before it goes on to its sender; the owner's pack adds the total to
-    ``.grad`` once."""
-    buffers = [pack_experts(owned, plan.pack_local_ids)]
+    Each round's send buffer and the replicas always depend on the buffer received last (an
+    empty part of it when nothing is read from it): backward then runs the rounds' gradient
+    exchanges in reverse order on every rank (a chain, never a hang), and every round's
+    backward runs. Backward: see the module doc (reduce-scatter, then home to the owner)."""
+    packed_PQ = pack_experts(owned, plan.pack_local_ids)
+    Q = packed_PQ.shape[1]
+    bufs = _Buffers(plan, Q)
+    bufs.add(packed_PQ.reshape(-1))  # flat: entry i of buffer 0 is packed row i
+    received = []
     trace = ("moe.replica_fetch", "exp")  # the gradient return's span: moe.replica_fetch.backward
     for k, rd in enumerate(plan.rounds):
-        send = _gather(buffers, rd.send_rows)
+        pieces = bufs.read(rd.send)
+        send = torch.cat([*pieces, bufs.chain()])
+        sizes = [hi - lo for _, lo, hi in map(bufs.span, rd.send)]
+        in_splits, out_splits = rd.element_splits(sizes, Q)
         hit = None if cached is None else cached[k]
         with trace_span(
             "moe.replica_fetch",
@@ -195,18 +275,23 @@ def fetch_replicas(
             group="exp",
             shape=tuple(send.shape),
             dtype=send.dtype,
-            in_splits=rd.in_splits,
-            out_splits=rd.out_splits,
+            in_splits=in_splits,
+            out_splits=out_splits,
         ):
-            buffers.append(cached_all_to_all(comm, send, rd.out_splits, rd.in_splits, hit, trace))
-    return _gather(buffers, plan.slot_rows), [b.detach() for b in buffers[1:]]
+            out = cached_all_to_all(comm, send, out_splits, in_splits, hit, trace)
+        received.append(out.detach())
+        bufs.add(out)
+    # every slot's chunks in order, back to back: one copy, viewed as rows
+    flat = torch.cat([*(p for takes in plan.slot_pieces for p in bufs.read(takes)), bufs.chain()])
+    return flat.view(len(plan.slot_pieces), Q), received
 
 
 class ReplicaCache:
     """The replicas of the last fetch on this rank, reused while nothing they depend on changed.
 
-    The key is the plan's replicas (hence the relay rounds) and the owners' weight versions,
-    which every rank received in the count exchange: all ranks agree on a hit, and a hit moves
+    The key is the plan's replicas and its ``relay`` flag (together they fix every round's
+    messages on every rank) and the owners' weight versions, which every rank received in the
+    count exchange: all ranks agree on a hit, and a hit moves
     nothing forward (gradients still go home in backward). An optimizer step changes an owner's
     version, so a replica never serves stale weights; new holders (a rotating hotspot) change
     the key: a full refetch.
@@ -218,7 +303,7 @@ class ReplicaCache:
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.replicas_HQ: torch.Tensor | None = None
-        self.rounds: list[torch.Tensor] | None = None  # each round's received rows
+        self.rounds: list[torch.Tensor] | None = None  # each round's received buffer
         self.last_fetch: RelayPlan | None = None
 
     def invalidate(self) -> None:
@@ -228,7 +313,7 @@ class ReplicaCache:
         self, comm, owned: ExpertWeights, plan: RelayPlan, key: tuple, reuse: bool
     ) -> tuple[torch.Tensor, bool]:
         """Packed replicas [H, Q] (slot order) and whether they came from the cache. ``key``:
-        (plan replicas, owner versions); ``reuse``: the strategy caches replicas at all."""
+        (plan replicas, relay flag, owner versions); ``reuse``: the strategy caches replicas at all."""
         hit = reuse and key == self.key
         replicas_HQ, rounds = fetch_replicas(comm, owned, plan, self.rounds if hit else None)
         if reuse:

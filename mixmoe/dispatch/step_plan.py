@@ -63,8 +63,8 @@ def build_step_plan(
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
     plan; vectorised over ranks and experts (only the replicas, at most a few per rank, and the
     share entries are visited one by one). The replicas travel as the plan says (``plan.relay``:
-    the relay tree, served nearest first by ``distance``; else the owner's flat fan-out), as
-    the cost model priced them."""
+    its relay route, ``placement.relay``: scatter + all-gather or the tree, nearest first by
+    ``distance``; else the owner's flat fan-out), as the cost model priced them."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
     rep = plan.replica_slots(r)

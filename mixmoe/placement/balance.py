@@ -30,8 +30,8 @@ source, the rest at the owner: ``Plan``'s replica rule) and, one ``step`` per mo
 Speed (the plan runs every step): totals come from ``StepModel.total_fn`` (``rank_total`` with
 the group flags bound, the same floats), probes on tuples and memoised per crossing search, each
 (g, rank) segment order cached with its row sum and sort keys and updated by bisection when a
-move changes it, a new holder's relay-tree edge changes computed in O(log H) with one link
-(``_edge_changes``) and cached per (g, y) until g's holders change; a move costs ~0.07 ms
+move changes it, a new holder's relay (``relay_degrees``) and the copies it changes cached per
+(g, y) until g's holders change; a move costs ~0.07 ms
 of Python at W = 64, ~0.15 ms at W = 256, ~0.3 ms at W = 1024 (every cache is checked
 against a fresh computation: ``tests/placement/test_placement_planner_speed.py``).
 
@@ -43,7 +43,7 @@ guarantees (never worse than a2a or shadow) are the caller's, the search is a he
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Callable
 
 import torch
@@ -82,39 +82,6 @@ def _crossing(
     if room_end < 0.0 <= room_now:
         n = min(n, amount * room_now / (room_now - room_end))
     return int(n) // blk
-
-
-def _edge_changes(owner: int, holders: list[int], y: int) -> tuple[int, dict[int, int]]:
-    """One link: the rounds of ``relay_degrees(owner, holders + [y])`` and its edges minus those
-    of ``relay_degrees(owner, holders)`` per rank (ascending, nonzero only); ``holders``
-    ascending, without y.
-
-    In the served order [owner, *holders] of n ranks, position j >= 1 has 1 + max(0,
-    (n - j - 1).bit_length() - j.bit_length()) edges and the owner (n - 1).bit_length(). y
-    enters at position p (n grows by one): a position j < p changes only where n - j is a
-    power of two (its first term grows), a position j >= p moves to j + 1 and changes only
-    where j + 1 is a power of two (its second term grows); so O(log n) ranks are looked at,
-    not the whole tree (W = 1024: hundreds of holders per hot expert)."""
-    n = len(holders) + 1  # the order's length before y joins
-
-    def edges(j: int, n: int) -> int:
-        return 1 + max(0, (n - j - 1).bit_length() - j.bit_length())
-
-    p = bisect_left(holders, y) + 1  # y's position in the new order
-    extra = {owner: n.bit_length() - (n - 1).bit_length(), y: edges(p, n + 1)}
-    k = 1
-    while n - k >= 1:  # j = n - 2**i before p
-        j = n - k
-        if j < p:
-            extra[holders[j - 1]] = edges(j, n + 1) - edges(j, n)
-        k *= 2
-    k = 2
-    while k - 1 <= n - 1:  # j = 2**i - 1 from p on: now at j + 1
-        j = k - 1
-        if j >= p:
-            extra[holders[j - 1]] = edges(j + 1, n + 1) - edges(j, n)
-        k *= 2
-    return n.bit_length(), {r: d for r, d in sorted(extra.items()) if d}
 
 
 class WaterFill:
@@ -368,22 +335,17 @@ class WaterFill:
             return None
         return new_max, best_takes, changed, tree, rounds
 
-    def _grown(self, g: int, y: int) -> tuple[int, dict[int, int], list[int] | None, dict | None]:
-        """g's relay tree with y added as a holder: (its rounds, the tree edges each rank gains or
-        loses {rank: edges}, the holders ascending, {rank: edges}), cached until g's holders
-        change (the same (g, y) is tried again in many moves while b sheds g's rows). With one
-        link the last two are None (``apply`` builds them) and the changes come from
-        ``_edge_changes`` in O(log H); with a topology from ``relay_degrees`` in full."""
+    def _grown(self, g: int, y: int) -> tuple[int, dict[int, float], list[int], dict]:
+        """g's relay with y added as a holder: (its rounds, the copies each rank gains or loses
+        {rank: copies}, the holders ascending, {rank: copies}: ``relay_degrees``), cached until
+        g's holders change (the same (g, y) is tried again in many moves while b sheds g's
+        rows)."""
         grown = self._grow.get(g)
         if grown is None:
             grown = self._grow[g] = {}
         hit = grown.get(y)
         if hit is None:
             holders, old = self.holders.get(g, ()), self.degrees.get(g, {})
-            if self.distance is None:
-                depth, extra = _edge_changes(g // self.E, holders, y)
-                hit = grown[y] = (depth, extra, None, None)
-                return hit
             h = sorted([*holders, y])
             degrees, depth = relay_degrees(g // self.E, h, self.distance)
             extra = {}
@@ -399,13 +361,7 @@ class WaterFill:
         for r, ld in changed.items():
             self.rows[r], self.local[r], self.remote[r], self.replica[r] = ld
         if tree is not None:
-            _, extra, h, degrees = tree
-            if h is None:  # one link: g's holders and tree edges updated by the changes
-                h = list(self.holders.get(g, ()))
-                insort(h, y)
-                degrees = dict(self.degrees.get(g, {}))
-                for r, d in extra.items():
-                    degrees[r] = degrees.get(r, 0) + d
+            _, _, h, degrees = tree
             self.holders[g], self.degrees[g] = h, degrees
             self.held[y] += 1
             self._grow.pop(g, None)  # trees grown from g's old holders

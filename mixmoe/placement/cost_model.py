@@ -20,7 +20,10 @@ Per rank r, with rb = D * bytes_per_element (one row) and P = params_bytes_per_e
 - replica[r] = replicas r serves as owner (sum of |H(g)| over its hot g) + replicas r holds. The
   owner sends P per holder in forward and receives P of gradient per holder in backward; a holder
   receives P and sends P: weight_sent = weight_recv = P * replica[r]; ``weight_bytes`` reports
-  sent + received = 2 * P * replica[r].
+  sent + received = 2 * P * replica[r] (rounded to whole bytes). Under a relay (``Plan.relay``,
+  ``plan_pricing``) replica[r] is instead the copies r sends + receives in the relay's messages
+  (``relay.relay_degrees``): a binomial tree's edges at r, or under scatter + all-gather 1 for
+  the owner and 2 - 1/H for each of the H holders (a float64 on a 2**-24 grid).
 - Each communication phase costs link_latency per collective + max(sent, recv) / link_bandwidth.
   The token phase uses 4 all-to-alls (dispatch and return, forward and backward), counted on every
   rank when any row anywhere is remote and skipped otherwise (every rank knows C, so all skip
@@ -67,7 +70,7 @@ from mixmoe.placement.counts import (  # noqa: F401  (re-exported: the planners'
     counts_with_sums,
 )
 from mixmoe.placement.profile import HardwareProfile
-from mixmoe.placement.relay import node_distance, relay_degrees, relay_rounds
+from mixmoe.placement.relay import node_distance, relay_degrees, relay_inter_copies
 
 LOADS = ("rows", "local", "remote", "replica")  # the order of the stacked aggregates [4, W]
 TOKEN_COLLECTIVES = 4  # dispatch + return, forward + backward
@@ -423,10 +426,16 @@ class StepModel:
         self, compute_W: torch.Tensor, comm_W: torch.Tensor, loads_4W: torch.Tensor
     ) -> Prediction:
         """The ``Prediction`` of ``seconds_W``'s output and the aggregates it came from."""
-        loads_4W = loads_4W.to(torch.int64)
         token, weight = 2 * self.token_bytes_per_row, 2 * self.params_bytes
-        if int(loads_4W[2:].max()) * max(token, weight) >= 2**63:  # int64 would overflow
-            rows, _, remote, replica = loads_4W[:4].tolist()
+        replica_W = loads_4W[3]
+        replica = [int(x) if x.is_integer() else x for x in replica_W.tolist()]
+        loads_4W = loads_4W.to(torch.int64)
+        # whole copies: exact int64 products; fractional ones (the relay's chunks) rounded to
+        # whole bytes as ``_pack_lists`` rounds them (the same IEEE product, half to even)
+        whole_W = loads_4W[3].to(torch.float64) == replica_W
+        fraction_W = torch.round(replica_W * weight).to(torch.int64)
+        if int(loads_4W[2:].max() + 1) * max(token, weight) >= 2**63:  # int64 would overflow
+            rows, _, remote = loads_4W[:3].tolist()
             return self._pack_lists(compute_W.tolist(), comm_W.tolist(), rows, remote, replica)
         # the same values as _pack_lists in fewer host steps (W = 1024 plans pack twice):
         # exact int64 products, and the max of the same IEEE sums
@@ -434,7 +443,7 @@ class StepModel:
             compute_s=tuple(compute_W.tolist()),
             comm_s=tuple(comm_W.tolist()),
             token_bytes=tuple((loads_4W[2] * token).tolist()),
-            weight_bytes=tuple((loads_4W[3] * weight).tolist()),
+            weight_bytes=tuple(torch.where(whole_W, loads_4W[3] * weight, fraction_W).tolist()),
             rows=tuple(loads_4W[0].tolist()),
             step_s=float((compute_W + comm_W).max()),
         )
@@ -474,7 +483,9 @@ class StepModel:
             compute_s=tuple(compute),
             comm_s=tuple(comm),
             token_bytes=tuple(map(token.__mul__, remote)),
-            weight_bytes=tuple(map(weight.__mul__, replica)),
+            weight_bytes=tuple(
+                weight * n if isinstance(n, int) else int(round(weight * n)) for n in replica
+            ),
             rows=tuple(rows),
             step_s=max(map(operator.add, compute, comm)),
         )
@@ -570,14 +581,17 @@ def plan_pricing(
     Segments without a share entry follow the replica rule (``plan_loads``). A share entry
     (s, g, runs) puts each run's rows at its rank r: rows[r] += n; local to s when r == s, else
     remote at both s (it sends them) and r (it computes them for s). When ``plan.relay`` is set
-    the replica column is each rank's edges in the relay trees (``relay_degrees``: per tree edge
-    the sender sends P forward and receives P of gradient, the receiver the reverse) and the
-    rounds are the deepest tree's (``relay_rounds``); otherwise the flat fan-out of today (the
-    owner serves every holder; one round when any replica exists). A plan without shares and
-    without relay prices exactly as ``plan_loads`` / ``predict``. ``profile``: its topology
-    (``ranks_per_node``) orders the relay nearest first and adds two rows: the remote rows and
-    the tree edges that cross nodes, at each rank (``StepModel.seconds_W`` prices them at the
-    inter-node bandwidth); None or one link: [4, W]. ``base_4W``: as for ``plan_loads``.
+    the replica column is each rank's copies in the relay's messages (``relay_degrees``, what
+    ``relay_messages`` executes: per copy the sender sends P forward and receives P of
+    gradient, the receiver the reverse; fractional under scatter + all-gather: 1 for the owner,
+    2 - 1/H for a holder) and the rounds are the most any expert takes (2 when any expert
+    scatters, else the deepest tree's); otherwise the flat fan-out of today (the owner serves
+    every holder; one round when any replica exists). A plan without shares and without relay
+    prices exactly as ``plan_loads`` / ``predict``. ``profile``: its topology
+    (``ranks_per_node``) orders the relay nearest first (a relay spanning nodes takes the tree)
+    and adds two rows: the remote rows and the relay copies that cross nodes, at each rank
+    (``StepModel.seconds_W`` prices them at the inter-node bandwidth); None or one link: [4, W].
+    ``base_4W``: as for ``plan_loads``.
     """
     E = experts_per_rank
     distance = node_distance(profile)
@@ -609,20 +623,19 @@ def plan_pricing(
                     remote_inter[s] += n
                     remote_inter[r] += n
     if relay and plan.replicas:
-        replica = [0] * W
-        replica_inter = [0] * W
+        # copies sent + received per rank (fractional under scatter + all-gather; each on the
+        # relay's 2**-24 grid, so these sums are exact in any order: ``relay`` module doc)
+        replica = [0.0] * W
+        replica_inter = [0.0] * W
         rounds = 0
         for g, holders in plan.replicas:
             degrees, depth = relay_degrees(g // E, holders, distance)
-            rounds = max(rounds, depth)
+            rounds = max(rounds, depth)  # 2 when any expert scatters, else the deepest tree
             for r, d in degrees.items():
                 replica[r] += d
             if distance is not None:
-                for edges in relay_rounds(g // E, holders, distance):
-                    for a, b in edges:
-                        if a // per_node != b // per_node:
-                            replica_inter[a] += 1
-                            replica_inter[b] += 1
+                for r, d in relay_inter_copies(g // E, holders, distance).items():
+                    replica_inter[r] += d
     loads = [rows, local, remote, replica]
     if distance is not None:
         loads += [remote_inter, replica_inter]

@@ -210,7 +210,11 @@ def _prediction(model: StepModel, loads_4W: torch.Tensor, rounds: int) -> Predic
     floats, bit for bit) up to ``LIST_PREDICTION_W`` ranks with one link, where its ~20 tensor
     ops cost more than W scalar evaluations (measured ~80 vs ~25 us at W = 8)."""
     if loads_4W.shape[0] == 4 and loads_4W.shape[1] <= LIST_PREDICTION_W:
-        return model.prediction_lists(*loads_4W.to(torch.int64).tolist(), rounds=rounds)
+        rows, local, remote = loads_4W[:3].to(torch.int64).tolist()
+        # copies: whole ones as ints, the relay's fractional ones as floats (as ``pack`` reads
+        # them)
+        replica = [int(x) if x.is_integer() else x for x in loads_4W[3].tolist()]
+        return model.prediction_lists(rows, local, remote, replica, rounds=rounds)
     return model.prediction_W(loads_4W, rounds)
 
 
@@ -299,8 +303,8 @@ def _water_fill(
     distance = node_distance(profile)
     any_remote = bool(loads_4W[2].any())
     fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
-    # the search: one link (module doc)
-    fill.set_loads(loads_4W[:4].to(torch.int64).tolist(), loads_4W[:4])
+    # the search: one link (module doc); copies: float under the relay's scatter
+    fill.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])
     fill.run(min(MOVES_PER_RANK * W + 16, MAX_MOVES), beat, FILL_STOP)
     return fill if fill.moves else None
 

@@ -41,7 +41,8 @@ Topology (optional). ``ranks_per_node`` R splits the EP group into nodes of R co
 default) is the one-link model: every pair of ranks on ``link_bandwidth`` / ``link_latency``,
 exactly as before the fields existed. ``pair_link`` and ``link_seconds`` give the link of a pair
 of ranks; a cost model that knows the topology prices each transfer with them (a cost model
-that reads ``link_bandwidth`` alone prices every pair as intra-node).
+that reads ``link_bandwidth`` alone prices every pair as intra-node). ``mixmoe calibrate
+--ranks-per-node R`` measures both links (``mixmoe.bench.calibrate_links``).
 
 ``GPU_PROFILE`` (name ``gpu-generic``: a generic modern GPU node without NVLink between the EP
 ranks), an ESTIMATE: ``gemm_flops = 300e12`` of sustained bf16 grouped GEMM (an H100-class part

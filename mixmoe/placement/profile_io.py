@@ -14,6 +14,7 @@ JSON layout (one object)::
                                          # optional, together: the topology (absent: one link)
      "measured": true|false, "source": "how the numbers were obtained",
      "measurements": {...}}          # optional: calibrate's raw sweeps, kept for the record
+                                     # (with a topology: intra_node / inter_node and their fits)
 
 The fixed costs (``HardwareProfile``) are optional: files written before they existed load with
 0.0 (the cost model without them); so is ``shared_core_efficiency`` (1.0: fair sharing), and so

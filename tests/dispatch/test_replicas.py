@@ -1,9 +1,11 @@
 """Replica fetch bookkeeping and weight packing (``dispatch/replicas.py``), in one process.
 
-``RelayPlan`` is checked by simulating every relay round's all_to_all over all ranks: each sender
-holds what it sends, each holder ends with exactly its replicas in ascending order (its replica
-slots), the splits agree pairwise, and no rank sends one expert more than ceil(log2(H + 1)) times. ``pack_experts`` / ``unpack_experts`` round-trip every weight layout
-(biases, SwiGLU) and route gradients back to the packed experts, summed over duplicates.
+``RelayPlan`` is checked by simulating every round's all_to_all over all ranks with the pieces
+(whole rows or chunks) each rank holds: each sender holds what it sends, the splits agree
+pairwise, each holder ends with every chunk of exactly its replicas in slot order, and the
+messages executed are the route's (``relay_messages``), priced as ``relay_degrees`` says.
+``pack_experts`` / ``unpack_experts`` round-trip every weight layout (biases, SwiGLU) and route
+gradients back to the packed experts, summed over duplicates.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from fractions import Fraction
 
 import pytest
 import torch
 
 from mixmoe.dispatch.replicas import RelayPlan, pack_experts, unpack_experts, weights_version
 from mixmoe.ops.expert_mlp import ExpertWeights
+from mixmoe.placement.relay import COPY_GRID_BITS, relay_degrees, relay_messages
 
 
 def _random_replicas(W: int, E: int, rng: random.Random):
@@ -29,53 +33,97 @@ def _random_replicas(W: int, E: int, rng: random.Random):
     return tuple(out)
 
 
+def _play(plans: list[RelayPlan], E: int) -> tuple[list[list[list]], list[tuple]]:
+    """Every round's all_to_all over all ranks, on the pieces (g, j, n) each rank holds: buffer
+    0 = its packed owned rows, buffer k + 1 = what round k delivered. Checks that each send reads
+    a piece the sender holds (that very piece, or the whole row it is cut from) and that the
+    splits agree pairwise; returns the buffers and the executed messages (round, sender,
+    receiver, piece)."""
+    W = len(plans)
+    assert len({len(p.rounds) for p in plans}) == 1  # every rank joins every round
+    bufs = [[[(r * E + i, 0, 1) for i in p.pack_local_ids]] for r, p in enumerate(plans)]
+    assert all(0 <= i < E for p in plans for i in p.pack_local_ids)
+    executed = []
+    for k in range(len(plans[0].rounds)):
+        sends = []
+        for r, p in enumerate(plans):
+            out = []
+            for b, i, j, n in p.rounds[k].send:
+                g, je, ne = bufs[r][b][i]
+                assert (je, ne) in ((j, n), (0, 1)), "a sender holds what it sends"
+                out.append((g, j, n))
+            sends.append(out)
+        for r, p in enumerate(plans):
+            rd, got = p.rounds[k], []
+            for q, sender in enumerate(plans):  # the all_to_all: q's block for r, q ascending
+                start = sum(sender.rounds[k].in_splits[:r])
+                block = sends[q][start : start + sender.rounds[k].in_splits[r]]
+                assert rd.out_splits[q] == len(block), (k, r, q)
+                got += block
+                executed += [(k, q, r, piece) for piece in block]
+            assert tuple(got) == rd.recv, (k, r)
+            assert not set(got) & {x for buf in bufs[r] for x in buf}, "received twice"
+        for r in range(W):
+            bufs[r].append(list(plans[r].rounds[k].recv))
+    return bufs, executed
+
+
 @pytest.mark.parametrize("relay", [True, False])
 @pytest.mark.parametrize("W,E", [(1, 2), (2, 1), (2, 3), (3, 2), (4, 2), (7, 1)])
-def test_relay_plan_delivers_each_replica_down_its_tree_in_slot_order(W, E, relay):
-    """Simulate every round's all_to_all over all ranks, each rank's buffers holding expert ids:
-    every sender holds what it sends, splits agree pairwise, every holder ends with exactly its
-    replicas in ascending order, and no rank sends one expert more than ceil(log2(H + 1)) times."""
+def test_relay_plan_delivers_each_replica_by_its_route_in_slot_order(W, E, relay):
+    """Every holder ends with all chunks of exactly its replicas, in slot order; the messages
+    executed are the route's, and each rank's copies of each expert (a brute-force count of the
+    executed messages, chunk j of n = 1/n copy) are what ``relay_degrees`` prices."""
     rng = random.Random(10 * W + E)
     for _ in range(6):
         replicas = _random_replicas(W, E, rng)
         plans = [RelayPlan.build(replicas, r, W, E, relay=relay) for r in range(W)]
-        assert len({len(p.rounds) for p in plans}) == 1  # every rank joins every round
         assert relay or len(plans[0].rounds) == (1 if replicas else 0)  # flat: one round
-        bufs = [[[r * E + i for i in p.pack_local_ids]] for r, p in enumerate(plans)]
-        assert all(0 <= i < E for p in plans for i in p.pack_local_ids)
-        sent_copies: dict[tuple[int, int], int] = {}
-        for k in range(len(plans[0].rounds)):
-            sends = [[bufs[r][b][i] for b, i in p.rounds[k].send_rows] for r, p in enumerate(plans)]
-            for r, p in enumerate(plans):
-                rd = p.rounds[k]
-                got = []
-                for q, sender in enumerate(plans):  # the all_to_all: q's block for r, q ascending
-                    start = sum(sender.rounds[k].in_splits[:r])
-                    block = sends[q][start : start + sender.rounds[k].in_splits[r]]
-                    assert rd.out_splits[q] == len(block), (k, r, q)
-                    got += block
-                    for g in block:
-                        sent_copies[(q, g)] = sent_copies.get((q, g), 0) + 1
-                assert tuple(got) == rd.recv_experts, (k, r)
-                assert not set(got) & {g for buf in bufs[r] for g in buf}, "received twice"
-            for r in range(W):
-                bufs[r].append(list(plans[r].rounds[k].recv_experts))
+        bufs, executed = _play(plans, E)
         for r, p in enumerate(plans):
             want = tuple(g for g, holders in replicas if r in holders)
             assert p.recv_experts == want
-            assert tuple(bufs[r][b][i] for b, i in p.slot_rows) == want, (r, replicas)
-        holders = dict(replicas)
-        for (q, g), n in sent_copies.items():
-            most = math.ceil(math.log2(len(holders[g]) + 1)) if relay else len(holders[g])
-            assert n <= most and (relay or q == g // E), (q, g, n)
+            for g, takes in zip(want, p.slot_pieces, strict=True):
+                pieces = [(bufs[r][b][i][0], j, n) for b, i, j, n in takes]
+                n = takes[0][3]
+                assert pieces == [(g, j, n) for j in range(n)], (r, g, pieces)
+        grid = 2**COPY_GRID_BITS
+        for g, holders in replicas:
+            mine = [(k, a, b, j, n) for k, a, b, (h, j, n) in executed if h == g]
+            if not relay:  # the owner sends every whole copy
+                assert sorted(mine) == [(0, g // E, h, 0, 1) for h in holders]
+                continue
+            route = relay_messages(g // E, holders)
+            want = sorted((k, *m) for k, msgs in enumerate(route) for m in msgs)
+            assert sorted(mine) == want  # the layer executes the priced route
+            sent, recv = {}, {}
+            for _, a, b, _, n in mine:
+                sent[a] = sent.get(a, 0) + Fraction(1, n)
+                recv[b] = recv.get(b, 0) + Fraction(1, n)
+            counted = {
+                r: float(
+                    Fraction(int(sent.get(r, 0) * grid), grid)
+                    + Fraction(int(recv.get(r, 0) * grid), grid)
+                )
+                for r in set(sent) | set(recv)
+            }
+            degrees, rounds = relay_degrees(g // E, holders)
+            assert counted == degrees and rounds == len(route)
+            if len(holders) >= 2:  # scatter: the owner sends one copy, in chunks
+                assert sent[g // E] == 1 and all(recv[h] == 1 for h in holders)
 
 
-def test_relay_is_a_tree_rooted_at_the_owner():
-    """What the gradient return relies on (the summation itself runs in
-    tests/distributed/test_shares.py): each holder receives once, and following the senders
-    from any holder reaches the owner without a cycle, in ceil(log2(H + 1)) rounds."""
+def test_relay_is_a_tree_rooted_at_the_owner_across_nodes():
+    """Holders on other nodes: the tree of whole rows. What the gradient return relies on (the
+    summation itself runs in tests/distributed/test_shares.py): each holder receives once, and
+    following the senders from any holder reaches the owner without a cycle, in
+    ceil(log2(H + 1)) rounds."""
     replicas = ((0, (1, 2, 3, 4, 5, 6)),)
-    plans = [RelayPlan.build(replicas, r, 7, 1) for r in range(7)]
+
+    def far(a: int, b: int) -> int:  # nodes of 2 ranks: holders 2-6 are on other nodes
+        return int(a // 2 != b // 2)
+
+    plans = [RelayPlan.build(replicas, r, 7, 1, far) for r in range(7)]
     parent = {}
     for k in range(len(plans[0].rounds)):
         for r, p in enumerate(plans):
@@ -90,6 +138,23 @@ def test_relay_is_a_tree_rooted_at_the_owner():
             seen.add(x)
             x = parent[x]
     assert len(plans[0].rounds) == 3  # ceil(log2(7)) rounds, not 6 sends from the owner
+
+
+def test_scatter_then_all_gather_on_one_node():
+    """Holders on the owner's node: round 0 the owner sends chunk i (of H = 6) to the i-th
+    holder, round 1 each holder sends its chunk to the 5 others; every holder assembles the row
+    from chunks 0..5 in order."""
+    replicas = ((0, (1, 2, 3, 4, 5, 6)),)
+    plans = [RelayPlan.build(replicas, r, 7, 1) for r in range(7)]
+    assert len(plans[0].rounds) == 2
+    first, second = plans[0].rounds
+    assert first.in_splits == [0, 1, 1, 1, 1, 1, 1] and second.in_splits == [0] * 7
+    for h in range(1, 7):
+        r0, r1 = plans[h].rounds
+        assert r0.recv == ((0, h - 1, 6),) and r0.out_splits == [1] + [0] * 6
+        assert r1.in_splits == [0] + [0 if q == h else 1 for q in range(1, 7)]
+        assert sorted(r1.recv) == [(0, j, 6) for j in range(6) if j != h - 1]
+        assert [(j, n) for *_, j, n in plans[h].slot_pieces[0]] == [(j, 6) for j in range(6)]
 
 
 def _weights(layout: str, S: int = 4, D: int = 3, F: int = 5) -> ExpertWeights:

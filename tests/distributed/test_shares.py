@@ -4,11 +4,12 @@ equal the single-rank layer: forward, every gradient and several AdamW steps.
 The plans are FORCED through the dispatcher's ``plan_hook`` (a deterministic function of the
 count matrix and the step, so every rank builds the same one): the owner's own rows moved to a
 helper, a source's rows cut between the owner and two helpers, every segment of a hot expert cut
-across all ranks (a deep relay tree whose relay ranks compute rows too), random cuts of every
-segment, and helpers rotating every step. The routing adds a hot rank, a rank with zero tokens,
+across all ranks (its weights scattered in chunks and all-gathered among the holders with one
+link, or down the relay tree when the holders sit on other nodes; the holders compute rows too),
+random cuts of every segment, and helpers rotating every step. The routing adds a hot rank, a rank with zero tokens,
 a hotspot moving every step, and token counts that are not multiples of 64.
 
-A holder's gradient dropped or counted twice changes its expert's gradient, and a replica served
+A holder's gradient (or one chunk of it) dropped or counted twice changes its expert's gradient, and a replica served
 stale after an optimizer step changes the next step's output: both fail the comparison. One spawn
 per world size runs every case. The real planner's plans (``plan_mix`` under compute-bound
 profiles, one with two ranks per node) run through the same comparison.
@@ -16,6 +17,7 @@ profiles, one with two ranks per node) run through the same comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -159,6 +161,14 @@ def _grads(layer) -> dict:
     }
 
 
+def _chunks(fetch) -> int:
+    """The most chunks a row was cut into for this rank in the fetch (1: whole rows only, the
+    tree or a direct send; H: the scatter + all-gather to H holders), 0 without a fetch."""
+    if fetch is None:
+        return 0
+    return max((n for rd in fetch.rounds for *_, n in rd.recv), default=0)
+
+
 def _run_case(comm, case: dict) -> dict:
     layer = make_layer(case)
     parallelize_moe(layer, comm, case["strategy"], profile=case.get("profile", REPLICATE))
@@ -191,6 +201,7 @@ def _run_case(comm, case: dict) -> dict:
                 "rounds": len(disp.replica_cache.last_fetch.rounds)
                 if disp.replica_cache.last_fetch
                 else 0,
+                "chunks": _chunks(disp.replica_cache.last_fetch),
                 **_grads(layer),
             }
         )
@@ -207,8 +218,9 @@ def _run_case(comm, case: dict) -> dict:
 
 def _eval_cache(comm) -> dict:
     """The replica cache under share plans (mix, no grad): a repeated plan with unchanged weights
-    is served from the cache; an in-place write, or helpers that change every call (a rotating
-    hotspot), refetch; every answer equals a fresh fetch."""
+    is served from the cache; an in-place write, helpers that change every call (a rotating
+    hotspot), or the same replicas by another route (relay or not), refetch; every answer
+    equals a fresh fetch."""
     world = comm.world_size
     case = {
         "name": "cache",
@@ -247,6 +259,15 @@ def _eval_cache(comm) -> dict:
         out["equal"].append(torch.equal(y3, fresh()) and not torch.equal(y2, y3))
         disp.plan_hook = _hook(dict(case, recipe="rotating", rotate=True), E, B)
         out["y"] = [y3, call(), fresh(), call()]  # a new hot expert and holders every call
+        # the same replicas by another route (the owner's flat fan-out instead of the relay):
+        # other round buffers, so a refetch (a cached relay buffer would serve wrong weights)
+        disp.plan_hook = _hook(case, E, B)
+        y4, y5 = call(), call()
+        hook = _hook(case, E, B)
+        disp.plan_hook = lambda C_WN, base: dataclasses.replace(hook(C_WN, base), relay=False)
+        y6 = call()
+        out["equal"].append(torch.equal(y4, y5) and torch.equal(y6, fresh()))
+        out["y"] += [y4, y6]
     return out
 
 
@@ -339,6 +360,25 @@ def _cases(world: int) -> list[dict]:
                     }
                 )
                 i += 1
+    # expert 0 on every rank with holders on the other node (2 ranks per node): the tree of
+    # whole rows, not the scatter (which the relay recipes above take with one link)
+    cases.append(
+        {
+            "name": f"W{world} mix relay across nodes",
+            "strategy": "mix",
+            "recipe": "relay",
+            "profile": TOPOLOGY,
+            "skew": "one",
+            "rotate": True,
+            "block_size": 16,
+            "dtype": torch.float64,
+            "top_k": 2,
+            "num_experts": 2 * world,
+            "tokens": TOKENS[world][i % 2],
+            "seed": 100 * world + i,
+        }
+    )
+    i += 1
     for skew, rotate, block, profile in (
         ("hot", True, 16, REPLICATE),
         ("one", False, 16, TOPOLOGY),
@@ -382,10 +422,15 @@ def test_forced_share_plans_match_single_rank(world: int) -> None:
         assert all(s["shares"] > 0 and s["replicas"] > 0 for s in stats), (case["name"], stats)
         if case["recipe"] == "relay" and world > 2:  # relay ranks forward weights
             assert all(s["rounds"] >= 2 for s in got[0]["steps"]), case["name"]
+            # expert 0 to W - 1 holders: scattered in W - 1 chunks with one link (H = 3 at
+            # W = 4), whole rows down the tree when holders are on another node
+            want = 1 if "profile" in case else world - 1
+            assert all(s["chunks"] == want for s in got[1]["steps"]), case["name"]
     assert planner_shares > 0, "the real planner never used a helper"
     for r in range(world):  # the cache rules
         ev = per_rank[r][-1]
-        assert ev["cached"] == [False, True, False, False, False, False, False], ev["cached"]
+        want = [False, True, False, False, False, False, False, False, True, False, False]
+        assert ev["cached"] == want, ev["cached"]
         assert all(ev["equal"]), ev["equal"]
         y3, *rotated = ev["y"]  # rotating helpers compute the same layer
         for y in rotated:

@@ -2,7 +2,7 @@
 pricing of share entries and of the replica relay (``cost_model.plan_pricing``).
 
 The pricing is checked against a slow twin written here from the definitions (every segment's
-runs through ``Plan.segment_runs``, every relay edge through ``relay_rounds``); the planner's
+runs through ``Plan.segment_runs``, every relay message through ``relay_messages``); the planner's
 guarantees are property tests over random skewed counts.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from fractions import Fraction
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from mixmoe.placement.cost_model import (
 )
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import BLOCK_SIZE, plan_mix, replica_slots
-from mixmoe.placement.relay import relay_degrees, relay_rounds
+from mixmoe.placement.relay import COPY_GRID_BITS, relay_messages
 
 IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)  # h100-ib's figures
 CHEAP_LINK = HardwareProfile("cheap-link", 1e12, 1e13, 1e-9)  # compute-bound: balance is free
@@ -51,12 +52,19 @@ def _skewed_counts(W: int, E: int, rows: int, seed: int, hot: float) -> torch.Te
 # -- pricing ---------------------------------------------------------------------------------
 
 
-def _slow_loads(C: list[list[int]], plan: Plan, E: int, per_node: int = 0) -> list[list[int]]:
+def _grid(x: Fraction) -> Fraction:
+    """x floored to the relay's pricing grid (a multiple of 2**-COPY_GRID_BITS copies)."""
+    return Fraction(int(x * 2**COPY_GRID_BITS), 2**COPY_GRID_BITS)
+
+
+def _slow_loads(C: list[list[int]], plan: Plan, E: int, per_node: int = 0) -> list[list]:
     """(rows, local, remote, replica) per rank from the definitions, one segment run at a time:
     a run of n rows of segment (s, g) at rank r adds n rows at r, local to s when r == s, else
-    remote at both; replica = relay-tree edges at the rank (``relay_rounds``) when the plan
-    relays, else the flat fan-out (owner: one per holder, holder: one). ``per_node`` > 0: two
-    more rows, the remote rows and edges whose two ranks are on different nodes."""
+    remote at both; replica = the copies each rank sends + receives in the relay's messages
+    (``relay_messages``: a message of chunk j of n carries 1/n copy; per expert and rank, sends
+    and receives each floored to the pricing grid) when the plan relays, else the flat fan-out
+    (owner: one per holder, holder: one). ``per_node`` > 0: two more rows, the remote rows and
+    copies whose two ranks are on different nodes."""
     W = len(C)
     rows, local, remote, replica = [0] * W, [0] * W, [0] * W, [0] * W
     remote_x, replica_x = [0] * W, [0] * W
@@ -76,15 +84,20 @@ def _slow_loads(C: list[list[int]], plan: Plan, E: int, per_node: int = 0) -> li
     distance = (lambda a, b: int(node(a) != node(b))) if per_node else None
     for g, holders in plan.replicas:
         if plan.relay:
-            edges = [e for rnd in relay_rounds(g // E, holders, distance) for e in rnd]
+            msgs = [m for rnd in relay_messages(g // E, holders, distance) for m in rnd]
         else:
-            edges = [(g // E, h) for h in holders]
-        for a, b in edges:
-            replica[a] += 1
-            replica[b] += 1
+            msgs = [(g // E, h, 0, 1) for h in holders]
+        # per rank: [sent, received] copies of g, all and across nodes, exact fractions
+        ends: dict[int, list[Fraction]] = collections.defaultdict(lambda: [Fraction(0)] * 4)
+        for a, b, _, n in msgs:
+            ends[a][0] += Fraction(1, n)
+            ends[b][1] += Fraction(1, n)
             if node(a) != node(b):
-                replica_x[a] += 1
-                replica_x[b] += 1
+                ends[a][2] += Fraction(1, n)
+                ends[b][3] += Fraction(1, n)
+        for r, (sent, recv, sent_x, recv_x) in ends.items():
+            replica[r] += float(_grid(sent) + _grid(recv))
+            replica_x[r] += float(_grid(sent_x) + _grid(recv_x))
     return [rows, local, remote, replica] + ([remote_x, replica_x] if per_node else [])
 
 
@@ -128,10 +141,10 @@ def _plans(draw):
 def test_plan_pricing_equals_the_slow_twin(case) -> None:
     C, shape, plan = case
     loads_4W, rounds = plan_pricing(torch.tensor(C), plan, shape.experts_per_rank)
-    assert loads_4W.to(torch.int64).tolist() == _slow_loads(C, plan, shape.experts_per_rank)
+    assert loads_4W.tolist() == _slow_loads(C, plan, shape.experts_per_rank)
     if plan.relay and plan.replicas:
         assert rounds == max(
-            len(relay_rounds(g // shape.experts_per_rank, h)) for g, h in plan.replicas
+            len(relay_messages(g // shape.experts_per_rank, h)) for g, h in plan.replicas
         )
     else:
         assert rounds == int(bool(plan.replicas))
@@ -147,7 +160,7 @@ def test_plan_pricing_splits_the_links_of_a_topology(case, per_node: int) -> Non
         IB, ranks_per_node=per_node, inter_node_bandwidth=5e9, inter_node_latency=50e-6
     )
     loads, _ = plan_pricing(torch.tensor(C), plan, shape.experts_per_rank, profile)
-    assert loads.to(torch.int64).tolist() == _slow_loads(C, plan, shape.experts_per_rank, per_node)
+    assert loads.tolist() == _slow_loads(C, plan, shape.experts_per_rank, per_node)
     one_link = predict_plan(C, plan, shape, IB, True)
     nodes = predict_plan(C, plan, shape, profile, True)
     assert nodes.step_s >= one_link.step_s  # a slower link between nodes never helps
@@ -170,39 +183,31 @@ def test_a_plan_without_shares_or_relay_prices_as_today(case, overlap: bool) -> 
     )
 
 
-def test_relay_rounds_pay_their_latency_and_its_edges_their_bytes() -> None:
-    """One expert with 3 holders at W = 4: the binomial tree has 2 rounds; the owner sends 2
-    copies (not 3), holder 1 receives and relays one; each round is a fetch and a return."""
+def test_relay_rounds_pay_their_latency_and_its_copies_their_bytes() -> None:
+    """One expert with 3 holders at W = 4: scatter + all-gather, 2 rounds; the owner sends one
+    copy in chunks (not 2 or 3), each holder receives one and sends 2/3 (floored to the grid);
+    each round is a fetch and a return."""
     shape = LayerShape(8, 8, 1, 4, 2)
     C = [[5, 0, 0, 0], [5, 0, 0, 0], [5, 0, 0, 0], [5, 0, 0, 0]]
     P = predict(C, (), shape, IB)
     plan = Plan((0,), ((0, (1, 2, 3)),), P, P, relay=True)
     loads, rounds = plan_pricing(torch.tensor(C), plan, 1)
-    assert rounds == 2 and loads[3].tolist() == [2, 2, 1, 1]
+    holder = float(1 + _grid(Fraction(2, 3)))
+    assert rounds == 2 and loads[3].tolist() == [1.0, holder, holder, holder]
+    assert abs(holder - 5 / 3) < 2**-23
     pred = predict_plan(C, plan, shape, IB, False)
     weight = (
         WEIGHT_COLLECTIVES * 2 * IB.link_latency
-        + shape.params_bytes_per_expert * 2 / IB.link_bandwidth
+        + shape.params_bytes_per_expert * 1 / IB.link_bandwidth
     )
     compute = 5 * shape.flops_per_row / IB.gemm_flops
     assert pred.comm_s[0] == pytest.approx(weight, rel=1e-12)
     assert pred.compute_s[1] == pytest.approx(compute, rel=1e-12)
     assert TOKEN_COLLECTIVES == 4  # no remote row left: the token phase is skipped
     assert pred.token_bytes == (0, 0, 0, 0)
-
-
-@pytest.mark.parametrize("H", range(0, 40))
-def test_relay_degrees_count_the_trees_edges(H: int) -> None:
-    holders = [(7 * h + 3) % 41 for h in range(H)]  # distinct, unordered
-    owner = 41
-    degrees, depth = relay_degrees(owner, holders)
-    edges = collections.Counter()
-    rounds = relay_rounds(owner, holders)
-    for rnd in rounds:
-        for a, b in rnd:
-            edges[a] += 1
-            edges[b] += 1
-    assert degrees == dict(edges) and depth == len(rounds)
+    assert pred.weight_bytes == tuple(
+        round(2 * shape.params_bytes_per_expert * x) for x in loads[3].tolist()
+    )
 
 
 # -- plan_mix's guarantees -------------------------------------------------------------------
@@ -342,7 +347,7 @@ def test_water_fill_bookkeeping_is_the_priced_plan(W, E, rows, hot, seed, name) 
                     fill.shares(), relay=True)  # fmt: skip
         plan.check_shares(C_WN.tolist(), E, BLOCK_SIZE)
         priced, rounds = plan_pricing(C_WN, plan, E)
-        assert priced.to(torch.int64).tolist() == [fill.rows, fill.local, fill.remote, fill.replica]
+        assert priced.tolist() == [fill.rows, fill.local, fill.remote, fill.replica]
         assert rounds == fill.rounds
         pred = model.prediction_W(priced, rounds)
         assert list(map(float.__add__, pred.compute_s, pred.comm_s)) == fill.totals

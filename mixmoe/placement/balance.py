@@ -19,8 +19,8 @@ source, the rest at the owner: ``Plan``'s replica rule) and, one ``step`` per mo
    rows are taken first from y's own segment (they turn local at y), then from other sources,
    largest first (b stops receiving them), then b's own rows (only while that lowers b: b must
    then send them); every cut is a whole number of ``block_size`` rows but a segment's last run;
-4. a new holder gets the replica by the relay tree (``relay_degrees``: the tree's edges change
-   for a few ranks, maybe its rounds for all) and needs a free replica slot (``slots`` per
+4. a new holder gets the replica by the relay (``relay_degrees``: under the scatter every
+   holder's copies change; a tree's edges change for a few ranks, maybe its rounds for all) and needs a free replica slot (``slots`` per
    rank: the replica budget);
 5. the (g, y) move with the lowest new max over the ranks it changes is accepted if every rank
    it changes stays strictly below b's total, else the search ends (nothing relieves b). A
@@ -86,7 +86,7 @@ def _crossing(
 
 class WaterFill:
     """The search state (see the module doc). rows/local/remote/replica: per-rank aggregates
-    (``LOADS``; replica = relay tree edges) as lists of ints, totals their seconds (with the
+    (``LOADS``; replica = relay copies, floats under the scatter) as lists, totals their seconds (with the
     group-wide flags any_remote and rounds); holders {g: ranks ascending}; held[r] replicas r
     holds; where {g: {r: {s: rows}}}: the rows of g computed at r by source, for the experts a
     move touched (built from the replica rule on first touch); owner_rows[g] rows of g at its

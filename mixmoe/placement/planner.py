@@ -37,6 +37,7 @@ from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
 from mixmoe.placement.replica_search import LIST_LIMIT, SEARCH_WIDTH, plan_replicas
 from mixmoe.placement.shadow import plan_shadow, shadow_hot
+from mixmoe.placement.spread import spread_start
 
 __all__ = ["BLOCK_SIZE", "plan_mix", "plan_none", "plan_replicas", "plan_shadow", "replica_slots"]
 
@@ -47,6 +48,7 @@ BALANCED = (
     1.02  # no water-filling when the best candidate's max rank total is within 2% of the mean
 )
 FILL_STOP = BALANCED  # a fill stops once its max rank total is within 2% of its mean
+SPREAD_WHEN = 1.05  # the spread start is filled when the best fill ends > 5% above its mean
 
 
 def plan_none(
@@ -103,8 +105,10 @@ def plan_mix(
     ``plan_shadow`` (when its replicas fit the budget) and ``plan_replicas`` (today's
     source-replica search, ``search_width``). From the best, ``WaterFill`` moves 64-row blocks of
     the bottleneck rank's heaviest experts to helper ranks (any source's rows, the owner's own
-    included), the replicas reaching their new holders by the relay tree (``relay_rounds``),
-    while the predicted step drops (``mixmoe.placement.balance``). The balanced plan is kept
+    included), the replicas reaching their new holders by the relay (``relay_degrees``:
+    scatter + all-gather, or a tree across nodes), while the predicted step drops
+    (``mixmoe.placement.balance``). When the fills end more than ``SPREAD_WHEN`` above their
+    mean, one more starts from ``spread_start``'s replicas (experts too heavy for one helper). The balanced plan is kept
     only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
     best candidate's, so ``plan_mix`` is never predicted worse than a2a or shadow (same
     overlap) nor than the source-replica plan.
@@ -191,6 +195,16 @@ def plan_mix(
                     won, won_step = fill, step
             if won_step <= BALANCED * _fill_mean(won, best):
                 break
+        # still unbalanced: experts too heavy for one helper at a time (``spread_start``); the
+        # spread fill runs only then (planning time) and wins only with a lower prediction
+        if won_step > SPREAD_WHEN * _fill_mean(won, best):
+            spread = spread_start(C_WN, colsum_N, E, slots)
+            fill = _water_fill(C_WN, colsum_N, shape, model, spread, slots, block_size, profile,
+                               won_step, None, base_4W) if spread else None  # fmt: skip
+            if fill is not None:
+                step = _fill_step(fill, model, C_WN, E, profile, base_4W)
+                if step < won_step:
+                    won, won_step = fill, step
         if won is None:
             return best
         hot = tuple(sorted(g for g, h in won.holders.items() if h))

@@ -1,0 +1,63 @@
+"""A water-fill start for experts too heavy for one helper: replicas spread before the fill.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes
+to expert g; expert g is owned by rank g // E).
+
+The water-fill (``mixmoe.placement.balance``) moves rows one helper at a time, and a move is
+kept only if it relieves the bottleneck. An expert whose rows are many ranks' worth (zipf:1.2 at
+W = 256: the hottest expert has 53 ranks' worth) cannot start that way: its first helper must pay
+a replica (and the owner its scatter copy) and can take only the rows up to the water level, less
+than the copy costs the owner, so no first move is ever kept and the fill stops with the owner
+as the bottleneck. ``spread_start`` pays those copies up front: every expert heavier than a
+rank's mean rows gets ceil(rows / mean) - 1 holders, the least-loaded ranks by an estimate of
+the rows each will compute, so that the fill then only moves the owner's rows to holders it
+already has (its receivers include the least-loaded holder of the expert).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+__all__ = ["spread_start"]
+
+
+def spread_start(
+    C_WN: torch.Tensor, colsum_N: torch.Tensor, experts_per_rank: int, slots: int
+) -> dict[int, tuple[int, ...]]:
+    """``{g: holder ranks}`` for every expert g with more rows than a rank's mean (rows / W),
+    heaviest first (ties by id), each given ceil(rows_g / mean) - 1 holders (at most W - 1):
+    the ranks with the fewest estimated rows, ties by rank, never g's owner, never a rank with
+    ``slots`` replicas already. A rank's estimate starts at the rows its own experts receive and
+    grows by rows_g / (holders + 1) per expert it holds (the even split the fill aims at).
+    Deterministic: a function of the counts only. Empty when no expert is heavier than the mean
+    or ``slots`` is 0."""
+    W, N = C_WN.shape
+    E = experts_per_rank
+    total = int(colsum_N.sum())
+    if slots <= 0 or W < 2 or total == 0:
+        return {}
+    mean = total / W
+    heavy = (colsum_N > mean).nonzero().flatten().tolist()
+    if not heavy:
+        return {}
+    cols = colsum_N.tolist()
+    load = colsum_N.view(W, E).sum(1).tolist()  # rows each rank computes as owner (a2a)
+    held = [0] * W
+    out: dict[int, tuple[int, ...]] = {}
+    for g in sorted(heavy, key=lambda g: (-cols[g], g)):
+        o = g // E
+        k = min(W - 1, -(-cols[g] // int(mean)) - 1)  # holders besides the owner
+        # the k least-loaded ranks with a free slot, owner excluded (ties: the lower rank)
+        free = ((load[r], r) for r in range(W) if r != o and held[r] < slots)
+        holders = sorted(r for _, r in heapq.nsmallest(k, free))
+        if not holders:
+            continue
+        share = cols[g] / (len(holders) + 1)
+        load[o] -= cols[g] - share  # the owner keeps one share
+        for r in holders:
+            held[r] += 1
+            load[r] += share
+        out[g] = tuple(holders)
+    return out

@@ -365,9 +365,28 @@ class WaterFill:
             self.holders[g], self.degrees[g] = h, degrees
             self.held[y] += 1
             self._grow.pop(g, None)  # trees grown from g's old holders
+        self._move_rows(g, b, y, takes)
+        if rounds != self.rounds:  # a deeper tree: every rank pays the new rounds' latency
+            self.rounds = rounds
+            self.retotal()
+        else:
+            for r in changed:
+                self.totals[r] = self._total(r)
+        self.moves += 1
+
+    def _move_rows(
+        self, g: int, b: int, y: int, takes: list[tuple[int, int]], reorder: bool = True
+    ) -> None:
+        """g's segment runs (``takes``: [(source, rows)]) from b to y in the placement: runs,
+        by-source rows, owner and helper rows (not the loads), and the cached orders of g at b
+        and y: updated segment by segment (``reorder``), else dropped (a batched move takes
+        hundreds of segments: sorting once on next use costs less)."""
         placed = self._where(g)
         at_b, at_y = placed[b], placed.setdefault(y, {})
         moved = 0
+        if not reorder:  # sorted again on next use (``_ordered``)
+            self._order.pop((g, b), None)
+            self._order.pop((g, y), None)
         order_b, order_y = self._order.get((g, b)), self._order.get((g, y))
         for s, n in takes:
             runs = self.runs.get((s, g))
@@ -400,14 +419,48 @@ class WaterFill:
                 helped[g] = helped.get(g, 0) + n
                 if not helped[g]:
                     del helped[g]
-        if rounds != self.rounds:  # a deeper tree: every rank pays the new rounds' latency
-            self.rounds = rounds
-            total = self._total_fn(rounds)
-            self.totals = list(map(total, self.rows, self.local, self.remote, self.replica))
-        else:
-            for r in changed:
-                self.totals[r] = self._total(r)
-        self.moves += 1
+
+    # ---- batched moves (``mixmoe.placement.level_fill``) --------------------------------------
+
+    def shift(self, g: int, b: int, y: int, takes: list[tuple[int, int]]) -> None:
+        """Move ``takes`` [(source, rows)] of g's rows at b to y, loads included (as ``evaluate``
+        counts them); the totals and the relay are left to ``grow`` and ``retotal``. y must own
+        g or hold its replica (``grow``) by the time the plan is built."""
+        rows, local, remote = self.rows, self.local, self.remote
+        for s, n in takes:
+            rows[b] -= n
+            if s == b:  # b's own rows: it now sends them
+                local[b] -= n
+                remote[b] += n
+            else:  # another source's: b no longer receives them
+                remote[b] -= n
+            rows[y] += n
+            if s == y:  # y's own rows turn local at y
+                local[y] += n
+                remote[y] -= n
+            else:
+                remote[y] += n
+        self._move_rows(g, b, y, takes, reorder=False)
+
+    def grow(self, g: int, new: list[int]) -> None:
+        """Ranks ``new`` (neither g's owner nor its holders; each with a free replica slot)
+        become holders of g: g's relay (``relay_degrees``) priced once for all of them, the
+        copies it changes on every rank, the slots and the rounds."""
+        old = self.degrees.get(g, {})
+        holders = sorted([*self.holders.get(g, ()), *new])
+        degrees, depth = relay_degrees(g // self.E, holders, self.distance)
+        for r in sorted(set(degrees) | set(old)):  # copies on the relay's grid: exact sums
+            self.replica[r] += degrees.get(r, 0) - old.get(r, 0)
+        self.holders[g], self.degrees[g] = holders, degrees
+        for y in new:
+            self.held[y] += 1
+        self._grow.pop(g, None)  # trees grown from g's old holders
+        self.rounds = max(self.rounds, depth)
+
+    def retotal(self) -> None:
+        """Every rank's total from its loads (after batched moves or deeper rounds)."""
+        total = self._total_fn(self.rounds)
+        self.totals = list(map(total, self.rows, self.local, self.remote, self.replica))
 
     # ---- the search ---------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ same all-gathered counts gets the same plan. Costs come from ``mixmoe.placement.
 - ``plan_shadow`` (``shadow``): FasterMoE's shadowing rule (``mixmoe.placement.shadow``).
 - ``plan_mix``    (``mix``): the best of the a2a, shadow and source-replica plans
   (``mixmoe.placement.replica_search``), then balanced by water-filling with helper ranks
-  (``mixmoe.placement.balance``).
+  (``mixmoe.placement.level_fill``'s batched passes over ``mixmoe.placement.balance``'s state;
+  ``fill="moves"``: its move-by-move search).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from mixmoe.placement.cost_model import (
     step_model,
 )
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
+from mixmoe.placement.level_fill import level_fill
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
@@ -49,6 +51,10 @@ BALANCED = (
 )
 FILL_STOP = BALANCED  # a fill stops once its max rank total is within 2% of its mean
 SPREAD_WHEN = 1.05  # the spread start is filled when the best fill ends > 5% above its mean
+LEVEL_PASSES = 8  # batched passes per fill (``level_fill``; most fills stop after 2-5)
+FILLS = ("level", "moves")  # plan_mix's fill: batched passes, or the move-by-move search
+_EXP_STARTS = None
+_EXP_SPREAD = True  # the spread start is filled when the best fill ends > 5% above its mean
 
 
 def plan_none(
@@ -98,16 +104,20 @@ def plan_mix(
     search_width: int = SEARCH_WIDTH,
     block_size: int = BLOCK_SIZE,
     balance: bool = True,
+    fill: str = "level",
 ) -> Plan:
     """The mixed strategy's plan: the best candidate, then balanced with helper ranks.
 
     Candidates, each priced by the cost model with ``overlap``: ``plan_none`` (a2a),
     ``plan_shadow`` (when its replicas fit the budget) and ``plan_replicas`` (today's
-    source-replica search, ``search_width``). From the best, ``WaterFill`` moves 64-row blocks of
-    the bottleneck rank's heaviest experts to helper ranks (any source's rows, the owner's own
+    source-replica search, ``search_width``). From the best, a fill moves 64-row blocks of the
+    loaded ranks' heaviest experts to helper ranks (any source's rows, the owner's own
     included), the replicas reaching their new holders by the relay (``relay_degrees``:
-    scatter + all-gather, or a tree across nodes), while the predicted step drops
-    (``mixmoe.placement.balance``). When the fills end more than ``SPREAD_WHEN`` above their
+    scatter + all-gather, or a tree across nodes): ``fill="level"`` (default) by batched passes,
+    every rank above the water level at once (``mixmoe.placement.level_fill``, at most
+    ``LEVEL_PASSES``), ``fill="moves"`` one move at a time off the bottleneck while the
+    predicted step drops (``mixmoe.placement.balance``; slower at scale, kept for
+    comparison). When the fills end more than ``SPREAD_WHEN`` above their
     mean, one more starts from ``spread_start``'s replicas (experts too heavy for one helper). The balanced plan is kept
     only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
     best candidate's, so ``plan_mix`` is never predicted worse than a2a or shadow (same
@@ -116,10 +126,11 @@ def plan_mix(
     Replica budget: ``replica_slots(max_replicas, E)`` replicas held per rank (at least E, the
     rank's own experts, and 8: ``replica_slots``); 0 turns replication off. No water-filling
     when the best candidate is balanced already (its slowest rank within ``BALANCED`` of the
-    mean) or ``balance=False`` (the best candidate only, for comparison). A fill stops at
-    ``MOVES_PER_RANK * W + 16`` moves (at most ``MAX_MOVES``), once its max rank total is
-    within ``FILL_STOP`` of its mean, or once its mean reaches the step it must beat; each fill
-    is judged by its own loads and only the winner's shares are built and priced.
+    mean) or ``balance=False`` (the best candidate only, for comparison). A fill stops once its
+    max rank total is within ``FILL_STOP`` of its mean; the move-by-move one also at
+    ``MOVES_PER_RANK * W + 16`` moves (at most ``MAX_MOVES``) or once its mean reaches the step
+    it must beat; each fill is judged by its own loads and only the winner's shares are built
+    and priced.
     Guarantees: deterministic (same counts, same plan on every rank: ties by rank then expert
     id), every share entry passes ``Plan.check_shares(counts, E, block_size)``, no rank holds
     more than the budget's replicas, prediction.step_s <= baseline.step_s.
@@ -133,6 +144,8 @@ def plan_mix(
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < lo:
             raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if fill not in FILLS:
+        raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
     counted = counts_with_sums(counts_WN, shape)  # checked and summed once for every candidate
@@ -187,24 +200,24 @@ def plan_mix(
         won, won_step = None, best.prediction.step_s
         for start in starts:
             loads_4W = start_loads.get(tuple(sorted(start)))
-            fill = _water_fill(C_WN, colsum_N, shape, model, start, slots, block_size, profile,
-                               won_step, loads_4W, base_4W)  # fmt: skip
-            if fill is not None:
-                step = _fill_step(fill, model, C_WN, E, profile, base_4W)
+            state = _water_fill(C_WN, colsum_N, shape, model, start, slots, block_size,
+                                profile, won_step, fill, loads_4W, base_4W)  # fmt: skip
+            if state is not None:
+                step = _fill_step(state, model, C_WN, E, profile, base_4W)
                 if step < won_step:
-                    won, won_step = fill, step
+                    won, won_step = state, step
             if won_step <= BALANCED * _fill_mean(won, best):
                 break
         # still unbalanced: experts too heavy for one helper at a time (``spread_start``); the
         # spread fill runs only then (planning time) and wins only with a lower prediction
         if won_step > SPREAD_WHEN * _fill_mean(won, best):
             spread = spread_start(C_WN, colsum_N, E, slots)
-            fill = _water_fill(C_WN, colsum_N, shape, model, spread, slots, block_size, profile,
-                               won_step, None, base_4W) if spread else None  # fmt: skip
-            if fill is not None:
-                step = _fill_step(fill, model, C_WN, E, profile, base_4W)
+            state = _water_fill(C_WN, colsum_N, shape, model, spread, slots, block_size,
+                                profile, won_step, fill, None, base_4W) if spread else None  # fmt: skip
+            if state is not None:
+                step = _fill_step(state, model, C_WN, E, profile, base_4W)
                 if step < won_step:
-                    won, won_step = fill, step
+                    won, won_step = state, step
         if won is None:
             return best
         hot = tuple(sorted(g for g, h in won.holders.items() if h))
@@ -298,14 +311,17 @@ def _water_fill(
     block_size: int,
     profile: HardwareProfile,
     beat: float,
+    fill: str = "level",
     loads_4W: torch.Tensor | None = None,
     base_4W: torch.Tensor | None = None,
 ) -> WaterFill | None:
-    """``WaterFill`` from the replicas ``start`` after its moves; None if no move.
-    ``beat``: the step (s) the fill must beat: it stops once its water level (the mean rank
-    total: its max is never below it, and moves mostly add traffic, so the level mostly
-    rises) reaches it, or once its max is within ``FILL_STOP`` of its level (the last moves of
-    a nearly level fill gain < 1% each; planning time: ``docs/results/balance-after.md``). ``loads_4W``: the start plan's
+    """``WaterFill`` from the replicas ``start`` after its fill; None if nothing moved.
+    ``fill``: "level" (``level_fill``'s passes, up to ``LEVEL_PASSES``) or "moves" (the
+    move-by-move search). Both stop once the max is within ``FILL_STOP`` of the level (the mean
+    rank total); the moves also once the level reaches ``beat``, the step (s) the fill must
+    beat (its max is never below it, and moves mostly add traffic, so the level mostly rises;
+    the last moves of a nearly level fill gain < 1% each; planning time:
+    ``docs/results/balance-after.md``). ``loads_4W``: the start plan's
     ``plan_pricing`` under relay, when the caller has it; ``base_4W``: the aggregates with
     nothing replicated (``baseline_loads``), when the caller has them."""
     W, E = shape.world_size, shape.experts_per_rank
@@ -316,11 +332,14 @@ def _water_fill(
         loads_4W, _ = plan_pricing(C_WN, plan, E, profile, base_4W=base_4W)
     distance = node_distance(profile)
     any_remote = bool(loads_4W[2].any())
-    fill = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
+    state = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     # the search: one link (module doc); copies: float under the relay's scatter
-    fill.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])
-    fill.run(min(MOVES_PER_RANK * W + 16, MAX_MOVES), beat, FILL_STOP)
-    return fill if fill.moves else None
+    state.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])
+    if fill == "level":
+        state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP)
+    else:
+        state.run(min(MOVES_PER_RANK * W + 16, MAX_MOVES), beat, FILL_STOP)
+    return state if state.moves else None
 
 
 # a placeholder prediction for plans priced right after they are built

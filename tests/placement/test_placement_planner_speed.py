@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mixmoe.placement.planner as planner_module
 from mixmoe.placement import CPU_PROFILE, LayerShape, plan_mix
 from mixmoe.placement.balance import WaterFill
 from mixmoe.placement.cost_model import plan_pricing, predict, step_model
@@ -127,23 +128,28 @@ def test_plan_pricing_with_base_loads_is_unchanged(profile) -> None:
             assert torch.equal(got[0], want[0]) and got[1] == want[1]
 
 
+@pytest.mark.parametrize("fill", ["level", "moves"])
 @pytest.mark.parametrize("enabled", [True, False])
-def test_collector_paused_during_the_search_and_restored(enabled, monkeypatch) -> None:
-    """The cyclic garbage collector is off while the fill runs and back in its entry state
-    after ``plan_mix``."""
+def test_collector_paused_during_the_search_and_restored(enabled, fill, monkeypatch) -> None:
+    """The cyclic garbage collector is off while the fill runs (either fill) and back in its
+    entry state after ``plan_mix``."""
     seen = []
-    run = WaterFill.run
+    if fill == "level":
+        run = planner_module.level_fill
+        monkeypatch.setattr(planner_module, "level_fill", lambda *a: spy(*a))
+    else:
+        run = WaterFill.run
+        monkeypatch.setattr(WaterFill, "run", lambda *a: spy(*a))
 
-    def spy(self, *args):
+    def spy(*args):
         seen.append(gc.isenabled())
-        return run(self, *args)
+        return run(*args)
 
-    monkeypatch.setattr(WaterFill, "run", spy)
     shape = LayerShape(256, 1024, 2, 8, 2)
     was = gc.isenabled()
     try:
         gc.enable() if enabled else gc.disable()
-        plan = plan_mix(_skewed(8, 2, 900, 5), shape, CPU, 4)
+        plan = plan_mix(_skewed(8, 2, 900, 5), shape, CPU, 4, fill=fill)
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()

@@ -89,16 +89,19 @@ def _seeds_shape(W: int) -> LayerShape:
     )
 
 
-def test_plan_mix_uses_the_spread_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """zipf:1.5 at W = 16 (seed 0): the fills from the candidates stop above 5% over their level;
-    the spread fill lowers the step. A planted no-op start must give a higher step back."""
-    W = 16
+@pytest.mark.parametrize(
+    ("fill", "W", "routing"), [("moves", 16, "zipf:1.5"), ("level", 64, "zipf:1.2")]
+)
+def test_plan_mix_uses_the_spread_start(fill, W, routing, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fills from the candidates stop above 5% over their level (seed 0: the move-by-move
+    fill at zipf:1.5, W = 16; the batched one at zipf:1.2, W = 64); the spread fill lowers the
+    step. A planted no-op start must give a higher step back."""
     shape = _seeds_shape(W)
     gen = torch.Generator().manual_seed(0)
-    C = synthetic_counts(RoutingSpec.parse("zipf:1.5"), W, 8192, 2, 4 * W, gen)
-    with_spread = plan_mix(C, shape, IB, 4)
+    C = synthetic_counts(RoutingSpec.parse(routing), W, 8192, 2, 4 * W, gen)
+    with_spread = plan_mix(C, shape, IB, 4, fill=fill)
     monkeypatch.setattr(planner_module, "spread_start", lambda *a, **k: {})
-    without = plan_mix(C, shape, IB, 4)
+    without = plan_mix(C, shape, IB, 4, fill=fill)
     assert with_spread.prediction.step_s < 0.995 * without.prediction.step_s
     for plan in (with_spread, without):
         plan.check_shares(C, shape.experts_per_rank, BLOCK_SIZE)

@@ -1,0 +1,227 @@
+"""The batched water-fill (``mixmoe.placement.level_fill``): its level against a bisection twin,
+its bookkeeping against the cost model's pricing of the plan it emits, and ``plan_mix``'s
+guarantees with it (the default fill) over random skewed counts, with and without a topology.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mixmoe.placement.level_fill as level_module
+from mixmoe.placement import CPU_PROFILE, HardwareProfile, LayerShape, plan_none, plan_shadow
+from mixmoe.placement.balance import WaterFill
+from mixmoe.placement.cost_model import plan_pricing, predict, predict_plan, step_model
+from mixmoe.placement.counts import counts_with_sums
+from mixmoe.placement.level_fill import level_fill
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.planner import BLOCK_SIZE, FILL_STOP, plan_mix, replica_slots
+
+IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)  # h100-ib's figures
+CHEAP_LINK = HardwareProfile("cheap-link", 1e12, 1e13, 1e-9)  # compute-bound
+NODES = dataclasses.replace(IB, ranks_per_node=2, inter_node_bandwidth=5e9, inter_node_latency=5e-5)
+PROFILES = {"ib": IB, "cpu": CPU_PROFILE, "cheap": CHEAP_LINK, "nodes": NODES}
+
+
+def _skewed_counts(W: int, E: int, rows: int, seed: int, hot: float, hot_rank: bool):
+    """counts_WN: each rank routes ``rows`` rows, a share ``hot`` of them to one expert picked by
+    the seed (``hot_rank``: to the experts of one rank, its own rows included), the rest
+    uniformly at random."""
+    gen = torch.Generator().manual_seed(seed)
+    N = W * E
+    C = torch.zeros(W, N, dtype=torch.int64)
+    hot_rows = int(rows * hot)
+    if hot_rank:
+        r = int(torch.randint(0, W, (1,), generator=gen))
+        for e in range(E):
+            C[:, r * E + e] = hot_rows // E
+        hot_rows = hot_rows // E * E
+    else:
+        C[:, int(torch.randint(0, N, (1,), generator=gen))] = hot_rows
+    draws = torch.randint(0, N, (W, rows - hot_rows), generator=gen)
+    return C.scatter_add_(1, draws, torch.ones_like(draws))
+
+
+# -- the level -------------------------------------------------------------------------------
+
+
+def _d(L, T, avail, save, start, cost, fresh, jump) -> float:
+    """The level's balance from its definition: rows shed above L plus a copy per fresh donor
+    above L, less the rows absorbed below L."""
+    out = 0.0
+    for r in range(len(T)):
+        if avail[r] > 0:
+            out += min(max((T[r] - L) / save[r], 0.0), avail[r])
+            out += jump if fresh[r] and T[r] > L else 0.0
+        if start[r] != float("inf"):
+            out -= max(0.0, (L - start[r]) / cost[r])
+    return out
+
+
+def _bisection_level(T, avail, save, start, cost, fresh, copy) -> float:
+    """The smallest L with d(L) <= 0, by bisection on the definition (the slow twin)."""
+    jump = copy * len(cost) / sum(cost)
+    lo, hi = min(min(T), min(start)) - 1.0, max(T) + 1.0
+    while _d(hi, T, avail, save, start, cost, fresh, jump) > 0:
+        hi += 2 * (hi - lo)
+    if _d(lo, T, avail, save, start, cost, fresh, jump) <= 0:
+        return lo
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if _d(mid, T, avail, save, start, cost, fresh, jump) <= 0:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@pytest.mark.parametrize("tensor", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_level_is_where_shed_meets_absorbed(seed: int, tensor: bool, monkeypatch) -> None:
+    """``_level`` (the list walk, and the tensor walk past ``TENSOR_POINTS``) equals the
+    bisection of its definition on random ranks: offers, caps, drops, full ranks."""
+    rng = random.Random(seed)
+    W = rng.randint(2, 150)
+    T = [rng.uniform(1e-3, 1e-2) for _ in range(W)]
+    avail = [rng.choice([0, rng.randint(64, 20000)]) for _ in range(W)]
+    save = [rng.uniform(1e-7, 3e-7) for _ in range(W)]
+    cost = [rng.uniform(1.5e-7, 3e-7) for _ in range(W)]
+    start = [t + 8e-4 if rng.random() < 0.8 else float("inf") for t in T]
+    start[0] = T[0] + 8e-4  # at least one receiver
+    fresh = [rng.random() < 0.5 for _ in range(W)]
+    monkeypatch.setattr(level_module, "TENSOR_POINTS", 0 if tensor else 10**9)
+    got = level_module._level(T, avail, save, start, cost, fresh, 8e-4)
+    want = _bisection_level(T, avail, save, start, cost, fresh, 8e-4)
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+# -- the fill's bookkeeping ------------------------------------------------------------------
+
+
+def _fill(W, E, rows, seed, hot, hot_rank, profile, start_hot: bool):
+    shape = LayerShape(64, 128, E, W, 2)
+    C_WN, colsum_N, _ = counts_with_sums(_skewed_counts(W, E, rows, seed, hot, hot_rank), shape)
+    model = step_model(shape, profile, True)
+    start = {}
+    if start_hot:  # a replica of the heaviest expert on the last rank (its owner excluded)
+        g = int(colsum_N.argmax())
+        start = {g: (W - 1,)} if g // E != W - 1 else {g: (0,)}
+    P = predict(C_WN, (), shape, profile)
+    hot_g = tuple(sorted(start))
+    plan = Plan(hot_g, tuple((g, start[g]) for g in hot_g), P, P, relay=True)
+    loads, _ = plan_pricing(C_WN, plan, E)
+    fill = WaterFill(model, C_WN, E, start, 8, BLOCK_SIZE, None, colsum_N, bool(loads[2].any()))
+    fill.set_loads([*loads[:3].to(torch.int64).tolist(), loads[3].tolist()], loads)
+    return fill, C_WN, P
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(2, 16),
+    st.integers(1, 4),
+    st.sampled_from([300, 2000]),
+    st.sampled_from([0.3, 0.8]),
+    st.integers(0, 10**6),
+    st.sampled_from(["ib", "cheap", "cpu"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_level_fill_bookkeeping_is_the_priced_plan(
+    W, E, rows, hot, seed, name, hot_rank, start_hot
+) -> None:
+    """After every pass, the fill's own loads, rounds and totals equal the cost model's
+    pricing of the plan it would emit then (shares, relay copies and rounds); the shares pass
+    ``check_shares`` and no rank holds more replicas than its slots."""
+    fill, C_WN, P = _fill(W, E, rows, seed, hot, hot_rank, PROFILES[name], start_hot)
+    for _ in range(6):
+        if not level_fill(fill, 1, 1.0):
+            break
+        hot_g = tuple(sorted(g for g, h in fill.holders.items() if h))
+        plan = Plan(hot_g, tuple((g, tuple(fill.holders[g])) for g in hot_g), P, P,
+                    fill.shares(), relay=True)  # fmt: skip
+        plan.check_shares(C_WN.tolist(), E, BLOCK_SIZE)
+        priced, rounds = plan_pricing(C_WN, plan, E)
+        assert priced.tolist() == [fill.rows, fill.local, fill.remote, fill.replica]
+        assert rounds == fill.rounds
+        pred = fill.model.prediction_W(priced, rounds)
+        assert list(map(float.__add__, pred.compute_s, pred.comm_s)) == fill.totals
+        held = [0] * W
+        for _, holders in plan.replicas:
+            for h in holders:
+                held[h] += 1
+        assert held == fill.held and max(held) <= fill.slots
+
+
+def test_level_fill_relieves_a_hot_rank_in_a_few_passes() -> None:
+    """A hot rank (half of every rank's rows go to rank 0's experts) at W = 16 on cheap links:
+    the passes bring the max total within 10% of the mean, rank 0's own rows included."""
+    fill, C_WN, _ = _fill(16, 2, 4000, 3, 0.5, True, CHEAP_LINK, False)
+    before = max(fill.totals)
+    assert before > 3 * sum(fill.totals) / 16
+    assert level_fill(fill, 8, FILL_STOP) > 0
+    assert max(fill.totals) <= 1.10 * sum(fill.totals) / 16
+    assert max(fill.totals) < before / 2
+
+
+# -- plan_mix with the batched fill ----------------------------------------------------------
+
+
+@st.composite
+def _cases(draw):
+    W = draw(st.integers(2, 16))
+    E = draw(st.integers(1, 4))
+    rows = draw(st.sampled_from([64, 300, 2000]))
+    hot = draw(st.sampled_from([0.0, 0.3, 0.8]))
+    seed = draw(st.integers(0, 10**6))
+    profile = draw(st.sampled_from(sorted(PROFILES)))
+    max_replicas = draw(st.sampled_from([0, 1, 4]))
+    return W, E, rows, hot, draw(st.booleans()), seed, profile, max_replicas
+
+
+@settings(max_examples=40, deadline=None)
+@given(_cases())
+def test_plan_mix_level_guarantees(case) -> None:
+    """With the batched fill: deterministic (tensor or list counts, a fresh copy), valid shares,
+    the replica budget, never predicted worse than a2a nor than shadow where shadow fits the
+    budget, and its prediction is the cost model's price of the plan it returns (the
+    topology's two links included)."""
+    W, E, rows, hot, hot_rank, seed, name, max_replicas = case
+    profile = PROFILES[name]
+    shape = LayerShape(64, 128, E, W, 2)
+    C_WN = _skewed_counts(W, E, rows, seed, hot, hot_rank)
+    plan = plan_mix(C_WN, shape, profile, max_replicas)
+    assert plan_mix(C_WN.clone(), shape, profile, max_replicas) == plan
+    assert plan_mix(C_WN.tolist(), shape, profile, max_replicas, fill="level") == plan
+    plan.check_shares(C_WN.tolist(), E, BLOCK_SIZE)
+    held = [0] * W
+    for _, holders in plan.replicas:
+        for h in holders:
+            held[h] += 1
+    assert max(held) <= replica_slots(max_replicas, E)
+    step = plan.prediction.step_s
+    assert step <= plan_none(C_WN, shape, profile).prediction.step_s
+    shadow = plan_shadow(C_WN, shape, profile)
+    if len(shadow.hot) <= replica_slots(max_replicas, E):
+        assert step <= shadow.prediction.step_s
+    assert step <= plan.baseline.step_s
+    assert predict_plan(C_WN, plan, shape, profile, True) == plan.prediction
+
+
+def test_plan_mix_fill_option() -> None:
+    """``fill`` picks the batched passes (default) or the move-by-move search; anything else
+    is refused with the choices named."""
+    shape = LayerShape(64, 128, 2, 8, 2)
+    C_WN = _skewed_counts(8, 2, 2000, 5, 0.5, True)  # a hot rank on compute-bound links
+    level = plan_mix(C_WN, shape, CHEAP_LINK, 4)
+    moves = plan_mix(C_WN, shape, CHEAP_LINK, 4, fill="moves")
+    none = plan_mix(C_WN, shape, CHEAP_LINK, 4, balance=False)
+    assert level.shares and moves.shares
+    assert level.prediction.step_s < none.prediction.step_s
+    assert moves.prediction.step_s < none.prediction.step_s
+    with pytest.raises(ValueError, match="fill must be one of"):
+        plan_mix(C_WN, shape, IB, 4, fill="greedy")

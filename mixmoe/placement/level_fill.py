@@ -44,6 +44,7 @@ from mixmoe.placement.cost_model import TOKEN_COLLECTIVES
 
 __all__ = ["MIN_GAIN", "level_fill"]
 
+OFFERED = 4  # experts a rank offers per pass, heaviest first
 MIN_GAIN = 0.005  # the passes stop after one lowering the max by less than this fraction
 TENSOR_POINTS = 384  # ``_level``: more breakpoints than this are walked as tensor ops
 
@@ -72,11 +73,12 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
         token_W = [lat + t * rm - hide * lc for rm, lc in zip(fill.remote, fill.local, strict=True)]
         offers = [_offer(fill, b, token_W[b], t, hide, own_N) for b in range(W)]
         save_W = [a + t if token_W[b] > 0 and t else a for b in range(W)]
-        avail_W = [0 if o is None else o[1] + o[2] for o in offers]
+        avail_W = [sum(other + own for _, other, own in o) for o in offers]
         start_W = [T_W[r] + copy if fill.held[r] < slots else float("inf") for r in range(W)]
-        # a donor whose expert has a holder (or an owner) besides itself needs no new copy
+        # a donor whose heaviest expert has a holder (or an owner) besides itself needs no
+        # new copy to start shedding
         fresh_W = [
-            o is not None and not any(r != b for r in (o[0] // E, *fill.holders.get(o[0], ())))
+            bool(o) and not any(r != b for r in (o[0][0] // E, *fill.holders.get(o[0][0], ())))
             for b, o in enumerate(offers)
         ]
         L = _level(T_W, avail_W, save_W, start_W, cost_W, fresh_W, copy)
@@ -101,32 +103,27 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
     return pieces
 
 
-def _offer(fill: WaterFill, b: int, token: float, t: float, hide: float, own_N: list):
-    """(g, other rows, own rows) rank b offers: its heaviest expert g (rows computed at b,
-    ties by id), the rows of g at b from other sources, and b's own rows of g that lower b
-    when moved (while its token exchange stays hidden: up to -token / (t + hide) rows); None
-    when b computes no rows. ``own_N``: C[g // E][g] per expert."""
+def _offer(fill: WaterFill, b: int, token: float, t: float, hide: float, own_N: list) -> list:
+    """[[g, other rows, own rows], ...] rank b offers: its ``OFFERED`` heaviest experts (rows
+    computed at b, as owner or helper; by rows descending, then id), each with the rows of g at
+    b from other sources and b's own rows of g that lower b when moved (while its token
+    exchange stays hidden: up to -token / (t + hide) rows in all, heaviest expert first).
+    ``own_N``: C[g // E][g] per expert."""
     E = fill.E
-    best = None
-    for g in range(b * E, (b + 1) * E):
-        n = fill.owner_rows[g]
-        if n > 0 and (best is None or n > best[0]):
-            best = (n, g)
-    for g, n in fill.helped.get(b, {}).items():  # the max by (rows, -id): in any order
-        if n > 0 and (best is None or n > best[0] or (n == best[0] and g < best[1])):
-            best = (n, g)
-    if best is None:
-        return None
-    g = best[1]
-    placed = fill.where.get(g)
-    # an expert no move touched: its owner computes its own rows (the replica rule)
-    own = own_N[g] if placed is None else placed.get(b, {}).get(b, 0)
-    other = best[0] - own
-    if token < 0 and t + hide > 0:  # hidden: b's own rows lower it until the exchange shows
-        own = min(own, int(-token / (t + hide)))
-    else:
-        own = 0
-    return g, other, own
+    rows = [(-n, g) for g in range(b * E, (b + 1) * E) if (n := fill.owner_rows[g]) > 0]
+    rows += [(-n, g) for g, n in fill.helped.get(b, {}).items() if n > 0]
+    rows.sort()  # heaviest first, then by id
+    # hidden: b's own rows lower it until its exchange shows
+    headroom = int(-token / (t + hide)) if token < 0 and t + hide > 0 else 0
+    out = []
+    for n, g in rows[:OFFERED]:
+        placed = fill.where.get(g)
+        # an expert no move touched: its owner computes its own rows (the replica rule)
+        own = own_N[g] if placed is None else placed.get(b, {}).get(b, 0)
+        mine = min(own, headroom)
+        headroom -= mine
+        out.append([g, -n - own, mine])
+    return out
 
 
 def _level(
@@ -212,16 +209,16 @@ def _matched(
     new: dict[int, list[int]] = {}  # g -> its new holders this pass
     taken = [0] * fill.W  # replica slots taken this pass, per rank
     moved = j = 0
-    cursors: dict[int, list] = {}  # donor -> its sources' order and the first not used up
+    cursors: dict[tuple[int, int], list] = {}  # (g, donor) -> its sources' order, first unused
 
-    def place(g: int, b: int, y: int, n: float, fresh: bool) -> float:
-        """Move up to n rows of g from b to y; returns the rows moved."""
+    def place(offer: list, b: int, y: int, n: float, fresh: bool) -> float:
+        """Move up to n rows of the offered expert from b to y; returns the rows moved."""
         nonlocal moved
-        g, other, own = offers[b]
+        g, _, own = offer
         takes = _takes(fill, g, b, y, int(n), own, cursors)
         if not takes:
             return 0.0
-        offers[b] = (g, other, own - sum(m for s, m in takes if s == b))
+        offer[2] = own - sum(m for s, m in takes if s == b)
         fill.shift(g, b, y, takes)
         moved += 1
         if fresh:
@@ -236,32 +233,35 @@ def _matched(
         return max(blk, int(rows / blk + 0.5) * blk)
 
     for b, left in shed:
-        g = offers[b][0]
-        o = g // E
-        for y in [o, *fill.holders.get(g, ()), *new.get(g, ())]:  # no copy to pay
+        for offer in offers[b]:  # the heaviest expert first, the next once its rows are out
+            g = offer[0]
+            o = g // E
+            for y in [o, *fill.holders.get(g, ()), *new.get(g, ())]:  # no copy to pay
+                if left < blk:
+                    break
+                if y == b or room_W[y] < 0.5 * blk * cost_W[y]:
+                    continue
+                n = place(offer, b, y, min(left, ask(room_W[y] / cost_W[y])), False)
+                if not n:  # b's rows of g are used up
+                    break
+                left -= n
+                room_W[y] -= n * cost_W[y]
+            while left >= blk and j < len(order):
+                y = order[j]
+                room = room_W[y] - copy
+                held = y == o or y in fill.holders.get(g, ()) or y in new.get(g, ())
+                if held or fill.held[y] + taken[y] >= slots or room < 0.5 * blk * cost_W[y]:
+                    j += 1  # full, or holds g already (placed above): the next receiver
+                    continue
+                n = place(offer, b, y, min(left, ask(room / cost_W[y])), True)
+                if not n:  # b's rows of g are used up
+                    break
+                left -= n
+                room_W[y] = room - n * cost_W[y]
+                if room_W[y] < 0.5 * blk * cost_W[y]:
+                    j += 1
             if left < blk:
                 break
-            if y == b or room_W[y] < 0.5 * blk * cost_W[y]:
-                continue
-            n = place(g, b, y, min(left, ask(room_W[y] / cost_W[y])), False)
-            if not n:  # b's rows of g are used up
-                break
-            left -= n
-            room_W[y] -= n * cost_W[y]
-        while left >= blk and j < len(order):
-            y = order[j]
-            room = room_W[y] - copy
-            held = y == o or y in fill.holders.get(g, ()) or y in new.get(g, ())
-            if held or fill.held[y] + taken[y] >= slots or room < 0.5 * blk * cost_W[y]:
-                j += 1  # full, or holds g already (placed above): the next receiver
-                continue
-            n = place(g, b, y, min(left, ask(room / cost_W[y])), True)
-            if not n:  # b's rows of g are used up
-                break
-            left -= n
-            room_W[y] = room - n * cost_W[y]
-            if room_W[y] < 0.5 * blk * cost_W[y]:
-                j += 1
     return new, moved
 
 
@@ -287,11 +287,11 @@ def _takes(
         if own_y:
             out.append((y, own_y))
             need -= own_y
-    cursor = cursors.get(b)
+    cursor = cursors.get((g, b))
     if cursor is None:
         # largest first, then by rank (two sorts in C: stable, so equal rows stay by rank)
         order = sorted(sorted(at_b), key=at_b.__getitem__, reverse=True)
-        cursor = cursors[b] = [[s for s in order if s != b], 0]
+        cursor = cursors[g, b] = [[s for s in order if s != b], 0]
     order, i = cursor
     while need >= blk and i < len(order):  # every segment before i is used up
         s = order[i]

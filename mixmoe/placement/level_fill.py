@@ -8,28 +8,33 @@ a = seconds per row computed, t = seconds per row exchanged (``StepModel``'s ter
 steps grow with the helpers a plan needs (~W at W = 1024). ``level_fill`` runs a few passes over
 the same state (``WaterFill``'s loads, placement and relay bookkeeping), each:
 
-1. offers: every rank b offers its heaviest expert g_b (the most rows computed at b, as owner or
-   helper; ties by id): the other sources' rows of g_b at b, plus b's own while its token
-   exchange is hidden under its local compute (they lower b only then). b saves a per row, a + t
-   while its exchange is exposed (it no longer receives them); a receiver pays a + t per row
-   and, unless it holds the expert already, a new replica's ~2 copies (scatter + all-gather);
-2. the level L (``_level``): the rows shed above it (each offer's rows down to L, at most the
-   offer) plus one copy per donor whose expert has no holder yet equal the rows absorbed below
-   it (each rank's room under L less a copy). Every term is piecewise linear in L: one sort of
-   ~3W breakpoints and a walk (tensor ops above ``TENSOR_POINTS``), not a step per move;
+1. offers: every rank b offers its ``OFFERED`` heaviest experts (rows computed at b, as owner
+   or helper; by rows, then id): the other sources' rows of each at b, plus b's own while its
+   token exchange is hidden under its local compute (they lower b only then). b saves a per
+   row, a + t while its exchange is exposed (it no longer receives them); a receiver pays a + t
+   per row and, unless it holds the expert already, a new replica's ~2 copies (scatter +
+   all-gather);
+2. the level L (``_level``): the rows shed above it (each rank's offers down to L) plus one copy
+   per donor whose heaviest expert has no holder yet equal the rows absorbed below it (each
+   rank's room under L less a copy; after a pass that gained less than ``MIN_GAIN``, no copy
+   for the owners and holders of the experts offered above the mean: their room first). Every
+   term is piecewise linear in L: one sort of ~3W breakpoints and a walk (tensor ops above
+   ``TENSOR_POINTS``), not a step per move;
 3. pieces (``_matched``): each donor above L (total descending) sheds (T_b - L) / save_b rows,
-   first on the ranks that own or hold g_b (no copy), then on the ranks below L - copy in total
-   order (each new holder pays its copies out of its room, needs a free replica slot); a
-   piece is cut from b's segments of g_b at whole blocks (``_takes``: the receiver's own rows
+   its heaviest expert first: on the ranks that own or hold it (no copy), then on the ranks
+   below L - copy in total order (each new holder pays its copies out of its room and needs a
+   free replica slot), the next expert once its rows are out. Pieces are asked to the nearest
+   whole block and cut from b's segments at whole blocks (``_takes``: the receiver's own rows
    first, they turn local; then the other sources', largest first; then b's own);
 4. new holders added per expert (``WaterFill.grow``: g's relay priced once per pass), then every
    total recomputed (``WaterFill.retotal``).
 
-The passes stop once the max total is within ``stop`` of the mean, after a pass that lowers the
-max by less than ``MIN_GAIN``, or after ``passes``. The rates are estimates (each total's kink,
-where its exchange turns hidden or exposed, is ignored inside a pass); the loads are exact:
-``WaterFill``'s, so the plan the fill emits prices to them (``cost_model.plan_pricing``; the
-caller keeps it only when cheaper than its candidates). Deterministic: ties by rank and expert id.
+The passes stop once the max total is within ``stop`` of the mean, after a pass lowering the
+max by less than ``MIN_GAIN`` once the level counts no copies for the holders (the first such
+pass switches to that level), or after ``passes``. The rates are estimates (each total's kink, where its exchange turns hidden or
+exposed, is ignored inside a pass); the loads are exact: ``WaterFill``'s, so the plan the fill
+emits prices to them (``cost_model.plan_pricing``; the caller keeps it only when cheaper than its
+candidates). Deterministic: ties by rank and expert id.
 Python work per pass: O(W) list steps plus one per segment moved (the plan's share entries).
 """
 
@@ -64,10 +69,11 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
     own_N = fill.C_WN.view(W, W, E).diagonal(0, 0, 1).T.reshape(-1).tolist()
     cost_W = [a + t] * W  # a receiver's rate: its hidden slack (if any) is left as a margin
     pieces = 0
+    free = False  # whether the level counts no copy for the ranks holding an offered expert
     for _ in range(passes):
         T_W = fill.totals
-        top = max(T_W)
-        if top <= stop * sum(T_W) / W:
+        top, mean = max(T_W), sum(T_W) / W
+        if top <= stop * mean:
             break
         # each rank's token exchange before the max(0, .): > 0 when exposed
         token_W = [lat + t * rm - hide * lc for rm, lc in zip(fill.remote, fill.local, strict=True)]
@@ -75,6 +81,11 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
         save_W = [a + t if token_W[b] > 0 and t else a for b in range(W)]
         avail_W = [sum(other + own for _, other, own in o) for o in offers]
         start_W = [T_W[r] + copy if fill.held[r] < slots else float("inf") for r in range(W)]
+        if free:  # the owners and holders of the experts offered above the mean: no copy
+            for b in range(W):
+                for g, _, _ in offers[b] if T_W[b] > mean else ():
+                    for r in (g // E, *fill.holders.get(g, ())):
+                        start_W[r] = T_W[r]
         # a donor whose heaviest expert has a holder (or an owner) besides itself needs no
         # new copy to start shedding
         fresh_W = [
@@ -92,14 +103,15 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
         room_W = [max(0.0, L - x) for x in T_W]  # seconds each rank may take on
         order = sorted((r for r in range(W) if start_W[r] < L), key=lambda r: (T_W[r], r))
         new, moved = _matched(fill, offers, shed, room_W, order, cost_W, copy)
-        if not moved:
-            break
         for g in sorted(new):
             fill.grow(g, new[g])
-        fill.retotal()
+        if moved:
+            fill.retotal()
         pieces += moved
-        if max(fill.totals) > (1.0 - MIN_GAIN) * top:  # the last passes gain little each
-            break
+        if max(fill.totals) > (1.0 - MIN_GAIN) * top:  # this pass gained little
+            if free:
+                break
+            free = True  # the level without copies for the holders: their room first
     return pieces
 
 
@@ -271,7 +283,7 @@ def _takes(
     """Up to ``need`` rows of g's segments at b for y, at whole blocks (a segment's rows left
     at b whole, which may end in its partial run, else whole blocks of them): y's own first
     (they turn local), the other sources' (by rows at b descending at the pass's start, then
-    by rank: ``cursors[b]`` = [that order, the first one not used up]), then up to ``own`` of
+    by rank: ``cursors[g, b]`` = [that order, the first one not used up]), then up to ``own`` of
     b's own rows."""
     blk = fill.block
     at_b = fill._where(g).get(b, {})

@@ -77,13 +77,17 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
             break
         # each rank's token exchange before the max(0, .): > 0 when exposed
         token_W = [lat + t * rm - hide * lc for rm, lc in zip(fill.remote, fill.local, strict=True)]
-        offers = [_offer(fill, b, token_W[b], t, hide, own_N) for b in range(W)]
+        # only a rank above the mean offers (the level is above the mean but where the offers
+        # run out: shed rows cost a receiver at least what they save their donor)
+        offers = [
+            _offer(fill, b, token_W[b], t, hide, own_N) if T_W[b] > mean else [] for b in range(W)
+        ]
         save_W = [a + t if token_W[b] > 0 and t else a for b in range(W)]
         avail_W = [sum(other + own for _, other, own in o) for o in offers]
         start_W = [T_W[r] + copy if fill.held[r] < slots else float("inf") for r in range(W)]
-        if free:  # the owners and holders of the experts offered above the mean: no copy
+        if free:  # the owners and holders of the experts offered (above the mean): no copy
             for b in range(W):
-                for g, _, _ in offers[b] if T_W[b] > mean else ():
+                for g, _, _ in offers[b]:
                     for r in (g // E, *fill.holders.get(g, ())):
                         start_W[r] = T_W[r]
         # a donor whose heaviest expert has a holder (or an owner) besides itself needs no

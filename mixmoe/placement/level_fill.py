@@ -113,8 +113,8 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
             fill.retotal()
         pieces += moved
         if max(fill.totals) > (1.0 - MIN_GAIN) * top:  # this pass gained little
-            if free:
-                break
+            if free or not (moved or any(fill.holders.values())):
+                break  # (no holder anywhere: the level without their copies is the same)
             free = True  # the level without copies for the holders: their room first
     return pieces
 

@@ -139,12 +139,6 @@ def _exchange_receiver(p: int, start: int, group: list[int]) -> int:
     return group[t % c]
 
 
-def _exchange_count(i: int, c: int, R: int) -> int:
-    """Chunks the i-th of a far node's c holders receives in the exchange (R far chunks: the
-    node lacks R - c, dealt round robin): #{t < R - c : t mod c == i}."""
-    return (R - c - i + c - 1) // c
-
-
 def relay_messages(
     owner: int, holders: Sequence[int], distance: Distance | None = None
 ) -> tuple[tuple[Message, ...], ...]:
@@ -196,7 +190,8 @@ def relay_degrees(
     The owner: 1 per nonempty class (near, far). A near holder: 1 (k = 1) or 1 + grid((k-1)/k).
     A far holder (R = 1: 1): receives R chunks (1 copy); the i-th of its node's c holders sends
     L - 1 chunks in the exchange and (1 + e_i)(c - 1) inside its node, e_i =
-    ``_exchange_count(i, c, R)``. Rounds: 1, + 1 when k >= 2 or R >= 2, + 1 when L >= 2 and a
+    ceil((R - c - i) / c) (the node lacks R - c chunks, dealt round robin: its first
+    (R - c) mod c holders get one more). Rounds: 1, + 1 when k >= 2 or R >= 2, + 1 when L >= 2 and a
     far node has 2 holders or more. Each copy is priced in both directions (forward fetch,
     gradient return)."""
     if not holders:
@@ -214,9 +209,12 @@ def relay_degrees(
     elif R >= 2:
         for grp in groups:
             c = len(grp)
+            # e_i takes two values over a node: two grid values per node
+            extra = (R - c) % c  # holders 0 .. extra - 1 receive one chunk more
+            low = 1.0 + _grid(L - 1 + (1 + (R - c) // c) * (c - 1), R)
+            high = 1.0 + _grid(L - 1 + (2 + (R - c) // c) * (c - 1), R) if extra else low
             for i, h in enumerate(grp):
-                held = 1 + _exchange_count(i, c, R)
-                degrees[h] = 1.0 + _grid(L - 1 + held * (c - 1), R)
+                degrees[h] = high if i < extra else low
     rounds = 1 + (k >= 2 or R >= 2) + (L >= 2 and any(len(grp) >= 2 for grp in groups))
     return degrees, rounds
 
@@ -226,7 +224,7 @@ def relay_inter_copies(owner: int, holders: Sequence[int], distance: Distance) -
     owner 1 (the far scatter); the i-th far holder of a node of c grid((1 + e_i) / R) received
     (its round-0 chunk and its exchange chunks) + grid((L - 1) / R) sent (R = 1: 1); near
     holders none (they are served inside the owner's node)."""
-    near, groups = holder_groups(owner, holders, distance)
+    _, groups = holder_groups(owner, holders, distance)
     L, R = len(groups), sum(map(len, groups))
     if R == 0:
         return {}
@@ -237,8 +235,11 @@ def relay_inter_copies(owner: int, holders: Sequence[int], distance: Distance) -
     sent = _grid(L - 1, R)
     for grp in groups:
         c = len(grp)
+        extra = (R - c) % c  # as in ``relay_degrees``: two values per node
+        low = _grid(1 + (R - c) // c, R) + sent
+        high = _grid(2 + (R - c) // c, R) + sent if extra else low
         for i, h in enumerate(grp):
-            out[h] = _grid(1 + _exchange_count(i, c, R), R) + sent
+            out[h] = high if i < extra else low
     return out
 
 

@@ -3,8 +3,8 @@ set, a hot rank, idle ranks, a rotating hotspot) for a2a / shadow / mix at sever
 shapes, by the planners' own cost model (nothing is measured but the planning time).
 
 Per case: the predicted step, % of force-balanced (``a2a`` under uniform routing / the step),
-rank imbalance after the plan (max / mean rows computed), replica bytes moved per step, the
-planning time (median, one CPU thread). Output: a text or Markdown table, one summary line per
+rank imbalance after the plan (max / mean rows computed, and max / mean predicted seconds per
+rank), replica bytes moved per step, the planning time (median, one CPU thread). Output: a text or Markdown table, one summary line per
 strategy (average and worst % of force-balanced, each case capped at 100%), the cases where
 ``mix`` is predicted slower than ``a2a`` or ``shadow``, one JSONL record per case with the
 environment, and one PNG. The engine is ``mixmoe.simulate.workloads``.
@@ -116,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> BalanceConfig:
 
 def table_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = ["shape", "W", "profile", "workload", "strategy", "step ms", "% of balanced",
-               "imbalance", "replica MB", "replicas", "plan ms"]  # fmt: skip
+               "imbalance", "time imb.", "replica MB", "replicas", "plan ms"]  # fmt: skip
     rows = [
         [
             r["shape"],
@@ -127,6 +127,7 @@ def table_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             f"{r['step_ms']:.2f}",
             f"{100 * r['pct_balanced']:.1f}%",
             f"{r['imbalance']:.2f}",
+            f"{r['time_imbalance']:.2f}",
             f"{r['replica_bytes'] / 1e6:.1f}",
             f"{r['replicas']:g}",
             f"{r['planning_ms']:.3f}",
@@ -142,7 +143,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"{name}: {100 * s['mean_pct_balanced']:.1f}% of force-balanced on average, worst "
             f"{100 * s['worst_pct_balanced']:.1f}% ({s['worst_case']}), over {s['cases']} cases "
-            f"(each capped at 100%); max imbalance {s['max_imbalance']:.2f}; slowest planning "
+            f"(each capped at 100%); max imbalance {s['max_imbalance']:.2f} (rows), "
+            f"{s['max_time_imbalance']:.2f} (seconds); slowest planning "
             f"{s['max_planning_ms']:.3f} ms"
         )
     slower = summary["mix_slower"]

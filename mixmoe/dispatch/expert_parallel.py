@@ -132,7 +132,7 @@ class ExpertParallelDispatcher:
         self.fingerprint = config_fingerprint(config, W, strategy)
         self._handshake_done = False
         self.replica_cache = ReplicaCache()
-        self._distance = node_distance(profile)  # the relay serves holders nearest first
+        self._distance = node_distance(profile)  # the relay's route splits by node
         self._owned_rows_stayed = True  # last step's plan computed every own row here
         # tests: ``plan_hook(C_WN, plan) -> Plan`` replaces the planner's plan (it must be a
         # deterministic function of its arguments: every rank calls it on the same values)

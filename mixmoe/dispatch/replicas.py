@@ -2,22 +2,23 @@
 
 Legend: E owned experts, H replicas held here, Q packed parameters per expert.
 
-The fetch executes each hot expert's route of ``placement/relay.py`` (``relay_messages``): with
-two or more holders (on the owner's node) a **scatter + all-gather** of chunks (round 0 the owner
-sends chunk i, ``tensor_split`` order, to holder i; round 1 every holder sends its chunk to every
-other holder), so the owner sends one copy and every holder receives one; with one holder, or
-holders across nodes, the **binomial tree** of whole rows. One ``all_to_all`` of a flat buffer of
-pieces (whole rows or chunks) per round, the rounds of every expert together; every rank joins
-every round, with nothing to send too.
+The fetch executes each hot expert's route of ``placement/relay.py`` (``relay_messages``): on
+the owner's node (or with one link) a **scatter + all-gather** of chunks (round 0 the owner sends
+chunk i, ``tensor_split`` order, to holder i; round 1 every holder sends its chunk to every
+other holder); to holders on other nodes a scatter of chunks across, an **exchange** of each
+chunk once to every other far node, and an all-gather inside each far node (3 rounds at most).
+The owner sends one copy per link class, every holder receives one. A sender always holds the
+very chunk it sends (or, the owner, the whole row it cuts it from). One ``all_to_all`` of a flat
+buffer of pieces (whole rows or chunks) per round, the rounds of every expert together; every
+rank joins every round, with nothing to send too.
 
 Backward is autograd's reverse of the same ops, one ``all_to_all`` of gradients per round in
-reverse order: a holder's replica gradient splits into its chunks; chunk j goes back to the holder
-it came from, which sums it with its own chunk j's gradient (the all-gather's reverse is a
-reduce-scatter); that holder sends its sum to the owner, whose chunks of the packed row add up
-to the row's gradient, and the pack (``index_select``, each owned expert packed once) adds it to
-the owned parameters' ``.grad`` exactly once. A tree relay rank likewise adds what its receivers
-return to its own gradient before passing it on. Replicas never drift and optimizers only ever
-see owned parameters.
+reverse order: a holder's replica gradient splits into its chunks; chunk j goes back to the rank
+it came from, which adds it to its own chunk j's gradient (an all-gather's reverse is a
+reduce-scatter: inside each far node, then back across the exchange); the owner's chunks of the
+packed row add up to the row's gradient, and the pack (``index_select``, each owned expert
+packed once) adds it to the owned parameters' ``.grad`` exactly once. Replicas never drift and
+optimizers only ever see owned parameters.
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def _size(piece: Piece, Q: int) -> int:
 @dataclass(frozen=True)
 class RelayPlan:
     """Host-side description of the replica fetch on this rank: every hot expert's weights travel
-    by its route (``placement.relay.relay_messages``: scatter + all-gather of chunks, or the
-    binomial tree), the rounds of all experts run together, one all_to_all per round; every rank
-    joins every round.
+    by its route (``placement.relay.relay_messages``: scatter + all-gather of chunks, split by
+    node across nodes), the rounds of all experts run together, one all_to_all per round; every
+    rank joins every round.
 
     pack_local_ids: owned experts (0..E-1, ascending) this rank sends in any round: packed once,
                     so the pack's backward adds each one's returning gradient to ``.grad`` once.
@@ -115,8 +116,8 @@ class RelayPlan:
         relay: bool = True,
     ) -> RelayPlan:
         """``replicas``: ((g, holder ranks), ...) for every replicated expert, ascending g (a
-        plan's ``replicas``); ``distance``: the relay's nearest-first order and route choice
-        (None: one link, by rank); ``relay`` False: the owner sends every whole copy, in one
+        plan's ``replicas``); ``distance``: the topology that splits the route by node (None:
+        one link); ``relay`` False: the owner sends every whole copy, in one
         round (a flat fan-out). Identical round structure on every rank (every rank computes
         every expert's messages)."""
         E, r, W = experts_per_rank, rank, world_size

@@ -63,7 +63,7 @@ def build_step_plan(
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
     plan; vectorised over ranks and experts (only the replicas, at most a few per rank, and the
     share entries are visited one by one). The replicas travel as the plan says (``plan.relay``:
-    its relay route, ``placement.relay``: scatter + all-gather or the tree, nearest first by
+    its relay route, ``placement.relay``: scatter + all-gather, split by node with
     ``distance``; else the owner's flat fan-out), as the cost model priced them."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E

@@ -22,8 +22,9 @@ Per rank r, with rb = D * bytes_per_element (one row) and P = params_bytes_per_e
   receives P and sends P: weight_sent = weight_recv = P * replica[r]; ``weight_bytes`` reports
   sent + received = 2 * P * replica[r] (rounded to whole bytes). Under a relay (``Plan.relay``,
   ``plan_pricing``) replica[r] is instead the copies r sends + receives in the relay's messages
-  (``relay.relay_degrees``): a binomial tree's edges at r, or under scatter + all-gather 1 for
-  the owner and 2 - 1/H for each of the H holders (a float64 on a 2**-24 grid).
+  (``relay.relay_degrees``, a float64 on a 2**-24 grid): with one link a scatter + all-gather, 1
+  for the owner and 2 - 1/H for each of the H holders; across nodes the owner 1 per link class,
+  near holders as above, far holders 1 received + their exchange and in-node sends (< 2).
 - Each communication phase costs link_latency per collective + max(sent, recv) / link_bandwidth.
   The token phase uses 4 all-to-alls (dispatch and return, forward and backward), counted on every
   rank when any row anywhere is remote and skipped otherwise (every rank knows C, so all skip
@@ -272,7 +273,7 @@ class StepModel:
     ) -> tuple[float, float]:
         """(compute_s, comm_s) of one rank; any_remote / any_hot: whether the token / weight
         collectives run at all (anywhere in the group). ``any_hot`` may be an int: the rounds of
-        the replica relay (``relay_rounds``; 0: none), each a fetch and a gradient return, so
+        the replica relay (``relay_degrees``; 0: none), each a fetch and a gradient return, so
         True and 1 price alike."""
         return self._compute_s(rows), self._comm_s(local, remote, replica, any_remote, any_hot)
 
@@ -583,14 +584,16 @@ def plan_pricing(
     remote at both s (it sends them) and r (it computes them for s). When ``plan.relay`` is set
     the replica column is each rank's copies in the relay's messages (``relay_degrees``, what
     ``relay_messages`` executes: per copy the sender sends P forward and receives P of
-    gradient, the receiver the reverse; fractional under scatter + all-gather: 1 for the owner,
-    2 - 1/H for a holder) and the rounds are the most any expert takes (2 when any expert
-    scatters, else the deepest tree's); otherwise the flat fan-out of today (the owner serves
-    every holder; one round when any replica exists). A plan without shares and without relay
-    prices exactly as ``plan_loads`` / ``predict``. ``profile``: its topology
-    (``ranks_per_node``) orders the relay nearest first (a relay spanning nodes takes the tree)
-    and adds two rows: the remote rows and the relay copies that cross nodes, at each rank
-    (``StepModel.seconds_W`` prices them at the inter-node bandwidth); None or one link: [4, W].
+    gradient, the receiver the reverse; fractional chunks: 1 for the owner per link class,
+    under 2 for a holder) and the rounds are the most any expert takes (1 for a single
+    holder, 2 for a scatter + all-gather, 3 when far holders on 2 or more nodes exchange
+    chunks before their in-node all-gather); otherwise the flat fan-out of today (the owner
+    serves every holder; one round when any replica exists). A plan without shares and without
+    relay prices exactly as ``plan_loads`` / ``predict``. ``profile``: its topology
+    (``ranks_per_node``) splits each relay into the owner's node and the far nodes
+    (``relay`` module doc) and adds two rows: the remote rows and the relay copies that cross
+    nodes, at each rank (``relay_inter_copies``; ``StepModel.seconds_W`` prices them at the
+    inter-node bandwidth); None or one link: [4, W].
     ``base_4W``: as for ``plan_loads``.
     """
     E = experts_per_rank
@@ -623,14 +626,14 @@ def plan_pricing(
                     remote_inter[s] += n
                     remote_inter[r] += n
     if relay and plan.replicas:
-        # copies sent + received per rank (fractional under scatter + all-gather; each on the
-        # relay's 2**-24 grid, so these sums are exact in any order: ``relay`` module doc)
+        # copies sent + received per rank (fractional chunks, each on the relay's 2**-24
+        # grid, so these sums are exact in any order: ``relay`` module doc)
         replica = [0.0] * W
         replica_inter = [0.0] * W
         rounds = 0
         for g, holders in plan.replicas:
             degrees, depth = relay_degrees(g // E, holders, distance)
-            rounds = max(rounds, depth)  # 2 when any expert scatters, else the deepest tree
+            rounds = max(rounds, depth)  # every expert's rounds run together
             for r, d in degrees.items():
                 replica[r] += d
             if distance is not None:

@@ -40,7 +40,7 @@ class Plan:
                 every run has rows > 0. Whether the rows add up to C[s][g] and the runs are whole
                 blocks depends on the counts: ``check_shares`` checks it.
     relay:      whether the replica weights travel by the relay (``relay_messages``: scatter +
-                all-gather of chunks, or a tree) and are priced so
+                all-gather of chunks, split by node across nodes) and are priced so
                 (``cost_model.plan_pricing``); False (default, today's plans): the
                 owner sends every copy. ``plan_mix``'s balanced plans set it.
     """

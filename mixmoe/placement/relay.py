@@ -1,44 +1,85 @@
-"""How one expert's replica weights reach their holders without the owner sending every copy.
+"""How one expert's replica weights reach their holders without a hot spot on any rank or link.
 
-Two routes, chosen per expert from its holder count H (and the profile's topology):
+Legend: o the owner, H holders; with the profile's topology the holders split into k **near**
+ones (the owner's node) and R **far** ones on L other nodes, c_n of them on far node n
+(R = sum c_n). Without topology every holder is near. A message carries chunk j of the packed
+row cut into n parts (``torch.tensor_split`` order: the first ``Q % n`` one element longer).
 
-- **scatter + all-gather** (H >= 2, every holder on the owner's node or no topology): the packed
-  row is cut into H near-equal chunks (``torch.tensor_split`` order: the first ``Q % H`` chunks one
-  element longer); round 0 the owner sends chunk i to the i-th holder, round 1 every holder sends
-  its chunk to every other holder. The owner sends one copy in all (not log2(H + 1)); every holder
-  receives one copy and sends (H - 1) / H. Gradients return the reverse way: a reduce-scatter among
-  the holders (holder i sums chunk i of every holder's gradient), then each holder sends its summed
-  chunk to the owner, which adds it to ``.grad`` once.
-- **binomial tree** (H = 1: a direct send; or holders on other nodes): the ranks that hold the
-  weights double each round, nearest first (``distance``, then rank), so H holders are served in
-  ceil(log2(H + 1)) rounds of whole rows; gradients return the tree in reverse.
+The route (``relay_messages``), at most 3 rounds:
 
-Why this rule: with one link the scatter is never worse where it matters. Per expert both routes
-move 2H copies in all (sent + received over the ranks); the scatter puts 1 on the owner (the tree
-ceil(log2(H + 1)) >= 2 for H >= 2), at most 2 - 1/H < 2 on any holder (the tree's first holder
-relays up to log2 H more), and takes 2 rounds (the tree ceil(log2(H + 1)) >= 2). Only the tree's
-leaves do less (1 copy): they are the helpers with spare capacity, the owner is the hot rank (a hot
-rank owning 4 hot experts at W = 256 sends 4 copies instead of 32). Across nodes the all-gather
-would send every holder's chunk over the slow link to every holder on another node (m (1 + 2k) / H
-crossing copies for k near and m far holders, the tree ~m): there the tree, nearest first, stays.
+- **near holders: scatter + all-gather.** k = 1: the whole row, round 0. k >= 2: round 0 the
+  owner sends chunk i of k to the i-th near holder (ascending rank); round 1 every near holder
+  sends its chunk to the k - 1 others. The owner sends 1 copy, a near holder 2 - 1/k (1 received,
+  (k - 1)/k sent).
+- **far holders: scatter across, exchange across, all-gather inside** (one cut into R chunks;
+  far nodes ordered by their lowest holder, holders by rank: far holder p gets chunk p).
+  Round 0 the owner sends chunk p to far holder p: the owner sends 1 copy over the slow link, in
+  all. Round 1 (L >= 2) every chunk crosses once more to each other far node: the holder of chunk p
+  sends it to one holder of node m, the (t mod c_m)-th, where t numbers the chunks that are not
+  m's own (so each far node receives every chunk it lacks exactly once, spread evenly over its
+  holders). Last round (round 2, or round 1 when L = 1) every far holder sends every chunk it
+  holds to the other holders of its node (fast link). R = 1: the whole row, round 0.
 
-Pricing (``relay_degrees``): a rank's copies of one expert = what it sends + what it receives, in
-copies of the packed row, each of the two floored to a multiple of ``COPY_GRID`` = 2**-24 (a
-holder's sends (H - 1) / H; the executed chunks differ from 1/H by under one element of ~10**7, so
-the grid is below the model's own resolution). Every degree is then a float64 with few bits, and
-sums of them are exact in any order: the water-filling search's incremental loads equal
-``plan_pricing``'s bit for bit. Deterministic: every rank computes the same messages.
+Why this route. The weights cross the slow link L times in all (once per far node: the scatter
+1 copy, the exchange L - 1), never per holder, and a far node's share of that traffic is spread
+over its c_n holders: a far holder moves grid(1 + e, R) + grid(L - 1, R) copies across (e: the
+exchange chunks it receives), under 2 / c_n when the nodes hold c holders each. The "one leader
+per node" alternative (the owner scatters to one leader per far node, the leaders all-gather
+across, then each leader scatters + all-gathers inside its node) moves the same L copies across
+but all on the leaders, 2 - 1/L each, and takes 4 rounds; this route is that one when every far
+node has one holder (c_n = 1), and otherwise strictly less on the busiest rank's slow link, in 3
+rounds. The owner (the hot rank) sends 1 copy per link class (near, far) whatever H; scattering
+among the owner and the leaders (the owner keeps a chunk and sends it on in round 1) would put
+2L / (L + 1) copies on the owner's slow link instead of 1, so the owner is not in the all-gather.
+Across nodes the one-node scatter + all-gather of all H holders would send every far holder's
+chunk to every holder on another node (m (1 + 2k) / H crossing copies for k near and m far):
+hence the split by node.
+
+Gradients return exactly the reverse way (``dispatch/replicas.py``: autograd's reverse of each
+round): inside each far node a reduce-scatter to the chunk holders, across nodes back to the
+chunk's first holder, across once more to the owner; near holders reduce-scatter and send their
+chunk home. The owner's chunks add up to the row's gradient, added to ``.grad`` once.
+
+Pricing (``relay_degrees``, ``relay_inter_copies``, closed form: the planner calls them per
+probe): a rank's copies of one expert = what it sends + what it receives, in copies of the packed
+row, each of the two floored to a multiple of ``COPY_GRID`` = 2**-24 (the executed chunks differ
+from 1/n by under one element of ~10**7, so the grid is below the model's own resolution).
+Every degree is then a float64 with few bits, and sums of them are exact in any order: the
+water-filling search's incremental loads equal ``plan_pricing``'s bit for bit. Deterministic:
+every rank computes the same messages. Tests count the same figures from ``relay_messages``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-Edge = tuple[int, int]  # (sender, receiver)
 # (sender, receiver, chunk j, chunks n): chunk j of the packed row cut into n (n = 1: the whole row)
 Message = tuple[int, int, int, int]
+Distance = Callable[[int, int], int]
 
 COPY_GRID_BITS = 24  # copies are priced in multiples of 2**-24 (module doc)
+
+
+def node_distance(profile: object) -> Distance | None:
+    """0 for two ranks of one node, 1 across nodes (nodes of the profile's ``ranks_per_node``
+    consecutive ranks), or None when the profile has no topology: every pair alike. The
+    function carries ``ranks_per_node``: the relay groups holders by node with it (any other
+    ``distance`` callable is grouped pairwise, ``distance(a, b) == 0`` meaning "same node")."""
+    per_node = getattr(profile, "ranks_per_node", None)
+    if not per_node:
+        return None
+    return nodes_of(per_node)
+
+
+def nodes_of(ranks_per_node: int) -> Distance:
+    """The ``distance`` of nodes of ``ranks_per_node`` consecutive ranks (``node_distance``): a
+    plain function (the planner calls it ~10**5 times per plan), with ``ranks_per_node`` set."""
+
+    def distance(a: int, b: int) -> int:
+        return int(a // ranks_per_node != b // ranks_per_node)
+
+    distance.ranks_per_node = ranks_per_node  # type: ignore[attr-defined]
+    return distance
 
 
 def piece_range(j: int, n: int, Q: int) -> tuple[int, int]:
@@ -54,126 +95,152 @@ def _grid(numerator: int, denominator: int) -> float:
     return ((numerator << COPY_GRID_BITS) // denominator) / (1 << COPY_GRID_BITS)
 
 
-def _served_order(
-    owner: int, holders: Sequence[int], distance: Callable[[int, int], int] | None
-) -> list[int]:
-    """The holders nearest first (``distance`` to the owner, then rank); by rank without one."""
-    if distance is None:
-        return sorted(holders)
-    return sorted(holders, key=lambda h: (distance(owner, h), h))
-
-
-def uses_scatter(
-    owner: int, holders: Sequence[int], distance: Callable[[int, int], int] | None = None
-) -> bool:
-    """Whether the expert's weights travel by scatter + all-gather (module doc): H >= 2 and no
-    holder on another node than the owner (``distance`` 0 to every holder, or no topology)."""
-    if len(holders) < 2:
-        return False
-    return distance is None or all(distance(owner, h) == 0 for h in holders)
-
-
-def relay_rounds(
-    owner: int, holders: Sequence[int], distance: Callable[[int, int], int] | None = None
-) -> tuple[tuple[Edge, ...], ...]:
-    """The binomial tree's rounds for one expert: ``rounds[k]`` = the (sender, receiver) pairs of
-    round k, ascending by receiver position. ``holders`` must exclude ``owner`` and be distinct.
-
-    The i-th served holder (0-based, nearest first) receives in round floor(log2(i + 1)) from the
-    rank at position i + 1 - 2**k of the served order ``[owner, h0, h1, ...]``: each round pairs
-    every rank that has the weights with one that has not.
-    """
+def holder_groups(
+    owner: int, holders: Sequence[int], distance: Distance | None = None
+) -> tuple[list[int], list[list[int]]]:
+    """(near holders ascending, far nodes' holders): each far node's holders ascending, the
+    nodes ordered by their lowest holder. Without ``distance`` every holder is near.
+    ``holders`` must exclude ``owner`` and be distinct (``ValueError`` otherwise)."""
     _check(owner, holders)
-    order = [owner, *_served_order(owner, holders, distance or (lambda a, b: 0))]
-    rounds: list[tuple[Edge, ...]] = []
-    have = 1  # ranks of `order` holding the weights before this round
-    while have < len(order):
-        new = order[have : 2 * have]
-        # the j-th newcomer receives from the j-th rank that already holds the weights
-        rounds.append(tuple((order[j], rank) for j, rank in enumerate(new)))
-        have += len(new)
-    return tuple(rounds)
+    ordered = sorted(holders)
+    if distance is None:
+        return ordered, []
+    per_node = getattr(distance, "ranks_per_node", None)
+    near: list[int] = []
+    far: dict[int, list[int]] = {}  # insertion order: by lowest holder (ranks ascending)
+    if per_node is not None:
+        home = owner // per_node
+        for h in ordered:
+            key = h // per_node
+            if key == home:
+                near.append(h)
+            else:
+                far.setdefault(key, []).append(h)
+        return near, list(far.values())
+    groups: list[list[int]] = []
+    for h in ordered:  # any distance callable: pairwise, 0 = same node
+        if distance(owner, h) == 0:
+            near.append(h)
+            continue
+        for grp in groups:
+            if distance(grp[0], h) == 0:
+                grp.append(h)
+                break
+        else:
+            groups.append([h])
+    return near, groups
+
+
+def _exchange_receiver(p: int, start: int, group: list[int]) -> int:
+    """The holder of far node ``group`` (its chunks start at ``start``) that receives chunk p
+    in the exchange: the (t mod c)-th, t = p's index among the chunks that are not the node's."""
+    c = len(group)
+    t = p if p < start else p - c  # p is never in [start, start + c): those are the node's own
+    return group[t % c]
 
 
 def relay_messages(
-    owner: int, holders: Sequence[int], distance: Callable[[int, int], int] | None = None
+    owner: int, holders: Sequence[int], distance: Distance | None = None
 ) -> tuple[tuple[Message, ...], ...]:
     """What the layer executes for one expert: ``rounds[k]`` = the messages of round k, each
-    (sender, receiver, chunk j, chunks n). Scatter + all-gather (``uses_scatter``): round 0
-    (owner, h_i, i, H) for the i-th holder of the served order, round 1 (h_i, h_j, i, H) for
-    every i != j; otherwise the tree's edges (``relay_rounds``) carrying whole rows (j = 0, n = 1).
-    """
-    _check(owner, holders)
-    if not uses_scatter(owner, holders, distance):
-        return tuple(
-            tuple((a, b, 0, 1) for a, b in edges)
-            for edges in relay_rounds(owner, holders, distance)
-        )
-    order = _served_order(owner, holders, distance)
-    H = len(order)
-    scatter = tuple((owner, h, i, H) for i, h in enumerate(order))
-    # holder i passes its chunk i on to every other holder (receivers ascending by position)
-    gather = tuple((a, b, i, H) for i, a in enumerate(order) for b in order if b != a)
-    return scatter, gather
+    (sender, receiver, chunk j, chunks n), sorted; empty rounds dropped (module doc: near
+    scatter + all-gather, far scatter + exchange + all-gather inside each node). ``distance``:
+    the profile's topology (``node_distance``), None for one link."""
+    near, groups = holder_groups(owner, holders, distance)
+    r0: list[Message] = []
+    r1: list[Message] = []
+    r2: list[Message] = []
+    k = len(near)
+    if k == 1:
+        r0.append((owner, near[0], 0, 1))
+    elif k >= 2:
+        r0 += [(owner, h, i, k) for i, h in enumerate(near)]
+        # near holder i passes its chunk i on to every other near holder
+        r1 += [(a, b, i, k) for i, a in enumerate(near) for b in near if b != a]
+    far = [h for grp in groups for h in grp]  # far holder p receives chunk p in round 0
+    R, L = len(far), len(groups)
+    if R == 1:
+        r0.append((owner, far[0], 0, 1))
+    elif R >= 2:
+        r0 += [(owner, h, p, R) for p, h in enumerate(far)]
+        held = {h: [p] for p, h in enumerate(far)}  # chunks each far holder has to pass on
+        starts = [0]  # each far node's first chunk
+        for grp in groups[:-1]:
+            starts.append(starts[-1] + len(grp))
+        for p, sender in enumerate(far):
+            for grp, start in zip(groups, starts, strict=True):
+                if not start <= p < start + len(grp):  # chunk p crosses once to each other node
+                    q = _exchange_receiver(p, start, grp)
+                    r1.append((sender, q, p, R))
+                    held[q].append(p)
+        # inside each far node: every chunk a holder has goes to the node's other holders
+        last = r2 if L >= 2 else r1
+        last += [
+            (a, b, p, R) for grp in groups for a in grp for p in held[a] for b in grp if b != a
+        ]
+    return tuple(tuple(sorted(rnd)) for rnd in (r0, r1, r2) if rnd)
 
 
 def relay_degrees(
-    owner: int, holders: Sequence[int], distance: Callable[[int, int], int] | None = None
+    owner: int, holders: Sequence[int], distance: Distance | None = None
 ) -> tuple[dict[int, float], int]:
     """Copies of the expert's packed row each rank sends + receives under ``relay_messages`` (the
-    module doc's grid), and its rounds, without building the messages: ({rank: copies}, rounds).
-    Scatter: the owner 1.0 (H chunks sent), a holder 1.0 received + grid((H - 1) / H) sent, 2
-    rounds. Tree, in the served order [owner, h0, h1, ...] of n ranks: position j sends in every
-    round k with 2**k > j and j + 2**k < n, receives once when j > 0; (n - 1).bit_length()
-    rounds. Each copy is priced in both directions (forward fetch, gradient return)."""
+    module doc's grid), and its rounds, in closed form: ({rank: copies}, rounds).
+
+    The owner: 1 per nonempty class (near, far). A near holder: 1 (k = 1) or 1 + grid((k-1)/k).
+    A far holder (R = 1: 1): receives R chunks (1 copy); the i-th of its node's c holders sends
+    L - 1 chunks in the exchange and (1 + e_i)(c - 1) inside its node, e_i =
+    ceil((R - c - i) / c) (the node lacks R - c chunks, dealt round robin: its first
+    (R - c) mod c holders get one more). Rounds: 1, + 1 when k >= 2 or R >= 2, + 1 when L >= 2 and a
+    far node has 2 holders or more. Each copy is priced in both directions (forward fetch,
+    gradient return)."""
     if not holders:
         return {}, 0
-    if uses_scatter(owner, holders, distance):
-        H = len(holders)
-        holder = 1.0 + _grid(H - 1, H)
-        degrees = {owner: 1.0}
-        for h in holders:
-            degrees[h] = holder
-        return degrees, 2
-    if distance is None:  # one link: by rank (the water-filling search calls this per probe)
-        order = [owner, *sorted(holders)]
-    else:
-        order = [owner, *sorted(holders, key=lambda h: (distance(owner, h), h))]
-    n = len(order)
-    degrees = {owner: float((n - 1).bit_length())}  # the owner sends in every round
-    for j in range(1, n):
-        # sends in rounds k = j.bit_length() .. (n - j - 1).bit_length() - 1, receives once
-        degrees[order[j]] = float(1 + max(0, (n - j - 1).bit_length() - j.bit_length()))
-    return degrees, (n - 1).bit_length()
+    near, groups = holder_groups(owner, holders, distance)
+    k, L = len(near), len(groups)
+    R = sum(map(len, groups))
+    degrees = {owner: float((k > 0) + (R > 0))}
+    if near:
+        near_copies = 1.0 if k == 1 else 1.0 + _grid(k - 1, k)
+        for h in near:
+            degrees[h] = near_copies
+    if R == 1:
+        degrees[groups[0][0]] = 1.0
+    elif R >= 2:
+        for grp in groups:
+            c = len(grp)
+            # e_i takes two values over a node: two grid values per node
+            extra = (R - c) % c  # holders 0 .. extra - 1 receive one chunk more
+            low = 1.0 + _grid(L - 1 + (1 + (R - c) // c) * (c - 1), R)
+            high = 1.0 + _grid(L - 1 + (2 + (R - c) // c) * (c - 1), R) if extra else low
+            for i, h in enumerate(grp):
+                degrees[h] = high if i < extra else low
+    rounds = 1 + (k >= 2 or R >= 2) + (L >= 2 and any(len(grp) >= 2 for grp in groups))
+    return degrees, rounds
 
 
-def relay_inter_copies(
-    owner: int, holders: Sequence[int], distance: Callable[[int, int], int]
-) -> dict[int, float]:
-    """The part of ``relay_degrees`` that crosses nodes (``distance`` != 0 between the message's
-    two ranks), per rank with any: sent and received copies each floored to the grid, as
-    ``relay_degrees`` prices them (the scatter runs inside one node: none there)."""
-    sent: dict[int, list[int]] = {}  # rank -> [chunks, n] sent across nodes (one n per expert)
-    recv: dict[int, list[int]] = {}
-    for messages in relay_messages(owner, holders, distance):
-        for a, b, _, n in messages:
-            if distance(a, b):
-                sent.setdefault(a, [0, n])[0] += 1
-                recv.setdefault(b, [0, n])[0] += 1
-    out: dict[int, float] = {}
-    for table in (sent, recv):
-        for rank, (k, n) in table.items():
-            out[rank] = out.get(rank, 0.0) + _grid(k, n)
+def relay_inter_copies(owner: int, holders: Sequence[int], distance: Distance) -> dict[int, float]:
+    """The part of ``relay_degrees`` that crosses nodes, per rank with any, in closed form: the
+    owner 1 (the far scatter); the i-th far holder of a node of c grid((1 + e_i) / R) received
+    (its round-0 chunk and its exchange chunks) + grid((L - 1) / R) sent (R = 1: 1); near
+    holders none (they are served inside the owner's node)."""
+    _, groups = holder_groups(owner, holders, distance)
+    L, R = len(groups), sum(map(len, groups))
+    if R == 0:
+        return {}
+    out = {owner: 1.0}
+    if R == 1:
+        out[groups[0][0]] = 1.0
+        return out
+    sent = _grid(L - 1, R)
+    for grp in groups:
+        c = len(grp)
+        extra = (R - c) % c  # as in ``relay_degrees``: two values per node
+        low = _grid(1 + (R - c) // c, R) + sent
+        high = _grid(2 + (R - c) // c, R) + sent if extra else low
+        for i, h in enumerate(grp):
+            out[h] = high if i < extra else low
     return out
-
-
-def node_distance(profile: object) -> Callable[[int, int], int] | None:
-    """0 for two ranks of one node, 1 across nodes, from the profile's ``ranks_per_node`` (None
-    when the profile has no topology: every pair alike)."""
-    per_node = getattr(profile, "ranks_per_node", None)
-    if not per_node:
-        return None
-    return lambda a, b: int(a // per_node != b // per_node)
 
 
 def _check(owner: int, holders: Sequence[int]) -> None:

@@ -17,6 +17,9 @@ cost model's) gives every figure:
 - pct_balanced: balanced_ms / step_ms (may exceed 1: averages cap every case at 1);
 - imbalance: max / mean over ranks of the rows computed per rank after the plan
   (``Prediction.rows``), the mean over steps;
+- time_imbalance: max / mean over ranks of each rank's predicted seconds (compute + exposed
+  communication, ``Prediction.compute_s`` + ``comm_s``: what the planner balances; on token-bound
+  shapes a rank that sends fewer rows may compute more at equal seconds), the mean over steps;
 - replica_bytes: bytes sent over the links for replicas in one step, weights in forward and their
   gradients in backward (half the sum over ranks of ``Prediction.weight_bytes``, which counts
   every byte at its sender and its receiver), the mean over steps;
@@ -242,12 +245,14 @@ def case_records(
     records = []
     for name in cfg.strategies:
         planner = _planner(name, shape, profile, cfg, spec.top_k)
-        step_s, imbalance, moved, copies, hot, times = [], [], [], [], [], []
+        step_s, imbalance, seconds, moved, copies, hot, times = [], [], [], [], [], [], []
         for C_WN in steps:
             plan, ms = _timed_plans(planner, C_WN, cfg.repeats)
             rows_W = plan.prediction.rows
             step_s.append(plan.prediction.step_s)
             imbalance.append(max(rows_W) * len(rows_W) / sum(rows_W))  # max / mean
+            total_W = list(map(float.__add__, plan.prediction.compute_s, plan.prediction.comm_s))
+            seconds.append(max(total_W) * len(total_W) / sum(total_W))  # max / mean
             moved.append(sum(plan.prediction.weight_bytes) // 2)  # each byte sent once
             copies.append(sum(len(h) for _, h in plan.replicas))
             hot.append(list(plan.hot))
@@ -269,6 +274,7 @@ def case_records(
                 "balanced_ms": 1e3 * balanced,
                 "pct_balanced": balanced / mean_step,
                 "imbalance": sum(imbalance) / len(imbalance),
+                "time_imbalance": sum(seconds) / len(seconds),
                 "replica_bytes": sum(moved) / len(moved),
                 "replicas": sum(copies) / len(copies),
                 "planning_ms": statistics.median(t for ms in times for t in ms),
@@ -284,7 +290,7 @@ def _capped(records: Iterable[Mapping[str, Any]]) -> list[float]:
 
 def summarize(records: list[Mapping[str, Any]], rel_tol: float = 1e-9) -> dict[str, Any]:
     """Per strategy: cases, the average and worst % of force-balanced (each case capped at 1),
-    the worst case, the worst imbalance and the slowest planning; and the cases (shape, W,
+    the worst case, the worst imbalance (rows, and seconds) and the slowest planning; and the cases (shape, W,
     workload) where ``mix`` is predicted slower (by more than ``rel_tol``) than ``a2a`` or
     ``shadow``, with both steps in ms."""
     by: dict[str, list[Mapping[str, Any]]] = {}
@@ -300,6 +306,7 @@ def summarize(records: list[Mapping[str, Any]], rel_tol: float = 1e-9) -> dict[s
             "worst_pct_balanced": capped[worst],
             "worst_case": _case(rs[worst]),
             "max_imbalance": max(r["imbalance"] for r in rs),
+            "max_time_imbalance": max(r.get("time_imbalance", 0.0) for r in rs),
             "max_planning_ms": max(r["planning_ms"] for r in rs),
         }
     step = {(_case(r), r["strategy"]): r["step_ms"] for r in records}

@@ -3,7 +3,8 @@
 ``RelayPlan`` is checked by simulating every round's all_to_all over all ranks with the pieces
 (whole rows or chunks) each rank holds: each sender holds what it sends, the splits agree
 pairwise, each holder ends with every chunk of exactly its replicas in slot order, and the
-messages executed are the route's (``relay_messages``), priced as ``relay_degrees`` says.
+messages executed are the route's (``relay_messages``, with one link or holders spanning nodes),
+priced as ``relay_degrees`` says.
 ``pack_experts`` / ``unpack_experts`` round-trip every weight layout (biases, SwiGLU) and route
 gradients back to the packed experts, summed over duplicates.
 """
@@ -20,7 +21,7 @@ import torch
 
 from mixmoe.dispatch.replicas import RelayPlan, pack_experts, unpack_experts, weights_version
 from mixmoe.ops.expert_mlp import ExpertWeights
-from mixmoe.placement.relay import COPY_GRID_BITS, relay_degrees, relay_messages
+from mixmoe.placement.relay import COPY_GRID_BITS, nodes_of, relay_degrees, relay_messages
 
 
 def _random_replicas(W: int, E: int, rng: random.Random):
@@ -69,15 +70,21 @@ def _play(plans: list[RelayPlan], E: int) -> tuple[list[list[list]], list[tuple]
 
 
 @pytest.mark.parametrize("relay", [True, False])
-@pytest.mark.parametrize("W,E", [(1, 2), (2, 1), (2, 3), (3, 2), (4, 2), (7, 1)])
-def test_relay_plan_delivers_each_replica_by_its_route_in_slot_order(W, E, relay):
+@pytest.mark.parametrize(
+    "W,E,per_node",
+    [(1, 2, 0), (2, 1, 0), (2, 3, 0), (3, 2, 0), (4, 2, 0), (7, 1, 0), (4, 2, 2), (4, 1, 1),
+     (6, 1, 2), (8, 1, 2), (9, 2, 3), (12, 1, 4)],
+)  # fmt: skip
+def test_relay_plan_delivers_each_replica_by_its_route_in_slot_order(W, E, per_node, relay):
     """Every holder ends with all chunks of exactly its replicas, in slot order; the messages
-    executed are the route's, and each rank's copies of each expert (a brute-force count of the
-    executed messages, chunk j of n = 1/n copy) are what ``relay_degrees`` prices."""
-    rng = random.Random(10 * W + E)
+    executed are the route's (one link, or ``per_node`` ranks per node: holders spanning 2-4
+    nodes), and each rank's copies of each expert (a brute-force count of the executed
+    messages, chunk j of n = 1/n copy) are what ``relay_degrees`` prices."""
+    rng = random.Random(10 * W + E + 1000 * per_node)
+    distance = nodes_of(per_node) if per_node else None
     for _ in range(6):
         replicas = _random_replicas(W, E, rng)
-        plans = [RelayPlan.build(replicas, r, W, E, relay=relay) for r in range(W)]
+        plans = [RelayPlan.build(replicas, r, W, E, distance, relay=relay) for r in range(W)]
         assert relay or len(plans[0].rounds) == (1 if replicas else 0)  # flat: one round
         bufs, executed = _play(plans, E)
         for r, p in enumerate(plans):
@@ -93,7 +100,7 @@ def test_relay_plan_delivers_each_replica_by_its_route_in_slot_order(W, E, relay
             if not relay:  # the owner sends every whole copy
                 assert sorted(mine) == [(0, g // E, h, 0, 1) for h in holders]
                 continue
-            route = relay_messages(g // E, holders)
+            route = relay_messages(g // E, holders, distance)
             want = sorted((k, *m) for k, msgs in enumerate(route) for m in msgs)
             assert sorted(mine) == want  # the layer executes the priced route
             sent, recv = {}, {}
@@ -107,37 +114,40 @@ def test_relay_plan_delivers_each_replica_by_its_route_in_slot_order(W, E, relay
                 )
                 for r in set(sent) | set(recv)
             }
-            degrees, rounds = relay_degrees(g // E, holders)
+            degrees, rounds = relay_degrees(g // E, holders, distance)
             assert counted == degrees and rounds == len(route)
-            if len(holders) >= 2:  # scatter: the owner sends one copy, in chunks
-                assert sent[g // E] == 1 and all(recv[h] == 1 for h in holders)
+            assert all(recv[h] == 1 for h in holders)  # every holder receives one copy
+            if len(holders) >= 2 and distance is None:  # scatter: one copy from the owner
+                assert sent[g // E] == 1
 
 
-def test_relay_is_a_tree_rooted_at_the_owner_across_nodes():
-    """Holders on other nodes: the tree of whole rows. What the gradient return relies on (the
-    summation itself runs in tests/distributed/test_shares.py): each holder receives once, and
-    following the senders from any holder reaches the owner without a cycle, in
-    ceil(log2(H + 1)) rounds."""
-    replicas = ((0, (1, 2, 3, 4, 5, 6)),)
-
-    def far(a: int, b: int) -> int:  # nodes of 2 ranks: holders 2-6 are on other nodes
-        return int(a // 2 != b // 2)
-
-    plans = [RelayPlan.build(replicas, r, 7, 1, far) for r in range(7)]
-    parent = {}
-    for k in range(len(plans[0].rounds)):
+def test_every_chunk_returns_home_on_a_path_across_nodes():
+    """Holders on 3 nodes of 2 (owner 0 on node 0; near holder 1, far nodes {2, 3}, {4, 5}):
+    what the gradient return relies on (the summation itself runs in
+    tests/distributed/test_shares.py): every piece a rank holds came from exactly one sender,
+    and following the senders from any holder's piece reaches the owner without a cycle, in 3
+    rounds; the owner sends 2 copies (1 inside its node, 1 across), not one per holder."""
+    replicas = ((0, (1, 2, 3, 4, 5)),)
+    distance = nodes_of(2)
+    plans = [RelayPlan.build(replicas, r, 6, 1, distance) for r in range(6)]
+    assert len(plans[0].rounds) == 3
+    parent = {}  # (rank, piece) -> sender
+    for k in range(3):
         for r, p in enumerate(plans):
+            pos = 0
             for q, n in enumerate(p.rounds[k].out_splits):
-                if n:
-                    assert r not in parent, "a holder receives once"
-                    parent[r] = q
-    for h in range(1, 7):  # every holder's gradient path reaches the owner without a cycle
-        seen, x = set(), h
-        while x != 0:
+                for piece in p.rounds[k].recv[pos : pos + n]:
+                    assert (r, piece) not in parent, "a piece arrives once"
+                    parent[(r, piece)] = q
+                pos += n
+    for (r, (g, j, n)), _ in list(parent.items()):
+        seen, x = set(), r
+        while x != 0:  # a piece is sent on as the same piece, or cut from the owner's row
             assert x not in seen
             seen.add(x)
-            x = parent[x]
-    assert len(plans[0].rounds) == 3  # ceil(log2(7)) rounds, not 6 sends from the owner
+            x = parent[(x, (g, j, n))]
+    owner_sent = sum(plans[0].rounds[0].in_splits)
+    assert owner_sent == 1 + 4  # the whole row to 1, chunk p of 4 to far holder p
 
 
 def test_scatter_then_all_gather_on_one_node():

@@ -5,8 +5,9 @@ The plans are FORCED through the dispatcher's ``plan_hook`` (a deterministic fun
 count matrix and the step, so every rank builds the same one): the owner's own rows moved to a
 helper, a source's rows cut between the owner and two helpers, every segment of a hot expert cut
 across all ranks (its weights scattered in chunks and all-gathered among the holders with one
-link, or down the relay tree when the holders sit on other nodes; the holders compute rows too),
-random cuts of every segment, and helpers rotating every step. The routing adds a hot rank, a rank with zero tokens,
+link; with holders on other nodes scattered across, exchanged between the far nodes and
+all-gathered inside each: ``placement/relay.py``; the holders compute rows too), random cuts of
+every segment, and helpers rotating every step. The routing adds a hot rank, a rank with zero tokens,
 a hotspot moving every step, and token counts that are not multiples of 64.
 
 A holder's gradient (or one chunk of it) dropped or counted twice changes its expert's gradient, and a replica served
@@ -111,7 +112,7 @@ def forced_plan(C_WN: torch.Tensor, base: Plan, recipe: str, step: int, E: int, 
         prediction=base.prediction,
         baseline=base.baseline,
         shares=tuple((s, g, runs) for (s, g), runs in sorted(shares.items())),
-        relay=recipe != "owner_moved",  # the owner's flat fan-out there, the relay tree else
+        relay=recipe != "owner_moved",  # the owner's flat fan-out there, the relay else
     )
 
 
@@ -162,8 +163,8 @@ def _grads(layer) -> dict:
 
 
 def _chunks(fetch) -> int:
-    """The most chunks a row was cut into for this rank in the fetch (1: whole rows only, the
-    tree or a direct send; H: the scatter + all-gather to H holders), 0 without a fetch."""
+    """The most chunks a row was cut into for this rank in the fetch (1: whole rows only, a
+    direct send; H: the scatter + all-gather to H holders), 0 without a fetch."""
     if fetch is None:
         return 0
     return max((n for rd in fetch.rounds for *_, n in rd.recv), default=0)
@@ -174,6 +175,9 @@ def _run_case(comm, case: dict) -> dict:
     parallelize_moe(layer, comm, case["strategy"], profile=case.get("profile", REPLICATE))
     disp = layer.dispatcher
     E, B = disp.experts_per_rank, disp.config.block_size
+    if "nodes" in case:  # nodes no profile describes (not consecutive blocks): the relay's split
+        node = case["nodes"]
+        disp._distance = lambda a, b: int(node[a] != node[b])
     if case["recipe"] != "planner":  # else the real planner's plans (mix: shares, relay)
         disp.plan_hook = _hook(case, E, B)
     opt = torch.optim.AdamW(layer.parameters(), lr=0.02, weight_decay=0.1)
@@ -360,8 +364,8 @@ def _cases(world: int) -> list[dict]:
                     }
                 )
                 i += 1
-    # expert 0 on every rank with holders on the other node (2 ranks per node): the tree of
-    # whole rows, not the scatter (which the relay recipes above take with one link)
+    # expert 0 on every rank with holders on the other node (2 ranks per node): at W = 4 the
+    # whole row to near holder 1, chunks of 2 to far holders 2 and 3, all-gathered between them
     cases.append(
         {
             "name": f"W{world} mix relay across nodes",
@@ -379,6 +383,9 @@ def _cases(world: int) -> list[dict]:
         }
     )
     i += 1
+    if world == 4:  # nodes {0}, {1, 2}, {3}: far chunks of 3, exchanged, all-gathered in {1, 2}
+        cases.append(dict(cases[-1], name="W4 mix relay across 3 nodes", nodes=(0, 1, 1, 2)))
+        cases[-1]["seed"] += 1
     for skew, rotate, block, profile in (
         ("hot", True, 16, REPLICATE),
         ("one", False, 16, TOPOLOGY),
@@ -421,11 +428,19 @@ def test_forced_share_plans_match_single_rank(world: int) -> None:
             continue
         assert all(s["shares"] > 0 and s["replicas"] > 0 for s in stats), (case["name"], stats)
         if case["recipe"] == "relay" and world > 2:  # relay ranks forward weights
-            assert all(s["rounds"] >= 2 for s in got[0]["steps"]), case["name"]
-            # expert 0 to W - 1 holders: scattered in W - 1 chunks with one link (H = 3 at
-            # W = 4), whole rows down the tree when holders are on another node
-            want = 1 if "profile" in case else world - 1
-            assert all(s["chunks"] == want for s in got[1]["steps"]), case["name"]
+            # expert 0 to W - 1 holders (module doc of placement/relay.py): with one link
+            # scattered in W - 1 chunks, 2 rounds; nodes of 2: the whole row to near holder 1
+            # (W = 3: also to far holder 2), chunks of 2 to far holders 2 and 3 at W = 4;
+            # nodes {0}, {1, 2}, {3}: chunks of 3, exchanged, then all-gathered: 3 rounds
+            want = {"profile": (2, 1, 2), "nodes": (3, 3, 3)}  # rounds, chunks at 1 and 2
+            key = "nodes" if "nodes" in case else "profile" if "profile" in case else None
+            rounds, rank1, rank2 = want.get(key, (2, world - 1, world - 1))
+            if key == "profile" and world == 3:
+                rounds, rank2 = 1, 1
+            for r, n in ((1, rank1), (2, rank2)):
+                have = [s["chunks"] for s in got[r]["steps"]]
+                assert all(c == n for c in have), (case["name"], r, have)
+            assert all(s["rounds"] == rounds for s in got[0]["steps"]), case["name"]
     assert planner_shares > 0, "the real planner never used a helper"
     for r in range(world):  # the cache rules
         ev = per_rank[r][-1]

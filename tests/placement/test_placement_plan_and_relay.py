@@ -1,11 +1,12 @@
-"""``Plan``'s share entries (the helper plan space) and the replica relay: the binomial tree,
-the scatter + all-gather of chunks, and their pricing (``relay_degrees``) against a count of the
-messages they execute."""
+"""``Plan``'s share entries (the helper plan space) and the replica relay: the scatter +
+all-gather of chunks inside the owner's node, the scatter, exchange and all-gather across nodes,
+and their pricing (``relay_degrees``, ``relay_inter_copies``) against a count of the messages
+they execute."""
 
 from __future__ import annotations
 
 import collections
-import math
+import random
 from fractions import Fraction
 
 import pytest
@@ -15,12 +16,13 @@ from mixmoe.placement.cost_model import Prediction
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.relay import (
     COPY_GRID_BITS,
+    holder_groups,
+    node_distance,
+    nodes_of,
     piece_range,
     relay_degrees,
     relay_inter_copies,
     relay_messages,
-    relay_rounds,
-    uses_scatter,
 )
 
 P = Prediction((1.0,), (0.0,), (0,), (0,), (1,), 1.0)
@@ -69,53 +71,30 @@ def test_plan_rejects_malformed_shares(shares) -> None:
         _plan(shares=shares)
 
 
-@pytest.mark.parametrize("H", range(0, 20))
-def test_relay_tree_serves_every_holder_once_in_log_rounds(H: int) -> None:
-    owner, holders = 7, [h for h in range(30) if h != 7][:H]
-    rounds = relay_rounds(owner, holders)
-    assert len(rounds) == math.ceil(math.log2(H + 1))
-    have, sent = {owner}, {}
-    for edges in rounds:
-        receivers = [b for _, b in edges]
-        assert all(a in have for a, _ in edges) and not set(receivers) & have
-        assert len({a for a, _ in edges}) == len(edges)  # one copy per sender per round
-        for a, _ in edges:
-            sent[a] = sent.get(a, 0) + 1
-        have |= set(receivers)
-    assert have == {owner, *holders}
-    assert max(sent.values(), default=0) <= len(rounds)
+# -- the route (near scatter + all-gather; far scatter, exchange, all-gather) and its pricing ---
 
 
-def test_relay_serves_near_holders_first() -> None:
-    def node(a, b):
-        return int(a // 4 != b // 4)
-
-    rounds = relay_rounds(1, [9, 2, 8, 3], node)
-    assert rounds == (((1, 2),), ((1, 3), (2, 8)), ((1, 9),))
-    with pytest.raises(ValueError, match="exclude owner"):
-        relay_rounds(1, [1, 2])
-
-
-# -- the scatter + all-gather route and its pricing ------------------------------------------
-
-
-def _count(owner: int, holders: list[int], distance=None) -> tuple[dict, int]:
-    """The brute-force twin of ``relay_degrees``: play ``relay_messages`` round by round, check
-    every sender holds the piece it sends (the owner holds the whole row; a holder what it
-    received in an earlier round) and every holder ends with the whole row exactly once, and
-    count each rank's sent and received copies as exact fractions (chunk j of n = 1/n copy),
-    each floored to the pricing grid."""
+def _count(owner: int, holders: list[int], distance=None) -> tuple[dict, int, dict]:
+    """The brute-force twin of ``relay_degrees`` and ``relay_inter_copies``: play
+    ``relay_messages`` round by round, check every sender holds the piece it sends (the owner
+    holds the whole row; a holder what it received in an earlier round) and every holder ends
+    with the whole row exactly once, and count each rank's sent and received copies as exact
+    fractions (chunk j of n = 1/n copy), all and across nodes (``distance`` != 0), each floored
+    to the pricing grid: ({rank: copies}, rounds, {rank: copies across nodes})."""
     rounds = relay_messages(owner, holders, distance)
     have = {owner: {(0, 1)}}  # rank -> pieces (j, n) it holds before the round
-    sent: dict[int, Fraction] = {}
-    recv: dict[int, Fraction] = {}
+    ends: dict[int, list[Fraction]] = collections.defaultdict(lambda: [Fraction(0)] * 4)
     for msgs in rounds:
+        assert msgs, "an empty round"
         got = []
         for a, b, j, n in msgs:
             assert (j, n) in have.get(a, ()) or (0, 1) in have.get(a, ()), (a, j, n)
             assert b != a and b in holders
-            sent[a] = sent.get(a, Fraction(0)) + Fraction(1, n)
-            recv[b] = recv.get(b, Fraction(0)) + Fraction(1, n)
+            ends[a][0] += Fraction(1, n)
+            ends[b][1] += Fraction(1, n)
+            if distance is not None and distance(a, b):
+                ends[a][2] += Fraction(1, n)
+                ends[b][3] += Fraction(1, n)
             got.append((b, (j, n)))
         for b, piece in got:  # received pieces are usable from the next round on
             assert piece not in have.get(b, set()), "a piece received twice"
@@ -129,47 +108,114 @@ def _count(owner: int, holders: list[int], distance=None) -> tuple[dict, int]:
     def floor(x: Fraction) -> Fraction:
         return Fraction(int(x * grid), grid)
 
-    ranks = set(sent) | set(recv)
-    copies = {r: float(floor(sent.get(r, 0)) + floor(recv.get(r, 0))) for r in ranks}
-    return copies, len(rounds)
+    copies = {r: float(floor(e[0]) + floor(e[1])) for r, e in ends.items()}
+    inter = {r: float(floor(e[2]) + floor(e[3])) for r, e in ends.items() if e[2] or e[3]}
+    return copies, len(rounds), inter
 
 
-def _node4(a: int, b: int) -> int:
-    return int(a // 4 != b // 4)
+def _nodes(per_node: int):
+    """The same topology twice: the relay's ``nodes_of`` (grouped by node) and a plain
+    callable (grouped pairwise)."""
+    return nodes_of(per_node), lambda a, b: int(a // per_node != b // per_node)
 
 
 @pytest.mark.parametrize("H", range(0, 40))
 def test_relay_degrees_equal_the_count_of_the_executed_messages(H: int) -> None:
     holders = [(7 * h + 3) % 41 for h in range(H)]  # distinct, unordered
-    assert relay_degrees(41, holders) == _count(41, holders)
-    near = [h for h in range(40, 44) if h != 41][: min(H, 3)]  # the owner's node: 40-43
-    for hs in (near, holders):  # one node (scatter when H >= 2), across nodes (the tree)
-        assert relay_degrees(41, hs, _node4) == _count(41, hs, _node4)
-        inter = relay_inter_copies(41, hs, _node4)
-        tree = [e for rnd in relay_rounds(41, hs, _node4) for e in rnd]
-        if uses_scatter(41, hs, _node4):
-            assert inter == {}  # the scatter runs inside one node
-        else:  # the tree's whole rows across nodes, at both ends
-            want = collections.Counter(r for a, b in tree if _node4(a, b) for r in (a, b))
-            assert inter == {r: float(n) for r, n in want.items()}
+    assert relay_degrees(41, holders) == _count(41, holders)[:2]
+    for per_node in (4, 8, 16):  # holders on 1-11 nodes, owner 41 on node 41 // per_node
+        for distance in _nodes(per_node):
+            copies, rounds, inter = _count(41, holders, distance)
+            assert relay_degrees(41, holders, distance) == (copies, rounds)
+            assert relay_inter_copies(41, holders, distance) == inter
+
+
+@pytest.mark.parametrize("W,per_node", [(8, 2), (16, 4), (24, 8), (32, 8), (64, 8), (12, 3)])
+def test_relay_twins_on_random_holders_spanning_nodes(W: int, per_node: int) -> None:
+    """Random owners and holder sets spanning 2-4 nodes (and any number): the closed forms
+    equal the count of the executed messages, for both forms of the topology."""
+    rng = random.Random(W * 100 + per_node)
+    for _ in range(60):
+        owner = rng.randrange(W)
+        nodes = rng.sample(range(W // per_node), min(W // per_node, rng.randint(2, 4)))
+        pool = [r for r in range(W) if r // per_node in nodes and r != owner]
+        if rng.random() < 0.3:  # any holders at all
+            pool = [r for r in range(W) if r != owner]
+        holders = rng.sample(pool, rng.randint(1, len(pool)))
+        for distance in _nodes(per_node):
+            copies, rounds, inter = _count(owner, holders, distance)
+            assert relay_degrees(owner, holders, distance) == (copies, rounds)
+            assert relay_inter_copies(owner, holders, distance) == inter
+
+
+def test_route_across_nodes_message_by_message() -> None:
+    """Owner 1 on node 0 (nodes of 4); near holders 0, 2; far nodes {5, 6} and {9} (R = 3
+    chunks, L = 2): round 0 the near scatter (chunks of 2) and the far scatter (chunks of 3);
+    round 1 the near all-gather and the exchange (chunk 2 to node {5, 6}'s first holder, chunks
+    0 and 1 to 9); round 2 the all-gather inside node {5, 6}."""
+    rounds = relay_messages(1, [9, 6, 2, 5, 0], nodes_of(4))
+    assert rounds == (
+        ((1, 0, 0, 2), (1, 2, 1, 2), (1, 5, 0, 3), (1, 6, 1, 3), (1, 9, 2, 3)),
+        ((0, 2, 0, 2), (2, 0, 1, 2), (5, 9, 0, 3), (6, 9, 1, 3), (9, 5, 2, 3)),
+        ((5, 6, 0, 3), (5, 6, 2, 3), (6, 5, 1, 3)),
+    )
+    assert holder_groups(1, [9, 6, 2, 5, 0], nodes_of(4)) == ([0, 2], [[5, 6], [9]])
+    with pytest.raises(ValueError, match="exclude owner"):
+        relay_messages(1, [1, 2])
+
+
+@pytest.mark.parametrize("per_node", [2, 4, 8])
+@pytest.mark.parametrize("nodes", [2, 3, 4, 8])
+def test_weights_cross_once_per_node_and_no_rank_is_a_hot_spot(per_node: int, nodes: int) -> None:
+    """Every rank of ``nodes`` full nodes holds the owner's expert: the weights cross the slow
+    link once per far node in all (not per holder), the owner sends one copy per link class
+    (near, far), no rank sends + receives more than 2 copies, a far holder moves under
+    2 / per_node copies across nodes (one leader per node would move 2 - 1 / L), in at most 3
+    rounds."""
+    W = per_node * nodes
+    owner, holders = 1 % W, [r for r in range(W) if r != 1 % W]
+    distance = nodes_of(per_node)
+    crossing = sum(
+        Fraction(1, n) for rnd in relay_messages(owner, holders, distance) for a, b, _, n in rnd
+        if distance(a, b)
+    )  # fmt: skip
+    assert crossing == nodes - 1  # the far nodes
+    degrees, rounds = relay_degrees(owner, holders, distance)
+    near = per_node > 1
+    assert degrees[owner] == 1.0 + near and max(degrees.values()) <= 2.0
+    assert rounds == (3 if nodes > 2 and per_node > 1 else 2)
+    inter = relay_inter_copies(owner, holders, distance)
+    assert inter[owner] == 1.0
+    far = [h for h in holders if distance(owner, h)]
+    assert all(inter[h] < 2 / per_node for h in far), inter
+    assert not any(h in inter for h in holders if not distance(owner, h))
 
 
 @pytest.mark.parametrize("H", range(2, 12))
 def test_scatter_owner_sends_one_copy_and_holders_under_two(H: int) -> None:
-    """What the route is for: the owner sends one copy (the tree: ceil(log2(H + 1))), no holder
-    sends + receives 2 copies or more, 2 rounds; the chunks are ``tensor_split``'s."""
+    """One link (or every holder on the owner's node): the owner sends one copy (a tree:
+    ceil(log2(H + 1))), no holder sends + receives 2 copies or more, 2 rounds; the chunks are
+    ``tensor_split``'s."""
     holders = list(range(1, H + 1))
     degrees, rounds = relay_degrees(0, holders)
-    assert uses_scatter(0, holders) and rounds == 2
+    assert rounds == 2 and relay_degrees(0, holders, nodes_of(H + 1)) == (degrees, rounds)
     assert degrees[0] == 1.0 and max(degrees.values()) < 2.0
     assert all(abs(degrees[h] - (2 - 1 / H)) < 2**-23 for h in holders)
-    tree_owner = relay_degrees(0, holders, lambda a, b: int(b == H))[0][0]  # a far holder
-    assert tree_owner == math.ceil(math.log2(H + 1))
     row = torch.arange(1000 + H)
     for j, part in enumerate(torch.tensor_split(row, H)):
         lo, hi = piece_range(j, H, row.numel())
         assert part.tolist() == list(range(lo, hi))
-    assert not uses_scatter(0, [1]) and relay_messages(0, [1]) == (((0, 1, 0, 1),),)
+    assert relay_messages(0, [1]) == (((0, 1, 0, 1),),)  # one holder: the whole row
+    assert relay_messages(0, [1], nodes_of(1)) == (((0, 1, 0, 1),),)
+
+
+def test_node_distance_of_a_profile() -> None:
+    from mixmoe.placement import GPU_PROFILE
+    from mixmoe.placement.profile_io import load_profile
+
+    assert node_distance(GPU_PROFILE) is None
+    nodes = node_distance(load_profile("h100-nvlink-ib"))
+    assert nodes.ranks_per_node == 8 and nodes(7, 8) == 1 and nodes(8, 15) == 0
 
 
 def test_fractional_copies_price_alike_on_both_paths_and_round_to_bytes() -> None:

@@ -161,7 +161,7 @@ def test_fit_under_processor_sharing_takes_the_replica_cost_from_the_mix_step() 
 
 
 def test_validation_refits_stored_calibration_runs_under_processor_sharing() -> None:
-    from mixmoe.simulate.agreement import compare, summarize
+    from mixmoe.simulate.agreement import STORED_RUN_PLANNERS, compare, summarize
     from mixmoe.simulate.layer import predict_layer
 
     truth = dataclasses.replace(BASE, step_fixed_s=4e-3, replica_fixed_s=5e-3)
@@ -178,15 +178,18 @@ def test_validation_refits_stored_calibration_runs_under_processor_sharing() -> 
     ]  # fmt: skip
     rows = compare(recs, processors=2)
     refit = fit_fixed_costs(BASE, runs, SHAPE4, 2)[0]
-    # the plan the run used (planned with the stored profile), priced with the re-fitted costs
+    # the plan the run used (planned with the stored profile by the stored runs' planner),
+    # priced with the re-fitted costs
     want = predict_layer(counts, SHAPE4, refit, top_k=2, strategies=("a2a", "mix"),
-                         processors=2, plan_profile=stored)  # fmt: skip
+                         processors=2, plan_profile=stored,
+                         planners=STORED_RUN_PLANNERS)  # fmt: skip
     assert [r["refit_ps"] for r in rows] == [True, True]
     assert [r["predicted_ps_ms"] for r in rows] == pytest.approx(
         [want[s].step_s * 1e3 for s in ("a2a", "mix")], rel=1e-12
     )
     # the max-over-ranks columns keep the stored profile; without calibration runs so do the ps
-    plain = predict_layer(counts, SHAPE4, stored, top_k=2, strategies=("a2a", "mix"))
+    plain = predict_layer(counts, SHAPE4, stored, top_k=2, strategies=("a2a", "mix"),
+                          planners=STORED_RUN_PLANNERS)  # fmt: skip
     assert [r["predicted_ms"] for r in rows] == pytest.approx(
         [plain[s].step_s * 1e3 for s in ("a2a", "mix")], rel=1e-12
     )

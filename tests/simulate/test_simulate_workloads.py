@@ -59,6 +59,9 @@ def test_hot_rank_metrics_by_hand(cfg) -> None:
     assert a2a["balanced_ms"] == pytest.approx(1e3 * balanced, rel=1e-12)
     assert a2a["pct_balanced"] == pytest.approx(balanced / step, rel=1e-12)
     assert a2a["imbalance"] == 4.0  # 4T rows at one rank, mean T
+    # seconds: the hot rank's step against three ranks that compute nothing and send T rows each
+    idle = 4 * LAT + 2 * ROW_BYTES * T / BW
+    assert a2a["time_imbalance"] == pytest.approx(step / ((step + 3 * idle) / 4), rel=1e-12)
     assert a2a["replica_bytes"] == 0 and a2a["replicas"] == 0 and a2a["hot_steps"] == [[]]
     # shadow broadcasts the hot expert: every rank computes its own T rows, 3 replicas move, each
     # its weights forward and its gradient back
@@ -69,6 +72,7 @@ def test_hot_rank_metrics_by_hand(cfg) -> None:
     step = T * FLOPS_PER_ROW / FLOPS + 2 * LAT + 3 * PARAM_BYTES / BW
     assert shadow["step_ms"] == pytest.approx(1e3 * step, rel=1e-12)
     assert mix["step_ms"] <= min(a2a["step_ms"], shadow["step_ms"]) * (1 + 1e-12)
+    assert 1.0 <= mix["time_imbalance"] <= a2a["time_imbalance"]
     for r in (a2a, shadow, mix):
         assert r["planning_ms"] > 0 and r["steps"] == 1 and r["profile"].endswith("tiny.json")
         assert (r["shape"], r["world_size"], r["num_experts"], r["top_k"]) == ("tiny", 4, 4, 1)

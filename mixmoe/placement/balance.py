@@ -19,12 +19,12 @@ source, the rest at the owner: ``Plan``'s replica rule) and, one ``step`` per mo
    rows are taken first from y's own segment (they turn local at y), then from other sources,
    largest first (b stops receiving them), then b's own rows (only while that lowers b: b must
    then send them); every cut is a whole number of ``block_size`` rows but a segment's last run;
-4. a new holder gets the replica by the relay (``relay_degrees``: under the scatter every
-   holder's copies change; a tree's edges change for a few ranks, maybe its rounds for all) and needs a free replica slot (``slots`` per
-   rank: the replica budget);
+4. a new holder gets the replica by the relay (``relay_degrees``: every holder's copies of the
+   expert change, its rounds (at most 3) maybe for all) and needs a free replica slot
+   (``slots`` per rank: the replica budget);
 5. the (g, y) move with the lowest new max over the ranks it changes is accepted if every rank
    it changes stays strictly below b's total, else the search ends (nothing relieves b). A
-   deeper relay tree adds its rounds' latency to every rank; that is not charged to the ranks
+   relay with more rounds adds their latency to every rank; that is not charged to the ranks
    a move does not change (the first replica would never pay where ranks tie at the max).
 
 Speed (the plan runs every step): totals come from ``StepModel.total_fn`` (``rank_total`` with

@@ -113,13 +113,13 @@ def plan_mix(
     source-replica search, ``search_width``). From the best, a fill moves 64-row blocks of the
     loaded ranks' heaviest experts to helper ranks (any source's rows, the owner's own
     included), the replicas reaching their new holders by the relay (``relay_degrees``:
-    scatter + all-gather, or a tree across nodes): ``fill="level"`` (default) by batched passes,
+    scatter + all-gather, split by node with a topology): ``fill="level"`` (default) by batched passes,
     every rank above the water level at once (``mixmoe.placement.level_fill``, at most
     ``LEVEL_PASSES``), ``fill="moves"`` one move at a time off the bottleneck while the
     predicted step drops (``mixmoe.placement.balance``; slower at scale, kept for
-    comparison). When the fills end more than ``SPREAD_WHEN`` above their
-    mean, one more starts from ``spread_start``'s replicas (experts too heavy for one helper). The balanced plan is kept
-    only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
+    comparison). When the fills end more than ``SPREAD_WHEN`` above their mean, one more
+    starts from ``spread_start``'s replicas (experts too heavy for one helper). The balanced
+    plan is kept only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
     best candidate's, so ``plan_mix`` is never predicted worse than a2a or shadow (same
     overlap) nor than the source-replica plan.
 

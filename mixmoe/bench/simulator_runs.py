@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mixmoe.simulate.agreement import DEFAULT_CASES, KIND, ValidationCase
+from mixmoe.simulate.agreement import DEFAULT_CASES, KIND, MIX_PLANNER, ValidationCase
 
 __all__ = ["measure"]
 
@@ -125,6 +125,7 @@ def measure(
                         "uptime_before": before,
                         "uptime_after": after,
                         "command": "mixmoe simulate --validate FILE --remeasure",
+                        "mix_planner": MIX_PLANNER,  # compare replays mix with plan_mix
                     }
                     f.write(json.dumps(rec) + "\n")
             log(

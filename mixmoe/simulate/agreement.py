@@ -44,20 +44,40 @@ from mixmoe.placement.replica_search import plan_replicas
 from mixmoe.simulate.layer import STRATEGIES, predict_layer
 
 # the stored runs were measured before issue 26: their mix plans came from the source-replica
-# search (today's ``plan_replicas``), so they are replayed with it; runs of the balanced
-# ``plan_mix`` must be measured anew to validate it
+# search (today's ``plan_replicas``), so records without a ``mix_planner`` field are replayed with
+# it; runs measured since (``mix_planner: "plan_mix"``, written by ``--remeasure``) are replayed
+# with the layer's own planner (``run_planners``)
 STORED_RUN_PLANNERS = {
     "mix": lambda C, shape, profile, cfg: plan_replicas(C, shape, profile, cfg.max_replicas)
 }
+MIX_PLANNER = "plan_mix"  # the ``mix_planner`` of records measured with the balanced planner
+
+
+def run_planners(record: dict[str, Any]) -> dict | None:
+    """The planners a record's run used, for ``predict_layer(planners=...)``: None (each
+    strategy's own) for records marked ``mix_planner == MIX_PLANNER``, else
+    ``STORED_RUN_PLANNERS`` (records measured before the balanced planner carry no mark)."""
+    if record.get("mix_planner") == MIX_PLANNER:
+        return None
+    if "mix_planner" in record:
+        raise ValueError(
+            f"validation record has mix_planner={record['mix_planner']!r}; this version replays "
+            f"{MIX_PLANNER!r} or unmarked (pre-issue-26) records: re-measure with --remeasure"
+        )
+    return STORED_RUN_PLANNERS
+
 
 __all__ = [
     "DEFAULT_CASES",
+    "MIX_PLANNER",
     "ONE_DEVICE_CASES",
+    "STORED_RUN_PLANNERS",
     "ValidationCase",
     "cases_for",
     "compare",
     "read_records",
     "refit_profile",
+    "run_planners",
     "summarize",
 ]
 
@@ -198,7 +218,7 @@ def compare(
             max_replicas=case.max_replicas,
             strategies=tuple(recs),
             fixed_s=fixed_ms / 1e3,
-            planners=STORED_RUN_PLANNERS,
+            planners=run_planners(first),
         )
         preds = predict_layer(first["counts_WN"], shape, profile, **kw)
         shared = predict_layer(first["counts_WN"], shape, profile, shared=True, **kw)

@@ -196,3 +196,36 @@ def test_validation_refits_stored_calibration_runs_under_processor_sharing() -> 
     old = compare([{k: v for k, v in r.items() if k != "calibration"} for r in recs], processors=2)
     assert [r["refit_ps"] for r in old] == [False, False]
     assert summarize(rows)["ps_refit_cases"] == 1 and summarize(old)["ps_refit_cases"] == 0
+
+
+def test_validation_replays_marked_runs_with_the_layers_planner() -> None:
+    """Records written since the balanced planner (``mix_planner: "plan_mix"``) are replayed with
+    ``plan_mix``, unmarked ones with the stored runs' ``plan_replicas``; an unknown mark is refused.
+    Counts where the two planners disagree (4 ranks, expert 3 hot, rank 0 sending more)."""
+    from mixmoe.simulate.agreement import MIX_PLANNER, STORED_RUN_PLANNERS, compare, run_planners
+    from mixmoe.simulate.layer import predict_layer
+
+    C = torch.full((4, 8), 40, dtype=torch.int64)
+    C[:, 3] = 1300
+    C[0, 5] = 650
+    case = {"world_size": 4, "model_dim": 64, "hidden_size": 256, "tokens": 1024,
+            "experts_per_rank": 2, "routing": HOT}  # fmt: skip
+    recs = [
+        {"case": case, "strategy": s, "step_ms": 30.0 + i, "replicas": 0,
+         "counts_WN": C.tolist(), "profile": dataclasses.asdict(BASE)}
+        for i, s in enumerate(("a2a", "mix"))
+    ]  # fmt: skip
+    marked = [dict(r, mix_planner=MIX_PLANNER) for r in recs]
+    own = predict_layer(C, SHAPE4, BASE, top_k=2, strategies=("a2a", "mix"))
+    stored = predict_layer(C, SHAPE4, BASE, top_k=2, strategies=("a2a", "mix"),
+                           planners=STORED_RUN_PLANNERS)  # fmt: skip
+    assert own["mix"].step_s != stored["mix"].step_s  # the two planners disagree here
+    assert [r["predicted_ms"] for r in compare(marked)] == pytest.approx(
+        [own[s].step_s * 1e3 for s in ("a2a", "mix")], rel=1e-12
+    )
+    assert [r["predicted_ms"] for r in compare(recs)] == pytest.approx(
+        [stored[s].step_s * 1e3 for s in ("a2a", "mix")], rel=1e-12
+    )
+    assert run_planners(recs[0]) is STORED_RUN_PLANNERS and run_planners(marked[0]) is None
+    with pytest.raises(ValueError, match="mix_planner='other'"):
+        run_planners(dict(recs[0], mix_planner="other"))

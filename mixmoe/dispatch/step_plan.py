@@ -62,11 +62,13 @@ def build_step_plan(
 ) -> StepPlan:
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
     plan; vectorised over ranks and experts (only the replicas, at most a few per rank, and the
-    share entries are visited one by one). The replicas travel as the plan says (``plan.relay``:
+    share entries are visited one by one; a plan's ranges are expanded into share entries
+    first: ``Plan.expanded``). The replicas travel as the plan says (``plan.relay``:
     its relay route, ``placement.relay``: scatter + all-gather, split by node with
     ``distance``; else the owner's flat fan-out), as the cost model priced them."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
+    plan = plan.expanded(C_WN, E)  # ranges (the planner's compact form) as share entries
     rep = plan.replica_slots(r)
     # rows of (source s, expert g) that stay at s although g is owned elsewhere: s holds a replica
     replicated_WN = torch.zeros(W, N, dtype=torch.bool)

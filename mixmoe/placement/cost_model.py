@@ -71,6 +71,7 @@ from mixmoe.placement.counts import (  # noqa: F401  (re-exported: the planners'
     counts_with_sums,
 )
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.ranges import range_loads, range_shares
 from mixmoe.placement.relay import node_distance, relay_degrees, relay_inter_copies
 
 LOADS = ("rows", "local", "remote", "replica")  # the order of the stacked aggregates [4, W]
@@ -600,15 +601,20 @@ def plan_pricing(
     distance = node_distance(profile)
     loads_4W = plan_loads(C_WN, plan.replicas, E, base_4W=base_4W)
     shares = getattr(plan, "shares", ())
+    ranges = getattr(plan, "ranges", ())
     relay = getattr(plan, "relay", False)
     rounds = int(bool(plan.replicas))
-    if not shares and not relay and distance is None:
+    if not shares and not ranges and not relay and distance is None:
         return loads_4W, rounds
     # on Python ints: a few list operations per share entry (tensor element ops cost ~us each)
     rows, local, remote, replica = loads_4W.to(torch.int64).tolist()
     W = len(rows)
     per_node = getattr(profile, "ranks_per_node", None) or W
     remote_inter, replica_inter = _inter_node_loads(C_WN, plan, E, per_node)
+    if ranges and distance is None:  # one link: the ranges' loads in closed form
+        range_loads(C_WN, plan, E, rows, local, remote)
+    elif ranges:  # which rows cross nodes: from the segments the ranges cover
+        shares = sorted([*shares, *range_shares(C_WN, plan, E)])
     counts = []
     if shares:
         index = torch.tensor([[s, g] for s, g, _ in shares], dtype=torch.int64)
@@ -686,7 +692,7 @@ def reprice(C_WN: torch.Tensor, plan, model: StepModel, profile: HardwareProfile
     """``plan`` (a ``Plan``) with its prediction and baseline priced by ``plan_pricing`` under
     ``profile`` (its topology included): the planners' prices when the profile has nodes."""
     E = C_WN.shape[1] // C_WN.shape[0]
-    none = dataclasses.replace(plan, hot=(), replicas=(), shares=(), relay=False)
+    none = dataclasses.replace(plan, hot=(), replicas=(), shares=(), ranges=(), relay=False)
     baseline = model.prediction_W(*plan_pricing(C_WN, none, E, profile))
     if not plan.hot and not plan.shares:
         return dataclasses.replace(plan, prediction=baseline, baseline=baseline)

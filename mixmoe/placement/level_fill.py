@@ -1,19 +1,19 @@
 """A batched water-fill: every rank above the water level sheds rows in the same pass.
 
 Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes
-to expert g; expert g is owned by rank g // E). T_W: the rank totals (s) of a ``WaterFill`` state;
+to expert g; expert g is owned by rank g // E). T_W: the rank totals (s) of a ``RangeState``;
 a = seconds per row computed, t = seconds per row exchanged (``StepModel``'s terms).
 
 ``WaterFill``'s move-by-move search prices every candidate (expert, receiver) move in Python: its
 steps grow with the helpers a plan needs (~W at W = 1024). ``level_fill`` runs a few passes over
-the same state (``WaterFill``'s loads, placement and relay bookkeeping), each:
+a ``RangeState`` (rows per (expert, helper), no segments: ``mixmoe.placement.range_state``), each:
 
 1. offers: every rank b offers its ``OFFERED`` heaviest experts (rows computed at b, as owner
-   or helper; by rows, then id): the other sources' rows of each at b, plus b's own while its
-   token exchange is hidden under its local compute (they lower b only then). b saves a per
-   row, a + t while its exchange is exposed (it no longer receives them); a receiver pays a + t
-   per row and, unless it holds the expert already, a new replica's ~2 copies (scatter +
-   all-gather);
+   or helper; by rows, then id): as owner, the other sources' rows of each, plus b's own while
+   its token exchange is hidden under its local compute (they lower b only then); as a helper,
+   its rows. b saves a per row, a + t while its exchange is exposed (it no longer receives
+   them); a receiver pays a + t per row and, unless it holds the expert already, a new
+   replica's ~2 copies (scatter + all-gather);
 2. the level L (``_level``): the rows shed above it (each rank's offers down to L) plus one copy
    per donor whose heaviest expert has no holder yet equal the rows absorbed below it (each
    rank's room under L less a copy; after a pass that gained less than ``MIN_GAIN``, no copy
@@ -22,20 +22,21 @@ the same state (``WaterFill``'s loads, placement and relay bookkeeping), each:
    ``TENSOR_POINTS``), not a step per move;
 3. pieces (``_matched``): each donor above L (total descending) sheds (T_b - L) / save_b rows,
    its heaviest expert first: on the ranks that own or hold it (no copy), then on the ranks
-   below L - copy in total order (each new holder pays its copies out of its room and needs a
-   free replica slot), the next expert once its rows are out. Pieces are asked to the nearest
-   whole block and cut from b's segments at whole blocks (``_takes``: the receiver's own rows
-   first, they turn local; then the other sources', largest first; then b's own);
-4. new holders added per expert (``WaterFill.grow``: g's relay priced once per pass), then every
-   total recomputed (``WaterFill.retotal``).
+   below L - copy in total order (each new holder pays its copies out of its room, computes
+   its own rows of the expert from then on, and needs a free replica slot), the next expert
+   once its rows are out. Pieces are asked to the nearest whole block; which segments they
+   are is left to the plan (``RangeState.plan_fields``: ranges of each expert's stream);
+4. each expert's relay priced once for its new holders (``RangeState.relay``), then every
+   total recomputed (``RangeState.retotal``).
 
 The passes stop once the max total is within ``stop`` of the mean, after a pass lowering the
 max by less than ``MIN_GAIN`` once the level counts no copies for the holders (the first such
-pass switches to that level), or after ``passes``. The rates are estimates (each total's kink, where its exchange turns hidden or
-exposed, is ignored inside a pass); the loads are exact: ``WaterFill``'s, so the plan the fill
-emits prices to them (``cost_model.plan_pricing``; the caller keeps it only when cheaper than its
-candidates). Deterministic: ties by rank and expert id.
-Python work per pass: O(W) list steps plus one per segment moved (the plan's share entries).
+pass switches to that level), or after ``passes``. The rates are estimates (each total's kink,
+where its exchange turns hidden or exposed, is ignored inside a pass); the loads are exact for
+the amounts moved, and the plan (amounts cut at whole blocks) is priced again by the caller
+(``cost_model.plan_pricing``), who keeps it only when cheaper than its candidates.
+Deterministic: ties by rank and expert id. Python work per pass: O(W) list steps plus one per
+piece (an (expert, helper) pair), not one per segment.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ import operator
 
 import torch
 
-from mixmoe.placement.balance import WaterFill
 from mixmoe.placement.cost_model import TOKEN_COLLECTIVES
+from mixmoe.placement.range_state import RangeState
 
 __all__ = ["MIN_GAIN", "level_fill"]
 
@@ -54,19 +55,16 @@ MIN_GAIN = 0.005  # the passes stop after one lowering the max by less than this
 TENSOR_POINTS = 384  # ``_level``: more breakpoints than this are walked as tensor ops
 
 
-def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
-    """Run up to ``passes`` batched passes (module doc) on ``fill``'s state, after its
-    ``set_loads``; returns the pieces moved (0: the state is unchanged). ``stop``: no pass once
-    max(T) <= stop * mean(T)."""
+def level_fill(fill: RangeState, passes: int, stop: float) -> int:
+    """Run up to ``passes`` batched passes (module doc) on ``fill``'s state; returns the
+    pieces moved (0: the state is unchanged). ``stop``: no pass once max(T) <= stop * mean(T)."""
     model = fill.model
     a = model.flops_per_row / model.gemm_flops + model.row_s  # seconds per row computed
     t = model.token_bytes_per_row / model.bw if fill.any_remote else 0.0  # per row exchanged
     hide = a if model.overlap else 0.0  # a local row hides this much of the token exchange
     copy = 2.0 * (model.params_bytes / model.bw + model.replica_s)  # a new holder's ~2 copies
     lat = TOKEN_COLLECTIVES * model.lat
-    W, E, blk, slots = fill.W, fill.E, fill.block, fill.slots
-    # C[o][g] of each expert g's owner o = g // E (the [W, W, E] view's diagonal, as [W, E])
-    own_N = fill.C_WN.view(W, W, E).diagonal(0, 0, 1).T.reshape(-1).tolist()
+    W, E, slots = fill.W, fill.E, fill.slots
     cost_W = [a + t] * W  # a receiver's rate: its hidden slack (if any) is left as a margin
     pieces = 0
     free = False  # whether the level counts no copy for the ranks holding an offered expert
@@ -79,15 +77,17 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
         token_W = [lat + t * rm - hide * lc for rm, lc in zip(fill.remote, fill.local, strict=True)]
         # only a rank above the mean offers (the level is above the mean but where the offers
         # run out: shed rows cost a receiver at least what they save their donor)
-        offers = [
-            _offer(fill, b, token_W[b], t, hide, own_N) if T_W[b] > mean else [] for b in range(W)
-        ]
+        offers, avail_W = [], []  # each rank's offers, and the rows they hold in all
+        for b in range(W):
+            offer, avail = _offer(fill, b, token_W[b], t, hide) if T_W[b] > mean else ([], 0)
+            offers.append(offer)
+            avail_W.append(avail)
         save_W = [a + t if token_W[b] > 0 and t else a for b in range(W)]
-        avail_W = [sum(other + own for _, other, own in o) for o in offers]
         start_W = [T_W[r] + copy if fill.held[r] < slots else float("inf") for r in range(W)]
         if free:  # the owners and holders of the experts offered (above the mean): no copy
             for b in range(W):
-                for g, _, _ in offers[b]:
+                for o in offers[b]:
+                    g = o[0]
                     for r in (g // E, *fill.holders.get(g, ())):
                         start_W[r] = T_W[r]
         # a donor whose heaviest expert has a holder (or an owner) besides itself needs no
@@ -98,6 +98,7 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
         ]
         L = _level(T_W, avail_W, save_W, start_W, cost_W, fresh_W, copy)
         shed = []  # (donor, rows): by total descending, then rank
+        blk = fill.block
         for b in sorted(range(W), key=lambda r: (-T_W[r], r)):
             if T_W[b] <= L:
                 break
@@ -106,9 +107,9 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
                 shed.append((b, max(blk, int(n / blk + 0.5) * blk)))
         room_W = [max(0.0, L - x) for x in T_W]  # seconds each rank may take on
         order = sorted((r for r in range(W) if start_W[r] < L), key=lambda r: (T_W[r], r))
-        new, moved = _matched(fill, offers, shed, room_W, order, cost_W, copy)
+        new, moved = _matched(fill, offers, shed, room_W, order, cost_W, copy, a)
         for g in sorted(new):
-            fill.grow(g, new[g])
+            fill.relay(g)
         if moved:
             fill.retotal()
         pieces += moved
@@ -119,27 +120,41 @@ def level_fill(fill: WaterFill, passes: int, stop: float) -> int:
     return pieces
 
 
-def _offer(fill: WaterFill, b: int, token: float, t: float, hide: float, own_N: list) -> list:
-    """[[g, other rows, own rows], ...] rank b offers: its ``OFFERED`` heaviest experts (rows
-    computed at b, as owner or helper; by rows descending, then id), each with the rows of g at
-    b from other sources and b's own rows of g that lower b when moved (while its token
-    exchange stays hidden: up to -token / (t + hide) rows in all, heaviest expert first).
-    ``own_N``: C[g // E][g] per expert."""
+def _offer(fill: RangeState, b: int, token: float, t: float, hide: float) -> tuple[list, int]:
+    """([[g, own rows allowed, own rows given at the offer], ...], the rows they hold in all
+    (``_cap``)) rank b offers: its
+    ``OFFERED`` heaviest experts (rows computed at b, as owner or helper; by rows descending,
+    then id). As g's owner b may shed the other sources' rows of g it computes and up to the
+    allowed of its own: those that lower b when moved (while its token exchange stays hidden:
+    up to -token / (t + hide) rows in all, heaviest expert first); as a helper, its amount."""
     E = fill.E
     rows = [(-n, g) for g in range(b * E, (b + 1) * E) if (n := fill.owner_rows[g]) > 0]
     rows += [(-n, g) for g, n in fill.helped.get(b, {}).items() if n > 0]
     rows.sort()  # heaviest first, then by id
     # hidden: b's own rows lower it until its exchange shows
     headroom = int(-token / (t + hide)) if token < 0 and t + hide > 0 else 0
-    out = []
+    out, avail = [], 0
     for n, g in rows[:OFFERED]:
-        placed = fill.where.get(g)
-        # an expert no move touched: its owner computes its own rows (the replica rule)
-        own = own_N[g] if placed is None else placed.get(b, {}).get(b, 0)
-        mine = min(own, headroom)
+        if g // E != b:  # as a helper: all its rows of g
+            out.append([g, 0, 0])
+            avail -= n
+            continue
+        others, taken = fill.others[g], fill.taken[g]
+        given = max(0, taken - others)
+        mine = min(fill.own[g] - given, headroom)  # of b's own rows of g it still computes
         headroom -= mine
-        out.append([g, -n - own, mine])
-    return out
+        out.append([g, mine, given])
+        avail += max(0, others - taken) + mine
+    return out, avail
+
+
+def _cap(fill: RangeState, b: int, offer: list) -> int:
+    """Rows of the offered expert b may still shed (``_offer``)."""
+    g, mine, given = offer
+    if g // fill.E != b:  # a helper: its amount
+        return fill.amounts.get(g, {}).get(b, 0)
+    now = max(0, fill.taken[g] - fill.others[g])  # own rows given by now
+    return max(0, fill.others[g] - fill.taken[g]) + max(0, given + mine - now)
 
 
 def _level(
@@ -213,34 +228,25 @@ def _crossing_tensor(points: list, d0: float) -> float:
 
 
 def _matched(
-    fill: WaterFill, offers: list, shed: list, room_W: list, order: list, cost_W: list, copy: float
+    fill: RangeState,
+    offers: list,
+    shed: list,
+    room_W: list,
+    order: list,
+    cost_W: list,
+    copy: float,
+    a: float,
 ) -> tuple[dict[int, list[int]], int]:
     """Place each donor's shed rows (``shed``: (donor, rows), in order) and move them
-    (``WaterFill.shift``): first on the ranks that hold its expert g already or own it (no
+    (``RangeState.move``): first on the ranks that hold its expert g already or own it (no
     copy: up to their room), then on the receivers in ``order`` (total ascending), each new
-    holder paying ``copy`` seconds of its room and a free replica slot. ``room_W``: seconds
+    holder paying ``copy`` seconds of its room, its own rows of g (they turn local: ``a`` per
+    row, the sends they save left as a margin) and a free replica slot. ``room_W``: seconds
     below the level per rank (used up as rows are placed, at ``cost_W`` per row). Returns
     ({g: new holders}, pieces moved)."""
     E, blk, slots = fill.E, fill.block, fill.slots
     new: dict[int, list[int]] = {}  # g -> its new holders this pass
-    taken = [0] * fill.W  # replica slots taken this pass, per rank
     moved = j = 0
-    cursors: dict[tuple[int, int], list] = {}  # (g, donor) -> its sources' order, first unused
-
-    def place(offer: list, b: int, y: int, n: float, fresh: bool) -> float:
-        """Move up to n rows of the offered expert from b to y; returns the rows moved."""
-        nonlocal moved
-        g, _, own = offer
-        takes = _takes(fill, g, b, y, int(n), own, cursors)
-        if not takes:
-            return 0.0
-        offer[2] = own - sum(m for s, m in takes if s == b)
-        fill.shift(g, b, y, takes)
-        moved += 1
-        if fresh:
-            new.setdefault(g, []).append(y)
-            taken[y] += 1
-        return float(sum(m for _, m in takes))
 
     def ask(rows: float) -> int:
         """Rows to ask a receiver to take: its room rounded to the nearest whole block (at
@@ -252,80 +258,43 @@ def _matched(
         for offer in offers[b]:  # the heaviest expert first, the next once its rows are out
             g = offer[0]
             o = g // E
-            for y in [o, *fill.holders.get(g, ()), *new.get(g, ())]:  # no copy to pay
+            for y in [o, *fill.holders.get(g, ())]:  # no copy to pay
                 if left < blk:
                     break
                 if y == b or room_W[y] < 0.5 * blk * cost_W[y]:
                     continue
-                n = place(offer, b, y, min(left, ask(room_W[y] / cost_W[y])), False)
-                if not n:  # b's rows of g are used up
+                n = min(left, ask(room_W[y] / cost_W[y]), _cap(fill, b, offer))
+                if n <= 0:  # b's rows of g are used up
                     break
+                fill.move(g, b, y, n)
+                moved += 1
                 left -= n
                 room_W[y] -= n * cost_W[y]
             while left >= blk and j < len(order):
                 y = order[j]
                 room = room_W[y] - copy
-                held = y == o or y in fill.holders.get(g, ()) or y in new.get(g, ())
-                if held or fill.held[y] + taken[y] >= slots or room < 0.5 * blk * cost_W[y]:
+                held = y == o or y in fill.holders.get(g, ())
+                if held or fill.held[y] >= slots or room < 0.5 * blk * cost_W[y]:
                     j += 1  # full, or holds g already (placed above): the next receiver
                     continue
-                n = place(offer, b, y, min(left, ask(room / cost_W[y])), True)
-                if not n:  # b's rows of g are used up
+                cap = _cap(fill, b, offer)
+                if cap <= 0:  # b's rows of g are used up
                     break
-                left -= n
-                room_W[y] = room - n * cost_W[y]
+                own = fill.col(g)[y]  # y's own rows of g: local at y once it holds g
+                fill.add_holder(g, y)
+                new.setdefault(g, []).append(y)
+                room -= own * a
+                if b == o:  # the owner computes y's own rows no more
+                    left -= own
+                n = min(left, ask(room / cost_W[y]), _cap(fill, b, offer))
+                if n > 0:
+                    fill.move(g, b, y, n)
+                    left -= n
+                    room -= n * cost_W[y]
+                moved += 1
+                room_W[y] = room
                 if room_W[y] < 0.5 * blk * cost_W[y]:
                     j += 1
             if left < blk:
                 break
     return new, moved
-
-
-def _takes(
-    fill: WaterFill, g: int, b: int, y: int, need: int, own: int, cursors: dict
-) -> list[tuple[int, int]]:
-    """Up to ``need`` rows of g's segments at b for y, at whole blocks (a segment's rows left
-    at b whole, which may end in its partial run, else whole blocks of them): y's own first
-    (they turn local), the other sources' (by rows at b descending at the pass's start, then
-    by rank: ``cursors[g, b]`` = [that order, the first one not used up]), then up to ``own`` of
-    b's own rows."""
-    blk = fill.block
-    at_b = fill._where(g).get(b, {})
-    out = []
-
-    def cut(n: int) -> int:
-        """Rows to take of a segment with n rows at b: all if they fit, else whole blocks."""
-        return n if n <= need else need // blk * blk
-
-    own_y = 0  # y's own rows taken first
-    if y != b and at_b.get(y, 0):
-        own_y = cut(at_b[y])
-        if own_y:
-            out.append((y, own_y))
-            need -= own_y
-    cursor = cursors.get((g, b))
-    if cursor is None:
-        # largest first, then by rank (two sorts in C: stable, so equal rows stay by rank)
-        order = sorted(sorted(at_b), key=at_b.__getitem__, reverse=True)
-        cursor = cursors[g, b] = [[s for s in order if s != b], 0]
-    order, i = cursor
-    while need >= blk and i < len(order):  # every segment before i is used up
-        s = order[i]
-        n = at_b.get(s, 0) - (own_y if s == y else 0)  # (y's own: all of it taken above)
-        m = cut(n)
-        if m:
-            out.append((s, m))
-            need -= m
-        if m < n:  # this segment has rows left at b: the next piece starts here
-            break
-        i += 1
-    cursor[1] = i
-    whole = at_b.get(b, 0)
-    own = min(own, whole)
-    if own < whole:  # part of b's own segment: whole blocks only (its partial run stays)
-        own = own // blk * blk
-    if need >= blk and own:
-        n = cut(own)
-        if n:
-            out.append((b, n))
-    return out

@@ -15,6 +15,9 @@ Two ways rows leave their owner's queue:
   owner, the source, or a *helper* holding a replica of g. A helper takes rows of any source, the
   owner's own rows included; every run but the last is a whole number of ``block_size`` blocks so
   that blocks never straddle two ranks. Segments without an entry follow the replica rule.
+- **ranges** (the same plan space, compact: ``mixmoe.placement.ranges``): per expert, helpers take
+  consecutive row ranges of its owner's queue (its *stream*); one entry per (expert, helper)
+  instead of one per segment. ``expanded`` turns them into share entries for a dispatching rank.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+import torch
+
 from mixmoe.placement.cost_model import Prediction
+from mixmoe.placement.ranges import check_ranges, range_shares
 
 Share = tuple[int, int]  # (rank computing the run, rows in the run)
 
@@ -39,6 +45,10 @@ class Plan:
                 the owner of g or a holder of g's replica; ranks within an entry are distinct and
                 every run has rows > 0. Whether the rows add up to C[s][g] and the runs are whole
                 blocks depends on the counts: ``check_shares`` checks it.
+    ranges:     ``(g, ((helper, rows), ...))`` entries, strictly ascending by g: helpers of g
+                taking consecutive ranges of g's stream (``mixmoe.placement.ranges``); each
+                helper a holder of g's replica, distinct, rows > 0; an expert in ``ranges`` has
+                no share entry. ``check_shares`` checks them against the counts.
     relay:      whether the replica weights travel by the relay (``relay_messages``: scatter +
                 all-gather of chunks, split by node across nodes) and are priced so
                 (``cost_model.plan_pricing``); False (default, today's plans): the
@@ -51,6 +61,7 @@ class Plan:
     baseline: Prediction
     shares: tuple[tuple[int, int, tuple[Share, ...]], ...] = ()
     relay: bool = False
+    ranges: tuple[tuple[int, tuple[Share, ...]], ...] = ()
     _holders: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _shares: dict[tuple[int, int], tuple[Share, ...]] = field(init=False, repr=False, compare=False)
 
@@ -76,17 +87,41 @@ class Plan:
                     f"share of segment ({s}, {g}) must name distinct ranks with rows > 0: {runs}"
                 )
         object.__setattr__(self, "_shares", {(s, g): runs for s, g, runs in self.shares})
+        experts = [g for g, _ in self.ranges]
+        if any(map(operator.ge, experts, experts[1:])):
+            raise ValueError(f"Plan.ranges must be strictly ascending by expert: {experts}")
+        for g, ranges in self.ranges:
+            ranks = [y for y, _ in ranges]
+            if not ranges or len(set(ranks)) != len(ranks) or any(n <= 0 for _, n in ranges):
+                raise ValueError(
+                    f"ranges of expert {g} must name distinct ranks with rows > 0: {ranges}"
+                )
+        if self.ranges and self.shares:
+            both = set(experts) & {g for _, g, _ in self.shares}
+            if both:
+                raise ValueError(f"experts {sorted(both)} have both ranges and share entries")
 
     def priced(self, prediction: Prediction, baseline: Prediction) -> Plan:
         """This plan with ``prediction`` and ``baseline`` set: equal to ``dataclasses.replace``
         of them, without repeating ``__post_init__``'s checks of fields this plan has passed
         already (a W = 1024 plan has ~10**4 share entries: its checks cost milliseconds)."""
         out = object.__new__(Plan)
-        for name in ("hot", "replicas", "shares", "relay", "_holders", "_shares"):
+        for name in ("hot", "replicas", "shares", "relay", "ranges", "_holders", "_shares"):
             object.__setattr__(out, name, getattr(self, name))
         object.__setattr__(out, "prediction", prediction)
         object.__setattr__(out, "baseline", baseline)
         return out
+
+    def expanded(self, counts_WN, experts_per_rank: int) -> Plan:
+        """This plan with its ranges turned into share entries (``ranges.range_shares``): the
+        same placement, in the form the dispatcher reads (``segment_runs``); itself when it has
+        no ranges."""
+        if not self.ranges:
+            return self
+        C_WN = torch.as_tensor(counts_WN)
+        shares = sorted([*self.shares, *range_shares(C_WN, self, experts_per_rank)])
+        return Plan(self.hot, self.replicas, self.prediction, self.baseline, tuple(shares),
+                    self.relay)  # fmt: skip
 
     def holders(self, g: int) -> tuple[int, ...]:
         """Ranks holding a replica of expert g (ascending); () if g is not hot."""
@@ -101,10 +136,13 @@ class Plan:
 
     def segment_runs(self, s: int, g: int, rows: int, experts_per_rank: int) -> tuple[Share, ...]:
         """Segment (s, g) of ``rows`` rows as consecutive runs ``((rank, rows), ...)``: its share
-        entry, or the whole segment at ``computed_at`` (``()`` when ``rows`` is 0)."""
+        entry, or the whole segment at ``computed_at`` (``()`` when ``rows`` is 0). A plan with
+        ranges answers this only once ``expanded`` (a range's runs depend on the counts)."""
         runs = self._shares.get((s, g))
         if runs is not None:
             return runs
+        if self.ranges:
+            raise ValueError("a plan with ranges must be expanded(counts, E) before segment_runs")
         return ((self.computed_at(s, g, experts_per_rank), rows),) if rows else ()
 
     def replica_slots(self, rank: int) -> tuple[int, ...]:
@@ -113,8 +151,11 @@ class Plan:
 
     def check_shares(self, counts_WN, experts_per_rank: int, block_size: int) -> None:
         """ValueError unless every share entry covers exactly C[s][g] rows, names only the owner
-        or holders of g's replica, and cuts only at whole blocks (all runs but the last)."""
+        or holders of g's replica, and cuts only at whole blocks (all runs but the last); and
+        every range entry likewise (``ranges.check_ranges``)."""
         E = experts_per_rank
+        if self.ranges:
+            check_ranges(torch.as_tensor(counts_WN), self, E, block_size)
         for s, g, runs in self.shares:
             rows = int(counts_WN[s][g])
             if sum(n for _, n in runs) != rows:

@@ -36,6 +36,7 @@ from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.level_fill import level_fill
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.range_state import RangeState
 from mixmoe.placement.relay import node_distance
 from mixmoe.placement.replica_search import LIST_LIMIT, SEARCH_WIDTH, plan_replicas
 from mixmoe.placement.shadow import plan_shadow, shadow_hot
@@ -220,9 +221,7 @@ def plan_mix(
                     won, won_step = state, step
         if won is None:
             return best
-        hot = tuple(sorted(g for g, h in won.holders.items() if h))
-        replicas = tuple((g, tuple(won.holders[g])) for g in hot)
-        plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, won.shares(), relay=True)
+        plan = _fill_plan(won)
         prediction = _prediction(model, *plan_pricing(C_WN, plan, E, profile, base_4W=base_4W))
         if not prediction.step_s < best.prediction.step_s:  # the guarantee holds on the price
             return best
@@ -266,7 +265,7 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _fill_mean(fill: WaterFill | None, best: Plan) -> float:
+def _fill_mean(fill: WaterFill | RangeState | None, best: Plan) -> float:
     """The mean rank total (s) of the fill's search, or of the best candidate's prediction."""
     if fill is not None:
         return sum(fill.totals) / len(fill.totals)
@@ -274,8 +273,19 @@ def _fill_mean(fill: WaterFill | None, best: Plan) -> float:
     return sum(totals) / len(totals)
 
 
+def _fill_plan(fill: WaterFill | RangeState) -> Plan:
+    """The plan a fill's state stands for (unpriced): its holders by the relay, and its rows as
+    ranges (``RangeState``) or share entries (``WaterFill``)."""
+    if isinstance(fill, RangeState):
+        hot, replicas, ranges = fill.plan_fields()
+        return Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, relay=True, ranges=ranges)
+    hot = tuple(sorted(g for g, h in fill.holders.items() if h))
+    replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
+    return Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
+
+
 def _fill_step(
-    fill: WaterFill,
+    fill: WaterFill | RangeState,
     model: StepModel,
     C_WN: torch.Tensor,
     E: int,
@@ -295,9 +305,7 @@ def _fill_step(
         )
         compute_W, comm_W = model.seconds_W(loads_4W, bool(loads_4W[2].any()), fill.rounds)
         return float((compute_W + comm_W).max())
-    hot = tuple(sorted(g for g, h in fill.holders.items() if h))
-    replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
-    plan = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
+    plan = _fill_plan(fill)
     return model.prediction_W(*plan_pricing(C_WN, plan, E, profile, base_4W=base_4W)).step_s
 
 
@@ -314,8 +322,8 @@ def _water_fill(
     fill: str = "level",
     loads_4W: torch.Tensor | None = None,
     base_4W: torch.Tensor | None = None,
-) -> WaterFill | None:
-    """``WaterFill`` from the replicas ``start`` after its fill; None if nothing moved.
+) -> WaterFill | RangeState | None:
+    """``RangeState`` (level) or ``WaterFill`` (moves) from the replicas ``start`` after its fill; None if nothing moved.
     ``fill``: "level" (``level_fill``'s passes, up to ``LEVEL_PASSES``) or "moves" (the
     move-by-move search). Both stop once the max is within ``FILL_STOP`` of the level (the mean
     rank total); the moves also once the level reaches ``beat``, the step (s) the fill must
@@ -332,13 +340,15 @@ def _water_fill(
         loads_4W, _ = plan_pricing(C_WN, plan, E, profile, base_4W=base_4W)
     distance = node_distance(profile)
     any_remote = bool(loads_4W[2].any())
-    state = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     # the search: one link (module doc); copies: float under the relay's scatter
-    state.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])
     if fill == "level":
+        state = RangeState(model, C_WN, E, start, slots, block_size, distance, colsum_N,
+                           any_remote, loads_4W[:4])  # fmt: skip
         state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP)
-    else:
-        state.run(min(MOVES_PER_RANK * W + 16, MAX_MOVES), beat, FILL_STOP)
+        return state if state.moves else None
+    state = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
+    state.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])
+    state.run(min(MOVES_PER_RANK * W + 16, MAX_MOVES), beat, FILL_STOP)
     return state if state.moves else None
 
 

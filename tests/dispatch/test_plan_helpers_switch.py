@@ -32,7 +32,7 @@ def test_helpers_on_by_default_and_off_when_asked(seed: int) -> None:
     planner = strategy_spec("mix").planner
     on = planner(C_WN, shape, PROFILE, cfg)
     off = planner(C_WN, shape, PROFILE, dataclasses.replace(cfg, plan_helpers=False))
-    assert on.shares and not off.shares
+    assert on.ranges and not off.ranges and not off.shares
     assert on.prediction.step_s < off.prediction.step_s  # the helpers are why it is faster
 
 

@@ -174,7 +174,7 @@ def test_a_plan_without_shares_or_relay_prices_as_today(case, overlap: bool) -> 
     """No share entry and no relay: the same aggregates as ``plan_loads`` and the same
     Prediction, bit for bit, as ``predict`` of its replicas (today's model)."""
     C, shape, plan = case
-    plain = dataclasses.replace(plan, shares=(), relay=False)
+    plain = dataclasses.replace(plan, shares=(), ranges=(), relay=False)
     C_WN = torch.tensor(C)
     loads_4W, _ = plan_pricing(C_WN, plain, shape.experts_per_rank)
     assert torch.equal(loads_4W, plan_loads(C_WN, plain.replicas, shape.experts_per_rank))
@@ -284,7 +284,7 @@ def test_plan_mix_moves_the_owners_own_rows_to_helpers() -> None:
     assert plan.relay and plan.hot == (0,) and plan.replicas == ((0, (1, 2, 3)),)
     assert max(plan.prediction.rows) <= 1.10 * sum(plan.prediction.rows) / W
     plan.check_shares(C, E, BLOCK_SIZE)
-    (s, g, runs), *_ = plan.shares
+    (s, g, runs), *_ = plan.expanded(C, E).shares
     assert (s, g) == (0, 0) and {r for r, _ in runs} == {0, 1, 2, 3}
     assert all(n % BLOCK_SIZE == 0 for _, n in runs)
 

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 import mixmoe.placement.level_fill as level_module
 from mixmoe.placement import CPU_PROFILE, HardwareProfile, LayerShape, plan_none, plan_shadow
-from mixmoe.placement.balance import WaterFill
 from mixmoe.placement.cost_model import plan_pricing, predict, predict_plan, step_model
 from mixmoe.placement.counts import counts_with_sums
 from mixmoe.placement.level_fill import level_fill
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import BLOCK_SIZE, FILL_STOP, plan_mix, replica_slots
+from mixmoe.placement.range_state import RangeState
 
 IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)  # h100-ib's figures
 CHEAP_LINK = HardwareProfile("cheap-link", 1e12, 1e13, 1e-9)  # compute-bound
@@ -115,8 +115,8 @@ def _fill(W, E, rows, seed, hot, hot_rank, profile, start_hot: bool):
     hot_g = tuple(sorted(start))
     plan = Plan(hot_g, tuple((g, start[g]) for g in hot_g), P, P, relay=True)
     loads, _ = plan_pricing(C_WN, plan, E)
-    fill = WaterFill(model, C_WN, E, start, 8, BLOCK_SIZE, None, colsum_N, bool(loads[2].any()))
-    fill.set_loads([*loads[:3].to(torch.int64).tolist(), loads[3].tolist()], loads)
+    fill = RangeState(model, C_WN, E, start, 8, BLOCK_SIZE, None, colsum_N, bool(loads[2].any()),
+                      loads)  # fmt: skip
     return fill, C_WN, P
 
 
@@ -135,23 +135,35 @@ def test_level_fill_bookkeeping_is_the_priced_plan(
     W, E, rows, hot, seed, name, hot_rank, start_hot
 ) -> None:
     """After every pass, the fill's own loads, rounds and totals equal the cost model's
-    pricing of the plan it would emit then (shares, relay copies and rounds); the shares pass
-    ``check_shares`` and no rank holds more replicas than its slots."""
+    pricing of the plan with its amounts as ranges (before they are cut at whole blocks), both
+    in closed form and expanded into share entries (the share loop: no ranges code); the
+    plan it emits (cut) passes ``check_shares``, expanded too, and no rank holds more
+    replicas than its slots."""
     fill, C_WN, P = _fill(W, E, rows, seed, hot, hot_rank, PROFILES[name], start_hot)
     for _ in range(6):
         if not level_fill(fill, 1, 1.0):
             break
         hot_g = tuple(sorted(g for g, h in fill.holders.items() if h))
-        plan = Plan(hot_g, tuple((g, tuple(fill.holders[g])) for g in hot_g), P, P,
-                    fill.shares(), relay=True)  # fmt: skip
-        plan.check_shares(C_WN.tolist(), E, BLOCK_SIZE)
-        priced, rounds = plan_pricing(C_WN, plan, E)
-        assert priced.tolist() == [fill.rows, fill.local, fill.remote, fill.replica]
-        assert rounds == fill.rounds
+        replicas = tuple((g, tuple(fill.holders[g])) for g in hot_g)
+        uncut = tuple(
+            (g, tuple(sorted((y, n) for y, n in fill.amounts[g].items() if n)))
+            for g in sorted(fill.amounts)
+            if any(fill.amounts[g].values())
+        )
+        plan = Plan(hot_g, replicas, P, P, relay=True, ranges=uncut)
+        want = [fill.rows, fill.local, fill.remote, fill.replica]
+        for priced_plan in (plan, plan.expanded(C_WN, E)):
+            priced, rounds = plan_pricing(C_WN, priced_plan, E)
+            assert priced.tolist() == want
+            assert rounds == fill.rounds
         pred = fill.model.prediction_W(priced, rounds)
         assert list(map(float.__add__, pred.compute_s, pred.comm_s)) == fill.totals
+        hot_g, replicas, ranges = fill.plan_fields()
+        emitted = Plan(hot_g, replicas, P, P, relay=True, ranges=ranges)
+        emitted.check_shares(C_WN.tolist(), E, BLOCK_SIZE)
+        emitted.expanded(C_WN, E).check_shares(C_WN.tolist(), E, BLOCK_SIZE)
         held = [0] * W
-        for _, holders in plan.replicas:
+        for _, holders in emitted.replicas:
             for h in holders:
                 held[h] += 1
         assert held == fill.held and max(held) <= fill.slots
@@ -220,7 +232,7 @@ def test_plan_mix_fill_option() -> None:
     level = plan_mix(C_WN, shape, CHEAP_LINK, 4)
     moves = plan_mix(C_WN, shape, CHEAP_LINK, 4, fill="moves")
     none = plan_mix(C_WN, shape, CHEAP_LINK, 4, balance=False)
-    assert level.shares and moves.shares
+    assert level.ranges and moves.shares
     assert level.prediction.step_s < none.prediction.step_s
     assert moves.prediction.step_s < none.prediction.step_s
     with pytest.raises(ValueError, match="fill must be one of"):

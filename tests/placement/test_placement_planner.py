@@ -1049,6 +1049,7 @@ def test_plan_is_frozen_and_shows_its_public_fields() -> None:
         "baseline",
         "shares",
         "relay",
+        "ranges",
     ]
     assert repr(plan).startswith("Plan(hot=(), replicas=(), prediction=Prediction(")
     assert "_holders" not in repr(plan) and "_shares" not in repr(plan)

@@ -103,11 +103,15 @@ def test_plan_priced_equals_replace() -> None:
     whose lookups (holders, segment runs) work."""
     shape = LayerShape(256, 1024, 2, 4, 2)
     C_WN = _skewed(4, 2, 700, 3)
-    plan = plan_mix(C_WN, shape, CPU, 4)
+    plan = plan_mix(C_WN, shape, CPU, 4, fill="moves")
     assert plan.shares  # a balanced plan with share entries
     other = predict(C_WN, (), shape, CPU)
     priced = plan.priced(other, plan.prediction)
     assert priced == dataclasses.replace(plan, prediction=other, baseline=plan.prediction)
+    ranged = plan_mix(C_WN, shape, CPU, 4)
+    assert ranged.ranges  # and one with ranges
+    assert ranged.priced(other, other) == dataclasses.replace(ranged, prediction=other,
+                                                              baseline=other)  # fmt: skip
     s, g, runs = plan.shares[0]
     assert priced.segment_runs(s, g, int(C_WN[s, g]), 2) == runs
     assert priced.holders(g) == plan.holders(g)
@@ -122,7 +126,7 @@ def test_plan_pricing_with_base_loads_is_unchanged(profile) -> None:
         C_WN = _skewed(W, E, 800, seed)
         plan = plan_mix(C_WN, shape, profile, 4)
         base_4W = baseline_loads(C_WN, E)[0]
-        for candidate in (plan, dataclasses.replace(plan, shares=(), relay=False)):
+        for candidate in (plan, dataclasses.replace(plan, shares=(), ranges=(), relay=False)):
             want = plan_pricing(C_WN, candidate, E, profile)
             got = plan_pricing(C_WN, candidate, E, profile, base_4W=base_4W)
             assert torch.equal(got[0], want[0]) and got[1] == want[1]
@@ -153,7 +157,7 @@ def test_collector_paused_during_the_search_and_restored(enabled, fill, monkeypa
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
-    assert plan.shares and seen and not any(seen)
+    assert (plan.ranges if fill == "level" else plan.shares) and seen and not any(seen)
 
 
 @settings(max_examples=25, deadline=None)

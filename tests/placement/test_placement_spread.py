@@ -21,7 +21,9 @@ from mixmoe.placement import HardwareProfile, LayerShape
 from mixmoe.placement import planner as planner_module
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import BLOCK_SIZE, plan_mix, replica_slots
+from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.spread import spread_start
+from mixmoe.simulate.routing import counts_source
 
 IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)  # h100-ib's figures
 
@@ -90,18 +92,22 @@ def _seeds_shape(W: int) -> LayerShape:
 
 
 @pytest.mark.parametrize(
-    ("fill", "W", "routing"), [("moves", 16, "zipf:1.5"), ("level", 64, "zipf:1.2")]
+    ("fill", "W", "routing"), [("moves", 16, "zipf:1.5"), ("level", 256, "zipf:2.0")]
 )
 def test_plan_mix_uses_the_spread_start(fill, W, routing, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fills from the candidates stop above 5% over their level (seed 0: the move-by-move
-    fill at zipf:1.5, W = 16; the batched one at zipf:1.2, W = 64); the spread fill lowers the
-    step. A planted no-op start must give a higher step back."""
-    shape = _seeds_shape(W)
-    gen = torch.Generator().manual_seed(0)
-    C = synthetic_counts(RoutingSpec.parse(routing), W, 8192, 2, 4 * W, gen)
-    with_spread = plan_mix(C, shape, IB, 4, fill=fill)
+    fill at zipf:1.5, W = 16; the batched one at zipf:2.0, W = 256, ``bench balance``'s counts);
+    the spread fill lowers the step. A planted no-op start must give a higher step back."""
+    shape, profile = _seeds_shape(W), IB
+    if fill == "moves":
+        gen = torch.Generator().manual_seed(0)
+        C = synthetic_counts(RoutingSpec.parse(routing), W, 8192, 2, 4 * W, gen)
+    else:
+        (C,) = counts_source(routing, W, 4 * W, 8192, 2, seed=0)
+        profile = load_profile("h100-ib")
+    with_spread = plan_mix(C, shape, profile, 4, fill=fill)
     monkeypatch.setattr(planner_module, "spread_start", lambda *a, **k: {})
-    without = plan_mix(C, shape, IB, 4, fill=fill)
+    without = plan_mix(C, shape, profile, 4, fill=fill)
     assert with_spread.prediction.step_s < 0.995 * without.prediction.step_s
     for plan in (with_spread, without):
         plan.check_shares(C, shape.experts_per_rank, BLOCK_SIZE)

@@ -1,0 +1,186 @@
+"""The bookkeeping of a fill over row ranges: per-rank loads from rows moved in bulk.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes
+to expert g; o = g // E its owner), H_g the holders of g's replica; ``StepModel``'s loads per rank
+(rows, local, remote, replica) and totals (seconds).
+
+A fill (``mixmoe.placement.level_fill``) decides how many rows of g each helper takes from g's
+stream (``mixmoe.placement.ranges``); which segments they are follows from the counts when the
+plan is built. So the state needs no segments: per expert, its holders and each helper's rows.
+Each rank's loads are the sum over experts of its part in each (one expert's part, absolute):
+
+- a holder y:               (C[y][g] + n_y, C[y][g], n_y)   its own rows local, n_y received;
+- another source s:          (0, 0, C[s][g])                 it sends its rows;
+- the owner, taken = sum n:  (others + own - taken, own - max(0, taken - others),
+                              |others - taken|)              others: the stream's other rows;
+
+so a move changes the parts of the ranks it touches, and their loads by the difference (exact
+integers; the replica column: each expert's relay copies, ``relay_degrees``). The loads equal
+``cost_model.plan_pricing`` of the plan with these amounts as ranges (before ``cut_ranges``
+rounds them to whole blocks): ``tests/placement/test_placement_ranges.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mixmoe.placement.cost_model import StepModel
+from mixmoe.placement.ranges import cut_ranges
+from mixmoe.placement.relay import relay_degrees
+
+__all__ = ["RangeState"]
+
+
+class RangeState:
+    """rows/local/remote/replica: per-rank loads (lists); totals their seconds; holders {g:
+    ranks ascending}; held[r]: replicas r holds; amounts {g: {helper: rows}}; taken[g]: their
+    sum; others[g]: the stream's rows from sources other than the owner; own[g]: C[o][g];
+    owner_rows[g]: rows of g its owner computes; helped {r: {g: rows}}: r's amounts."""
+
+    def __init__(
+        self,
+        model: StepModel,
+        C_WN: torch.Tensor,
+        E: int,
+        start_holders: dict[int, tuple[int, ...]],
+        slots: int,
+        block_size: int,
+        distance: Callable[[int, int], int] | None,
+        colsum_N: torch.Tensor,
+        any_remote: bool,
+        loads_4W: torch.Tensor,
+    ) -> None:
+        """``loads_4W``: the start plan's ``plan_pricing`` under relay (float64 [4, W])."""
+        self.model, self.C_WN, self.E = model, C_WN, E
+        self.W = C_WN.shape[0]
+        self.slots, self.block, self.distance = slots, block_size, distance
+        self.any_remote = any_remote
+        self.holders = {g: sorted(h) for g, h in start_holders.items() if h}
+        self.held = [0] * self.W
+        for h in self.holders.values():
+            for r in h:
+                self.held[r] += 1
+        W = self.W
+        # C[o][g] of each expert g's owner o (the [W, W, E] view's diagonal, as [W, E])
+        own_N = C_WN.view(W, W, E).diagonal(0, 0, 1).T.reshape(-1)
+        owner_rows = colsum_N.clone()
+        for g, h in self.holders.items():
+            owner_rows[g] -= int(C_WN[h, g].sum())
+        self.owner_rows = owner_rows.tolist()
+        self.own = own_N.tolist()
+        # each stream's rows from sources other than the owner (all experts: no column read)
+        self.others = (owner_rows - own_N).tolist()
+        self.amounts: dict[int, dict[int, int]] = {}
+        self.taken = [0] * len(self.own)
+        self.helped: dict[int, dict[int, int]] = {}
+        self._cols: dict[int, list[int]] = {}
+        self.rows, self.local, self.remote = loads_4W[:3].to(torch.int64).tolist()
+        self.replica = loads_4W[3].tolist()
+        self.degrees: dict[int, dict[int, float]] = {}
+        self.rounds = 0
+        for g, h in self.holders.items():
+            self.degrees[g], depth = relay_degrees(g // E, h, distance)
+            self.rounds = max(self.rounds, depth)
+        compute_W, comm_W = model.seconds_W(loads_4W, any_remote, self.rounds)
+        self.totals = (compute_W + comm_W).tolist()
+        self._total_fns: dict[int, Callable] = {}
+        self.moves = 0
+
+    def col(self, g: int) -> list[int]:
+        """C[s][g] for every source s (cached)."""
+        col = self._cols.get(g)
+        if col is None:
+            col = self._cols[g] = self.C_WN[:, g].tolist()
+        return col
+
+    def _owner_part(self, g: int) -> tuple[int, int, int]:
+        """The owner's (rows, local, remote) part in g (module doc)."""
+        others, own, taken = self.others[g], self.own[g], self.taken[g]
+        return others + own - taken, own - max(0, taken - others), abs(others - taken)
+
+    def _add(self, r: int, part: tuple[int, int, int], sign: int) -> None:
+        self.rows[r] += sign * part[0]
+        self.local[r] += sign * part[1]
+        self.remote[r] += sign * part[2]
+
+    def add_holder(self, g: int, y: int) -> None:
+        """y (neither g's owner nor a holder; with a free slot) holds g's replica from now on:
+        its own rows of g turn local (they leave g's stream; when the helpers' amounts then
+        exceed the stream, the excess comes off the largest amounts first, ties by rank: those
+        rows were y's); the relay is priced by ``relay`` once per pass."""
+        o, c = g // self.E, self.col(g)[y]
+        old = self._owner_part(g)
+        self._add(o, old, -1)
+        self._add(y, (0, 0, c), -1)
+        self.others[g] -= c
+        self._add(y, (c, c, 0), 1)
+        excess = self.taken[g] - self.others[g] - self.own[g]
+        if excess > 0:
+            amounts = self.amounts[g]
+            for _, r in sorted((-n, r) for r, n in amounts.items() if n):
+                d = min(excess, amounts[r])
+                amounts[r] -= d
+                self.rows[r] -= d
+                self.remote[r] -= d
+                self.helped[r][g] -= d
+                self.taken[g] -= d
+                excess -= d
+                if not excess:
+                    break
+        new = self._owner_part(g)
+        self._add(o, new, 1)
+        self.owner_rows[g] = new[0]
+        self.holders[g] = sorted([*self.holders.get(g, ()), y])
+        self.held[y] += 1
+
+    def move(self, g: int, b: int, y: int, n: int) -> None:
+        """n rows of g from b to y (each g's owner or a holder; b has them): loads updated."""
+        o = g // self.E
+        old = self._owner_part(g)
+        self._add(o, old, -1)
+        amounts = self.amounts.setdefault(g, {})
+        for r, d in ((b, -n), (y, n)):
+            if r == o:
+                self.taken[g] -= d
+            else:
+                amounts[r] = amounts.get(r, 0) + d
+                self.rows[r] += d
+                self.remote[r] += d
+                helped = self.helped.setdefault(r, {})
+                helped[g] = helped.get(g, 0) + d
+        new = self._owner_part(g)
+        self._add(o, new, 1)
+        self.owner_rows[g] = new[0]
+
+    def relay(self, g: int) -> None:
+        """g's relay priced for its current holders: the copies it changes on every rank and
+        the rounds."""
+        old = self.degrees.get(g, {})
+        degrees, depth = relay_degrees(g // self.E, self.holders[g], self.distance)
+        for r in sorted(set(degrees) | set(old)):  # copies on the relay's grid: exact sums
+            self.replica[r] += degrees.get(r, 0) - old.get(r, 0)
+        self.degrees[g] = degrees
+        self.rounds = max(self.rounds, depth)
+
+    def retotal(self) -> None:
+        """Every rank's total from its loads."""
+        fn = self._total_fns.get(self.rounds)
+        if fn is None:
+            fn = self._total_fns[self.rounds] = self.model.total_fn(self.any_remote, self.rounds)
+        self.totals = list(map(fn, self.rows, self.local, self.remote, self.replica))
+
+    def plan_fields(self) -> tuple[tuple, tuple, tuple]:
+        """(hot, replicas, ranges) of the plan this state stands for: each expert's amounts
+        as ranges by helper rank, cut at whole blocks (``cut_ranges``)."""
+        hot = tuple(sorted(g for g, h in self.holders.items() if h))
+        replicas = tuple((g, tuple(self.holders[g])) for g in hot)
+        ranges = []
+        for g in sorted(self.amounts):
+            amounts = sorted((y, n) for y, n in self.amounts[g].items() if n > 0)
+            if amounts:
+                cut = cut_ranges(self.col(g), g // self.E, self.holders[g], amounts, self.block)
+                if cut:
+                    ranges.append((g, cut))
+        return hot, replicas, tuple(ranges)

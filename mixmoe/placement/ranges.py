@@ -1,0 +1,186 @@
+"""Row ranges: a balanced plan's helper rows, one entry per (expert, helper) instead of one per
+moved segment.
+
+Legend: W ranks, E experts per rank, C = counts_WN (C[s][g] = rows rank s routes to expert g;
+expert g is owned by o = g // E), H_g the ranks holding a replica of g (never o).
+
+The **stream** of expert g is the rows its owner would compute under the replica rule, in a
+fixed order: the segments (s, g) of the sources that neither own g nor hold its replica, by
+ascending s, then the owner's own segment last. A range entry ``(g, ((y1, n1), (y2, n2), ...))``
+cuts the stream from its start: y1 computes its first n1 rows, y2 the next n2, ..., the owner the
+rest (so helpers take the other sources' rows first and the owner's own rows last). Each yi holds
+g's replica (and computes its own rows of g, the replica rule). A cut strictly inside a segment
+sits a whole number of ``block_size`` blocks from that segment's start, so expanded into share
+entries (``range_shares``) every run but a segment's last is whole blocks (``Plan.check_shares``).
+
+Why: a W = 1024 plan with zipf routing moves ~10**5 segments; its ranges are a few thousand
+(helpers per hot expert), and their loads follow in closed form (``range_loads``): planning
+builds and prices the ranges, only a dispatching rank expands them.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = ["cut_ranges", "range_loads", "range_shares", "stream_sources"]
+
+Share = tuple[int, int]  # (rank computing the run, rows in the run)
+
+
+def stream_sources(col_W: Sequence[int], owner: int, holders: Iterable[int]) -> list[int]:
+    """Sources of expert g's stream in order (module doc): the sources with rows that are
+    neither ``owner`` nor in ``holders``, ascending, then ``owner`` (when it has rows).
+    ``col_W``: C[s][g] for every rank s."""
+    held = set(holders)
+    out = [s for s, c in enumerate(col_W) if c and s != owner and s not in held]
+    if col_W[owner]:
+        out.append(owner)
+    return out
+
+
+def _prefix(col_W: Sequence[int], sources: list[int]) -> list[int]:
+    """Stream positions where each source's segment starts, plus the stream's length."""
+    out = [0]
+    for s in sources:
+        out.append(out[-1] + col_W[s])
+    return out
+
+
+def cut_ranges(
+    col_W: Sequence[int],
+    owner: int,
+    holders: Iterable[int],
+    amounts: Sequence[Share],
+    block_size: int,
+) -> tuple[Share, ...]:
+    """``amounts`` [(helper, rows), ...] (in stream order) as valid ranges: each cumulative cut
+    moved to the nearest allowed position (a segment's start or end, or a whole number of
+    blocks into it; ties: the lower one) and capped at the stream's end; ranges left with 0
+    rows dropped. Deterministic: a pure function of its arguments."""
+    sources = stream_sources(col_W, owner, holders)
+    starts = _prefix(col_W, sources)
+    end = starts[-1]
+    out, at, want = [], 0, 0
+    for y, n in amounts:
+        want += n
+        q = min(want, end)
+        k = bisect_right(starts, q) - 1  # the segment q falls in (or starts at)
+        if k < len(sources):
+            off = q - starts[k]
+            down = off // block_size * block_size  # the whole block below, or the segment's
+            up = min(starts[k + 1] - starts[k], down + block_size)  # next cut: block or end
+            q = starts[k] + (down if off - down <= up - off else up)
+        q = max(q, at)
+        if q > at:
+            out.append((y, q - at))
+        at = q
+    return tuple(out)
+
+
+def check_ranges(C_WN: torch.Tensor, plan, experts_per_rank: int, block_size: int) -> None:
+    """ValueError unless every range entry of ``plan`` names only holders of its expert (never
+    the owner), fits in the expert's stream, and cuts inside a segment only at whole blocks."""
+    E = experts_per_rank
+    if not plan.ranges:
+        return
+    cols = C_WN[:, [g for g, _ in plan.ranges]].T.tolist()
+    for (g, ranges), col_W in zip(plan.ranges, cols, strict=True):
+        o, holders = g // E, plan.holders(g)
+        outside = [y for y, _ in ranges if y not in holders]
+        if outside:
+            raise ValueError(
+                f"ranges of expert {g} name ranks {outside} that hold no replica of it "
+                f"(holders {list(holders)})"
+            )
+        sources = stream_sources(col_W, o, holders)
+        starts = _prefix(col_W, sources)
+        q = 0
+        for _, n in ranges:
+            q += n
+            if q > starts[-1]:
+                raise ValueError(
+                    f"ranges of expert {g} {ranges} cover {sum(n for _, n in ranges)} rows, "
+                    f"more than its stream's {starts[-1]}"
+                )
+            k = bisect_right(starts, q) - 1
+            if k < len(sources) and (q - starts[k]) % block_size:
+                raise ValueError(
+                    f"ranges of expert {g} {ranges} cut source {sources[k]}'s segment "
+                    f"{q - starts[k]} rows in, not at a whole {block_size}-row block"
+                )
+
+
+def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int) -> list:
+    """The share entries (``Plan.shares``' form: ``(s, g, ((rank, rows), ...))``) of ``plan``'s
+    ranges: every segment a range covers, cut into its runs in stream order (helpers' runs,
+    then the owner's rest); segments the ranges leave whole at the owner have none. Sorted by
+    (s, g)."""
+    E = experts_per_rank
+    if not plan.ranges:
+        return []
+    cols = C_WN[:, [g for g, _ in plan.ranges]].T.tolist()
+    out = []
+    for (g, ranges), col_W in zip(plan.ranges, cols, strict=True):
+        o = g // E
+        sources = stream_sources(col_W, o, plan.holders(g))
+        starts = _prefix(col_W, sources)
+        # range i covers stream rows [ends[i - 1], ends[i]); the owner the rest
+        ends, q = [], 0
+        for _, n in ranges:
+            q += n
+            ends.append(q)
+        i = 0
+        for k, s in enumerate(sources):
+            lo, hi = starts[k], starts[k + 1]
+            if lo >= q:  # this segment and the rest: whole at the owner (the replica rule)
+                break
+            runs = []
+            while lo < hi:
+                while i < len(ends) and ends[i] <= lo:  # ranges ending before this row
+                    i += 1
+                if i < len(ends):
+                    top = min(hi, ends[i])
+                    runs.append((ranges[i][0], top - lo))
+                else:
+                    top = hi
+                    runs.append((o, top - lo))
+                lo = top
+            out.append((s, g, tuple(runs)))
+    out.sort(key=lambda e: (e[0], e[1]))
+    return out
+
+
+def range_loads(
+    C_WN: torch.Tensor,
+    plan,
+    experts_per_rank: int,
+    rows: list,
+    local: list,
+    remote: list,
+) -> None:
+    """Add ``plan``'s ranges to per-rank loads priced by the replica rule (``plan_loads``), in
+    place: a helper y computes its n rows, received (remote at y); the owner computes them no
+    more: the other sources' rows first (it no longer receives them), then its own (it now
+    sends them: remote, no longer local). Sources send as before (to another rank)."""
+    E = experts_per_rank
+    if not plan.ranges:
+        return
+    gs = [g for g, _ in plan.ranges]
+    cols = C_WN[:, gs].T.tolist()
+    for (g, ranges), col_W in zip(plan.ranges, cols, strict=True):
+        o = g // E
+        held = sum(col_W[h] for h in plan.holders(g))
+        others = sum(col_W) - col_W[o] - held  # the other sources' rows in the stream
+        taken = 0
+        for y, n in ranges:
+            rows[y] += n
+            remote[y] += n
+            taken += n
+        from_others = min(taken, others)
+        own = taken - from_others
+        rows[o] -= taken
+        remote[o] += own - from_others
+        local[o] -= own

@@ -45,12 +45,13 @@ from mixmoe.simulate.layer import STRATEGIES, predict_layer
 
 # the stored runs were measured before issue 26: their mix plans came from the source-replica
 # search (today's ``plan_replicas``), so records without a ``mix_planner`` field are replayed with
-# it; runs measured since (``mix_planner: "plan_mix"``, written by ``--remeasure``) are replayed
+# it; runs measured since (``mix_planner: "plan_mix/ranges"``, written by ``--remeasure``) are replayed
 # with the layer's own planner (``run_planners``)
 STORED_RUN_PLANNERS = {
     "mix": lambda C, shape, profile, cfg: plan_replicas(C, shape, profile, cfg.max_replicas)
 }
-MIX_PLANNER = "plan_mix"  # the ``mix_planner`` of records measured with the balanced planner
+MIX_PLANNER = "plan_mix/ranges"  # ``mix_planner`` of records measured with the balanced planner
+# (its fill over row ranges; records of its earlier segment fill, "plan_mix", are refused)
 
 
 def run_planners(record: dict[str, Any]) -> dict | None:

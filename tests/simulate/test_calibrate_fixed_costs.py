@@ -199,7 +199,7 @@ def test_validation_refits_stored_calibration_runs_under_processor_sharing() -> 
 
 
 def test_validation_replays_marked_runs_with_the_layers_planner() -> None:
-    """Records written since the balanced planner (``mix_planner: "plan_mix"``) are replayed with
+    """Records written since the balanced planner (``mix_planner: MIX_PLANNER``) are replayed with
     ``plan_mix``, unmarked ones with the stored runs' ``plan_replicas``; an unknown mark is refused.
     Counts where the two planners disagree (4 ranks, expert 3 hot, rank 0 sending more)."""
     from mixmoe.simulate.agreement import MIX_PLANNER, STORED_RUN_PLANNERS, compare, run_planners

@@ -98,20 +98,20 @@ def test_validate_cli(capsys) -> None:
     assert (s["fastest_agree"], s["shared_fastest_agree"], s["measured_fastest_a2a"]) == (4, 8, 7)
 
 
-# measured again on 2026-11-26 with the balanced planner (mix_planner "plan_mix": the scatter
-# relay, the batched fill), quiet VM, same command; the figures of
-# docs/results/2026-11-26-balance-end.md ("Simulator validation, re-measured")
-DATA_BALANCED = DATA.with_name("simulator_validation_2026-11-26.jsonl")
+# measured again on 2026-11-26 (11:43-11:48 UTC) with the balanced planner (mix_planner
+# "plan_mix/ranges": the scatter relay, the batched fill over row ranges), quiet VM, same
+# command; the figures of docs/results/balance-ranges.md ("Simulator validation")
+DATA_BALANCED = DATA.with_name("simulator_validation_ranges.jsonl")
 
 
 def test_balanced_planner_runs_replay_with_their_planner_and_the_stated_errors() -> None:
     records = read_records(DATA_BALANCED)
-    assert {r.get("mix_planner") for r in records} == {"plan_mix"}
+    assert {r.get("mix_planner") for r in records} == {"plan_mix/ranges"}
     assert {ValidationCase(**r["case"]) for r in records} == set(DEFAULT_CASES)
     rows = compare(records)
     assert [r["replicas_predicted"] for r in rows] == [r["replicas_measured"] for r in rows]
     s = summarize(compare(records, processors=2))
-    assert (s["cases"], s["ps_within_10pct"], s["ps_ratios_within_5_points"]) == (48, 32, 11)
-    assert s["ps_step_error_median"] == pytest.approx(0.065, abs=5e-4)
-    assert s["ps_ratio_error_median_points"] == pytest.approx(6.5, abs=0.05)
-    assert (s["within_10pct"], s["step_error_median"]) == (26, pytest.approx(0.084, abs=5e-4))
+    assert (s["cases"], s["ps_within_10pct"], s["ps_ratios_within_5_points"]) == (48, 29, 17)
+    assert s["ps_step_error_median"] == pytest.approx(0.0926, abs=5e-4)
+    assert s["ps_ratio_error_median_points"] == pytest.approx(4.45, abs=0.05)
+    assert (s["within_10pct"], s["step_error_median"]) == (23, pytest.approx(0.1036, abs=5e-4))

@@ -239,14 +239,22 @@ def _matched(
 ) -> tuple[dict[int, list[int]], int]:
     """Place each donor's shed rows (``shed``: (donor, rows), in order) and move them
     (``RangeState.move``): first on the ranks that hold its expert g already or own it (no
-    copy: up to their room), then on the receivers in ``order`` (total ascending), each new
-    holder paying ``copy`` seconds of its room, its own rows of g (they turn local: ``a`` per
-    row, the sends they save left as a margin) and a free replica slot. ``room_W``: seconds
+    copy: up to their room), then on the receivers in ``order`` (total ascending; with the
+    profile's topology those in g's owner's node first: its replica crosses no slow link), each
+    new holder paying ``copy`` seconds of its room, its own rows of g (they turn local: ``a``
+    per row, the sends they save left as a margin) and a free replica slot. ``room_W``: seconds
     below the level per rank (used up as rows are placed, at ``cost_W`` per row). Returns
     ({g: new holders}, pieces moved)."""
     E, blk, slots = fill.E, fill.block, fill.slots
     new: dict[int, list[int]] = {}  # g -> its new holders this pass
-    moved = j = 0
+    moved = 0
+    # receiver queues, each [ranks in total order, the first one not used up]: every rank's,
+    # and with a topology each node's (``order`` split by node)
+    queues: dict[int, list] = {-1: [order, 0]}
+    per_node = getattr(fill.distance, "ranks_per_node", None)
+    if per_node:
+        for y in order:
+            queues.setdefault(y // per_node, [[], 0])[0].append(y)
 
     def ask(rows: float) -> int:
         """Rows to ask a receiver to take: its room rounded to the nearest whole block (at
@@ -270,31 +278,33 @@ def _matched(
                 moved += 1
                 left -= n
                 room_W[y] -= n * cost_W[y]
-            while left >= blk and j < len(order):
-                y = order[j]
-                room = room_W[y] - copy
-                held = y == o or y in fill.holders.get(g, ())
-                if held or fill.held[y] >= slots or room < 0.5 * blk * cost_W[y]:
-                    j += 1  # full, or holds g already (placed above): the next receiver
-                    continue
-                cap = _cap(fill, b, offer)
-                if cap <= 0:  # b's rows of g are used up
-                    break
-                own = fill.col(g)[y]  # y's own rows of g: local at y once it holds g
-                fill.add_holder(g, y)
-                new.setdefault(g, []).append(y)
-                room -= own * a
-                if b == o:  # the owner computes y's own rows no more
-                    left -= own
-                n = min(left, ask(room / cost_W[y]), _cap(fill, b, offer))
-                if n > 0:
-                    fill.move(g, b, y, n)
-                    left -= n
-                    room -= n * cost_W[y]
-                moved += 1
-                room_W[y] = room
-                if room_W[y] < 0.5 * blk * cost_W[y]:
-                    j += 1
+            near = [queues[o // per_node]] if per_node and o // per_node in queues else []
+            for queue in [*near, queues[-1]]:
+                ranks = queue[0]
+                while left >= blk and queue[1] < len(ranks):
+                    y = ranks[queue[1]]
+                    room = room_W[y] - copy
+                    held = y == o or y in fill.holders.get(g, ())
+                    if held or fill.held[y] >= slots or room < 0.5 * blk * cost_W[y]:
+                        queue[1] += 1  # full, or holds g already (placed above): the next one
+                        continue
+                    if _cap(fill, b, offer) <= 0:  # b's rows of g are used up
+                        break
+                    own = fill.rows_of(y, g)  # y's own rows of g: local at y once it holds g
+                    fill.add_holder(g, y)
+                    new.setdefault(g, []).append(y)
+                    room -= own * a
+                    if b == o:  # the owner computes y's own rows no more
+                        left -= own
+                    n = min(left, ask(room / cost_W[y]), _cap(fill, b, offer))
+                    if n > 0:
+                        fill.move(g, b, y, n)
+                        left -= n
+                        room -= n * cost_W[y]
+                    moved += 1
+                    room_W[y] = room
+                    if room_W[y] < 0.5 * blk * cost_W[y]:
+                        queue[1] += 1
             if left < blk:
                 break
     return new, moved

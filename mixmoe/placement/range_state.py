@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from mixmoe.placement.cost_model import StepModel
-from mixmoe.placement.ranges import cut_ranges
+from mixmoe.placement.ranges import cut_ranges_many
 from mixmoe.placement.relay import relay_degrees
 
 __all__ = ["RangeState"]
@@ -75,7 +75,6 @@ class RangeState:
         self.amounts: dict[int, dict[int, int]] = {}
         self.taken = [0] * len(self.own)
         self.helped: dict[int, dict[int, int]] = {}
-        self._cols: dict[int, list[int]] = {}
         self.rows, self.local, self.remote = loads_4W[:3].to(torch.int64).tolist()
         self.replica = loads_4W[3].tolist()
         self.degrees: dict[int, dict[int, float]] = {}
@@ -88,12 +87,10 @@ class RangeState:
         self._total_fns: dict[int, Callable] = {}
         self.moves = 0
 
-    def col(self, g: int) -> list[int]:
-        """C[s][g] for every source s (cached)."""
-        col = self._cols.get(g)
-        if col is None:
-            col = self._cols[g] = self.C_WN[:, g].tolist()
-        return col
+    def rows_of(self, y: int, g: int) -> int:
+        """C[y][g]: one element (a column's ``tolist`` costs ~W elements; a fill reads a few
+        sources of each expert)."""
+        return int(self.C_WN[y, g])
 
     def _owner_part(self, g: int) -> tuple[int, int, int]:
         """The owner's (rows, local, remote) part in g (module doc)."""
@@ -110,7 +107,7 @@ class RangeState:
         its own rows of g turn local (they leave g's stream; when the helpers' amounts then
         exceed the stream, the excess comes off the largest amounts first, ties by rank: those
         rows were y's); the relay is priced by ``relay`` once per pass."""
-        o, c = g // self.E, self.col(g)[y]
+        o, c = g // self.E, self.rows_of(y, g)
         old = self._owner_part(g)
         self._add(o, old, -1)
         self._add(y, (0, 0, c), -1)
@@ -176,11 +173,11 @@ class RangeState:
         as ranges by helper rank, cut at whole blocks (``cut_ranges``)."""
         hot = tuple(sorted(g for g, h in self.holders.items() if h))
         replicas = tuple((g, tuple(self.holders[g])) for g in hot)
-        ranges = []
+        items = []
         for g in sorted(self.amounts):
             amounts = sorted((y, n) for y, n in self.amounts[g].items() if n > 0)
             if amounts:
-                cut = cut_ranges(self.col(g), g // self.E, self.holders[g], amounts, self.block)
-                if cut:
-                    ranges.append((g, cut))
-        return hot, replicas, tuple(ranges)
+                items.append((g, self.holders[g], amounts))
+        cuts = cut_ranges_many(self.C_WN, items, self.E, self.block)
+        ranges = tuple((g, cut) for (g, _, _), cut in zip(items, cuts, strict=True) if cut)
+        return hot, replicas, ranges

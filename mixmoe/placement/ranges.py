@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["cut_ranges", "range_loads", "range_shares", "stream_sources"]
+__all__ = ["cut_ranges", "cut_ranges_many", "range_loads", "range_shares", "stream_sources"]
 
 Share = tuple[int, int]  # (rank computing the run, rows in the run)
 
@@ -60,15 +60,45 @@ def cut_ranges(
     moved to the nearest allowed position (a segment's start or end, or a whole number of
     blocks into it; ties: the lower one) and capped at the stream's end; ranges left with 0
     rows dropped. Deterministic: a pure function of its arguments."""
-    sources = stream_sources(col_W, owner, holders)
-    starts = _prefix(col_W, sources)
+    return _cut(_prefix(col_W, stream_sources(col_W, owner, holders)), amounts, block_size)
+
+
+def cut_ranges_many(
+    C_WN: torch.Tensor, items: Sequence[tuple[int, Iterable[int], Sequence[Share]]], E: int,
+    block_size: int,
+) -> list[tuple[Share, ...]]:  # fmt: skip
+    """``cut_ranges`` of many experts at once: ``items`` [(g, holders, amounts), ...]; the
+    streams' segment starts from one gather and one cumulative sum (a stream's segments as W
+    slots, the excluded sources' empty) instead of a Python pass over W ranks per expert: the
+    same cuts."""
+    if not items:
+        return []
+    W = C_WN.shape[0]
+    gs = [g for g, _, _ in items]
+    cols_GW = C_WN[:, gs].T.clone()
+    own_G = cols_GW[torch.arange(len(gs)), torch.tensor([g // E for g in gs])].tolist()
+    for i, (g, holders, _) in enumerate(items):  # the owner and the holders leave the stream
+        cols_GW[i, [g // E, *holders]] = 0
+    # starts of the W source slots, the owner's segment (last) and the stream's end
+    starts_GW = torch.zeros(len(gs), W + 2, dtype=torch.int64)
+    starts_GW[:, 1 : W + 1] = cols_GW.cumsum(1)
+    starts_GW[:, W + 1] = starts_GW[:, W] + torch.tensor(own_G, dtype=torch.int64)
+    return [
+        _cut(starts, amounts, block_size)
+        for starts, (_, _, amounts) in zip(starts_GW.tolist(), items, strict=True)
+    ]
+
+
+def _cut(starts: list[int], amounts: Sequence[Share], block_size: int) -> tuple[Share, ...]:
+    """``cut_ranges`` given the stream's segment starts and its end (``starts[-1]``; empty
+    segments allowed)."""
     end = starts[-1]
     out, at, want = [], 0, 0
     for y, n in amounts:
         want += n
         q = min(want, end)
         k = bisect_right(starts, q) - 1  # the segment q falls in (or starts at)
-        if k < len(sources):
+        if k < len(starts) - 1:
             off = q - starts[k]
             down = off // block_size * block_size  # the whole block below, or the segment's
             up = min(starts[k + 1] - starts[k], down + block_size)  # next cut: block or end

@@ -237,3 +237,28 @@ def test_plan_mix_fill_option() -> None:
     assert moves.prediction.step_s < none.prediction.step_s
     with pytest.raises(ValueError, match="fill must be one of"):
         plan_mix(C_WN, shape, IB, 4, fill="greedy")
+
+
+def test_level_fill_prefers_receivers_in_the_owners_node() -> None:
+    """Nodes of 2 ranks: rank 0 owns the hot expert 0; rank 3 (the other node) is the least
+    loaded, rank 1 (rank 0's node) close behind. With one link rank 3 is served first and takes
+    the larger piece; with the topology rank 1 is (its replica crosses no slow link)."""
+    from mixmoe.placement.relay import node_distance
+
+    W, E = 4, 1
+    C_WN = torch.tensor([[1200, 0, 0, 0], [0, 620, 0, 0], [0, 0, 1100, 0], [0, 0, 0, 600]])
+    shape = LayerShape(64, 128, E, W, 2)
+    nodes = dataclasses.replace(
+        CHEAP_LINK, ranks_per_node=2, inter_node_bandwidth=1e12, inter_node_latency=1e-9
+    )
+    amounts = {}
+    for name, profile in (("one-link", CHEAP_LINK), ("nodes", nodes)):
+        C, colsum_N, _ = counts_with_sums(C_WN, shape)
+        P = predict(C, (), shape, profile)
+        loads, _ = plan_pricing(C, Plan((), (), P, P, relay=True), E)
+        fill = RangeState(step_model(shape, profile, True), C, E, {}, 8, BLOCK_SIZE,
+                          node_distance(profile), colsum_N, True, loads)  # fmt: skip
+        assert level_fill(fill, 1, 1.0) > 0
+        amounts[name] = fill.amounts[0]
+    assert amounts["one-link"][3] > amounts["one-link"][1], amounts
+    assert amounts["nodes"][1] > amounts["nodes"][3], amounts

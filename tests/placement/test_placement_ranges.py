@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mixmoe.placement.cost_model import Prediction, plan_pricing
 from mixmoe.placement.plan import Plan
-from mixmoe.placement.ranges import cut_ranges, range_shares, stream_sources
+from mixmoe.placement.ranges import cut_ranges, cut_ranges_many, range_shares, stream_sources
 
 P = Prediction((), (), (), (), (), 0.0)
 
@@ -190,3 +190,13 @@ def test_check_ranges_errors() -> None:
     ok = _plan(replicas=holders, ranges=((0, ((1, 48),)),))  # 40 of rank 2, 1 block of rank 0
     ok.check_shares(C, 1, 8)
     assert ok.expanded(C, 1).shares == ((0, 0, ((1, 8), (0, 12))), (2, 0, ((1, 40),)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(_ranged(blocks=False), st.sampled_from([1, 16, 64]))
+def test_cut_ranges_many_equals_one_at_a_time(case, blk) -> None:
+    """The batched cuts (one gather, one cumulative sum) equal ``cut_ranges`` expert by expert."""
+    C, E, plan, _ = case
+    items = [(g, plan.holders(g), ranges) for g, ranges in plan.ranges]
+    want = [cut_ranges(C[:, g].tolist(), g // E, h, a, blk) for g, h, a in items]
+    assert cut_ranges_many(C, items, E, blk) == want

@@ -16,6 +16,7 @@ import torch
 from mixmoe.dispatch.replicas import RelayPlan
 from mixmoe.dispatch.step_shares import SourceRuns, share_fields
 from mixmoe.placement.plan import Plan
+from mixmoe.placement.ranges import range_rows_moved
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,10 @@ def build_step_plan(
     ``distance``; else the owner's flat fan-out), as the cost model priced them."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
-    plan = plan.expanded(C_WN, E)  # ranges (the planner's compact form) as share entries
+    # ranges (the planner's compact form) as the share entries this rank reads; the rows they
+    # move across ranks (a total over every rank's segments) in closed form
+    explicit, ranges_moved = plan.shares, range_rows_moved(C_WN, plan, E)
+    plan = plan.expanded(C_WN, E, r)
     rep = plan.replica_slots(r)
     # rows of (source s, expert g) that stay at s although g is owned elsewhere: s holds a replica
     replicated_WN = torch.zeros(W, N, dtype=torch.bool)
@@ -88,7 +92,7 @@ def build_step_plan(
     recv_counts = recv_WE.reshape(-1).tolist()  # source-major, then own expert
     recv_slots = list(range(E)) * W
     out_splits = recv_WE.sum(1).tolist()
-    rows_moved = int(torch.where(stays_WN, 0, C_WN).sum())
+    rows_moved = int(torch.where(stays_WN, 0, C_WN).sum()) + ranges_moved
     fetch = RelayPlan.build(plan.replicas, r, W, E, distance, relay=plan.relay)
     assert fetch.recv_experts == tuple(rep), "replica slot order must match the fetch order"
     step = StepPlan(
@@ -104,4 +108,5 @@ def build_step_plan(
     )
     if not plan.shares:
         return step
-    return dataclasses.replace(step, **share_fields(C_WN, plan, r, E, recv_WE, rows_moved))
+    fields = share_fields(C_WN, plan, r, E, recv_WE, rows_moved, explicit)
+    return dataclasses.replace(step, **fields)

@@ -56,10 +56,13 @@ def share_fields(
     experts_per_rank: int,
     recv_WE: torch.Tensor,
     rows_moved: int,
+    moved_by: tuple | None = None,
 ) -> dict:
     """The ``StepPlan`` fields a share plan changes, for ``rank``: ``recv_WE`` and ``rows_moved``
     are the replica rule's (``build_step_plan``'s vectorised values), patched here segment by
-    segment for the share entries only."""
+    segment for the share entries only. ``plan``'s entries may be those ``rank`` reads only
+    (``Plan.expanded(..., rank)``); ``moved_by``: then the entries whose rows crossing ranks
+    ``rows_moved`` does not count yet (default: all of ``plan``'s)."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
     rep = plan.replica_slots(r)
@@ -98,7 +101,7 @@ def share_fields(
     recv_WM[r] = 0
 
     # -- rows crossing ranks: the replica rule's total, corrected for the shared segments
-    for s, g, runs in plan.shares:
+    for s, g, runs in plan.shares if moved_by is None else moved_by:
         before = int(C_WN[s, g]) if plan.computed_at(s, g, E) != s else 0
         rows_moved += sum(n for c, n in runs if c != s) - before
 

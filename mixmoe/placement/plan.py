@@ -112,14 +112,15 @@ class Plan:
         object.__setattr__(out, "baseline", baseline)
         return out
 
-    def expanded(self, counts_WN, experts_per_rank: int) -> Plan:
+    def expanded(self, counts_WN, experts_per_rank: int, rank: int | None = None) -> Plan:
         """This plan with its ranges turned into share entries (``ranges.range_shares``): the
         same placement, in the form the dispatcher reads (``segment_runs``); itself when it has
-        no ranges."""
+        no ranges. ``rank``: only the entries that rank's dispatch reads (its own segments and
+        those of the experts it owns or holds; a W = 1024 plan's ranges cover ~10**5 segments)."""
         if not self.ranges:
             return self
         C_WN = torch.as_tensor(counts_WN)
-        shares = sorted([*self.shares, *range_shares(C_WN, self, experts_per_rank)])
+        shares = sorted([*self.shares, *range_shares(C_WN, self, experts_per_rank, rank)])
         return Plan(self.hot, self.replicas, self.prediction, self.baseline, tuple(shares),
                     self.relay)  # fmt: skip
 

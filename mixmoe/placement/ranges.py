@@ -25,7 +25,14 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["cut_ranges", "cut_ranges_many", "range_loads", "range_shares", "stream_sources"]
+__all__ = [
+    "cut_ranges",
+    "cut_ranges_many",
+    "range_loads",
+    "range_rows_moved",
+    "range_shares",
+    "stream_sources",
+]
 
 Share = tuple[int, int]  # (rank computing the run, rows in the run)
 
@@ -143,43 +150,87 @@ def check_ranges(C_WN: torch.Tensor, plan, experts_per_rank: int, block_size: in
                 )
 
 
-def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int) -> list:
+def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | None = None) -> list:
     """The share entries (``Plan.shares``' form: ``(s, g, ((rank, rows), ...))``) of ``plan``'s
     ranges: every segment a range covers, cut into its runs in stream order (helpers' runs,
     then the owner's rest); segments the ranges leave whole at the owner have none. Sorted by
-    (s, g)."""
+    (s, g). ``rank``: only the entries that rank's dispatch reads (``Plan.expanded``): its own
+    segments (s == rank), and every segment of the experts it owns or holds a replica of."""
     E = experts_per_rank
     if not plan.ranges:
         return []
-    cols = C_WN[:, [g for g, _ in plan.ranges]].T.tolist()
+    gs = [g for g, _ in plan.ranges]
+    full = [rank is None or g // E == rank or rank in plan.holders(g) for g in gs]
+    mine = {}  # g -> where rank's segment starts in g's stream (the experts not expanded)
+    if not all(full):
+        part = [i for i, f in enumerate(full) if not f]
+        cols_GW = C_WN[:, [gs[i] for i in part]].T.clone()
+        for k, i in enumerate(part):  # the owner and the holders leave the stream
+            g = gs[i]
+            cols_GW[k, [g // E, *plan.holders(g)]] = 0
+        # rank's segment starts after the stream's sources below it (the owner comes last)
+        starts = cols_GW[:, :rank].sum(1) if rank else torch.zeros(len(part), dtype=torch.int64)
+        rows = cols_GW[:, rank].tolist()
+        for k, i in enumerate(part):
+            mine[gs[i]] = (int(starts[k]), rows[k])
+    cols = C_WN[:, [g for g, f in zip(gs, full, strict=True) if f]].T.tolist()
     out = []
-    for (g, ranges), col_W in zip(plan.ranges, cols, strict=True):
+    at = 0
+    for (g, ranges), f in zip(plan.ranges, full, strict=True):
         o = g // E
-        sources = stream_sources(col_W, o, plan.holders(g))
-        starts = _prefix(col_W, sources)
         # range i covers stream rows [ends[i - 1], ends[i]); the owner the rest
         ends, q = [], 0
         for _, n in ranges:
             q += n
             ends.append(q)
-        i = 0
+        if not f:
+            lo, c = mine[g]
+            if c and lo < q:  # rank's segment, partly or wholly in the ranges
+                out.append((rank, g, _runs(lo, lo + c, ranges, ends, o)))
+            continue
+        col_W = cols[at]
+        at += 1
+        sources = stream_sources(col_W, o, plan.holders(g))
+        starts = _prefix(col_W, sources)
         for k, s in enumerate(sources):
             lo, hi = starts[k], starts[k + 1]
             if lo >= q:  # this segment and the rest: whole at the owner (the replica rule)
                 break
-            runs = []
-            while lo < hi:
-                while i < len(ends) and ends[i] <= lo:  # ranges ending before this row
-                    i += 1
-                if i < len(ends):
-                    top = min(hi, ends[i])
-                    runs.append((ranges[i][0], top - lo))
-                else:
-                    top = hi
-                    runs.append((o, top - lo))
-                lo = top
-            out.append((s, g, tuple(runs)))
+            out.append((s, g, _runs(lo, hi, ranges, ends, o)))
     out.sort(key=lambda e: (e[0], e[1]))
+    return out
+
+
+def _runs(lo: int, hi: int, ranges, ends: list[int], owner: int) -> tuple[Share, ...]:
+    """The runs of the segment at stream rows [lo, hi): the ranges' ranks where they cover it
+    (``ends``: each range's end), the owner past the last."""
+    runs = []
+    i = bisect_right(ends, lo)  # the first range ending after lo
+    while lo < hi:
+        if i < len(ends):
+            top = min(hi, ends[i])
+            runs.append((ranges[i][0], top - lo))
+            i += 1
+        else:
+            top = hi
+            runs.append((owner, top - lo))
+        lo = top
+    return tuple(runs)
+
+
+def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
+    """Rows that cross ranks because of ``plan``'s ranges, beyond the replica rule: the owner's
+    own rows its helpers take (the other sources' rows cross either way, to the owner or to a
+    helper)."""
+    E = experts_per_rank
+    if not plan.ranges:
+        return 0
+    cols = C_WN[:, [g for g, _ in plan.ranges]].T.tolist()
+    out = 0
+    for (g, ranges), col_W in zip(plan.ranges, cols, strict=True):
+        o = g // E
+        others = sum(col_W) - col_W[o] - sum(col_W[h] for h in plan.holders(g))
+        out += max(0, sum(n for _, n in ranges) - others)
     return out
 
 

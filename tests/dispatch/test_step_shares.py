@@ -121,3 +121,40 @@ def test_plan_without_shares_keeps_the_fast_path():
     C_WN = torch.tensor([[5, 0], [3, 9]])
     step = build_step_plan(C_WN, plan_none(C_WN, LayerShape(8, 16, 1, 2, 4), PROFILE), 0, 1)
     assert step.runs is None and step.recv_replica == [] and step.owned_rows_stay()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ranges_plan_bookkeeping_equals_its_full_expansion(seed: int) -> None:
+    """A plan with row ranges (each rank expanding only the entries it reads, its rows moved
+    in closed form) gives every rank the same ``StepPlan`` as the plan with every range
+    expanded into share entries (the share path, no ranges code)."""
+    from mixmoe.placement.ranges import cut_ranges, range_shares, stream_sources
+
+    rng = random.Random(seed)
+    W, E = rng.randint(2, 6), rng.randint(1, 3)
+    N = W * E
+    gen = torch.Generator().manual_seed(seed)
+    C_WN = torch.randint(0, 3 * B * 4, (W, N), generator=gen)
+    C_WN[torch.rand(W, N, generator=gen) < 0.3] = 0
+    replicas, ranges = [], []
+    for g in sorted(rng.sample(range(N), rng.randint(1, N))):
+        o = g // E
+        others = [r for r in range(W) if r != o]
+        holders = tuple(sorted(rng.sample(others, rng.randint(1, len(others)))))
+        replicas.append((g, holders))
+        col = C_WN[:, g].tolist()
+        total = sum(col[s] for s in stream_sources(col, o, holders))
+        helpers = rng.sample(holders, rng.randint(1, len(holders)))
+        cut = cut_ranges(col, o, holders, [(y, rng.randint(1, total + 1)) for y in helpers], B)
+        if cut:
+            ranges.append((g, cut))
+    base = plan_none(C_WN, LayerShape(8, 16, E, W, 2), PROFILE)
+    hot = tuple(g for g, _ in replicas)
+    plan = Plan(hot, tuple(replicas), base.prediction, base.baseline, relay=True,
+                ranges=tuple(ranges))  # fmt: skip
+    full = plan.expanded(C_WN, E)
+    assert not full.ranges
+    for r in range(W):
+        mine = range_shares(C_WN, plan, E, r)
+        assert set(mine) <= set(full.shares)  # a subset of the entries, the same runs
+        assert build_step_plan(C_WN, plan, r, E) == build_step_plan(C_WN, full, r, E), r

@@ -200,3 +200,16 @@ def test_cut_ranges_many_equals_one_at_a_time(case, blk) -> None:
     items = [(g, plan.holders(g), ranges) for g, ranges in plan.ranges]
     want = [cut_ranges(C[:, g].tolist(), g // E, h, a, blk) for g, h, a in items]
     assert cut_ranges_many(C, items, E, blk) == want
+
+
+def test_a_range_ending_where_a_segment_starts() -> None:
+    """Expert 0 (owner 0, holders 1 and 3): stream = rank 2's 40 rows, then rank 0's 20. The
+    first range ends exactly at the owner's segment: that segment starts in the second range."""
+    C = torch.tensor([[20, 0, 0, 0], [8, 0, 0, 0], [40, 0, 0, 0], [4, 0, 0, 0]])
+    plan = _plan(replicas=((0, (1, 3)),), ranges=((0, ((1, 40), (3, 8))),))
+    plan.check_shares(C, 1, 8)
+    want = ((0, 0, ((3, 8), (0, 12))), (2, 0, ((1, 40),)))
+    assert plan.expanded(C, 1).shares == want
+    for rank in range(4):  # each rank's entries: its own segment, and all of an expert it holds
+        mine = plan.expanded(C, 1, rank).shares
+        assert mine == tuple(e for e in want if e[0] == rank or rank in (0, 1, 3))

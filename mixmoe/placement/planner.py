@@ -52,7 +52,7 @@ BALANCED = (
 )
 FILL_STOP = BALANCED  # a fill stops once its max rank total is within 2% of its mean
 SPREAD_WHEN = 1.05  # the spread start is filled when the best fill ends > 5% above its mean
-LEVEL_PASSES = 8  # batched passes per fill (``level_fill``; most fills stop after 2-5)
+LEVEL_PASSES = 6  # batched passes per fill (``level_fill``; most fills stop after 2-5)
 FILLS = ("level", "moves")  # plan_mix's fill: batched passes, or the move-by-move search
 _EXP_STARTS = None
 _EXP_SPREAD = True  # the spread start is filled when the best fill ends > 5% above its mean

@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 Share = tuple[int, int]  # (rank computing the run, rows in the run)
+LIST_CUT_W = 64  # ranks up to which ``cut_ranges_many`` cuts on Python lists
 
 
 def stream_sources(col_W: Sequence[int], owner: int, holders: Iterable[int]) -> list[int]:
@@ -82,6 +83,12 @@ def cut_ranges_many(
         return []
     W = C_WN.shape[0]
     gs = [g for g, _, _ in items]
+    if W <= LIST_CUT_W:  # a few columns: Python lists cost less than the tensor ops
+        cols = C_WN[:, gs].T.tolist()
+        return [
+            cut_ranges(col, g // E, holders, amounts, block_size)
+            for col, (g, holders, amounts) in zip(cols, items, strict=True)
+        ]
     cols_GW = C_WN[:, gs].T.clone()
     own_G = cols_GW[torch.arange(len(gs)), torch.tensor([g // E for g in gs])].tolist()
     for i, (g, holders, _) in enumerate(items):  # the owner and the holders leave the stream

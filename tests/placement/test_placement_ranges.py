@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mixmoe.placement.ranges as ranges_module
 from mixmoe.placement.cost_model import Prediction, plan_pricing
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.ranges import cut_ranges, cut_ranges_many, range_shares, stream_sources
@@ -193,13 +194,19 @@ def test_check_ranges_errors() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(_ranged(blocks=False), st.sampled_from([1, 16, 64]))
-def test_cut_ranges_many_equals_one_at_a_time(case, blk) -> None:
-    """The batched cuts (one gather, one cumulative sum) equal ``cut_ranges`` expert by expert."""
+@given(_ranged(blocks=False), st.sampled_from([1, 16, 64]), st.sampled_from([0, 64]))
+def test_cut_ranges_many_equals_one_at_a_time(case, blk, list_w) -> None:
+    """The batched cuts (one gather, one cumulative sum; ``LIST_CUT_W`` = 0 forces them at
+    these small W) equal ``cut_ranges`` expert by expert."""
     C, E, plan, _ = case
     items = [(g, plan.holders(g), ranges) for g, ranges in plan.ranges]
     want = [cut_ranges(C[:, g].tolist(), g // E, h, a, blk) for g, h, a in items]
-    assert cut_ranges_many(C, items, E, blk) == want
+    saved = ranges_module.LIST_CUT_W
+    ranges_module.LIST_CUT_W = list_w
+    try:
+        assert cut_ranges_many(C, items, E, blk) == want
+    finally:
+        ranges_module.LIST_CUT_W = saved
 
 
 def test_a_range_ending_where_a_segment_starts() -> None:

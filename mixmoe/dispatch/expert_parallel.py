@@ -240,7 +240,7 @@ class ExpertParallelDispatcher:
         plan = self.spec.planner(C, shape, profile, cfg)
         if self.plan_hook is not None:
             plan = self.plan_hook(C, plan)
-        if plan.shares or plan.ranges:
+        if plan.shares or plan.ranges or plan.kept:
             plan.check_shares(C, self.experts_per_rank, cfg.block_size)
         return plan
 

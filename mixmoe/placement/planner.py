@@ -277,8 +277,10 @@ def _fill_plan(fill: WaterFill | RangeState) -> Plan:
     """The plan a fill's state stands for (unpriced): its holders by the relay, and its rows as
     ranges (``RangeState``) or share entries (``WaterFill``)."""
     if isinstance(fill, RangeState):
-        hot, replicas, ranges = fill.plan_fields()
-        return Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, relay=True, ranges=ranges)
+        hot, replicas, ranges, kept = fill.plan_fields()
+        return Plan(
+            hot, replicas, _NO_PREDICTION, _NO_PREDICTION, relay=True, ranges=ranges, kept=kept
+        )
     hot = tuple(sorted(g for g, h in fill.holders.items() if h))
     replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
     return Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)

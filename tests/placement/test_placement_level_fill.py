@@ -135,10 +135,10 @@ def test_level_fill_bookkeeping_is_the_priced_plan(
     W, E, rows, hot, seed, name, hot_rank, start_hot
 ) -> None:
     """After every pass, the fill's own loads, rounds and totals equal the cost model's
-    pricing of the plan with its amounts as ranges (before they are cut at whole blocks), both
-    in closed form and expanded into share entries (the share loop: no ranges code); the
-    plan it emits (cut) passes ``check_shares``, expanded too, and no rank holds more
-    replicas than its slots."""
+    pricing of the plan with its amounts as ranges and its kept holders' local rows (before
+    they are cut or rounded to whole blocks), both in closed form and expanded into share
+    entries (the share loop: no ranges code); the plan it emits (cut) passes
+    ``check_shares``, expanded too, and no rank holds more replicas than its slots."""
     fill, C_WN, P = _fill(W, E, rows, seed, hot, hot_rank, PROFILES[name], start_hot)
     for _ in range(6):
         if not level_fill(fill, 1, 1.0):
@@ -150,7 +150,8 @@ def test_level_fill_bookkeeping_is_the_priced_plan(
             for g in sorted(fill.amounts)
             if any(fill.amounts[g].values())
         )
-        plan = Plan(hot_g, replicas, P, P, relay=True, ranges=uncut)
+        unrounded = tuple((g, tuple(sorted(k.items()))) for g, k in sorted(fill.kept.items()))
+        plan = Plan(hot_g, replicas, P, P, relay=True, ranges=uncut, kept=unrounded)
         want = [fill.rows, fill.local, fill.remote, fill.replica]
         for priced_plan in (plan, plan.expanded(C_WN, E)):
             priced, rounds = plan_pricing(C_WN, priced_plan, E)
@@ -158,8 +159,8 @@ def test_level_fill_bookkeeping_is_the_priced_plan(
             assert rounds == fill.rounds
         pred = fill.model.prediction_W(priced, rounds)
         assert list(map(float.__add__, pred.compute_s, pred.comm_s)) == fill.totals
-        hot_g, replicas, ranges = fill.plan_fields()
-        emitted = Plan(hot_g, replicas, P, P, relay=True, ranges=ranges)
+        hot_g, replicas, ranges, kept = fill.plan_fields()
+        emitted = Plan(hot_g, replicas, P, P, relay=True, ranges=ranges, kept=kept)
         emitted.check_shares(C_WN.tolist(), E, BLOCK_SIZE)
         emitted.expanded(C_WN, E).check_shares(C_WN.tolist(), E, BLOCK_SIZE)
         held = [0] * W

@@ -56,7 +56,8 @@ class Plan:
                 segment (y, g) locally; the other C[y][g] - local_rows stay in g's stream at
                 y's place (``mixmoe.placement.ranges``). Holders distinct; a holder not listed
                 keeps all its rows local (the replica rule); an expert here has no share entry.
-                ``check_shares``: each y a holder, local_rows < C[y][g], whole blocks.
+                ``check_shares``: each y a holder, local_rows < C[y][g], whole blocks, and
+                no range of y's own covering its rest (keep those rows local instead).
     relay:      whether the replica weights travel by the relay (``relay_messages``: scatter +
                 all-gather of chunks, split by node across nodes) and are priced so
                 (``cost_model.plan_pricing``); False (default, today's plans): the

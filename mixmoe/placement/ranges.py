@@ -150,8 +150,8 @@ def _experts(plan) -> list[tuple[int, tuple[Share, ...], Kept]]:
 def check_ranges(C_WN: torch.Tensor, plan, experts_per_rank: int, block_size: int) -> None:
     """ValueError unless every kept entry of ``plan`` names holders of its expert keeping a
     whole number of blocks, fewer than their segment's rows, and every range entry names only
-    holders of its expert (never the owner), fits in the expert's stream, and cuts inside a
-    segment only at whole blocks."""
+    holders of its expert (never the owner), fits in the expert's stream, cuts inside a
+    segment only at whole blocks, and gives no kept holder rows of its own rest."""
     E = experts_per_rank
     experts = _experts(plan)
     if not experts:
@@ -179,7 +179,15 @@ def check_ranges(C_WN: torch.Tensor, plan, experts_per_rank: int, block_size: in
         sources = stream_sources(col_W, o, holders, kept)
         starts = _prefix(col_W, sources, kept)
         q = 0
-        for _, n in ranges:
+        for y, n in ranges:
+            if y in kept:  # y's range [q, q + n) against its own rest in the stream
+                k = sources.index(y)
+                if q < starts[k + 1] and starts[k] < q + n:
+                    raise ValueError(
+                        f"ranges of expert {g} {ranges} give kept holder {y} rows of its own "
+                        f"rest (stream rows {starts[k]}..{starts[k + 1]}): keep them local "
+                        "(raise its kept local rows) instead"
+                    )
             q += n
             if q > starts[-1]:
                 raise ValueError(
@@ -198,8 +206,7 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
     """The share entries (``Plan.shares``' form: ``(s, g, ((rank, rows), ...))``) of ``plan``'s
     ranges and kept holders: every segment a range covers, cut into its runs in stream order
     (helpers' runs, then the owner's rest), and every kept holder's segment (its local rows
-    first, when any, then its stream part's runs; a run of y's own range right after merges
-    with them); other segments have none (the replica rule). Sorted by (s, g). ``rank``: only
+    first, when any, then its stream part's runs); other segments have none (the replica rule). Sorted by (s, g). ``rank``: only
     the entries that rank's dispatch reads (``Plan.expanded``): its own segments (s == rank),
     and every segment of the experts it owns or holds a replica of."""
     E = experts_per_rank
@@ -249,12 +256,8 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
                     continue
                 out.append((s, g, _runs(lo, hi, ranges, ends, o)))
                 continue
-            runs = _runs(lo, hi, ranges, ends, o)
-            if local and runs[0][0] == s:  # s's own range takes up its rest first: one run
-                runs = ((s, local + runs[0][1]), *runs[1:])
-            elif local:
-                runs = ((s, local), *runs)
-            out.append((s, g, runs))
+            runs = _runs(lo, hi, ranges, ends, o)  # never at s (``check_ranges``)
+            out.append((s, g, ((s, local), *runs) if local else runs))
     out.sort(key=lambda e: (e[0], e[1]))
     return out
 
@@ -276,28 +279,19 @@ def _runs(lo: int, hi: int, ranges, ends: list[int], owner: int) -> tuple[Share,
     return tuple(runs)
 
 
-def _kept_terms(col_W: list[int], o: int, holders, ranges, kept: Kept) -> tuple[int, dict, dict]:
-    """(others, rest, own): the stream's rows from sources other than the owner ``o``; each
-    kept holder's rest in the stream {y: C[y][g] - local}; and the rows of that rest its own
-    range covers {y: rows} (a kept holder taking a range over its own rest: they stay at y)."""
-    sources = stream_sources(col_W, o, holders, kept)
-    starts = _prefix(col_W, sources, kept)
-    others = starts[-1] - col_W[o]
-    rest = {y: col_W[y] - local for y, local in kept.items()}
-    own, hi = {}, 0
-    for y, n in ranges:
-        hi += n
-        if y in kept:  # rows of y's range inside y's own stream part
-            k = sources.index(y)
-            own[y] = max(0, min(hi, starts[k + 1]) - max(hi - n, starts[k]))
-    return others, rest, own
+def _stream_terms(col_W: list[int], o: int, holders, kept: Kept) -> tuple[int, int]:
+    """(others, rest): the stream's rows from sources other than the owner ``o``, and the kept
+    holders' rests in it (C[y][g] - local, summed)."""
+    held = sum(col_W[h] for h in holders)
+    rest = sum(col_W[y] - local for y, local in kept.items())
+    return sum(col_W) - col_W[o] - held + rest, rest
 
 
 def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
     """Rows that cross ranks because of ``plan``'s ranges and kept holders, beyond the replica
     rule: the owner's own rows its helpers take (the other sources' rows cross either way, to
-    the owner or to a helper), and each kept holder's rest (it crosses, but for the rows its
-    own range covers)."""
+    the owner or to a helper), and each kept holder's rest (it crosses: no range of the
+    holder's own covers it, ``check_ranges``)."""
     E = experts_per_rank
     experts = _experts(plan)
     if not experts:
@@ -305,9 +299,8 @@ def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
     cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
     out = 0
     for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
-        others, rest, own = _kept_terms(col_W, g // E, plan.holders(g), ranges, kept)
-        out += max(0, sum(n for _, n in ranges) - others)
-        out += sum(rest.values()) - sum(own.values())
+        others, rest = _stream_terms(col_W, g // E, plan.holders(g), kept)
+        out += max(0, sum(n for _, n in ranges) - others) + rest
     return out
 
 
@@ -325,7 +318,7 @@ def range_loads(
     (received). Then the ranges: a helper y computes its n rows, received (remote at y); the
     owner computes them no more: the other sources' rows first (it no longer receives them),
     then its own (it now sends them: remote, no longer local). Sources send as before (to
-    another rank), but for the rows of a kept holder's rest its own range covers: local at y."""
+    another rank: a kept holder's rest is never in its own range, ``check_ranges``)."""
     E = experts_per_rank
     experts = _experts(plan)
     if not experts:
@@ -333,20 +326,15 @@ def range_loads(
     cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
     for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
         o = g // E
-        if kept:
-            others, rest, own_y = _kept_terms(col_W, o, plan.holders(g), ranges, kept)
-            for y, d in rest.items():  # the replica rule undone for the rest
-                rows[y] -= d
-                local[y] -= d
-                remote[y] += d
-                rows[o] += d
-                remote[o] += d
-            for y, m in own_y.items():  # its own rows, back at y: neither sent nor received
-                local[y] += m
-                remote[y] -= 2 * m
-        else:
-            held = sum(col_W[h] for h in plan.holders(g))
-            others = sum(col_W) - col_W[o] - held  # the other sources' rows in the stream
+        # the other sources' rows in the stream (kept holders' rests included)
+        others, _ = _stream_terms(col_W, o, plan.holders(g), kept)
+        for y, local_y in kept.items():  # the replica rule undone for y's rest d
+            d = col_W[y] - local_y
+            rows[y] -= d
+            local[y] -= d
+            remote[y] += d
+            rows[o] += d
+            remote[o] += d
         taken = 0
         for y, n in ranges:
             rows[y] += n

@@ -23,7 +23,8 @@ a ``RangeState`` (rows per (expert, helper), no segments: ``mixmoe.placement.ran
 3. pieces (``_matched``): each donor above L (total descending) sheds (T_b - L) / save_b rows,
    its heaviest expert first: on the ranks that own or hold it (no copy), then on the ranks
    below L - copy in total order (each new holder pays its copies out of its room, computes
-   its own rows of the expert from then on, and needs a free replica slot), the next expert
+   its own rows of the expert from then on, as many whole blocks of them as its room takes:
+   the rest stay in the stream, ``Plan.kept``, and needs a free replica slot), the next expert
    once its rows are out. Pieces are asked to the nearest whole block; which segments they
    are is left to the plan (``RangeState.plan_fields``: ranges of each expert's stream);
 4. each expert's relay priced once for its new holders (``RangeState.relay``), then every
@@ -242,7 +243,10 @@ def _matched(
     copy: up to their room), then on the receivers in ``order`` (total ascending; with the
     profile's topology those in g's owner's node first: its replica crosses no slow link), each
     new holder paying ``copy`` seconds of its room, its own rows of g (they turn local: ``a``
-    per row, the sends they save left as a margin) and a free replica slot. ``room_W``: seconds
+    per row, the sends they save left as a margin; when they do not all fit, only the whole
+    blocks that do: a *kept* holder, the rest of its rows staying in g's stream, none when
+    not one block fits) and a free replica slot. A kept holder among g's holders takes back
+    its own rows first (from the owner only; ``RangeState.keep_more``), none of the stream's. ``room_W``: seconds
     below the level per rank (used up as rows are placed, at ``cost_W`` per row). Returns
     ({g: new holders}, pieces moved)."""
     E, blk, slots = fill.E, fill.block, fill.slots
@@ -271,6 +275,16 @@ def _matched(
                     break
                 if y == b or room_W[y] < 0.5 * blk * cost_W[y]:
                     continue
+                rest = fill.kept_rest(g, y)
+                if rest:  # a kept holder takes back its own rows (local: a per row), no others
+                    if b == o and room_W[y] >= 0.5 * blk * a:
+                        k = min(rest, left, ask(room_W[y] / a), _cap(fill, b, offer))
+                        if k > 0:
+                            fill.keep_more(g, y, k)
+                            moved += 1
+                            left -= k
+                            room_W[y] -= k * a
+                    continue
                 n = min(left, ask(room_W[y] / cost_W[y]), _cap(fill, b, offer))
                 if n <= 0:  # b's rows of g are used up
                     break
@@ -291,13 +305,20 @@ def _matched(
                     if _cap(fill, b, offer) <= 0:  # b's rows of g are used up
                         break
                     own = fill.rows_of(y, g)  # y's own rows of g: local at y once it holds g
-                    fill.add_holder(g, y)
+                    if own * a > room:  # all would take y past the level: whole blocks that fit
+                        own = int(room / a) // blk * blk
+                        if own == 0:
+                            queue[1] += 1
+                            continue
+                        fill.add_holder(g, y, own)  # y kept: its other rows stay in the stream
+                    else:
+                        fill.add_holder(g, y)
                     new.setdefault(g, []).append(y)
                     room -= own * a
                     if b == o:  # the owner computes y's own rows no more
                         left -= own
                     n = min(left, ask(room / cost_W[y]), _cap(fill, b, offer))
-                    if n > 0:
+                    if n > 0 and not fill.kept_rest(g, y):
                         fill.move(g, b, y, n)
                         left -= n
                         room -= n * cost_W[y]

@@ -199,11 +199,13 @@ def plan_mix(
         # the winner's plan (shares) is built and priced, once
         starts = [dict(best.replicas)] + ([{}] if best.hot else [])
         won, won_step = None, best.prediction.step_s
+        overshot = 0  # the level fills' new holders past their level (``RangeState.overshot``)
         for start in starts:
             loads_4W = start_loads.get(tuple(sorted(start)))
             state = _water_fill(C_WN, colsum_N, shape, model, start, slots, block_size,
                                 profile, won_step, fill, loads_4W, base_4W)  # fmt: skip
             if state is not None:
+                overshot += getattr(state, "overshot", 0)
                 step = _fill_step(state, model, C_WN, E, profile, base_4W)
                 if step < won_step:
                     won, won_step = state, step
@@ -215,6 +217,21 @@ def plan_mix(
             spread = spread_start(C_WN, colsum_N, E, slots)
             state = _water_fill(C_WN, colsum_N, shape, model, spread, slots, block_size,
                                 profile, won_step, fill, None, base_4W) if spread else None  # fmt: skip
+            if state is not None:
+                overshot += getattr(state, "overshot", 0)
+                step = _fill_step(state, model, C_WN, E, profile, base_4W)
+                if step < won_step:
+                    won, won_step = state, step
+        # a fill made new holders whose own rows of a hot expert took them past its level (seeds
+        # W = 8 zipf: ~30% of their rows) and the step is above the level of nothing
+        # replicated (the mean of the baseline's totals; a fill's own mean counts its start's
+        # copies): the kept fill, from nothing replicated, its new holders keeping only the
+        # whole blocks of their own rows that fit (``Plan.kept``); it wins only with a lower
+        # prediction
+        base_mean = sum(map(float.__add__, best.baseline.compute_s, best.baseline.comm_s)) / W
+        if overshot and won_step > FILL_STOP * base_mean:
+            state = _water_fill(C_WN, colsum_N, shape, model, {}, slots, block_size, profile,
+                                won_step, fill, None, base_4W, kept=True)  # fmt: skip
             if state is not None:
                 step = _fill_step(state, model, C_WN, E, profile, base_4W)
                 if step < won_step:
@@ -324,6 +341,7 @@ def _water_fill(
     fill: str = "level",
     loads_4W: torch.Tensor | None = None,
     base_4W: torch.Tensor | None = None,
+    kept: bool = False,
 ) -> WaterFill | RangeState | None:
     """``RangeState`` (level) or ``WaterFill`` (moves) from the replicas ``start`` after its fill; None if nothing moved.
     ``fill``: "level" (``level_fill``'s passes, up to ``LEVEL_PASSES``) or "moves" (the
@@ -333,7 +351,8 @@ def _water_fill(
     the last moves of a nearly level fill gain < 1% each; planning time:
     ``docs/results/balance-after.md``). ``loads_4W``: the start plan's
     ``plan_pricing`` under relay, when the caller has it; ``base_4W``: the aggregates with
-    nothing replicated (``baseline_loads``), when the caller has them."""
+    nothing replicated (``baseline_loads``), when the caller has them. ``kept``: the level
+    fill's new holders keep only the own rows that fit under its level (``level_fill``)."""
     W, E = shape.world_size, shape.experts_per_rank
     if loads_4W is None:
         hot = tuple(sorted(start))
@@ -346,7 +365,7 @@ def _water_fill(
     if fill == "level":
         state = RangeState(model, C_WN, E, start, slots, block_size, distance, colsum_N,
                            any_remote, loads_4W[:4])  # fmt: skip
-        state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP)
+        state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP, kept)
         return state if state.moves else None
     state = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     state.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])

@@ -388,7 +388,8 @@ class ExpertParallelDispatcher:
             "max_rows": max(rows_W),
             "mean_rows": sum(rows_W) / W,
             "replica_cached": cached,
-            "shares": len(plan.shares) + len(plan.ranges),  # helper entries: segments, ranges
+            # helper entries: segments, ranges, experts with kept holders
+            "shares": len(plan.shares) + len(plan.ranges) + len(plan.kept),
         }
         meta = StepMeta(
             layout, step, plan, routing.weights_TK, moving, counts_N, stats, C.sum(dim=0)

@@ -309,7 +309,8 @@ def _matched(
                     if _cap(fill, b, offer) <= 0:  # b's rows of g are used up
                         break
                     own = fill.rows_of(y, g)  # y's own rows of g: local at y once it holds g
-                    fill.overshot += own * a > room  # all of them: past the level
+                    if own * a > room:  # all of them would take y past the level
+                        fill.overshot.add(y)
                     if kept and own * a > room:  # the whole blocks that fit
                         own = int(room / a) // blk * blk
                         if own == 0:

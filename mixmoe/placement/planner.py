@@ -199,13 +199,15 @@ def plan_mix(
         # the winner's plan (shares) is built and priced, once
         starts = [dict(best.replicas)] + ([{}] if best.hot else [])
         won, won_step = None, best.prediction.step_s
-        overshot = 0  # the level fills' new holders past their level (``RangeState.overshot``)
+        stalled = False  # a fill's max: a new holder its own rows took past the level
+        from_none = False  # whether a fill started from nothing replicated
         for start in starts:
+            from_none = from_none or not start
             loads_4W = start_loads.get(tuple(sorted(start)))
             state = _water_fill(C_WN, colsum_N, shape, model, start, slots, block_size,
                                 profile, won_step, fill, loads_4W, base_4W)  # fmt: skip
             if state is not None:
-                overshot += getattr(state, "overshot", 0)
+                stalled = stalled or _stalled(state)
                 step = _fill_step(state, model, C_WN, E, profile, base_4W)
                 if step < won_step:
                     won, won_step = state, step
@@ -218,18 +220,19 @@ def plan_mix(
             state = _water_fill(C_WN, colsum_N, shape, model, spread, slots, block_size,
                                 profile, won_step, fill, None, base_4W) if spread else None  # fmt: skip
             if state is not None:
-                overshot += getattr(state, "overshot", 0)
+                stalled = stalled or _stalled(state)
                 step = _fill_step(state, model, C_WN, E, profile, base_4W)
                 if step < won_step:
                     won, won_step = state, step
-        # a fill made new holders whose own rows of a hot expert took them past its level (seeds
-        # W = 8 zipf: ~30% of their rows) and the step is above the level of nothing
-        # replicated (the mean of the baseline's totals; a fill's own mean counts its start's
-        # copies): the kept fill, from nothing replicated, its new holders keeping only the
-        # whole blocks of their own rows that fit (``Plan.kept``); it wins only with a lower
-        # prediction
+        # the step above the level of nothing replicated (the mean of the baseline's totals; a
+        # fill's own mean counts its start's copies) and a fill ended with its max at a new
+        # holder whose own rows of a hot expert took it past the level (seeds W = 8 zipf:2.0:
+        # ~30% of its rows), or no fill started from nothing replicated (zipf:1.2: the
+        # candidate's fill looked level against its own mean): the kept fill, from nothing
+        # replicated, its new holders keeping only the whole blocks of their own rows that fit
+        # (``Plan.kept``); it wins only with a lower prediction
         base_mean = sum(map(float.__add__, best.baseline.compute_s, best.baseline.comm_s)) / W
-        if overshot and won_step > FILL_STOP * base_mean:
+        if (stalled or not from_none) and won_step > FILL_STOP * base_mean:
             state = _water_fill(C_WN, colsum_N, shape, model, {}, slots, block_size, profile,
                                 won_step, fill, None, base_4W, kept=True)  # fmt: skip
             if state is not None:
@@ -243,6 +246,16 @@ def plan_mix(
         if not prediction.step_s < best.prediction.step_s:  # the guarantee holds on the price
             return best
         return plan.priced(prediction, best.baseline)
+
+
+def _stalled(state: WaterFill | RangeState) -> bool:
+    """Whether a level fill's max total is at a rank that its own rows of an expert took past
+    the level when it became a holder (``RangeState.overshot``); False for the moves."""
+    overshot = getattr(state, "overshot", None)
+    if not overshot:
+        return False
+    totals = state.totals
+    return max(range(len(totals)), key=totals.__getitem__) in overshot
 
 
 LIST_PREDICTION_W = 64  # ranks up to which a Prediction is priced on lists (_prediction)

@@ -93,7 +93,7 @@ class RangeState:
         self.totals = (compute_W + comm_W).tolist()
         self._total_fns: dict[int, Callable] = {}
         self.moves = 0
-        self.overshot = 0  # new holders whose own rows took them past the fill's level
+        self.overshot: set[int] = set()  # new holders whose own rows took them past the level
 
     def rows_of(self, y: int, g: int) -> int:
         """C[y][g]: one element (a column's ``tolist`` costs ~W elements; a fill reads a few

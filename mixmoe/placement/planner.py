@@ -119,7 +119,11 @@ def plan_mix(
     ``LEVEL_PASSES``), ``fill="moves"`` one move at a time off the bottleneck while the
     predicted step drops (``mixmoe.placement.balance``; slower at scale, kept for
     comparison). When the fills end more than ``SPREAD_WHEN`` above their mean, one more
-    starts from ``spread_start``'s replicas (experts too heavy for one helper). The balanced
+    starts from ``spread_start``'s replicas (experts too heavy for one helper); when the step
+    is above the baseline's mean and a fill stalled at a new holder its own rows of an expert
+    took past the level (or none started from nothing replicated), the *kept* fill starts from
+    nothing replicated, its new holders keeping only the whole blocks of their own rows that
+    fit (``Plan.kept``; ``level_fill(kept=True)``). The balanced
     plan is kept only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
     best candidate's, so ``plan_mix`` is never predicted worse than a2a or shadow (same
     overlap) nor than the source-replica plan.

@@ -43,7 +43,8 @@ class RangeState:
     sum; others[g]: the stream's rows from sources other than the owner; own[g]: C[o][g];
     owner_rows[g]: rows of g its owner computes; helped {r: {g: rows}}: r's amounts; kept
     {g: {y: local rows}}: the holders computing only part of their own rows of g (local <
-    C[y][g]; ``plan_fields`` rounds it down to whole blocks)."""
+    C[y][g]; ``plan_fields`` rounds it down to whole blocks); overshot: the ranks a fill made
+    holders whose own rows took them past its level (all kept local: ``level_fill``)."""
 
     def __init__(
         self,

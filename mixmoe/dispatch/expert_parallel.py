@@ -240,7 +240,7 @@ class ExpertParallelDispatcher:
         plan = self.spec.planner(C, shape, profile, cfg)
         if self.plan_hook is not None:
             plan = self.plan_hook(C, plan)
-        if plan.shares or plan.ranges:
+        if plan.shares or plan.ranges or plan.kept:
             plan.check_shares(C, self.experts_per_rank, cfg.block_size)
         return plan
 
@@ -388,7 +388,8 @@ class ExpertParallelDispatcher:
             "max_rows": max(rows_W),
             "mean_rows": sum(rows_W) / W,
             "replica_cached": cached,
-            "shares": len(plan.shares) + len(plan.ranges),  # helper entries: segments, ranges
+            # helper entries: segments, ranges, experts with kept holders
+            "shares": len(plan.shares) + len(plan.ranges) + len(plan.kept),
         }
         meta = StepMeta(
             layout, step, plan, routing.weights_TK, moving, counts_N, stats, C.sum(dim=0)

@@ -72,6 +72,9 @@ def build_step_plan(
     # ranges (the planner's compact form) as the share entries this rank reads; the rows they
     # move across ranks (a total over every rank's segments) in closed form
     explicit, ranges_moved = plan.shares, range_rows_moved(C_WN, plan, E)
+    # the share path whenever the whole plan has entries, even when this rank reads none of
+    # them (its StepPlan then equals the fully expanded plan's)
+    shared = bool(plan.shares or plan.ranges or plan.kept)
     plan = plan.expanded(C_WN, E, r)
     rep = plan.replica_slots(r)
     # rows of (source s, expert g) that stay at s although g is owned elsewhere: s holds a replica
@@ -106,7 +109,7 @@ def build_step_plan(
         fetch=fetch,
         rows_moved=rows_moved,
     )
-    if not plan.shares:
+    if not shared:
         return step
     fields = share_fields(C_WN, plan, r, E, recv_WE, rows_moved, explicit)
     return dataclasses.replace(step, **fields)

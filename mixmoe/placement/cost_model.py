@@ -601,7 +601,7 @@ def plan_pricing(
     distance = node_distance(profile)
     loads_4W = plan_loads(C_WN, plan.replicas, E, base_4W=base_4W)
     shares = getattr(plan, "shares", ())
-    ranges = getattr(plan, "ranges", ())
+    ranges = getattr(plan, "ranges", ()) or getattr(plan, "kept", ())  # either: range code
     relay = getattr(plan, "relay", False)
     rounds = int(bool(plan.replicas))
     if not shares and not ranges and not relay and distance is None:
@@ -692,7 +692,9 @@ def reprice(C_WN: torch.Tensor, plan, model: StepModel, profile: HardwareProfile
     """``plan`` (a ``Plan``) with its prediction and baseline priced by ``plan_pricing`` under
     ``profile`` (its topology included): the planners' prices when the profile has nodes."""
     E = C_WN.shape[1] // C_WN.shape[0]
-    none = dataclasses.replace(plan, hot=(), replicas=(), shares=(), ranges=(), relay=False)
+    none = dataclasses.replace(
+        plan, hot=(), replicas=(), shares=(), ranges=(), kept=(), relay=False
+    )
     baseline = model.prediction_W(*plan_pricing(C_WN, none, E, profile))
     if not plan.hot and not plan.shares:
         return dataclasses.replace(plan, prediction=baseline, baseline=baseline)

@@ -23,7 +23,9 @@ a ``RangeState`` (rows per (expert, helper), no segments: ``mixmoe.placement.ran
 3. pieces (``_matched``): each donor above L (total descending) sheds (T_b - L) / save_b rows,
    its heaviest expert first: on the ranks that own or hold it (no copy), then on the ranks
    below L - copy in total order (each new holder pays its copies out of its room, computes
-   its own rows of the expert from then on, and needs a free replica slot), the next expert
+   its own rows of the expert from then on (with ``kept``: as many whole blocks of them as
+   its room takes, the rest stay in the stream, ``Plan.kept``), and needs a free replica
+   slot), the next expert
    once its rows are out. Pieces are asked to the nearest whole block; which segments they
    are is left to the plan (``RangeState.plan_fields``: ranges of each expert's stream);
 4. each expert's relay priced once for its new holders (``RangeState.relay``), then every
@@ -55,9 +57,11 @@ MIN_GAIN = 0.005  # the passes stop after one lowering the max by less than this
 TENSOR_POINTS = 384  # ``_level``: more breakpoints than this are walked as tensor ops
 
 
-def level_fill(fill: RangeState, passes: int, stop: float) -> int:
+def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -> int:
     """Run up to ``passes`` batched passes (module doc) on ``fill``'s state; returns the
-    pieces moved (0: the state is unchanged). ``stop``: no pass once max(T) <= stop * mean(T)."""
+    pieces moved (0: the state is unchanged). ``stop``: no pass once max(T) <= stop * mean(T).
+    ``kept``: a new holder whose own rows of the expert would take it past the level keeps
+    only the whole blocks that fit (``Plan.kept``); False: all of them (past the level)."""
     model = fill.model
     a = model.flops_per_row / model.gemm_flops + model.row_s  # seconds per row computed
     t = model.token_bytes_per_row / model.bw if fill.any_remote else 0.0  # per row exchanged
@@ -107,7 +111,7 @@ def level_fill(fill: RangeState, passes: int, stop: float) -> int:
                 shed.append((b, max(blk, int(n / blk + 0.5) * blk)))
         room_W = [max(0.0, L - x) for x in T_W]  # seconds each rank may take on
         order = sorted((r for r in range(W) if start_W[r] < L), key=lambda r: (T_W[r], r))
-        new, moved = _matched(fill, offers, shed, room_W, order, cost_W, copy, a)
+        new, moved = _matched(fill, offers, shed, room_W, order, cost_W, copy, a, kept)
         for g in sorted(new):
             fill.relay(g)
         if moved:
@@ -236,13 +240,17 @@ def _matched(
     cost_W: list,
     copy: float,
     a: float,
+    kept: bool,
 ) -> tuple[dict[int, list[int]], int]:
     """Place each donor's shed rows (``shed``: (donor, rows), in order) and move them
     (``RangeState.move``): first on the ranks that hold its expert g already or own it (no
     copy: up to their room), then on the receivers in ``order`` (total ascending; with the
     profile's topology those in g's owner's node first: its replica crosses no slow link), each
     new holder paying ``copy`` seconds of its room, its own rows of g (they turn local: ``a``
-    per row, the sends they save left as a margin) and a free replica slot. ``room_W``: seconds
+    per row, the sends they save left as a margin; with ``kept``, when they do not all fit,
+    only the whole blocks that do: a *kept* holder, the rest of its rows staying in g's
+    stream, none when not one block fits) and a free replica slot. A kept holder among g's holders takes back
+    its own rows first (from the owner only; ``RangeState.keep_more``), none of the stream's. ``room_W``: seconds
     below the level per rank (used up as rows are placed, at ``cost_W`` per row). Returns
     ({g: new holders}, pieces moved)."""
     E, blk, slots = fill.E, fill.block, fill.slots
@@ -271,6 +279,16 @@ def _matched(
                     break
                 if y == b or room_W[y] < 0.5 * blk * cost_W[y]:
                     continue
+                rest = fill.kept_rest(g, y)
+                if rest:  # a kept holder takes back its own rows (local: a per row), no others
+                    if b == o and room_W[y] >= 0.5 * blk * a:
+                        k = min(rest, left, ask(room_W[y] / a), _cap(fill, b, offer))
+                        if k > 0:
+                            fill.keep_more(g, y, k)
+                            moved += 1
+                            left -= k
+                            room_W[y] -= k * a
+                    continue
                 n = min(left, ask(room_W[y] / cost_W[y]), _cap(fill, b, offer))
                 if n <= 0:  # b's rows of g are used up
                     break
@@ -291,13 +309,22 @@ def _matched(
                     if _cap(fill, b, offer) <= 0:  # b's rows of g are used up
                         break
                     own = fill.rows_of(y, g)  # y's own rows of g: local at y once it holds g
-                    fill.add_holder(g, y)
+                    if own * a > room:  # all of them would take y past the level
+                        fill.overshot.add(y)
+                    if kept and own * a > room:  # the whole blocks that fit
+                        own = int(room / a) // blk * blk
+                        if own == 0:
+                            queue[1] += 1
+                            continue
+                        fill.add_holder(g, y, own)  # y kept: its other rows stay in the stream
+                    else:
+                        fill.add_holder(g, y)
                     new.setdefault(g, []).append(y)
                     room -= own * a
                     if b == o:  # the owner computes y's own rows no more
                         left -= own
                     n = min(left, ask(room / cost_W[y]), _cap(fill, b, offer))
-                    if n > 0:
+                    if n > 0 and not fill.kept_rest(g, y):
                         fill.move(g, b, y, n)
                         left -= n
                         room -= n * cost_W[y]

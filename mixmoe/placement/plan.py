@@ -18,6 +18,8 @@ Two ways rows leave their owner's queue:
 - **ranges** (the same plan space, compact: ``mixmoe.placement.ranges``): per expert, helpers take
   consecutive row ranges of its owner's queue (its *stream*); one entry per (expert, helper)
   instead of one per segment. ``expanded`` turns them into share entries for a dispatching rank.
+  A holder listed in ``kept`` computes only the first rows of its own segment of g; the rest
+  joins g's stream (where the ranges or the owner compute it).
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ class Plan:
                 taking consecutive ranges of g's stream (``mixmoe.placement.ranges``); each
                 helper a holder of g's replica, distinct, rows > 0; an expert in ``ranges`` has
                 no share entry. ``check_shares`` checks them against the counts.
+    kept:       ``(g, ((holder, local_rows), ...))`` entries, strictly ascending by g: holder y
+                of g's replica computes only the first ``local_rows`` (>= 0) rows of its own
+                segment (y, g) locally; the other C[y][g] - local_rows stay in g's stream at
+                y's place (``mixmoe.placement.ranges``). Holders distinct; a holder not listed
+                keeps all its rows local (the replica rule); an expert here has no share entry.
+                ``check_shares``: each y a holder, local_rows < C[y][g], whole blocks, and
+                no range of y's own covering its rest (keep those rows local instead).
     relay:      whether the replica weights travel by the relay (``relay_messages``: scatter +
                 all-gather of chunks, split by node across nodes) and are priced so
                 (``cost_model.plan_pricing``); False (default, today's plans): the
@@ -62,6 +71,7 @@ class Plan:
     shares: tuple[tuple[int, int, tuple[Share, ...]], ...] = ()
     relay: bool = False
     ranges: tuple[tuple[int, tuple[Share, ...]], ...] = ()
+    kept: tuple[tuple[int, tuple[Share, ...]], ...] = ()
     _holders: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _shares: dict[tuple[int, int], tuple[Share, ...]] = field(init=False, repr=False, compare=False)
 
@@ -96,28 +106,41 @@ class Plan:
                 raise ValueError(
                     f"ranges of expert {g} must name distinct ranks with rows > 0: {ranges}"
                 )
-        if self.ranges and self.shares:
-            both = set(experts) & {g for _, g, _ in self.shares}
+        kept = [g for g, _ in self.kept]
+        if any(map(operator.ge, kept, kept[1:])):
+            raise ValueError(f"Plan.kept must be strictly ascending by expert: {kept}")
+        for g, entries in self.kept:
+            ranks = [y for y, _ in entries]
+            if not entries or len(set(ranks)) != len(ranks) or any(n < 0 for _, n in entries):
+                raise ValueError(
+                    f"kept of expert {g} must name distinct holders with local rows >= 0: {entries}"
+                )
+        if (self.ranges or self.kept) and self.shares:
+            both = {*experts, *kept} & {g for _, g, _ in self.shares}
             if both:
-                raise ValueError(f"experts {sorted(both)} have both ranges and share entries")
+                raise ValueError(
+                    f"experts {sorted(both)} have both ranges and share entries (an expert with "
+                    "ranges or kept holders has none)"
+                )
 
     def priced(self, prediction: Prediction, baseline: Prediction) -> Plan:
         """This plan with ``prediction`` and ``baseline`` set: equal to ``dataclasses.replace``
         of them, without repeating ``__post_init__``'s checks of fields this plan has passed
         already (a W = 1024 plan has ~10**4 share entries: its checks cost milliseconds)."""
         out = object.__new__(Plan)
-        for name in ("hot", "replicas", "shares", "relay", "ranges", "_holders", "_shares"):
+        for name in ("hot", "replicas", "shares", "relay", "ranges", "kept", "_holders", "_shares"):
             object.__setattr__(out, name, getattr(self, name))
         object.__setattr__(out, "prediction", prediction)
         object.__setattr__(out, "baseline", baseline)
         return out
 
     def expanded(self, counts_WN, experts_per_rank: int, rank: int | None = None) -> Plan:
-        """This plan with its ranges turned into share entries (``ranges.range_shares``): the
-        same placement, in the form the dispatcher reads (``segment_runs``); itself when it has
-        no ranges. ``rank``: only the entries that rank's dispatch reads (its own segments and
-        those of the experts it owns or holds; a W = 1024 plan's ranges cover ~10**5 segments)."""
-        if not self.ranges:
+        """This plan with its ranges and kept holders turned into share entries
+        (``ranges.range_shares``): the same placement, in the form the dispatcher reads
+        (``segment_runs``); itself when it has neither. ``rank``: only the entries that rank's
+        dispatch reads (its own segments and those of the experts it owns or holds; a W = 1024
+        plan's ranges cover ~10**5 segments)."""
+        if not self.ranges and not self.kept:
             return self
         C_WN = torch.as_tensor(counts_WN)
         shares = sorted([*self.shares, *range_shares(C_WN, self, experts_per_rank, rank)])
@@ -142,8 +165,10 @@ class Plan:
         runs = self._shares.get((s, g))
         if runs is not None:
             return runs
-        if self.ranges:
-            raise ValueError("a plan with ranges must be expanded(counts, E) before segment_runs")
+        if self.ranges or self.kept:
+            raise ValueError(
+                "a plan with ranges or kept holders must be expanded(counts, E) before segment_runs"
+            )
         return ((self.computed_at(s, g, experts_per_rank), rows),) if rows else ()
 
     def replica_slots(self, rank: int) -> tuple[int, ...]:
@@ -153,9 +178,9 @@ class Plan:
     def check_shares(self, counts_WN, experts_per_rank: int, block_size: int) -> None:
         """ValueError unless every share entry covers exactly C[s][g] rows, names only the owner
         or holders of g's replica, and cuts only at whole blocks (all runs but the last); and
-        every range entry likewise (``ranges.check_ranges``)."""
+        every range and kept entry likewise (``ranges.check_ranges``)."""
         E = experts_per_rank
-        if self.ranges:
+        if self.ranges or self.kept:
             check_ranges(torch.as_tensor(counts_WN), self, E, block_size)
         for s, g, runs in self.shares:
             rows = int(counts_WN[s][g])

@@ -119,7 +119,11 @@ def plan_mix(
     ``LEVEL_PASSES``), ``fill="moves"`` one move at a time off the bottleneck while the
     predicted step drops (``mixmoe.placement.balance``; slower at scale, kept for
     comparison). When the fills end more than ``SPREAD_WHEN`` above their mean, one more
-    starts from ``spread_start``'s replicas (experts too heavy for one helper). The balanced
+    starts from ``spread_start``'s replicas (experts too heavy for one helper); when the step
+    is above the baseline's mean and a fill stalled at a new holder its own rows of an expert
+    took past the level (or none started from nothing replicated), the *kept* fill starts from
+    nothing replicated, its new holders keeping only the whole blocks of their own rows that
+    fit (``Plan.kept``; ``level_fill(kept=True)``). The balanced
     plan is kept only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
     best candidate's, so ``plan_mix`` is never predicted worse than a2a or shadow (same
     overlap) nor than the source-replica plan.
@@ -199,11 +203,15 @@ def plan_mix(
         # the winner's plan (shares) is built and priced, once
         starts = [dict(best.replicas)] + ([{}] if best.hot else [])
         won, won_step = None, best.prediction.step_s
+        stalled = False  # a fill's max: a new holder its own rows took past the level
+        from_none = False  # whether a fill started from nothing replicated
         for start in starts:
+            from_none = from_none or not start
             loads_4W = start_loads.get(tuple(sorted(start)))
             state = _water_fill(C_WN, colsum_N, shape, model, start, slots, block_size,
                                 profile, won_step, fill, loads_4W, base_4W)  # fmt: skip
             if state is not None:
+                stalled = stalled or _stalled(state)
                 step = _fill_step(state, model, C_WN, E, profile, base_4W)
                 if step < won_step:
                     won, won_step = state, step
@@ -216,6 +224,22 @@ def plan_mix(
             state = _water_fill(C_WN, colsum_N, shape, model, spread, slots, block_size,
                                 profile, won_step, fill, None, base_4W) if spread else None  # fmt: skip
             if state is not None:
+                stalled = stalled or _stalled(state)
+                step = _fill_step(state, model, C_WN, E, profile, base_4W)
+                if step < won_step:
+                    won, won_step = state, step
+        # the step above the level of nothing replicated (the mean of the baseline's totals; a
+        # fill's own mean counts its start's copies) and a fill ended with its max at a new
+        # holder whose own rows of a hot expert took it past the level (seeds W = 8 zipf:2.0:
+        # ~30% of its rows), or no fill started from nothing replicated (zipf:1.2: the
+        # candidate's fill looked level against its own mean): the kept fill, from nothing
+        # replicated, its new holders keeping only the whole blocks of their own rows that fit
+        # (``Plan.kept``); it wins only with a lower prediction
+        base_mean = sum(map(float.__add__, best.baseline.compute_s, best.baseline.comm_s)) / W
+        if (stalled or not from_none) and won_step > FILL_STOP * base_mean:
+            state = _water_fill(C_WN, colsum_N, shape, model, {}, slots, block_size, profile,
+                                won_step, fill, None, base_4W, kept=True)  # fmt: skip
+            if state is not None:
                 step = _fill_step(state, model, C_WN, E, profile, base_4W)
                 if step < won_step:
                     won, won_step = state, step
@@ -226,6 +250,16 @@ def plan_mix(
         if not prediction.step_s < best.prediction.step_s:  # the guarantee holds on the price
             return best
         return plan.priced(prediction, best.baseline)
+
+
+def _stalled(state: WaterFill | RangeState) -> bool:
+    """Whether a level fill's max total is at a rank that its own rows of an expert took past
+    the level when it became a holder (``RangeState.overshot``); False for the moves."""
+    overshot = getattr(state, "overshot", None)
+    if not overshot:
+        return False
+    totals = state.totals
+    return max(range(len(totals)), key=totals.__getitem__) in overshot
 
 
 LIST_PREDICTION_W = 64  # ranks up to which a Prediction is priced on lists (_prediction)
@@ -277,8 +311,10 @@ def _fill_plan(fill: WaterFill | RangeState) -> Plan:
     """The plan a fill's state stands for (unpriced): its holders by the relay, and its rows as
     ranges (``RangeState``) or share entries (``WaterFill``)."""
     if isinstance(fill, RangeState):
-        hot, replicas, ranges = fill.plan_fields()
-        return Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, relay=True, ranges=ranges)
+        hot, replicas, ranges, kept = fill.plan_fields()
+        return Plan(
+            hot, replicas, _NO_PREDICTION, _NO_PREDICTION, relay=True, ranges=ranges, kept=kept
+        )
     hot = tuple(sorted(g for g, h in fill.holders.items() if h))
     replicas = tuple((g, tuple(fill.holders[g])) for g in hot)
     return Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION, fill.shares(), relay=True)
@@ -322,6 +358,7 @@ def _water_fill(
     fill: str = "level",
     loads_4W: torch.Tensor | None = None,
     base_4W: torch.Tensor | None = None,
+    kept: bool = False,
 ) -> WaterFill | RangeState | None:
     """``RangeState`` (level) or ``WaterFill`` (moves) from the replicas ``start`` after its fill; None if nothing moved.
     ``fill``: "level" (``level_fill``'s passes, up to ``LEVEL_PASSES``) or "moves" (the
@@ -331,7 +368,8 @@ def _water_fill(
     the last moves of a nearly level fill gain < 1% each; planning time:
     ``docs/results/balance-after.md``). ``loads_4W``: the start plan's
     ``plan_pricing`` under relay, when the caller has it; ``base_4W``: the aggregates with
-    nothing replicated (``baseline_loads``), when the caller has them."""
+    nothing replicated (``baseline_loads``), when the caller has them. ``kept``: the level
+    fill's new holders keep only the own rows that fit under its level (``level_fill``)."""
     W, E = shape.world_size, shape.experts_per_rank
     if loads_4W is None:
         hot = tuple(sorted(start))
@@ -344,7 +382,7 @@ def _water_fill(
     if fill == "level":
         state = RangeState(model, C_WN, E, start, slots, block_size, distance, colsum_N,
                            any_remote, loads_4W[:4])  # fmt: skip
-        state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP)
+        state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP, kept)
         return state if state.moves else None
     state = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     state.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])

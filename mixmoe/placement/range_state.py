@@ -6,10 +6,14 @@ to expert g; o = g // E its owner), H_g the holders of g's replica; ``StepModel`
 
 A fill (``mixmoe.placement.level_fill``) decides how many rows of g each helper takes from g's
 stream (``mixmoe.placement.ranges``); which segments they are follows from the counts when the
-plan is built. So the state needs no segments: per expert, its holders and each helper's rows.
+plan is built. So the state needs no segments: per expert, its holders, each helper's rows and
+each kept holder's local rows.
 Each rank's loads are the sum over experts of its part in each (one expert's part, absolute):
 
 - a holder y:               (C[y][g] + n_y, C[y][g], n_y)   its own rows local, n_y received;
+- a kept holder y (local k): (k + n_y, k, n_y + C[y][g] - k) its first k own rows local, the
+                             rest sent (they are in the stream; a fill gives a kept holder no
+                             amount, n_y = 0, so no range of its own covers them);
 - another source s:          (0, 0, C[s][g])                 it sends its rows;
 - the owner, taken = sum n:  (others + own - taken, own - max(0, taken - others),
                               |others - taken|)              others: the stream's other rows;
@@ -37,7 +41,10 @@ class RangeState:
     """rows/local/remote/replica: per-rank loads (lists); totals their seconds; holders {g:
     ranks ascending}; held[r]: replicas r holds; amounts {g: {helper: rows}}; taken[g]: their
     sum; others[g]: the stream's rows from sources other than the owner; own[g]: C[o][g];
-    owner_rows[g]: rows of g its owner computes; helped {r: {g: rows}}: r's amounts."""
+    owner_rows[g]: rows of g its owner computes; helped {r: {g: rows}}: r's amounts; kept
+    {g: {y: local rows}}: the holders computing only part of their own rows of g (local <
+    C[y][g]; ``plan_fields`` rounds it down to whole blocks); overshot: the ranks a fill made
+    holders whose own rows took them past its level (all kept local: ``level_fill``)."""
 
     def __init__(
         self,
@@ -75,6 +82,7 @@ class RangeState:
         self.amounts: dict[int, dict[int, int]] = {}
         self.taken = [0] * len(self.own)
         self.helped: dict[int, dict[int, int]] = {}
+        self.kept: dict[int, dict[int, int]] = {}
         self.rows, self.local, self.remote = loads_4W[:3].to(torch.int64).tolist()
         self.replica = loads_4W[3].tolist()
         self.degrees: dict[int, dict[int, float]] = {}
@@ -86,6 +94,7 @@ class RangeState:
         self.totals = (compute_W + comm_W).tolist()
         self._total_fns: dict[int, Callable] = {}
         self.moves = 0
+        self.overshot: set[int] = set()  # new holders whose own rows took them past the level
 
     def rows_of(self, y: int, g: int) -> int:
         """C[y][g]: one element (a column's ``tolist`` costs ~W elements; a fill reads a few
@@ -102,17 +111,41 @@ class RangeState:
         self.local[r] += sign * part[1]
         self.remote[r] += sign * part[2]
 
-    def add_holder(self, g: int, y: int) -> None:
+    def add_holder(self, g: int, y: int, local: int | None = None) -> None:
         """y (neither g's owner nor a holder; with a free slot) holds g's replica from now on:
-        its own rows of g turn local (they leave g's stream; when the helpers' amounts then
-        exceed the stream, the excess comes off the largest amounts first, ties by rank: those
-        rows were y's); the relay is priced by ``relay`` once per pass."""
+        ``local`` of its own rows of g (default all) turn local (they leave g's stream; when
+        the helpers' amounts then exceed the stream, the excess comes off the largest amounts
+        first, ties by rank: those rows were y's); the rest stays in the stream (y is *kept*:
+        module doc). The relay is priced by ``relay`` once per pass."""
+        c = self.rows_of(y, g)
+        k = c if local is None else min(local, c)
+        # y's part as another source, (0, 0, c), is that of a holder keeping 0 rows
+        if k < c:
+            self.kept.setdefault(g, {})[y] = 0
+        self._keep(g, y, k)
+        self.holders[g] = sorted([*self.holders.get(g, ()), y])
+        self.held[y] += 1
+
+    def keep_more(self, g: int, y: int, k: int) -> None:
+        """k more of kept holder y's own rows of g turn local (at most its rest; y is no longer
+        kept once all are)."""
+        self._keep(g, y, min(k, self.rows_of(y, g) - self.kept[g][y]))
+
+    def _keep(self, g: int, y: int, k: int) -> None:
+        """k of y's own rows of g leave g's stream and turn local at y (a holder, or becoming
+        one): y's part (module doc) and the owner's updated."""
         o, c = g // self.E, self.rows_of(y, g)
         old = self._owner_part(g)
         self._add(o, old, -1)
-        self._add(y, (0, 0, c), -1)
-        self.others[g] -= c
-        self._add(y, (c, c, 0), 1)
+        self._add(y, (k, k, -k), 1)  # y computes k more, sends k fewer
+        self.others[g] -= k
+        kept = self.kept.get(g, {})
+        if y in kept:
+            kept[y] += k
+            if kept[y] >= c:  # all local: y is an ordinary holder
+                del kept[y]
+                if not kept:
+                    del self.kept[g]
         excess = self.taken[g] - self.others[g] - self.own[g]
         if excess > 0:
             amounts = self.amounts[g]
@@ -129,12 +162,17 @@ class RangeState:
         new = self._owner_part(g)
         self._add(o, new, 1)
         self.owner_rows[g] = new[0]
-        self.holders[g] = sorted([*self.holders.get(g, ()), y])
-        self.held[y] += 1
+
+    def kept_rest(self, g: int, y: int) -> int:
+        """Rows of y's own segment of g still in g's stream (0 unless y is kept)."""
+        local = self.kept.get(g, {}).get(y)
+        return 0 if local is None else self.rows_of(y, g) - local
 
     def move(self, g: int, b: int, y: int, n: int) -> None:
-        """n rows of g from b to y (each g's owner or a holder; b has them): loads updated."""
+        """n rows of g from b to y (each g's owner or a holder, y not kept: ``keep_more``; b
+        has them): loads updated."""
         o = g // self.E
+        assert not self.kept_rest(g, y), "a kept holder takes its own rows first (keep_more)"
         old = self._owner_part(g)
         self._add(o, old, -1)
         amounts = self.amounts.setdefault(g, {})
@@ -168,16 +206,20 @@ class RangeState:
             fn = self._total_fns[self.rounds] = self.model.total_fn(self.any_remote, self.rounds)
         self.totals = list(map(fn, self.rows, self.local, self.remote, self.replica))
 
-    def plan_fields(self) -> tuple[tuple, tuple, tuple]:
-        """(hot, replicas, ranges) of the plan this state stands for: each expert's amounts
-        as ranges by helper rank, cut at whole blocks (``cut_ranges``)."""
+    def plan_fields(self) -> tuple[tuple, tuple, tuple, tuple]:
+        """(hot, replicas, ranges, kept) of the plan this state stands for: each kept holder's
+        local rows rounded down to whole blocks, each expert's amounts as ranges by helper
+        rank, cut at whole blocks (``cut_ranges``)."""
         hot = tuple(sorted(g for g, h in self.holders.items() if h))
         replicas = tuple((g, tuple(self.holders[g])) for g in hot)
+        blk = self.block
+        kept_g = {g: {y: n // blk * blk for y, n in k.items()} for g, k in self.kept.items() if k}
         items = []
         for g in sorted(self.amounts):
             amounts = sorted((y, n) for y, n in self.amounts[g].items() if n > 0)
             if amounts:
                 items.append((g, self.holders[g], amounts))
-        cuts = cut_ranges_many(self.C_WN, items, self.E, self.block)
+        cuts = cut_ranges_many(self.C_WN, items, self.E, blk, kept_g)
         ranges = tuple((g, cut) for (g, _, _), cut in zip(items, cuts, strict=True) if cut)
-        return hot, replicas, ranges
+        kept = tuple((g, tuple(sorted(kept_g[g].items()))) for g in sorted(kept_g))
+        return hot, replicas, ranges, kept

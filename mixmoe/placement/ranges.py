@@ -6,11 +6,14 @@ expert g is owned by o = g // E), H_g the ranks holding a replica of g (never o)
 
 The **stream** of expert g is the rows its owner would compute under the replica rule, in a
 fixed order: the segments (s, g) of the sources that neither own g nor hold its replica, by
-ascending s, then the owner's own segment last. A range entry ``(g, ((y1, n1), (y2, n2), ...))``
+ascending s, then the owner's own segment last. A *kept* holder y (``Plan.kept``: ``(y, local)``)
+computes only the first ``local`` rows of its own segment (y, g); the other C[y][g] - local rows
+stay in the stream at y's place (ascending source order, as a non-holder's segment would). A range entry ``(g, ((y1, n1), (y2, n2), ...))``
 cuts the stream from its start: y1 computes its first n1 rows, y2 the next n2, ..., the owner the
 rest (so helpers take the other sources' rows first and the owner's own rows last). Each yi holds
 g's replica (and computes its own rows of g, the replica rule). A cut strictly inside a segment
-sits a whole number of ``block_size`` blocks from that segment's start, so expanded into share
+sits a whole number of ``block_size`` blocks from that segment's start (for a kept holder: from
+the start of its segment's part in the stream, itself whole blocks in), so expanded into share
 entries (``range_shares``) every run but a segment's last is whole blocks (``Plan.check_shares``).
 
 Why: a W = 1024 plan with zipf routing moves ~10**5 segments; its ranges are a few thousand
@@ -26,6 +29,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 __all__ = [
+    "check_ranges",
     "cut_ranges",
     "cut_ranges_many",
     "range_loads",
@@ -35,25 +39,31 @@ __all__ = [
 ]
 
 Share = tuple[int, int]  # (rank computing the run, rows in the run)
+Kept = dict[int, int]  # {kept holder y: rows of its own segment it computes locally}
 LIST_CUT_W = 64  # ranks up to which ``cut_ranges_many`` cuts on Python lists
 
 
-def stream_sources(col_W: Sequence[int], owner: int, holders: Iterable[int]) -> list[int]:
+def stream_sources(
+    col_W: Sequence[int], owner: int, holders: Iterable[int], kept: Kept | None = None
+) -> list[int]:
     """Sources of expert g's stream in order (module doc): the sources with rows that are
-    neither ``owner`` nor in ``holders``, ascending, then ``owner`` (when it has rows).
-    ``col_W``: C[s][g] for every rank s."""
-    held = set(holders)
+    neither ``owner`` nor in ``holders`` (a holder in ``kept`` stays: it keeps only part of
+    its segment), ascending, then ``owner`` (when it has rows). ``col_W``: C[s][g] for every
+    rank s; ``kept``: {y: local rows}, each local < C[y][g]."""
+    held = set(holders).difference(kept or ())
     out = [s for s, c in enumerate(col_W) if c and s != owner and s not in held]
     if col_W[owner]:
         out.append(owner)
     return out
 
 
-def _prefix(col_W: Sequence[int], sources: list[int]) -> list[int]:
-    """Stream positions where each source's segment starts, plus the stream's length."""
+def _prefix(col_W: Sequence[int], sources: list[int], kept: Kept | None = None) -> list[int]:
+    """Stream positions where each source's segment starts, plus the stream's length (a kept
+    holder's segment: its rows past the local ones)."""
     out = [0]
+    kept = kept or {}
     for s in sources:
-        out.append(out[-1] + col_W[s])
+        out.append(out[-1] + col_W[s] - kept.get(s, 0))
     return out
 
 
@@ -63,36 +73,42 @@ def cut_ranges(
     holders: Iterable[int],
     amounts: Sequence[Share],
     block_size: int,
+    kept: Kept | None = None,
 ) -> tuple[Share, ...]:
     """``amounts`` [(helper, rows), ...] (in stream order) as valid ranges: each cumulative cut
     moved to the nearest allowed position (a segment's start or end, or a whole number of
     blocks into it; ties: the lower one) and capped at the stream's end; ranges left with 0
-    rows dropped. Deterministic: a pure function of its arguments."""
-    return _cut(_prefix(col_W, stream_sources(col_W, owner, holders)), amounts, block_size)
+    rows dropped. ``kept``: the expert's kept holders (module doc). Deterministic: a pure
+    function of its arguments."""
+    sources = stream_sources(col_W, owner, holders, kept)
+    return _cut(_prefix(col_W, sources, kept), amounts, block_size)
 
 
 def cut_ranges_many(
     C_WN: torch.Tensor, items: Sequence[tuple[int, Iterable[int], Sequence[Share]]], E: int,
-    block_size: int,
+    block_size: int, kept: dict[int, Kept] | None = None,
 ) -> list[tuple[Share, ...]]:  # fmt: skip
-    """``cut_ranges`` of many experts at once: ``items`` [(g, holders, amounts), ...]; the
-    streams' segment starts from one gather and one cumulative sum (a stream's segments as W
-    slots, the excluded sources' empty) instead of a Python pass over W ranks per expert: the
-    same cuts."""
+    """``cut_ranges`` of many experts at once: ``items`` [(g, holders, amounts), ...], ``kept``
+    {g: its kept holders}; the streams' segment starts from one gather and one cumulative sum
+    (a stream's segments as W slots, the excluded sources' empty) instead of a Python pass over
+    W ranks per expert: the same cuts."""
     if not items:
         return []
+    kept = kept or {}
     W = C_WN.shape[0]
     gs = [g for g, _, _ in items]
     if W <= LIST_CUT_W:  # a few columns: Python lists cost less than the tensor ops
         cols = C_WN[:, gs].T.tolist()
         return [
-            cut_ranges(col, g // E, holders, amounts, block_size)
+            cut_ranges(col, g // E, holders, amounts, block_size, kept.get(g))
             for col, (g, holders, amounts) in zip(cols, items, strict=True)
         ]
     cols_GW = C_WN[:, gs].T.clone()
     own_G = cols_GW[torch.arange(len(gs)), torch.tensor([g // E for g in gs])].tolist()
     for i, (g, holders, _) in enumerate(items):  # the owner and the holders leave the stream
         cols_GW[i, [g // E, *holders]] = 0
+        for y, local in kept.get(g, {}).items():  # a kept holder's rest stays in it
+            cols_GW[i, y] = int(C_WN[y, g]) - local
     # starts of the W source slots, the owner's segment (last) and the stream's end
     starts_GW = torch.zeros(len(gs), W + 2, dtype=torch.int64)
     starts_GW[:, 1 : W + 1] = cols_GW.cumsum(1)
@@ -124,25 +140,54 @@ def _cut(starts: list[int], amounts: Sequence[Share], block_size: int) -> tuple[
     return tuple(out)
 
 
+def _experts(plan) -> list[tuple[int, tuple[Share, ...], Kept]]:
+    """(g, ranges, kept) of every expert with ranges or kept holders, ascending g."""
+    ranges = dict(plan.ranges)
+    kept = {g: dict(k) for g, k in plan.kept}
+    return [(g, ranges.get(g, ()), kept.get(g, {})) for g in sorted(ranges.keys() | kept.keys())]
+
+
 def check_ranges(C_WN: torch.Tensor, plan, experts_per_rank: int, block_size: int) -> None:
-    """ValueError unless every range entry of ``plan`` names only holders of its expert (never
-    the owner), fits in the expert's stream, and cuts inside a segment only at whole blocks."""
+    """ValueError unless every kept entry of ``plan`` names holders of its expert keeping a
+    whole number of blocks, fewer than their segment's rows, and every range entry names only
+    holders of its expert (never the owner), fits in the expert's stream, cuts inside a
+    segment only at whole blocks, and gives no kept holder rows of its own rest."""
     E = experts_per_rank
-    if not plan.ranges:
+    experts = _experts(plan)
+    if not experts:
         return
-    cols = C_WN[:, [g for g, _ in plan.ranges]].T.tolist()
-    for (g, ranges), col_W in zip(plan.ranges, cols, strict=True):
+    cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
+    for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
         o, holders = g // E, plan.holders(g)
-        outside = [y for y, _ in ranges if y not in holders]
+        outside = [y for y in [*(y for y, _ in ranges), *kept] if y not in holders]
         if outside:
             raise ValueError(
-                f"ranges of expert {g} name ranks {outside} that hold no replica of it "
+                f"ranges/kept of expert {g} name ranks {outside} that hold no replica of it "
                 f"(holders {list(holders)})"
             )
-        sources = stream_sources(col_W, o, holders)
-        starts = _prefix(col_W, sources)
+        for y, local in kept.items():
+            if local >= col_W[y]:
+                raise ValueError(
+                    f"kept of expert {g}: holder {y} keeps {local} local rows of its "
+                    f"{col_W[y]}; keep fewer, or leave {y} out of kept (all its rows local)"
+                )
+            if local % block_size:
+                raise ValueError(
+                    f"kept of expert {g}: holder {y} keeps {local} local rows, not a whole "
+                    f"number of {block_size}-row blocks"
+                )
+        sources = stream_sources(col_W, o, holders, kept)
+        starts = _prefix(col_W, sources, kept)
         q = 0
-        for _, n in ranges:
+        for y, n in ranges:
+            if y in kept:  # y's range [q, q + n) against its own rest in the stream
+                k = sources.index(y)
+                if q < starts[k + 1] and starts[k] < q + n:
+                    raise ValueError(
+                        f"ranges of expert {g} {ranges} give kept holder {y} rows of its own "
+                        f"rest (stream rows {starts[k]}..{starts[k + 1]}): keep them local "
+                        "(raise its kept local rows) instead"
+                    )
             q += n
             if q > starts[-1]:
                 raise ValueError(
@@ -159,22 +204,26 @@ def check_ranges(C_WN: torch.Tensor, plan, experts_per_rank: int, block_size: in
 
 def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | None = None) -> list:
     """The share entries (``Plan.shares``' form: ``(s, g, ((rank, rows), ...))``) of ``plan``'s
-    ranges: every segment a range covers, cut into its runs in stream order (helpers' runs,
-    then the owner's rest); segments the ranges leave whole at the owner have none. Sorted by
-    (s, g). ``rank``: only the entries that rank's dispatch reads (``Plan.expanded``): its own
-    segments (s == rank), and every segment of the experts it owns or holds a replica of."""
+    ranges and kept holders: every segment a range covers, cut into its runs in stream order
+    (helpers' runs, then the owner's rest), and every kept holder's segment (its local rows
+    first, when any, then its stream part's runs); other segments have none (the replica rule). Sorted by (s, g). ``rank``: only
+    the entries that rank's dispatch reads (``Plan.expanded``): its own segments (s == rank),
+    and every segment of the experts it owns or holds a replica of."""
     E = experts_per_rank
-    if not plan.ranges:
+    experts = _experts(plan)
+    if not experts:
         return []
-    gs = [g for g, _ in plan.ranges]
+    gs = [g for g, _, _ in experts]
     full = [rank is None or g // E == rank or rank in plan.holders(g) for g in gs]
     mine = {}  # g -> where rank's segment starts in g's stream (the experts not expanded)
     if not all(full):
         part = [i for i, f in enumerate(full) if not f]
         cols_GW = C_WN[:, [gs[i] for i in part]].T.clone()
         for k, i in enumerate(part):  # the owner and the holders leave the stream
-            g = gs[i]
+            g, kept = gs[i], experts[i][2]
             cols_GW[k, [g // E, *plan.holders(g)]] = 0
+            for y, local in kept.items():  # a kept holder's rest stays in it
+                cols_GW[k, y] = int(C_WN[y, g]) - local
         # rank's segment starts after the stream's sources below it (the owner comes last)
         starts = cols_GW[:, :rank].sum(1) if rank else torch.zeros(len(part), dtype=torch.int64)
         rows = cols_GW[:, rank].tolist()
@@ -183,27 +232,32 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
     cols = C_WN[:, [g for g, f in zip(gs, full, strict=True) if f]].T.tolist()
     out = []
     at = 0
-    for (g, ranges), f in zip(plan.ranges, full, strict=True):
+    for (g, ranges, kept), f in zip(experts, full, strict=True):
         o = g // E
         # range i covers stream rows [ends[i - 1], ends[i]); the owner the rest
         ends, q = [], 0
         for _, n in ranges:
             q += n
             ends.append(q)
-        if not f:
+        if not f:  # rank holds no replica of g: its segment is no kept one
             lo, c = mine[g]
             if c and lo < q:  # rank's segment, partly or wholly in the ranges
                 out.append((rank, g, _runs(lo, lo + c, ranges, ends, o)))
             continue
         col_W = cols[at]
         at += 1
-        sources = stream_sources(col_W, o, plan.holders(g))
-        starts = _prefix(col_W, sources)
+        sources = stream_sources(col_W, o, plan.holders(g), kept)
+        starts = _prefix(col_W, sources, kept)
         for k, s in enumerate(sources):
             lo, hi = starts[k], starts[k + 1]
-            if lo >= q:  # this segment and the rest: whole at the owner (the replica rule)
-                break
-            out.append((s, g, _runs(lo, hi, ranges, ends, o)))
+            local = kept.get(s)
+            if local is None:
+                if lo >= q:  # whole at the owner (the replica rule): no entry
+                    continue
+                out.append((s, g, _runs(lo, hi, ranges, ends, o)))
+                continue
+            runs = _runs(lo, hi, ranges, ends, o)  # never at s (``check_ranges``)
+            out.append((s, g, ((s, local), *runs) if local else runs))
     out.sort(key=lambda e: (e[0], e[1]))
     return out
 
@@ -225,19 +279,28 @@ def _runs(lo: int, hi: int, ranges, ends: list[int], owner: int) -> tuple[Share,
     return tuple(runs)
 
 
+def _stream_terms(col_W: list[int], o: int, holders, kept: Kept) -> tuple[int, int]:
+    """(others, rest): the stream's rows from sources other than the owner ``o``, and the kept
+    holders' rests in it (C[y][g] - local, summed)."""
+    held = sum(col_W[h] for h in holders)
+    rest = sum(col_W[y] - local for y, local in kept.items())
+    return sum(col_W) - col_W[o] - held + rest, rest
+
+
 def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
-    """Rows that cross ranks because of ``plan``'s ranges, beyond the replica rule: the owner's
-    own rows its helpers take (the other sources' rows cross either way, to the owner or to a
-    helper)."""
+    """Rows that cross ranks because of ``plan``'s ranges and kept holders, beyond the replica
+    rule: the owner's own rows its helpers take (the other sources' rows cross either way, to
+    the owner or to a helper), and each kept holder's rest (it crosses: no range of the
+    holder's own covers it, ``check_ranges``)."""
     E = experts_per_rank
-    if not plan.ranges:
+    experts = _experts(plan)
+    if not experts:
         return 0
-    cols = C_WN[:, [g for g, _ in plan.ranges]].T.tolist()
+    cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
     out = 0
-    for (g, ranges), col_W in zip(plan.ranges, cols, strict=True):
-        o = g // E
-        others = sum(col_W) - col_W[o] - sum(col_W[h] for h in plan.holders(g))
-        out += max(0, sum(n for _, n in ranges) - others)
+    for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
+        others, rest = _stream_terms(col_W, g // E, plan.holders(g), kept)
+        out += max(0, sum(n for _, n in ranges) - others) + rest
     return out
 
 
@@ -249,19 +312,29 @@ def range_loads(
     local: list,
     remote: list,
 ) -> None:
-    """Add ``plan``'s ranges to per-rank loads priced by the replica rule (``plan_loads``), in
-    place: a helper y computes its n rows, received (remote at y); the owner computes them no
-    more: the other sources' rows first (it no longer receives them), then its own (it now
-    sends them: remote, no longer local). Sources send as before (to another rank)."""
+    """Add ``plan``'s ranges and kept holders to per-rank loads priced by the replica rule
+    (``plan_loads``), in place. A kept holder y's rest d = C[y][g] - local first goes back to
+    the stream: y computes d rows less (local no more: it sends them), the owner d more
+    (received). Then the ranges: a helper y computes its n rows, received (remote at y); the
+    owner computes them no more: the other sources' rows first (it no longer receives them),
+    then its own (it now sends them: remote, no longer local). Sources send as before (to
+    another rank: a kept holder's rest is never in its own range, ``check_ranges``)."""
     E = experts_per_rank
-    if not plan.ranges:
+    experts = _experts(plan)
+    if not experts:
         return
-    gs = [g for g, _ in plan.ranges]
-    cols = C_WN[:, gs].T.tolist()
-    for (g, ranges), col_W in zip(plan.ranges, cols, strict=True):
+    cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
+    for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
         o = g // E
-        held = sum(col_W[h] for h in plan.holders(g))
-        others = sum(col_W) - col_W[o] - held  # the other sources' rows in the stream
+        # the other sources' rows in the stream (kept holders' rests included)
+        others, _ = _stream_terms(col_W, o, plan.holders(g), kept)
+        for y, local_y in kept.items():  # the replica rule undone for y's rest d
+            d = col_W[y] - local_y
+            rows[y] -= d
+            local[y] -= d
+            remote[y] += d
+            rows[o] += d
+            remote[o] += d
         taken = 0
         for y, n in ranges:
             rows[y] += n

@@ -125,9 +125,10 @@ def test_plan_without_shares_keeps_the_fast_path():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_ranges_plan_bookkeeping_equals_its_full_expansion(seed: int) -> None:
-    """A plan with row ranges (each rank expanding only the entries it reads, its rows moved
-    in closed form) gives every rank the same ``StepPlan`` as the plan with every range
-    expanded into share entries (the share path, no ranges code)."""
+    """A plan with row ranges and kept holders (each rank expanding only the entries it reads,
+    its rows moved in closed form) gives every rank the same ``StepPlan`` as the plan with
+    every range and kept holder expanded into share entries (the share path, no ranges
+    code)."""
     from mixmoe.placement.ranges import cut_ranges, range_shares, stream_sources
 
     rng = random.Random(seed)
@@ -136,24 +137,36 @@ def test_ranges_plan_bookkeeping_equals_its_full_expansion(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     C_WN = torch.randint(0, 3 * B * 4, (W, N), generator=gen)
     C_WN[torch.rand(W, N, generator=gen) < 0.3] = 0
-    replicas, ranges = [], []
+    replicas, ranges, kept = [], [], []
     for g in sorted(rng.sample(range(N), rng.randint(1, N))):
         o = g // E
         others = [r for r in range(W) if r != o]
         holders = tuple(sorted(rng.sample(others, rng.randint(1, len(others)))))
         replicas.append((g, holders))
         col = C_WN[:, g].tolist()
-        total = sum(col[s] for s in stream_sources(col, o, holders))
-        helpers = rng.sample(holders, rng.randint(1, len(holders)))
-        cut = cut_ranges(col, o, holders, [(y, rng.randint(1, total + 1)) for y in helpers], B)
+        # some holders keep only their first whole blocks local (the rest joins the stream)
+        keep = {
+            y: rng.randint(0, (col[y] - 1) // B) * B
+            for y in holders
+            if col[y] and rng.random() < 0.4
+        }
+        if keep:
+            kept.append((g, tuple(sorted(keep.items()))))
+        total = sum(col[s] - keep.get(s, 0) for s in stream_sources(col, o, holders, keep))
+        free = [y for y in holders if y not in keep]  # a kept holder takes no range here
+        helpers = rng.sample(free, rng.randint(0, len(free)))
+        cut = cut_ranges(
+            col, o, holders, [(y, rng.randint(1, total + 1)) for y in helpers], B, keep
+        )
         if cut:
             ranges.append((g, cut))
     base = plan_none(C_WN, LayerShape(8, 16, E, W, 2), PROFILE)
     hot = tuple(g for g, _ in replicas)
     plan = Plan(hot, tuple(replicas), base.prediction, base.baseline, relay=True,
-                ranges=tuple(ranges))  # fmt: skip
+                ranges=tuple(ranges), kept=tuple(kept))  # fmt: skip
+    plan.check_shares(C_WN, E, B)
     full = plan.expanded(C_WN, E)
-    assert not full.ranges
+    assert not full.ranges and not full.kept
     for r in range(W):
         mine = range_shares(C_WN, plan, E, r)
         assert set(mine) <= set(full.shares)  # a subset of the entries, the same runs

@@ -7,7 +7,8 @@ helper, a source's rows cut between the owner and two helpers, every segment of 
 across all ranks (its weights scattered in chunks and all-gathered among the holders with one
 link; with holders on other nodes scattered across, exchanged between the far nodes and
 all-gathered inside each: ``placement/relay.py``; the holders compute rows too), random cuts of
-every segment, and helpers rotating every step. The routing adds a hot rank, a rank with zero tokens,
+every segment, helpers rotating every step, and row ranges with kept holders (a holder computing
+only its first blocks of its own rows, the rest at a helper or the owner). The routing adds a hot rank, a rank with zero tokens,
 a hotspot moving every step, and token counts that are not multiples of 64.
 
 A holder's gradient (or one chunk of it) dropped or counted twice changes its expert's gradient, and a replica served
@@ -31,6 +32,7 @@ from mixmoe.dispatch.replicas import pack_experts
 from mixmoe.parallel import parallelize_moe
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.ranges import cut_ranges, stream_sources
 
 pytestmark = pytest.mark.dist
 
@@ -98,6 +100,28 @@ def forced_plan(C_WN: torch.Tensor, base: Plan, recipe: str, step: int, E: int, 
             if C[s][0]:
                 ranks = [(s + step + i) % W for i in range(W)]
                 shares[(s, 0)] = _cut(C[s][0], ranks, random.Random(seed + s), B)
+    elif recipe == "kept":  # random holders, some kept (first blocks local), random ranges
+        ranges, kept = [], []
+        for g in range(N):
+            o = g // E
+            others = [h for h in range(W) if h != o]
+            if rng.random() < 0.3:
+                continue
+            holders[g] = sorted(rng.sample(others, rng.randint(1, len(others))))
+            col = [C[s][g] for s in range(W)]
+            keep = {y: B * rng.randint(0, (col[y] - 1) // B) for y in holders[g] if col[y]}
+            keep = {y: n for y, n in keep.items() if rng.random() < 0.7}
+            if keep:
+                kept.append((g, tuple(sorted(keep.items()))))
+            stream = sum(col[s] - keep.get(s, 0) for s in stream_sources(col, o, holders[g], keep))
+            free = [y for y in holders[g] if y not in keep]  # no range over a kept rest
+            amounts = [(y, rng.randint(1, stream + 1)) for y in rng.sample(free, len(free))]
+            cut = cut_ranges(col, o, holders[g], amounts, B, keep)
+            if cut:
+                ranges.append((g, cut))
+        hot = tuple(sorted(holders))
+        return Plan(hot, tuple((g, tuple(holders[g])) for g in hot), base.prediction,
+                    base.baseline, relay=True, ranges=tuple(ranges), kept=tuple(kept))  # fmt: skip
     elif recipe == "rotating":  # one hot expert, moving every step, on every other rank
         g = (step + 1) % N  # (step 0 differs from the relay recipe's expert 0)
         holders[g] = [h for h in range(W) if h != g // E]
@@ -141,7 +165,11 @@ def _hook(case: dict, E: int, B: int):
 
 
 def _step_inputs(case: dict, rank: int, step: int):
-    same = case["recipe"] not in ("random", "planner")  # fixed: the plan repeats unless rotated
+    same = case["recipe"] not in (
+        "random",
+        "planner",
+        "kept",
+    )  # fixed: the plan repeats unless rotated
     return rank_inputs(dict(case, seed=case["seed"] + (0 if same else 7919 * step)), rank)
 
 
@@ -386,6 +414,23 @@ def _cases(world: int) -> list[dict]:
     if world == 4:  # nodes {0}, {1, 2}, {3}: far chunks of 3, exchanged, all-gathered in {1, 2}
         cases.append(dict(cases[-1], name="W4 mix relay across 3 nodes", nodes=(0, 1, 1, 2)))
         cases[-1]["seed"] += 1
+    for rotate in (False, True):  # ranges with kept holders (new inputs every step)
+        cases.append(
+            {
+                "name": f"W{world} mix kept rotate={rotate}",
+                "strategy": "mix",
+                "recipe": "kept",
+                "skew": "hot",
+                "rotate": rotate,
+                "block_size": 16,
+                "dtype": torch.float64,
+                "top_k": 2,
+                "num_experts": 2 * world,
+                "tokens": TOKENS[world][i % 2],
+                "seed": 100 * world + i,
+            }
+        )
+        i += 1
     for skew, rotate, block, profile in (
         ("hot", True, 16, REPLICATE),
         ("one", False, 16, TOPOLOGY),

@@ -14,13 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mixmoe.placement.level_fill as level_module
+import mixmoe.placement.planner as planner_module
 from mixmoe.placement import CPU_PROFILE, HardwareProfile, LayerShape, plan_none, plan_shadow
 from mixmoe.placement.cost_model import plan_pricing, predict, predict_plan, step_model
 from mixmoe.placement.counts import counts_with_sums
 from mixmoe.placement.level_fill import level_fill
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import BLOCK_SIZE, FILL_STOP, plan_mix, replica_slots
+from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.range_state import RangeState
+from mixmoe.simulate.routing import counts_source
 
 IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)  # h100-ib's figures
 CHEAP_LINK = HardwareProfile("cheap-link", 1e12, 1e13, 1e-9)  # compute-bound
@@ -130,18 +133,20 @@ def _fill(W, E, rows, seed, hot, hot_rank, profile, start_hot: bool):
     st.sampled_from(["ib", "cheap", "cpu"]),
     st.booleans(),
     st.booleans(),
+    st.booleans(),
 )
 def test_level_fill_bookkeeping_is_the_priced_plan(
-    W, E, rows, hot, seed, name, hot_rank, start_hot
+    W, E, rows, hot, seed, name, hot_rank, start_hot, kept
 ) -> None:
     """After every pass, the fill's own loads, rounds and totals equal the cost model's
-    pricing of the plan with its amounts as ranges (before they are cut at whole blocks), both
-    in closed form and expanded into share entries (the share loop: no ranges code); the
-    plan it emits (cut) passes ``check_shares``, expanded too, and no rank holds more
-    replicas than its slots."""
+    pricing of the plan with its amounts as ranges and its kept holders' local rows (before
+    they are cut or rounded to whole blocks), both in closed form and expanded into share
+    entries (the share loop: no ranges code); the plan it emits (cut) passes
+    ``check_shares``, expanded too, and no rank holds more replicas than its slots. ``kept``:
+    new holders keep only the own rows that fit under the level."""
     fill, C_WN, P = _fill(W, E, rows, seed, hot, hot_rank, PROFILES[name], start_hot)
     for _ in range(6):
-        if not level_fill(fill, 1, 1.0):
+        if not level_fill(fill, 1, 1.0, kept):
             break
         hot_g = tuple(sorted(g for g, h in fill.holders.items() if h))
         replicas = tuple((g, tuple(fill.holders[g])) for g in hot_g)
@@ -150,7 +155,8 @@ def test_level_fill_bookkeeping_is_the_priced_plan(
             for g in sorted(fill.amounts)
             if any(fill.amounts[g].values())
         )
-        plan = Plan(hot_g, replicas, P, P, relay=True, ranges=uncut)
+        unrounded = tuple((g, tuple(sorted(k.items()))) for g, k in sorted(fill.kept.items()))
+        plan = Plan(hot_g, replicas, P, P, relay=True, ranges=uncut, kept=unrounded)
         want = [fill.rows, fill.local, fill.remote, fill.replica]
         for priced_plan in (plan, plan.expanded(C_WN, E)):
             priced, rounds = plan_pricing(C_WN, priced_plan, E)
@@ -158,8 +164,8 @@ def test_level_fill_bookkeeping_is_the_priced_plan(
             assert rounds == fill.rounds
         pred = fill.model.prediction_W(priced, rounds)
         assert list(map(float.__add__, pred.compute_s, pred.comm_s)) == fill.totals
-        hot_g, replicas, ranges = fill.plan_fields()
-        emitted = Plan(hot_g, replicas, P, P, relay=True, ranges=ranges)
+        hot_g, replicas, ranges, kept = fill.plan_fields()
+        emitted = Plan(hot_g, replicas, P, P, relay=True, ranges=ranges, kept=kept)
         emitted.check_shares(C_WN.tolist(), E, BLOCK_SIZE)
         emitted.expanded(C_WN, E).check_shares(C_WN.tolist(), E, BLOCK_SIZE)
         held = [0] * W
@@ -262,3 +268,28 @@ def test_level_fill_prefers_receivers_in_the_owners_node() -> None:
         amounts[name] = fill.amounts[0]
     assert amounts["one-link"][3] > amounts["one-link"][1], amounts
     assert amounts["nodes"][1] > amounts["nodes"][3], amounts
+
+
+def test_plan_mix_kept_holders_where_own_rows_do_not_fit(monkeypatch) -> None:
+    """seeds W = 8 zipf:2.0 (``bench balance``'s counts): a new holder of the hottest expert
+    would compute ~30% of its rows as its own; the kept fill (new holders keep only the whole
+    blocks that fit) wins with kept holders, > 10% below the plan without that fill, and its
+    plan is valid and priced the same expanded into share entries."""
+    W, E = 8, 4
+    shape = LayerShape(1024, 4096, E, W, 2)
+    (C,) = counts_source("zipf:2.0", W, E * W, 8192, 2, seed=0)
+    profile = load_profile("h100-nvlink")
+    plan = plan_mix(C, shape, profile, 4)
+    assert plan.kept and all(local % BLOCK_SIZE == 0 for _, k in plan.kept for _, local in k)
+    plan.check_shares(C, E, BLOCK_SIZE)
+    expanded = plan.expanded(C, E)
+    assert predict_plan(C, expanded, shape, profile, True) == plan.prediction
+    fill = planner_module._water_fill
+
+    def no_kept(*args, **kwargs):
+        return fill(*args, **{**kwargs, "kept": False})
+
+    monkeypatch.setattr(planner_module, "_water_fill", no_kept)
+    without = plan_mix(C, shape, profile, 4)
+    assert not without.kept
+    assert plan.prediction.step_s < 0.9 * without.prediction.step_s

@@ -1037,7 +1037,7 @@ def test_planners_refuse_counts_too_large_for_exact_arithmetic(planner: str, E: 
 
 def test_plan_is_frozen_and_shows_its_public_fields() -> None:
     """A plan is shared by every layer of a step and read by the dispatch on every rank: it is
-    immutable, and its repr (logs, errors) shows the five public fields, not the lookup caches."""
+    immutable, and its repr (logs, errors) shows the public fields, not the lookup caches."""
     shape = LayerShape(4, 8, experts_per_rank=1, world_size=2, bytes_per_element=2)
     plan = plan_none([[3, 1], [0, 2]], shape, CPU_PROFILE)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -1050,6 +1050,7 @@ def test_plan_is_frozen_and_shows_its_public_fields() -> None:
         "shares",
         "relay",
         "ranges",
+        "kept",
     ]
     assert repr(plan).startswith("Plan(hot=(), replicas=(), prediction=Prediction(")
     assert "_holders" not in repr(plan) and "_shares" not in repr(plan)

@@ -1,9 +1,10 @@
 """Row ranges (``mixmoe.placement.ranges``), the compact form of a balanced plan's helper rows.
 
 Each function is checked against a twin written from the module doc's definitions, sharing no
-code: the stream as an explicit list of rows (``_stream_rows``) for the expansion into share
-entries, every allowed cut position enumerated for the rounding, and the share loop of
-``plan_pricing`` for the closed-form loads. Plus the ``Plan`` rules for ranges and the errors.
+code: the stream as an explicit list of rows (``_stream_rows``, kept holders' rests included) for
+the expansion into share entries, every allowed cut position enumerated for the rounding, and the
+share loop of ``plan_pricing`` for the closed-form loads. Plus the ``Plan`` rules for ranges and
+kept holders, and the errors.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ P = Prediction((), (), (), (), (), 0.0)
 @st.composite
 def _ranged(draw, blocks: bool):
     """(C_WN, E, plan with ranges, block): random counts (zeros included), a few hot experts
-    with random holders and random amounts per helper (cut at whole blocks when ``blocks``)."""
+    with random holders, some of them kept (random local rows, whole blocks when ``blocks``),
+    and random amounts per helper (cut at whole blocks when ``blocks``)."""
     W = draw(st.integers(2, 7))
     E = draw(st.integers(1, 3))
     N = W * E
@@ -34,53 +36,81 @@ def _ranged(draw, blocks: bool):
     C[torch.rand(W, N, generator=gen) < 0.3] = 0
     blk = draw(st.sampled_from([1, 4, 16]))
     hot = sorted(draw(st.sets(st.integers(0, N - 1), min_size=1, max_size=3)))
-    replicas, ranges = [], []
+    replicas, ranges, kept = [], [], []
     for g in hot:
         o = g // E
         others = [r for r in range(W) if r != o]
         holders = sorted(draw(st.sets(st.sampled_from(others), min_size=1, max_size=len(others))))
         replicas.append((g, tuple(holders)))
         col = C[:, g].tolist()
-        total = sum(col[s] for s in stream_sources(col, o, holders))
-        helpers = draw(st.permutations(holders))[: draw(st.integers(1, len(holders)))]
+        keep = {}
+        for y in holders:  # some holders with rows keep only their first rows local
+            if col[y] and draw(st.booleans()):
+                step = blk if blocks else 1
+                keep[y] = draw(st.integers(0, (col[y] - 1) // step)) * step
+        if keep:
+            kept.append((g, tuple(sorted(keep.items()))))
+        total = len(_stream_rows(col, o, holders, keep))
+        # helpers: any holders; a kept one's range must not reach its own rest (its rows before
+        # that rest only: ``check_ranges``), so a kept helper's amount comes last, capped
+        helpers = draw(st.permutations(holders))[: draw(st.integers(0, len(holders)))]
         amounts = [(y, draw(st.integers(1, max(1, total)))) for y in helpers]
+        kept_helper = next((y for y in helpers if y in keep), None)
+        if kept_helper is not None:
+            before = _stream_rows(col, o, holders, keep).index(kept_helper)
+            amounts = [(y, n) for y, n in amounts if y not in keep]
+            amounts = _fit(amounts, before)
+            amounts.append((kept_helper, before - sum(n for _, n in amounts)))
         if blocks:
-            cut = cut_ranges(col, o, holders, amounts, blk)
+            cut = cut_ranges(col, o, holders, amounts, blk, keep)
         else:  # any amounts that fit in the stream, in helper order
-            cut, left = [], total
-            for y, n in amounts:
-                n = min(n, left)
-                if n:
-                    cut.append((y, n))
-                left -= n
-            cut = tuple(cut)
+            cut = tuple(_fit(amounts, total))
         if cut:
             ranges.append((g, cut))
-    plan = Plan(tuple(hot), tuple(replicas), P, P, relay=draw(st.booleans()), ranges=tuple(ranges))
+    plan = Plan(tuple(hot), tuple(replicas), P, P, relay=draw(st.booleans()), ranges=tuple(ranges),
+                kept=tuple(kept))  # fmt: skip
     return C, E, plan, blk
 
 
-def _stream_rows(col_W: list[int], owner: int, holders) -> list[int]:
-    """The stream of one expert as one source id per row, in order (the module doc)."""
+def _fit(amounts: list, total: int) -> list:
+    """``amounts`` in order, each capped at what is left of ``total`` rows; zeros dropped."""
+    out, left = [], total
+    for y, n in amounts:
+        n = min(n, left)
+        if n:
+            out.append((y, n))
+        left -= n
+    return out
+
+
+def _stream_rows(col_W: list[int], owner: int, holders, kept=None) -> list[int]:
+    """The stream of one expert as one source id per row, in order (the module doc): a kept
+    holder's rows past its local ones at its place."""
+    kept = kept or {}
     rows = []
     for s in range(len(col_W)):
-        if s != owner and s not in holders:
+        if s in kept:
+            rows += [s] * (col_W[s] - kept[s])
+        elif s != owner and s not in holders:
             rows += [s] * col_W[s]
     return rows + [owner] * col_W[owner]
 
 
 def _shares_twin(C_WN: torch.Tensor, plan: Plan, E: int) -> list:
-    """Share entries from the stream row by row: each row's rank, runs merged per segment."""
+    """Share entries from the stream row by row: each row's rank, runs merged per segment; a
+    kept holder's segment: its local rows at itself first, then its rows in the stream."""
     out = []
-    for g, ranges in plan.ranges:
+    ranged, kept = dict(plan.ranges), {g: dict(k) for g, k in plan.kept}
+    for g in sorted(set(ranged) | set(kept)):
         o = g // E
         col = C_WN[:, g].tolist()
-        rows = _stream_rows(col, o, plan.holders(g))
+        keep = kept.get(g, {})
+        rows = _stream_rows(col, o, plan.holders(g), keep)
         at = []
-        for y, n in ranges:
+        for y, n in ranged.get(g, ()):
             at += [y] * n
         at += [o] * (len(rows) - len(at))
-        by_source: dict[int, list[list[int]]] = {}
+        by_source: dict[int, list[list[int]]] = {y: [[y, n]] for y, n in keep.items() if n}
         for s, r in zip(rows, at, strict=True):
             runs = by_source.setdefault(s, [])
             if runs and runs[-1][0] == r:
@@ -88,7 +118,7 @@ def _shares_twin(C_WN: torch.Tensor, plan: Plan, E: int) -> list:
             else:
                 runs.append([r, 1])
         for s, runs in by_source.items():
-            if runs != [[o, col[s]]]:  # whole at the owner: the replica rule, no entry
+            if s in keep or runs != [[o, col[s]]]:  # whole at the owner: the replica rule
                 out.append((s, g, tuple((r, n) for r, n in runs)))
     return sorted(out)
 
@@ -103,7 +133,8 @@ def test_range_shares_equal_the_stream_row_by_row(case) -> None:
 @settings(max_examples=60, deadline=None)
 @given(_ranged(blocks=False))
 def test_closed_form_loads_equal_the_expanded_share_loop(case) -> None:
-    """``range_loads`` (closed form, one link) equals the share loop of the expanded plan."""
+    """``range_loads`` (closed form, one link; kept holders included) equals the share loop of
+    the expanded plan."""
     C, E, plan, _ = case
     expanded = plan.expanded(C, E)
     assert not expanded.ranges
@@ -200,11 +231,12 @@ def test_cut_ranges_many_equals_one_at_a_time(case, blk, list_w) -> None:
     these small W) equal ``cut_ranges`` expert by expert."""
     C, E, plan, _ = case
     items = [(g, plan.holders(g), ranges) for g, ranges in plan.ranges]
-    want = [cut_ranges(C[:, g].tolist(), g // E, h, a, blk) for g, h, a in items]
+    kept = {g: dict(k) for g, k in plan.kept}
+    want = [cut_ranges(C[:, g].tolist(), g // E, h, a, blk, kept.get(g)) for g, h, a in items]
     saved = ranges_module.LIST_CUT_W
     ranges_module.LIST_CUT_W = list_w
     try:
-        assert cut_ranges_many(C, items, E, blk) == want
+        assert cut_ranges_many(C, items, E, blk, kept) == want
     finally:
         ranges_module.LIST_CUT_W = saved
 
@@ -220,3 +252,55 @@ def test_a_range_ending_where_a_segment_starts() -> None:
     for rank in range(4):  # each rank's entries: its own segment, and all of an expert it holds
         mine = plan.expanded(C, 1, rank).shares
         assert mine == tuple(e for e in want if e[0] == rank or rank in (0, 1, 3))
+
+
+def test_plan_rules_for_kept() -> None:
+    with pytest.raises(ValueError, match="Plan.kept must be strictly ascending"):
+        _plan(hot=(0, 1), replicas=((0, (1,)), (1, (0,))), kept=((1, ((0, 4),)), (0, ((1, 4),))))
+    with pytest.raises(ValueError, match="distinct holders with local rows >= 0"):
+        _plan(kept=((0, ((1, 4), (1, 8))),))
+    with pytest.raises(ValueError, match="distinct holders with local rows >= 0"):
+        _plan(kept=((0, ((1, -1),)),))
+    with pytest.raises(ValueError, match=r"both ranges and share entries"):
+        _plan(kept=((0, ((1, 4),)),), shares=((2, 0, ((0, 4),)),))
+    with pytest.raises(ValueError, match="must be expanded"):
+        _plan(kept=((0, ((1, 0),)),)).segment_runs(1, 0, 5, 1)
+
+
+def test_check_kept_errors() -> None:
+    # W = 3, E = 1: expert 0 owned by rank 0, holders 1 (8 rows) and 2 (40 rows)
+    C = [[20, 0, 0], [8, 0, 0], [40, 0, 0]]
+    holders = ((0, (1, 2)),)
+    with pytest.raises(ValueError, match=r"name ranks \[2\] that hold no replica"):
+        _plan(replicas=((0, (1,)),), kept=((0, ((2, 16),)),)).check_shares(C, 1, 16)
+    with pytest.raises(ValueError, match="holder 2 keeps 40 local rows of its 40"):
+        _plan(replicas=holders, kept=((0, ((2, 40),)),)).check_shares(C, 1, 8)
+    with pytest.raises(ValueError, match="keeps 12 local rows, not a whole number of 8-row"):
+        _plan(replicas=holders, kept=((0, ((2, 12),)),)).check_shares(C, 1, 8)
+    # the stream: 32 rows of rank 2's rest, then rank 0's 20; a cut 12 rows into the rest
+    with pytest.raises(ValueError, match="cut source 2's segment 12 rows in"):
+        _plan(replicas=holders, kept=((0, ((2, 8),)),), ranges=((0, ((1, 12),)),)).check_shares(
+            C, 1, 8
+        )
+
+
+def test_kept_holders_by_hand() -> None:
+    """Expert 0 (owner 0, holders 1 and 3), block 8: holder 1 keeps 16 of its 40 rows, so the
+    stream is rank 1's other 24, rank 2's 24, then rank 0's 20."""
+    C = torch.tensor([[20, 0, 0, 0], [40, 0, 0, 0], [24, 0, 0, 0], [4, 0, 0, 0]])
+    kept = ((0, ((1, 16),)),)
+    alone = _plan(replicas=((0, (1, 3)),), kept=kept)
+    alone.check_shares(C, 1, 8)
+    assert alone.expanded(C, 1).shares == ((1, 0, ((1, 16), (0, 24))),)
+    other = _plan(replicas=((0, (1, 3)),), kept=kept, ranges=((0, ((3, 32),)),))
+    other.check_shares(C, 1, 8)
+    assert other.expanded(C, 1).shares == ((1, 0, ((1, 16), (3, 24))), (2, 0, ((3, 8), (0, 16))))
+    want, _ = plan_pricing(C, other.expanded(C, 1), 1)
+    got, _ = plan_pricing(C, other, 1)
+    assert torch.equal(got, want)
+    # rows: 0 computes 16 of rank 2's + its 20; 1 its 16 local; 3 its own 4 + 32 received
+    assert got[0].tolist() == [36, 16, 0, 36]
+    assert got[2].tolist() == [16, 24, 24, 32]  # remote: received (0, 3) or sent (1, 2)
+    # holder 1's own range may not cover its rest: it keeps those rows local instead
+    with pytest.raises(ValueError, match="give kept holder 1 rows of its own rest"):
+        _plan(replicas=((0, (1, 3)),), kept=kept, ranges=((0, ((1, 32),)),)).check_shares(C, 1, 8)

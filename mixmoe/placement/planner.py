@@ -236,7 +236,7 @@ def plan_mix(
         # replicated, its new holders keeping only the whole blocks of their own rows that fit
         # (``Plan.kept``); it wins only with a lower prediction
         base_mean = sum(map(float.__add__, best.baseline.compute_s, best.baseline.comm_s)) / W
-        if (stalled or not from_none) and won_step > FILL_STOP * base_mean:
+        if fill == "level" and (stalled or not from_none) and won_step > FILL_STOP * base_mean:
             state = _water_fill(C_WN, colsum_N, shape, model, {}, slots, block_size, profile,
                                 won_step, fill, None, base_4W, kept=True)  # fmt: skip
             if state is not None:

@@ -24,7 +24,7 @@ builds and prices the ranges, only a dispatching rank expands them.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -147,17 +147,23 @@ def _experts(plan) -> list[tuple[int, tuple[Share, ...], Kept]]:
     return [(g, ranges.get(g, ()), kept.get(g, {})) for g in sorted(ranges.keys() | kept.keys())]
 
 
+def _with_columns(C_WN: torch.Tensor, plan) -> Iterator[tuple[int, tuple[Share, ...], Kept, list]]:
+    """``_experts`` each with its column C[:, g] as a list (one gather for all of them)."""
+    experts = _experts(plan)
+    if not experts:
+        return
+    cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
+    for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
+        yield g, ranges, kept, col_W
+
+
 def check_ranges(C_WN: torch.Tensor, plan, experts_per_rank: int, block_size: int) -> None:
     """ValueError unless every kept entry of ``plan`` names holders of its expert keeping a
     whole number of blocks, fewer than their segment's rows, and every range entry names only
     holders of its expert (never the owner), fits in the expert's stream, cuts inside a
     segment only at whole blocks, and gives no kept holder rows of its own rest."""
     E = experts_per_rank
-    experts = _experts(plan)
-    if not experts:
-        return
-    cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
-    for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
+    for g, ranges, kept, col_W in _with_columns(C_WN, plan):
         o, holders = g // E, plan.holders(g)
         outside = [y for y in [*(y for y, _ in ranges), *kept] if y not in holders]
         if outside:
@@ -293,12 +299,8 @@ def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
     the owner or to a helper), and each kept holder's rest (it crosses: no range of the
     holder's own covers it, ``check_ranges``)."""
     E = experts_per_rank
-    experts = _experts(plan)
-    if not experts:
-        return 0
-    cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
     out = 0
-    for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
+    for g, ranges, kept, col_W in _with_columns(C_WN, plan):
         others, rest = _stream_terms(col_W, g // E, plan.holders(g), kept)
         out += max(0, sum(n for _, n in ranges) - others) + rest
     return out
@@ -320,11 +322,7 @@ def range_loads(
     then its own (it now sends them: remote, no longer local). Sources send as before (to
     another rank: a kept holder's rest is never in its own range, ``check_ranges``)."""
     E = experts_per_rank
-    experts = _experts(plan)
-    if not experts:
-        return
-    cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
-    for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
+    for g, ranges, kept, col_W in _with_columns(C_WN, plan):
         o = g // E
         # the other sources' rows in the stream (kept holders' rests included)
         others, _ = _stream_terms(col_W, o, plan.holders(g), kept)

@@ -70,13 +70,19 @@ from mixmoe.placement.counts import (  # noqa: F401  (re-exported: the planners'
     counts_as_tensor,
     counts_with_sums,
 )
+from mixmoe.placement.loads_tensor import (
+    plan_loads_tensor,
+    range_relay_loads_tensor,
+    relay_copies_tensor,
+)
 from mixmoe.placement.profile import HardwareProfile
-from mixmoe.placement.ranges import range_loads, range_shares
+from mixmoe.placement.ranges import range_experts, range_loads, range_shares
 from mixmoe.placement.relay import node_distance, relay_degrees, relay_inter_copies
 
 LOADS = ("rows", "local", "remote", "replica")  # the order of the stacked aggregates [4, W]
 TOKEN_COLLECTIVES = 4  # dispatch + return, forward + backward
 WEIGHT_COLLECTIVES = 2  # replica fetch (forward) + replica gradient return (backward)
+LIST_PRICING_W = 64  # ranks up to which plan_pricing adds loads on Python lists (else tensors)
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:
@@ -550,6 +556,8 @@ def plan_loads(
     replicas = [(g, h) for g, h in ((g, tuple(h)) for g, h in replicas) if h]
     if not replicas:
         return loads_4W
+    if C_WN.shape[0] > LIST_PRICING_W:  # the same integers from a few tensor ops
+        return plan_loads_tensor(C_WN, replicas, E, loads_4W).to(torch.float64)
     # on Python ints: one gather of the hot columns, then a few list updates per holder (a
     # tensor op per hot expert costs more at the planner's sizes)
     rows, local, remote, replica = loads_4W.to(torch.int64).tolist()
@@ -599,11 +607,13 @@ def plan_pricing(
     """
     E = experts_per_rank
     distance = node_distance(profile)
-    loads_4W = plan_loads(C_WN, plan.replicas, E, base_4W=base_4W)
     shares = getattr(plan, "shares", ())
     ranges = getattr(plan, "ranges", ()) or getattr(plan, "kept", ())  # either: range code
     relay = getattr(plan, "relay", False)
     rounds = int(bool(plan.replicas))
+    if distance is None and not shares and C_WN.shape[0] > LIST_PRICING_W:
+        return _plan_pricing_tensor(C_WN, plan, E, base_4W, relay, rounds)
+    loads_4W = plan_loads(C_WN, plan.replicas, E, base_4W=base_4W)
     if not shares and not ranges and not relay and distance is None:
         return loads_4W, rounds
     # on Python ints: a few list operations per share entry (tensor element ops cost ~us each)
@@ -649,6 +659,27 @@ def plan_pricing(
     if distance is not None:
         loads += [remote_inter, replica_inter]
     return torch.tensor(loads, dtype=torch.float64), rounds
+
+
+def _plan_pricing_tensor(
+    C_WN: torch.Tensor,
+    plan: object,
+    E: int,
+    base_4W: torch.Tensor | None,
+    relay: bool,
+    rounds: int,
+) -> tuple[torch.Tensor, int]:
+    """``plan_pricing`` of a plan without share entries on one link, on tensors
+    (``loads_tensor``: the same integers and grid floats as the list code, bit for bit)."""
+    replicas = [(g, h) for g, h in ((g, tuple(h)) for g, h in plan.replicas) if h]
+    base_4W = baseline_loads(C_WN, E)[0] if base_4W is None else base_4W
+    loads_4W = plan_loads_tensor(C_WN, replicas, E, base_4W)  # int64 [4, W]
+    experts = [(g, r, k, plan.holders(g)) for g, r, k in range_experts(plan)]
+    range_relay_loads_tensor(C_WN, experts, E, loads_4W)
+    if not (relay and plan.replicas):
+        return loads_4W.to(torch.float64), rounds
+    replica_W, rounds = relay_copies_tensor(replicas, E, C_WN.shape[0])
+    return torch.cat([loads_4W[:3].to(torch.float64), replica_W.view(1, -1)]), rounds
 
 
 def _inter_node_loads(

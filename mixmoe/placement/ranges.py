@@ -32,6 +32,7 @@ __all__ = [
     "check_ranges",
     "cut_ranges",
     "cut_ranges_many",
+    "range_experts",
     "range_loads",
     "range_rows_moved",
     "range_shares",
@@ -140,7 +141,7 @@ def _cut(starts: list[int], amounts: Sequence[Share], block_size: int) -> tuple[
     return tuple(out)
 
 
-def _experts(plan) -> list[tuple[int, tuple[Share, ...], Kept]]:
+def range_experts(plan) -> list[tuple[int, tuple[Share, ...], Kept]]:
     """(g, ranges, kept) of every expert with ranges or kept holders, ascending g."""
     ranges = dict(plan.ranges)
     kept = {g: dict(k) for g, k in plan.kept}
@@ -149,7 +150,7 @@ def _experts(plan) -> list[tuple[int, tuple[Share, ...], Kept]]:
 
 def _with_columns(C_WN: torch.Tensor, plan) -> Iterator[tuple[int, tuple[Share, ...], Kept, list]]:
     """``_experts`` each with its column C[:, g] as a list (one gather for all of them)."""
-    experts = _experts(plan)
+    experts = range_experts(plan)
     if not experts:
         return
     cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
@@ -216,7 +217,7 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
     the entries that rank's dispatch reads (``Plan.expanded``): its own segments (s == rank),
     and every segment of the experts it owns or holds a replica of."""
     E = experts_per_rank
-    experts = _experts(plan)
+    experts = range_experts(plan)
     if not experts:
         return []
     gs = [g for g, _, _ in experts]

@@ -219,6 +219,15 @@ def relay_degrees(
     return degrees, rounds
 
 
+def near_relay(owner: int, holders: Sequence[int]) -> tuple[float, int]:
+    """``relay_degrees`` of one expert without topology, per holder: (copies each of its k >= 1
+    holders sends + receives, rounds); the owner sends 1 copy. ``ValueError`` as
+    ``relay_degrees`` for holders that repeat or include the owner."""
+    _check(owner, holders)
+    k = len(holders)
+    return (1.0, 1) if k == 1 else (1.0 + _grid(k - 1, k), 2)
+
+
 def relay_inter_copies(owner: int, holders: Sequence[int], distance: Distance) -> dict[int, float]:
     """The part of ``relay_degrees`` that crosses nodes, per rank with any, in closed form: the
     owner 1 (the far scatter); the i-th far holder of a node of c grid((1 + e_i) / R) received

@@ -1,0 +1,151 @@
+"""A plan's per-rank aggregates on tensors: ``cost_model.plan_pricing``'s one-link arithmetic at
+large W (the replica rule, ranges, kept holders and relay copies) in a few ``index_add_`` calls.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes
+to expert g; o = g // E its owner); P (holder pairs (g, h) of the plan's replicas), G (experts
+with ranges or kept holders), K (kept holders), Q (range entries): the lengths of the flat index
+vectors below; loads in ``cost_model.LOADS`` order (rows, local, remote, replica).
+
+Why: at W = 1024 the list code gathers every hot expert's whole column twice (C[:, hot] reads
+most of the [W, N] matrix: ~5 ms) and walks every holder in Python; here only the counts the
+formulas read are gathered (C[h][g] of each holder pair, C[o][g], C[y][g] of each kept holder)
+plus one column sum per ranged expert (the transposed view's rows: ~4x cheaper than C[:, hot]).
+Every value is an exact integer in int64 (the relay's copies: float64 on the 2**-24 grid, whose
+sums are exact in any order: ``relay`` module doc), so the result equals the list code's bit for
+bit (``tests/placement/test_placement_loads_tensor.py`` compares both on random plans).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+from itertools import chain
+
+import torch
+
+from mixmoe.placement.relay import near_relay
+
+__all__ = ["plan_loads_tensor", "range_relay_loads_tensor"]
+
+
+def _ints(values: Iterable[int]) -> torch.Tensor:
+    """int64 [len] of Python ints, through a C array (~2x faster than ``torch.tensor`` of a
+    list: a shadow plan has W - 1 holders per hot expert)."""
+    buffer = array("q", values)
+    if not buffer:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(buffer, dtype=torch.int64)  # shares (and keeps) the array
+
+
+def _pairs(replicas: list[tuple[int, tuple[int, ...]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g_P, h_P) int64: every (expert, holder) pair of ``replicas`` in order."""
+    g_P = _ints(g for g, _ in replicas).repeat_interleave(_ints(len(h) for _, h in replicas))
+    return g_P, _ints(chain.from_iterable(h for _, h in replicas))
+
+
+def _at(C_WN: torch.Tensor, s_X: torch.Tensor, g_X: torch.Tensor) -> torch.Tensor:
+    """C[s][g] for each index pair: one flat gather (no column is read whole)."""
+    return C_WN.reshape(-1)[s_X * C_WN.shape[1] + g_X]
+
+
+def plan_loads_tensor(
+    C_WN: torch.Tensor,
+    replicas: list[tuple[int, tuple[int, ...]]],
+    experts_per_rank: int,
+    base_4W: torch.Tensor,
+) -> torch.Tensor:
+    """``cost_model.plan_loads`` as int64 [4, W]: ``base_4W`` (float64 [4, W], the aggregates
+    with nothing replicated) with each holder h of g computing its own C[h][g] rows (rows and
+    local += c, remote -= c, one replica) and g's owner no longer computing them (rows and
+    remote -= c, one replica served per holder). ``replicas``: (g, holders) with holders
+    non-empty."""
+    loads_4W = base_4W.to(torch.int64)  # a copy: the float64 input stays as it is
+    if not replicas:
+        return loads_4W
+    g_P, h_P = _pairs(replicas)
+    c_P = _at(C_WN, h_P, g_P)
+    one_P = torch.ones_like(c_P)
+    loads_4W.index_add_(1, h_P, torch.stack([c_P, c_P, -c_P, one_P]))  # at the holders
+    zero_P = torch.zeros_like(c_P)
+    loads_4W.index_add_(1, g_P // experts_per_rank, torch.stack([-c_P, zero_P, -c_P, one_P]))
+    return loads_4W
+
+
+def range_relay_loads_tensor(
+    C_WN: torch.Tensor,
+    experts: list[tuple[int, tuple, dict[int, int], tuple[int, ...]]],
+    experts_per_rank: int,
+    loads_4W: torch.Tensor,
+) -> None:
+    """``ranges.range_loads`` on int64 [4, W] ``loads_4W`` (rows, local, remote used), in place.
+    ``experts``: (g, ranges ((helper, rows), ...), kept {holder: local rows}, holders) of every
+    expert with ranges or kept holders. Per expert: others = C[:, g].sum() - C[o][g] - the
+    holders' rows + the kept rests; a kept holder y's rest d = C[y][g] - local goes back to the
+    stream (y: rows, local -= d, remote += d; o: rows, remote += d); the helpers take their
+    rows (rows, remote += n); the owner gives up taken = sum n: the other sources' rows first
+    (from_others = min(taken, others): it no longer receives them), then its own (own = taken -
+    from_others: sent now, no longer local)."""
+    E = experts_per_rank
+    G = len(experts)
+    if not G:
+        return
+    g_G = torch.tensor([g for g, _, _, _ in experts], dtype=torch.int64)
+    o_G = g_G // E
+    # the stream's rows from sources other than the owner (``ranges._stream_terms``)
+    colsum_G = C_WN.t().index_select(0, g_G).sum(1)  # rows of the transposed view: cheap
+    held = [(i, h) for i, (_, _, _, holders) in enumerate(experts) for h in holders]
+    i_P = torch.tensor([i for i, _ in held], dtype=torch.int64)
+    held_G = torch.zeros(G, dtype=torch.int64).index_add_(
+        0, i_P, _at(C_WN, torch.tensor([h for _, h in held], dtype=torch.int64), g_G[i_P])
+    )
+    others_G = colsum_G - _at(C_WN, o_G, g_G) - held_G
+    rows, local, remote = loads_4W[0], loads_4W[1], loads_4W[2]
+    kept = [(i, y, n) for i, (_, _, k, _) in enumerate(experts) for y, n in k.items()]
+    if kept:
+        i_K = torch.tensor([i for i, _, _ in kept], dtype=torch.int64)
+        y_K = torch.tensor([y for _, y, _ in kept], dtype=torch.int64)
+        d_K = _at(C_WN, y_K, g_G[i_K]) - torch.tensor([n for _, _, n in kept], dtype=torch.int64)
+        others_G.index_add_(0, i_K, d_K)  # the rests stay in the stream
+        rows.index_add_(0, y_K, -d_K)
+        local.index_add_(0, y_K, -d_K)
+        remote.index_add_(0, y_K, d_K)
+        rows.index_add_(0, o_G[i_K], d_K)
+        remote.index_add_(0, o_G[i_K], d_K)
+    ranged = [(i, y, n) for i, (_, r, _, _) in enumerate(experts) for y, n in r]
+    taken_G = torch.zeros(G, dtype=torch.int64)
+    if ranged:
+        i_Q = torch.tensor([i for i, _, _ in ranged], dtype=torch.int64)
+        y_Q = torch.tensor([y for _, y, _ in ranged], dtype=torch.int64)
+        n_Q = torch.tensor([n for _, _, n in ranged], dtype=torch.int64)
+        rows.index_add_(0, y_Q, n_Q)
+        remote.index_add_(0, y_Q, n_Q)
+        taken_G.index_add_(0, i_Q, n_Q)
+    from_others_G = torch.minimum(taken_G, others_G)
+    own_G = taken_G - from_others_G
+    rows.index_add_(0, o_G, -taken_G)
+    remote.index_add_(0, o_G, own_G - from_others_G)
+    local.index_add_(0, o_G, -own_G)
+
+
+def relay_copies_tensor(
+    replicas: list[tuple[int, tuple[int, ...]]], experts_per_rank: int, world_size: int
+) -> tuple[torch.Tensor, int]:
+    """(replica_W float64, rounds): each rank's copies in the one-link relays of ``replicas``
+    ((g, holders) with holders non-empty) and the most rounds any takes: the owner 1 per expert,
+    each of its k holders ``near_relay(k)``'s copies (``relay.relay_degrees`` without topology,
+    which also checks the holders)."""
+    replica_W = torch.zeros(world_size, dtype=torch.float64)
+    if not replicas:
+        return replica_W, 0
+    copies, rounds = [], 0
+    for g, holders in replicas:
+        c, depth = near_relay(g // experts_per_rank, holders)
+        copies.append(c)
+        rounds = max(rounds, depth)
+    g_P, h_P = _pairs(replicas)
+    sizes = torch.tensor([len(h) for _, h in replicas], dtype=torch.int64)
+    copies_P = torch.tensor(copies, dtype=torch.float64).repeat_interleave(sizes)
+    replica_W.index_add_(0, h_P, copies_P)  # grid values: exact sums in any order
+    o_G = torch.tensor([g // experts_per_rank for g, _ in replicas], dtype=torch.int64)
+    replica_W.index_add_(0, o_G, torch.ones(len(replicas), dtype=torch.float64))
+    return replica_W, rounds

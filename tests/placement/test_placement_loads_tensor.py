@@ -1,0 +1,101 @@
+"""``plan_pricing`` / ``plan_loads`` on tensors (``placement.loads_tensor``, above
+``LIST_PRICING_W`` ranks) against the list code (at or below it): the same float64 aggregates
+bit for bit and the same rounds, on random plans with holders, ranges, kept holders, empty
+holder lists, with and without the relay. Plus ``near_relay`` against ``relay_degrees``.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C[s][g] = rows s routes to g.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mixmoe.placement.cost_model as cost_model
+from mixmoe.placement.cost_model import Prediction, baseline_loads, plan_loads, plan_pricing
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.relay import near_relay, relay_degrees
+
+P = Prediction((), (), (), (), (), 0.0)
+
+
+@st.composite
+def _plans(draw):
+    """(C_WN, E, plan): random counts (zeros included), random hot experts and holders (some
+    hot expert with no holder), kept holders with random local rows below their count, and
+    helpers with random amounts (not necessarily whole blocks: the arithmetic takes any)."""
+    W = draw(st.integers(2, 12))
+    E = draw(st.integers(1, 3))
+    N = W * E
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 10**6)))
+    C = torch.randint(0, 200, (W, N), generator=gen)
+    C[torch.rand(W, N, generator=gen) < 0.3] = 0
+    hot = sorted(draw(st.sets(st.integers(0, N - 1), min_size=0, max_size=4)))
+    replicas, ranges, kept = [], [], []
+    for g in hot:
+        others = [r for r in range(W) if r != g // E]
+        holders = sorted(draw(st.sets(st.sampled_from(others), max_size=len(others))))
+        replicas.append((g, tuple(holders)))
+        keep = {y: draw(st.integers(0, int(C[y, g]) - 1)) for y in holders
+                if C[y, g] and draw(st.booleans())}  # fmt: skip
+        if keep:
+            kept.append((g, tuple(sorted(keep.items()))))
+        helpers = [y for y in draw(st.permutations(holders)) if y not in keep]
+        amounts = tuple((y, draw(st.integers(1, 300))) for y in helpers[: draw(st.integers(0, 3))])
+        if amounts:
+            ranges.append((g, amounts))
+    relay = draw(st.booleans())
+    plan = Plan(tuple(g for g, h in replicas if h), tuple((g, h) for g, h in replicas if h), P,
+                P, relay=relay, ranges=tuple(ranges), kept=tuple(kept))  # fmt: skip
+    return C, E, plan, replicas
+
+
+def _both(monkeypatch, fn):
+    """fn() on the list code, then on tensors."""
+    monkeypatch.setattr(cost_model, "LIST_PRICING_W", 10**9)
+    lists = fn()
+    monkeypatch.setattr(cost_model, "LIST_PRICING_W", 0)
+    return lists, fn()
+
+
+@settings(max_examples=150, deadline=None)
+@given(_plans(), st.booleans())
+def test_tensor_pricing_equals_the_list_code_bit_for_bit(case, with_base) -> None:
+    C, E, plan, replicas = case
+    base = baseline_loads(C, E)[0] if with_base else None
+    mp = pytest.MonkeyPatch()
+    try:
+        (want, want_rounds), (got, got_rounds) = _both(
+            mp, lambda: plan_pricing(C, plan, E, base_4W=base)
+        )
+        want_loads, got_loads = _both(mp, lambda: plan_loads(C, replicas, E, base_4W=base))
+    finally:
+        mp.undo()
+    assert got.dtype == want.dtype == torch.float64
+    assert got.tolist() == want.tolist()  # floats compared exactly: == on every entry
+    assert got_rounds == want_rounds
+    assert got_loads.tolist() == want_loads.tolist()
+
+
+def test_tensor_pricing_checks_relay_holders_as_the_list_code(monkeypatch) -> None:
+    """A relay whose holders include the owner is refused on both paths."""
+    C = torch.randint(1, 9, (4, 4))
+    bad = Plan((0,), ((0, (1, 2)),), P, P, relay=True)
+    object.__setattr__(bad, "replicas", ((0, (0, 2)),))  # past Plan's own check
+    for w in (10**9, 0):
+        monkeypatch.setattr(cost_model, "LIST_PRICING_W", w)
+        with pytest.raises(ValueError, match="exclude owner"):
+            plan_pricing(C, bad, 1)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7, 64, 1023])
+def test_near_relay_equals_relay_degrees(k: int) -> None:
+    owner = 5
+    holders = [h for h in range(k + 1) if h != owner][:k]
+    degrees, rounds = relay_degrees(owner, holders)
+    copies, got_rounds = near_relay(owner, holders)
+    assert got_rounds == rounds
+    assert degrees[owner] == 1.0
+    assert all(degrees[h] == copies for h in holders)

@@ -104,20 +104,74 @@ def cut_ranges_many(
             cut_ranges(col, g // E, holders, amounts, block_size, kept.get(g))
             for col, (g, holders, amounts) in zip(cols, items, strict=True)
         ]
-    cols_GW = C_WN[:, gs].T.clone()
-    own_G = cols_GW[torch.arange(len(gs)), torch.tensor([g // E for g in gs])].tolist()
-    for i, (g, holders, _) in enumerate(items):  # the owner and the holders leave the stream
-        cols_GW[i, [g // E, *holders]] = 0
-        for y, local in kept.get(g, {}).items():  # a kept holder's rest stays in it
-            cols_GW[i, y] = int(C_WN[y, g]) - local
-    # starts of the W source slots, the owner's segment (last) and the stream's end
-    starts_GW = torch.zeros(len(gs), W + 2, dtype=torch.int64)
-    starts_GW[:, 1 : W + 1] = cols_GW.cumsum(1)
-    starts_GW[:, W + 1] = starts_GW[:, W] + torch.tensor(own_G, dtype=torch.int64)
-    return [
-        _cut(starts, amounts, block_size)
-        for starts, (_, _, amounts) in zip(starts_GW.tolist(), items, strict=True)
-    ]
+    return _cut_many_tensor(C_WN, items, E, block_size, kept)
+
+
+def _cut_many_tensor(
+    C_WN: torch.Tensor, items: Sequence[tuple[int, Iterable[int], Sequence[Share]]], E: int,
+    block_size: int, kept: dict[int, Kept],
+) -> list[tuple[Share, ...]]:  # fmt: skip
+    """``cut_ranges_many`` above ``LIST_CUT_W`` ranks: the streams' segment starts [G, W + 2]
+    (one gather of the G columns from the transposed view, one cumulative sum) and every cut
+    of every expert in a few flat tensor ops (Q cuts in all): ``_cut``'s arithmetic, the same
+    integers. Item i's starts are offset by i * BIG (BIG > every stream's end), so one sorted
+    vector holds every stream and one ``searchsorted`` finds every cut's segment, and the
+    running max of ``_cut`` (a cut never goes back) is one ``cummax``."""
+    W, N = C_WN.shape
+    G = len(items)
+    S = W + 2
+    g_G = torch.tensor([g for g, _, _ in items], dtype=torch.int64)
+    cols_GW = C_WN.t().index_select(0, g_G)  # a copy: rows of the transposed view
+    own_G = cols_GW[torch.arange(G), g_G // E]  # the owner's segment comes last
+    # the owner and the holders leave the stream (flat indices into cols_GW)
+    out_X = [i * W + r for i, (g, holders, _) in enumerate(items) for r in (g // E, *holders)]
+    cols_GW.view(-1)[torch.tensor(out_X, dtype=torch.int64)] = 0
+    rest = [(i, y, n) for i, (g, _, _) in enumerate(items) for y, n in kept.get(g, {}).items()]
+    if rest:  # a kept holder's rest stays in it: C[y][g] - local
+        i_K = torch.tensor([i for i, _, _ in rest], dtype=torch.int64)
+        y_K = torch.tensor([y for _, y, _ in rest], dtype=torch.int64)
+        c_K = C_WN.reshape(-1)[y_K * N + g_G[i_K]]
+        rest_K = c_K - torch.tensor([n for _, _, n in rest], dtype=torch.int64)
+        cols_GW.view(-1)[i_K * W + y_K] = rest_K
+    starts_GS = torch.zeros(G, S, dtype=torch.int64)
+    starts_GS[:, 1 : W + 1] = cols_GW.cumsum(1)
+    starts_GS[:, W + 1] = starts_GS[:, W] + own_G
+    end_G = starts_GS[:, W + 1]
+    # every cut: item i, its helper, its cumulative want (``_cut``'s want)
+    i_Q, y_Q, want_Q = [], [], []
+    for i, (_, _, amounts) in enumerate(items):
+        want = 0
+        for y, n in amounts:
+            want += n
+            i_Q.append(i)
+            y_Q.append(y)
+            want_Q.append(want)
+    if not i_Q:
+        return [() for _ in items]
+    i_t = torch.tensor(i_Q, dtype=torch.int64)
+    q_Q = torch.minimum(torch.tensor(want_Q, dtype=torch.int64), end_G[i_t])
+    big = int(end_G.max()) + 1
+    flat_S = (starts_GS + torch.arange(G).view(G, 1) * big).view(-1)  # ascending overall
+    at_Q = torch.searchsorted(flat_S, q_Q + i_t * big, right=True) - 1  # bisect_right - 1
+    inside_Q = at_Q - i_t * S < S - 1  # q inside the stream (before its end): rounded
+    lo_Q = starts_GS.view(-1)[at_Q]
+    hi_Q = starts_GS.view(-1)[torch.where(inside_Q, at_Q + 1, at_Q)]
+    off_Q = q_Q - lo_Q
+    down_Q = off_Q // block_size * block_size  # the whole block below, or the segment's
+    up_Q = torch.minimum(hi_Q - lo_Q, down_Q + block_size)  # next cut: block or end
+    near_Q = lo_Q + torch.where(off_Q - down_Q <= up_Q - off_Q, down_Q, up_Q)
+    q_Q = torch.where(inside_Q, near_Q, q_Q)
+    # a cut never goes back (q = max(q, at)): the running max within each item, by offsets
+    q_Q = torch.cummax(q_Q + i_t * big, 0).values - i_t * big
+    first_Q = torch.ones(len(i_Q), dtype=torch.bool)
+    first_Q[1:] = i_t[1:] != i_t[:-1]
+    prev_Q = torch.where(first_Q, 0, q_Q.roll(1))
+    n_Q = (q_Q - prev_Q).tolist()
+    out: list[list[Share]] = [[] for _ in items]
+    for i, y, n in zip(i_Q, y_Q, n_Q, strict=True):
+        if n > 0:
+            out[i].append((y, n))
+    return [tuple(cuts) for cuts in out]
 
 
 def _cut(starts: list[int], amounts: Sequence[Share], block_size: int) -> tuple[Share, ...]:

@@ -1,7 +1,8 @@
-"""``plan_pricing`` / ``plan_loads`` on tensors (``placement.loads_tensor``, above
+"""The planner's tensor paths against its list code. ``plan_pricing`` / ``plan_loads`` on tensors (``placement.loads_tensor``, above
 ``LIST_PRICING_W`` ranks) against the list code (at or below it): the same float64 aggregates
 bit for bit and the same rounds, on random plans with holders, ranges, kept holders, empty
-holder lists, with and without the relay. Plus ``near_relay`` against ``relay_degrees``.
+holder lists, with and without the relay; ``near_relay`` against ``relay_degrees``;
+``cut_ranges_many``'s batched cuts against ``cut_ranges`` (above ``LIST_CUT_W``).
 
 Legend: W ranks, E experts per rank, N = W*E experts, C[s][g] = rows s routes to g.
 """
@@ -14,8 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mixmoe.placement.cost_model as cost_model
+import mixmoe.placement.ranges as ranges_module
 from mixmoe.placement.cost_model import Prediction, baseline_loads, plan_loads, plan_pricing
 from mixmoe.placement.plan import Plan
+from mixmoe.placement.ranges import cut_ranges, cut_ranges_many
 from mixmoe.placement.relay import near_relay, relay_degrees
 
 P = Prediction((), (), (), (), (), 0.0)
@@ -99,3 +102,42 @@ def test_near_relay_equals_relay_degrees(k: int) -> None:
     assert got_rounds == rounds
     assert degrees[owner] == 1.0
     assert all(degrees[h] == copies for h in holders)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from([1, 4, 16, 64]), st.integers(1, 12))
+def test_batched_cuts_equal_cut_ranges_one_at_a_time(seed, blk, helpers) -> None:
+    """``cut_ranges_many``'s tensor path (``LIST_CUT_W`` = 0) against ``cut_ranges`` expert by
+    expert: amounts of half blocks and odd sizes (cuts tied between two allowed positions, cuts
+    rounded back below the previous one), zero and tiny segments, kept holders, empty
+    amounts."""
+    gen = torch.Generator().manual_seed(seed)
+    W, E = (
+        int(torch.randint(2, 20, (1,), generator=gen)),
+        int(torch.randint(1, 3, (1,), generator=gen)),
+    )
+    C = torch.randint(0, 3 * blk, (W, W * E), generator=gen)
+    C[torch.rand(W, W * E, generator=gen) < 0.3] = 0
+    items, kept = [], {}
+    for g in torch.randperm(W * E, generator=gen)[
+        : int(torch.randint(1, 6, (1,), generator=gen))
+    ].tolist():
+        others = [r for r in range(W) if r != g // E]
+        holders = sorted(
+            torch.tensor(others)[torch.rand(len(others), generator=gen) < 0.5].tolist()
+        )
+        keep = {y: int(torch.randint(0, int(C[y, g]), (1,), generator=gen)) for y in holders
+                if C[y, g] and bool(torch.rand(1, generator=gen) < 0.3)}  # fmt: skip
+        if keep:
+            kept[g] = keep
+        sizes = [max(1, blk // 2), blk, 1, 3 * blk // 2 + 1]
+        amounts = [(y, sizes[int(torch.randint(0, 4, (1,), generator=gen))])
+                   for y in holders[:helpers]]  # fmt: skip
+        items.append((g, holders, amounts))
+    want = [cut_ranges(C[:, g].tolist(), g // E, h, a, blk, kept.get(g)) for g, h, a in items]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ranges_module, "LIST_CUT_W", 0)
+    try:
+        assert cut_ranges_many(C, items, E, blk, kept) == want
+    finally:
+        mp.undo()

@@ -339,6 +339,47 @@ class StepModel:
 
         return total
 
+    def seconds_fn(
+        self, any_remote: bool, any_hot: bool | int
+    ) -> Callable[[int, int, int, int], tuple[float, float]]:
+        """``rank_seconds`` with the group-wide flags bound: ``seconds(rows, local, remote,
+        replica) -> (compute_s, comm_s)``; ``total_fn``'s expressions in the same order, so
+        the same floats bit for bit (a test checks it); ``prediction_lists`` calls it per rank
+        (one call instead of ``rank_seconds``' three and their attribute look-ups)."""
+        fpr, gf, tbr, bw, P = (
+            self.flops_per_row,
+            self.gemm_flops,
+            self.token_bytes_per_row,
+            self.bw,
+            self.params_bytes,
+        )
+        row_s, fixed_s, rep_s, overlap = self.row_s, self.fixed_s, self.replica_s, self.overlap
+        token0 = TOKEN_COLLECTIVES * self.lat
+        weight0 = WEIGHT_COLLECTIVES * any_hot * self.lat if any_hot else 0.0
+
+        def seconds(rows: int, local: int, remote: int, replica: int) -> tuple[float, float]:
+            compute = rows * fpr / gf
+            if row_s:
+                compute = compute + rows * row_s
+            if fixed_s:
+                compute = compute + fixed_s
+            token = 0.0
+            if any_remote:
+                token = token0 + tbr * remote / bw
+                if overlap:
+                    hidden = local * fpr / gf
+                    if row_s:
+                        hidden = hidden + local * row_s
+                    token = max(0.0, token - hidden)
+            weight = 0.0
+            if any_hot:
+                weight = weight0 + P * replica / bw
+                if rep_s:
+                    weight = weight + replica * rep_s
+            return compute, token + weight
+
+        return seconds
+
     def _compute_s(self, rows: int) -> float:
         compute = rows * self.flops_per_row / self.gemm_flops
         if self.row_s:
@@ -470,18 +511,16 @@ class StepModel:
         ``prediction_W``. The caller has run ``check_exact`` on them."""
         any_remote = any(remote)
         any_hot = any(replica) if rounds is None else rounds
-        seconds = self.rank_seconds
-        compute, comm = [], []
-        for loads in zip(rows, local, remote, replica, strict=True):
-            c, m = seconds(*loads, any_remote, any_hot)
-            compute.append(c)
-            comm.append(m)
+        pairs = list(map(self.seconds_fn(any_remote, any_hot), rows, local, remote, replica))
+        if not len(rows) == len(local) == len(remote) == len(replica):
+            raise ValueError("prediction_lists needs lists of one length W")
+        compute, comm = zip(*pairs, strict=True) if pairs else ((), ())
         return self._pack_lists(compute, comm, rows, remote, replica)
 
     def _pack_lists(
         self,
-        compute: list[float],
-        comm: list[float],
+        compute: list[float] | tuple[float, ...],
+        comm: list[float] | tuple[float, ...],
         rows: list[int],
         remote: list[int],
         replica: list[int],

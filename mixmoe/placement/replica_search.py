@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -400,8 +400,9 @@ def _plan_mix_lists(
 ) -> Plan:
     """``plan_mix`` on Python lists and floats, for tiny problems (W x N <= ``LIST_LIMIT``): the
     counts are validated and brought to the host once (``counts_as_lists``); every aggregate is
-    an exact Python int and every second comes from ``StepModel.rank_total`` /
-    ``rank_seconds``, equal to ``seconds_W`` bit for bit on the same integer loads, so the
+    an exact Python int and every second comes from ``StepModel.total_fn`` / ``seconds_fn``
+    (``rank_total`` / ``rank_seconds`` bit for bit), equal to ``seconds_W`` bit for bit on the
+    same integer loads, so the
     decisions, loads and predictions are those of the tensor paths (a test forces each path on
     the same cases)."""
     C = counts_as_lists(counts_WN, shape)
@@ -428,8 +429,8 @@ def _plan_mix_lists(
 
 class _ListMixSearch:
     """``_MixSearch`` on the host: loads, totals, replica counts and candidates in Python
-    lists, seconds from ``StepModel.rank_total`` (see ``_plan_mix_lists``); the counts on
-    Python lists too.
+    lists, seconds from ``StepModel.total_fn`` (``rank_total``'s floats; see
+    ``_plan_mix_lists``); the counts on Python lists too.
 
     The same search step for step: the bottleneck b, its shortlist (open candidates touching b,
     or the last one when it ends the token phase, whose new total at b drops below the step, by
@@ -469,6 +470,15 @@ class _ListMixSearch:
         self.n_open = sum(self.open)
         # any_remote -> each rank's total with its current loads (None: not computed yet)
         self._kept: dict[bool, list[float | None]] = {}
+        # any_remote -> ``StepModel.total_fn(any_remote, True)``: ``rank_total`` bit for bit
+        self._total_fns: dict[bool, Callable[[int, int, int, int], float]] = {}
+
+    def _total(self, any_remote: bool) -> Callable[[int, int, int, int], float]:
+        """A rank's total with a replica somewhere and the token flag ``any_remote``."""
+        fn = self._total_fns.get(any_remote)
+        if fn is None:
+            fn = self._total_fns[any_remote] = self.model.total_fn(any_remote, True)
+        return fn
 
     @functools.cached_property
     def order(self) -> list[int]:
@@ -485,7 +495,7 @@ class _ListMixSearch:
     def _listed(self, b: int, best: float) -> Iterator[int]:
         """b's shortlist (see the class doc), lazily, in priority order."""
         rows, local, remote, replica = (load[b] for load in self.loads)
-        C, E, row_b, total = self.C, self.E, self.C[b], self.model.rank_total
+        C, E, row_b, total = self.C, self.E, self.C[b], self._total
         lo, hi = b * E, (b + 1) * E
         cmax = max(max(row_b[:lo], default=0), max(row_b[hi:], default=0))
         # with two open candidates or more none holds every remote row left: the token
@@ -498,16 +508,14 @@ class _ListMixSearch:
             m = self.moved[g]
             if lo <= g < hi:  # b owns g: it computes and exchanges m rows less, serves n replicas
                 n = sum(1 for s, row in enumerate(C) if s != b and row[g] > 0)
-                new = total(rows - m, local, remote - m, replica + n, m < self.total_remote, True)
+                new = total(m < self.total_remote)(rows - m, local, remote - m, replica + n)
             elif row_b[g]:  # b computes its c rows of g itself and fetches a replica
                 if not sources:
                     continue
                 c = row_b[g]
-                new = total(
-                    rows + c, local + c, remote - c, replica + 1, m < self.total_remote, True
-                )
+                new = total(m < self.total_remote)(rows + c, local + c, remote - c, replica + 1)
             elif m == self.total_remote:  # g, the last candidate, ends the token phase
-                new = total(rows, local, remote, replica, False, True)
+                new = total(False)(rows, local, remote, replica)
             else:
                 continue
             if new < best:
@@ -539,16 +547,17 @@ class _ListMixSearch:
     def _try(self, g: int, o: int, col: list[int], src: list[int], best: float) -> bool:
         """Accept g if every rank's total then stays below ``best``; False (nothing changed)
         at the first rank that does not."""
-        (rows, local, remote, replica), total = self.loads, self.model.rank_total
+        (rows, local, remote, replica) = self.loads
         m = self.moved[g]
         any_remote = m < self.total_remote
+        total = self._total(any_remote)
         changed = {o: (rows[o] - m, local[o], remote[o] - m, replica[o] + len(src))}
         for s in src:
             c = col[s]
             changed[s] = (rows[s] + c, local[s] + c, remote[s] - c, replica[s] + 1)
         new = {}
         for r, ld in changed.items():
-            t = total(*ld, any_remote, True)
+            t = total(*ld)
             if not t < best:
                 return False
             new[r] = t
@@ -557,7 +566,7 @@ class _ListMixSearch:
             kept = self._kept[any_remote] = [None] * len(rows)
         for r, t in enumerate(kept):
             if t is None and r not in new:
-                kept[r] = t = total(rows[r], local[r], remote[r], replica[r], any_remote, True)
+                kept[r] = t = total(rows[r], local[r], remote[r], replica[r])
             if r not in new and not t < best:
                 return False
         new_totals = [new.get(r, t) for r, t in enumerate(kept)]
@@ -622,7 +631,7 @@ class _HostMixSearch(_ListMixSearch):
     def _listed(self, b: int, best: float) -> Iterator[int]:
         loads_b = tuple(load[b] for load in self.loads)
         rows, local, remote, replica = loads_b
-        E, C_WN, total = self.E, self.C_WN, self.model.rank_total
+        E, C_WN, total = self.E, self.C_WN, self._total
         lo, hi = b * E, (b + 1) * E
         listed: list[int] = []
         # b as the owner of g: b no longer computes nor exchanges g's m remote rows and serves
@@ -634,7 +643,7 @@ class _HostMixSearch(_ListMixSearch):
             for g in open_own:
                 m, n = self.moved[g], n_E[g - lo] - (c_E[g - lo] > 0)
                 any_remote = m < self.total_remote
-                if total(rows - m, local, remote - m, replica + n, any_remote, True) < best:
+                if total(any_remote)(rows - m, local, remote - m, replica + n) < best:
                     listed.append(g)
         # b as a source of g: b computes its c rows of g itself and fetches one replica
         if self.n_open > len(open_own):
@@ -646,7 +655,7 @@ class _HostMixSearch(_ListMixSearch):
             if not any_remote and not int(c_N[last]):
                 # the last candidate ends the token phase and b sends it no row: b keeps its
                 # loads and stops paying the token collectives (listed is empty: n_open == 1)
-                ends = total(rows, local, remote, replica, False, True) < best
+                ends = total(False)(rows, local, remote, replica) < best
                 return iter([last] if ends else [])
             cmax = max(
                 int(c_N[:lo].max()) if lo else 0, int(c_N[hi:].max()) if hi < len(c_N) else 0

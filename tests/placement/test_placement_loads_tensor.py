@@ -1,8 +1,9 @@
-"""The planner's tensor paths against its list code. ``plan_pricing`` / ``plan_loads`` on tensors (``placement.loads_tensor``, above
-``LIST_PRICING_W`` ranks) against the list code (at or below it): the same float64 aggregates
-bit for bit and the same rounds, on random plans with holders, ranges, kept holders, empty
-holder lists, with and without the relay; ``near_relay`` against ``relay_degrees``;
-``cut_ranges_many``'s batched cuts against ``cut_ranges`` (above ``LIST_CUT_W``).
+"""The planner's tensor paths and closures against their list twins: ``plan_pricing`` /
+``plan_loads`` on tensors (``placement.loads_tensor``, above ``LIST_PRICING_W`` ranks) against
+the list code (at or below it): the same float64 aggregates bit for bit and the same rounds, on
+random plans with holders, ranges, kept holders, empty holder lists, with and without the relay;
+``near_relay`` against ``relay_degrees``; ``cut_ranges_many``'s batched cuts against
+``cut_ranges`` (above ``LIST_CUT_W``); ``StepModel.seconds_fn`` against ``rank_seconds``.
 
 Legend: W ranks, E experts per rank, N = W*E experts, C[s][g] = rows s routes to g.
 """
@@ -16,8 +17,16 @@ from hypothesis import strategies as st
 
 import mixmoe.placement.cost_model as cost_model
 import mixmoe.placement.ranges as ranges_module
-from mixmoe.placement.cost_model import Prediction, baseline_loads, plan_loads, plan_pricing
+from mixmoe.placement.cost_model import (
+    LayerShape,
+    Prediction,
+    StepModel,
+    baseline_loads,
+    plan_loads,
+    plan_pricing,
+)
 from mixmoe.placement.plan import Plan
+from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.ranges import cut_ranges, cut_ranges_many
 from mixmoe.placement.relay import near_relay, relay_degrees
 
@@ -141,3 +150,28 @@ def test_batched_cuts_equal_cut_ranges_one_at_a_time(seed, blk, helpers) -> None
         assert cut_ranges_many(C, items, E, blk, kept) == want
     finally:
         mp.undo()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 10**7), min_size=4, max_size=4),
+    st.booleans(),
+    st.integers(0, 5),
+    st.booleans(),
+    st.sampled_from([0.0, 1.3e-7]),
+    st.sampled_from([0.0, 2.5e-5]),
+)
+def test_seconds_fn_equals_rank_seconds_bit_for_bit(
+    loads, any_remote, rounds, overlap, row_s, rep_s
+) -> None:
+    """``prediction_lists``' closure and ``rank_seconds`` give the same pair of floats (fixed
+    costs on and off, overlap on and off, no rounds or several)."""
+    profile = HardwareProfile(
+        "p", 3.7e14, 4.1e10, 2.9e-5, step_fixed_s=row_s * 1e3, row_overhead_s=row_s,
+        replica_fixed_s=rep_s,
+    )  # fmt: skip
+    model = StepModel(LayerShape(1024, 4096, 4, 8, 2, 3), profile, overlap)
+    rows, local, remote, replica = loads
+    local = min(local, rows)
+    want = model.rank_seconds(rows, local, remote, replica, any_remote, rounds)
+    assert model.seconds_fn(any_remote, rounds)(rows, local, remote, replica) == want

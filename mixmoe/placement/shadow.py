@@ -95,6 +95,8 @@ def shadow_hot(
         shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
     )
     t_model = shape.params_bytes_per_expert / profile.link_bandwidth
+    if W > LIST_SHADOW_W:
+        return _shadow_hot_tensor(C_WN, E, load_N, own_N, t_row_feat, t_model)
     load_W = load_N.view(W, E).sum(1).tolist()  # rows computed at each rank (int64 sums)
     best = max(load_W) * t_row_feat
     # load descending, ties by expert id ascending (a stable sort of the ascending ids); the
@@ -113,16 +115,57 @@ def shadow_hot(
     return tuple(sorted(shadowed))
 
 
-def _by_load(load_N: torch.Tensor, own_N: torch.Tensor) -> Iterator[tuple[int, int, int]]:
-    """(g, load_N[g], own_N[g]) by load descending, ties by expert id ascending (a stable sort
-    of the ascending ids), brought to the host 8, 64, 512, ... at a time."""
+LIST_SHADOW_W = 64  # ranks up to which shadow_hot tries experts on Python lists
+
+
+def _shadow_hot_tensor(
+    C_WN: torch.Tensor,
+    E: int,
+    load_N: torch.Tensor,
+    own_N: torch.Tensor,
+    t_row_feat: float,
+    t_model: float,
+) -> tuple[int, ...]:
+    """``shadow_hot``'s search above ``LIST_SHADOW_W`` ranks: the same integers per tried
+    expert in a few int64 tensor ops over W (the tried experts' columns gathered a batch at a
+    time) instead of W-long Python lists; each max comes back as a Python int, so ``lat`` is
+    the same float and the decisions are the same."""
+    W = C_WN.shape[0]
+    load_W = load_N.view(W, E).sum(1)  # rows computed at each rank
+    best = int(load_W.max()) * t_row_feat
+    shadowed: list[int] = []
+    for g_B, loads_B, own_B in _batches(load_N, own_N):
+        cols_BW = C_WN.t().index_select(0, g_B)  # the batch's columns, rows of C's transpose
+        for i, (g, load_g, own_g) in enumerate(zip(g_B.tolist(), loads_B, own_B, strict=True)):
+            o = g // E
+            # every source computes its own rows of g; the owner keeps only its own
+            trial_W = load_W + cols_BW[i]
+            trial_W[o] = int(load_W[o]) - load_g + own_g
+            lat = int(trial_W.max()) * t_row_feat + (len(shadowed) + 1) * t_model
+            if not lat < best:
+                return tuple(sorted(shadowed))
+            best, load_W = lat, trial_W
+            shadowed.append(g)
+    return tuple(sorted(shadowed))
+
+
+def _batches(
+    load_N: torch.Tensor, own_N: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, list[int], list[int]]]:
+    """``_by_load``'s order a batch at a time: (g_B, their loads, their owners' own rows)."""
     load_sorted_N, order_N = torch.sort(load_N, descending=True, stable=True)
     first, size = 0, 8
     while first < len(order_N):
         g_B = order_N[first : first + size]
-        loads_B = load_sorted_N[first : first + size].tolist()
-        yield from zip(g_B.tolist(), loads_B, own_N[g_B].tolist(), strict=True)
+        yield g_B, load_sorted_N[first : first + size].tolist(), own_N[g_B].tolist()
         first, size = first + size, 8 * size
+
+
+def _by_load(load_N: torch.Tensor, own_N: torch.Tensor) -> Iterator[tuple[int, int, int]]:
+    """(g, load_N[g], own_N[g]) by load descending, ties by expert id ascending (a stable sort
+    of the ascending ids), brought to the host 8, 64, 512, ... at a time."""
+    for g_B, loads_B, own_B in _batches(load_N, own_N):
+        yield from zip(g_B.tolist(), loads_B, own_B, strict=True)
 
 
 def _shadow_loads(

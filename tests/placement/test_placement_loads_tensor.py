@@ -3,7 +3,8 @@
 the list code (at or below it): the same float64 aggregates bit for bit and the same rounds, on
 random plans with holders, ranges, kept holders, empty holder lists, with and without the relay;
 ``near_relay`` against ``relay_degrees``; ``cut_ranges_many``'s batched cuts against
-``cut_ranges`` (above ``LIST_CUT_W``); ``StepModel.seconds_fn`` against ``rank_seconds``.
+``cut_ranges`` (above ``LIST_CUT_W``); ``StepModel.seconds_fn`` against ``rank_seconds``; ``shadow_hot``'s tensor search against
+``plan_shadow_lists``.
 
 Legend: W ranks, E experts per rank, N = W*E experts, C[s][g] = rows s routes to g.
 """
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 
 import mixmoe.placement.cost_model as cost_model
 import mixmoe.placement.ranges as ranges_module
+import mixmoe.placement.shadow as shadow_module
+from mixmoe.placement import CPU_PROFILE, GPU_PROFILE
 from mixmoe.placement.cost_model import (
     LayerShape,
     Prediction,
@@ -29,6 +32,8 @@ from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.ranges import cut_ranges, cut_ranges_many
 from mixmoe.placement.relay import near_relay, relay_degrees
+from mixmoe.placement.shadow import plan_shadow
+from mixmoe.reference.planner import plan_shadow_lists
 
 P = Prediction((), (), (), (), (), 0.0)
 
@@ -175,3 +180,24 @@ def test_seconds_fn_equals_rank_seconds_bit_for_bit(
     local = min(local, rows)
     want = model.rank_seconds(rows, local, remote, replica, any_remote, rounds)
     assert model.seconds_fn(any_remote, rounds)(rows, local, remote, replica) == want
+
+
+def test_shadow_tensor_search_equals_the_list_twin(monkeypatch) -> None:
+    """``shadow_hot``'s tensor search (``LIST_SHADOW_W`` = 0) against the list twin
+    (``plan_shadow_lists``) on skewed random counts that shadow several experts, ties
+    included (small counts)."""
+    monkeypatch.setattr(shadow_module, "LIST_SHADOW_W", 0)
+    shadowed = 0
+    for seed in range(24):
+        gen = torch.Generator().manual_seed(seed)
+        W, E = 2 + seed % 7, 1 + seed % 4
+        top = (3, 40, 2000)[seed % 3]
+        counts_WN = torch.randint(0, top + 1, (W, W * E), generator=gen)
+        counts_WN[:, seed % (W * E)] += 10 * top  # a hot expert
+        counts_WN[:, (3 * seed + 1) % (W * E)] += 5 * top  # and a warm one
+        shape = LayerShape(64, 256, E, W, 2)
+        for profile in (GPU_PROFILE, CPU_PROFILE):
+            want = plan_shadow_lists(counts_WN.tolist(), shape, profile)
+            assert plan_shadow(counts_WN, shape, profile) == want, (seed, profile.name)
+            shadowed += len(want.hot)
+    assert shadowed > 24  # the cases really shadow

@@ -477,7 +477,6 @@ class StepModel:
         """The ``Prediction`` of ``seconds_W``'s output and the aggregates it came from."""
         token, weight = 2 * self.token_bytes_per_row, 2 * self.params_bytes
         replica_W = loads_4W[3]
-        replica = [int(x) if x.is_integer() else x for x in replica_W.tolist()]
         loads_4W = loads_4W.to(torch.int64)
         # whole copies: exact int64 products; fractional ones (the relay's chunks) rounded to
         # whole bytes as ``_pack_lists`` rounds them (the same IEEE product, half to even)
@@ -485,6 +484,9 @@ class StepModel:
         fraction_W = torch.round(replica_W * weight).to(torch.int64)
         if int(loads_4W[2:].max() + 1) * max(token, weight) >= 2**63:  # int64 would overflow
             rows, _, remote = loads_4W[:3].tolist()
+            # copies: whole ones as ints, the relay's fractional ones as floats (built only
+            # here: a W-long Python pass)
+            replica = [int(x) if x.is_integer() else x for x in replica_W.tolist()]
             return self._pack_lists(compute_W.tolist(), comm_W.tolist(), rows, remote, replica)
         # the same values as _pack_lists in fewer host steps (W = 1024 plans pack twice):
         # exact int64 products, and the max of the same IEEE sums

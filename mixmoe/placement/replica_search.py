@@ -280,7 +280,9 @@ class _MixSearch:
         seconds [k, W], holders (bool [k, W]) and whether a holder is full (bool [k])."""
         g_t = torch.tensor(g_k)
         ar_k, o_k = torch.arange(len(g_k)), torch.div(g_t, self.E, rounding_mode="floor")
-        c_kW = self.C_WN[:, g_t].t()  # a copy: the owners' own rows are zeroed next
+        # a copy (the owners' own rows are zeroed next): rows of C's transpose, ~3x faster
+        # than C[:, g] at W = 1024
+        c_kW = self.C_WN.t().index_select(0, g_t)
         c_kW[ar_k, o_k] = 0
         src_kW = c_kW > 0
         trial_k4W = self.loads_4W + c_kW.unsqueeze(1) * _PER_ROW_41
@@ -301,7 +303,7 @@ class _MixSearch:
         (float64 [k, 4, W]), its holders (bool [k, W]) and its remote rows (float64 [k])."""
         ar = torch.arange(len(g_k))
         o_k = torch.div(g_k, self.E, rounding_mode="floor")
-        c_kW = self.C_WN[:, g_k].t().to(torch.float64)
+        c_kW = self.C_WN.t().index_select(0, g_k).to(torch.float64)
         src_kW = c_kW > 0
         src_kW[ar, o_k] = False
         delta_k4W = (c_kW * src_kW).unsqueeze(1) * _PER_ROW_41 + src_kW.unsqueeze(

@@ -94,6 +94,13 @@ def test_tensor_pricing_equals_the_list_code_bit_for_bit(case, with_base) -> Non
     assert got.tolist() == want.tolist()  # floats compared exactly: == on every entry
     assert got_rounds == want_rounds
     assert got_loads.tolist() == want_loads.tolist()
+    # the column sums passed in (what plan_mix has) change nothing
+    mp.setattr(cost_model, "LIST_PRICING_W", 0)
+    try:
+        summed, summed_rounds = plan_pricing(C, plan, E, base_4W=base, colsum_N=C.sum(0))
+    finally:
+        mp.undo()
+    assert summed.tolist() == want.tolist() and summed_rounds == want_rounds
 
 
 def test_tensor_pricing_checks_relay_holders_as_the_list_code(monkeypatch) -> None:

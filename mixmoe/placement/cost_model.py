@@ -77,7 +77,12 @@ from mixmoe.placement.loads_tensor import (
 )
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.ranges import range_experts, range_loads, range_shares
-from mixmoe.placement.relay import node_distance, relay_degrees, relay_inter_copies
+from mixmoe.placement.relay import (
+    near_relay,
+    node_distance,
+    relay_degrees,
+    relay_inter_copies,
+)
 
 LOADS = ("rows", "local", "remote", "replica")  # the order of the stacked aggregates [4, W]
 TOKEN_COLLECTIVES = 4  # dispatch + return, forward + backward
@@ -599,9 +604,18 @@ def plan_loads(
         return loads_4W
     if C_WN.shape[0] > LIST_PRICING_W:  # the same integers from a few tensor ops
         return plan_loads_tensor(C_WN, replicas, E, loads_4W).to(torch.float64)
-    # on Python ints: one gather of the hot columns, then a few list updates per holder (a
-    # tensor op per hot expert costs more at the planner's sizes)
-    rows, local, remote, replica = loads_4W.to(torch.int64).tolist()
+    return torch.tensor(_plan_loads_lists(C_WN, replicas, E, loads_4W), dtype=torch.float64)
+
+
+def _plan_loads_lists(
+    C_WN: torch.Tensor, replicas: list[tuple[int, tuple[int, ...]]], E: int, base_4W: torch.Tensor
+) -> list[list[int]]:
+    """``plan_loads`` on Python ints ([rows, local, remote, replica], W ints each): one gather
+    of the hot columns, then a few list updates per holder (a tensor op per hot expert costs
+    more at the list planner's sizes). ``replicas``: (g, holders), holders non-empty."""
+    rows, local, remote, replica = base_4W.to(torch.int64).tolist()
+    if not replicas:
+        return [rows, local, remote, replica]
     cols_HW = C_WN[:, [g for g, _ in replicas]].T.tolist()  # [hot, W]: C[s][g] of each hot g
     for (g, holders), col_W in zip(replicas, cols_HW, strict=True):
         o, moved = g // E, 0
@@ -615,7 +629,7 @@ def plan_loads(
         rows[o] -= moved  # the owner no longer computes (nor receives) them
         remote[o] -= moved
         replica[o] += len(holders)
-    return torch.tensor([rows, local, remote, replica], dtype=torch.float64)
+    return [rows, local, remote, replica]
 
 
 def plan_pricing(
@@ -657,11 +671,18 @@ def plan_pricing(
     rounds = int(bool(plan.replicas))
     if distance is None and not shares and C_WN.shape[0] > LIST_PRICING_W:
         return _plan_pricing_tensor(C_WN, plan, E, base_4W, relay, rounds, colsum_N)
-    loads_4W = plan_loads(C_WN, plan.replicas, E, base_4W=base_4W)
-    if not shares and not ranges and not relay and distance is None:
-        return loads_4W, rounds
+    replicas = [(g, h) for g, h in ((g, tuple(h)) for g, h in plan.replicas) if h]
+    base_4W = baseline_loads(C_WN, E)[0] if base_4W is None else base_4W
+    if not shares and not ranges and not relay and distance is None:  # plan_loads
+        if not replicas:
+            return base_4W, rounds
+        loads = _plan_loads_lists(C_WN, replicas, E, base_4W)
+        return torch.tensor(loads, dtype=torch.float64), rounds
     # on Python ints: a few list operations per share entry (tensor element ops cost ~us each)
-    rows, local, remote, replica = loads_4W.to(torch.int64).tolist()
+    if C_WN.shape[0] > LIST_PRICING_W:  # the replica rule's loads from the tensor path
+        rows, local, remote, replica = plan_loads_tensor(C_WN, replicas, E, base_4W).tolist()
+    else:
+        rows, local, remote, replica = _plan_loads_lists(C_WN, replicas, E, base_4W)
     W = len(rows)
     per_node = getattr(profile, "ranks_per_node", None) or W
     remote_inter, replica_inter = _inter_node_loads(C_WN, plan, E, per_node)
@@ -692,6 +713,13 @@ def plan_pricing(
         replica_inter = [0.0] * W
         rounds = 0
         for g, holders in plan.replicas:
+            if distance is None and holders:  # one link: one value for every holder
+                copies, depth = near_relay(g // E, holders)
+                rounds = max(rounds, depth)
+                replica[g // E] += 1.0
+                for h in holders:
+                    replica[h] += copies
+                continue
             degrees, depth = relay_degrees(g // E, holders, distance)
             rounds = max(rounds, depth)  # every expert's rounds run together
             for r, d in degrees.items():

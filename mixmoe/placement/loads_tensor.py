@@ -25,10 +25,10 @@ import torch
 
 from mixmoe.placement.relay import near_relay
 
-__all__ = ["plan_loads_tensor", "range_relay_loads_tensor"]
+__all__ = ["int_tensor", "plan_loads_tensor", "range_relay_loads_tensor", "relay_copies_tensor"]
 
 
-def _ints(values: Iterable[int]) -> torch.Tensor:
+def int_tensor(values: Iterable[int]) -> torch.Tensor:
     """int64 [len] of Python ints, through a C array (~2x faster than ``torch.tensor`` of a
     list: a shadow plan has W - 1 holders per hot expert)."""
     buffer = array("q", values)
@@ -39,8 +39,10 @@ def _ints(values: Iterable[int]) -> torch.Tensor:
 
 def _pairs(replicas: list[tuple[int, tuple[int, ...]]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(g_P, h_P) int64: every (expert, holder) pair of ``replicas`` in order."""
-    g_P = _ints(g for g, _ in replicas).repeat_interleave(_ints(len(h) for _, h in replicas))
-    return g_P, _ints(chain.from_iterable(h for _, h in replicas))
+    g_P = int_tensor(g for g, _ in replicas).repeat_interleave(
+        int_tensor(len(h) for _, h in replicas)
+    )
+    return g_P, int_tensor(chain.from_iterable(h for _, h in replicas))
 
 
 def _at(C_WN: torch.Tensor, s_X: torch.Tensor, g_X: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 
 import torch
+
+from mixmoe.placement.loads_tensor import int_tensor
 
 __all__ = [
     "check_ranges",
@@ -120,36 +123,34 @@ def _cut_many_tensor(
     W, N = C_WN.shape
     G = len(items)
     S = W + 2
-    g_G = torch.tensor([g for g, _, _ in items], dtype=torch.int64)
+    g_G = int_tensor(g for g, _, _ in items)
     cols_GW = C_WN.t().index_select(0, g_G)  # a copy: rows of the transposed view
     own_G = cols_GW[torch.arange(G), g_G // E]  # the owner's segment comes last
     # the owner and the holders leave the stream (flat indices into cols_GW)
-    out_X = [i * W + r for i, (g, holders, _) in enumerate(items) for r in (g // E, *holders)]
-    cols_GW.view(-1)[torch.tensor(out_X, dtype=torch.int64)] = 0
+    out_X = int_tensor(chain.from_iterable((g // E, *h) for g, h, _ in items))
+    out_sizes = int_tensor(len(h) + 1 for _, h, _ in items)
+    cols_GW.view(-1)[torch.arange(G).repeat_interleave(out_sizes) * W + out_X] = 0
     rest = [(i, y, n) for i, (g, _, _) in enumerate(items) for y, n in kept.get(g, {}).items()]
     if rest:  # a kept holder's rest stays in it: C[y][g] - local
-        i_K = torch.tensor([i for i, _, _ in rest], dtype=torch.int64)
-        y_K = torch.tensor([y for _, y, _ in rest], dtype=torch.int64)
+        i_K = int_tensor(i for i, _, _ in rest)
+        y_K = int_tensor(y for _, y, _ in rest)
         c_K = C_WN.reshape(-1)[y_K * N + g_G[i_K]]
-        rest_K = c_K - torch.tensor([n for _, _, n in rest], dtype=torch.int64)
-        cols_GW.view(-1)[i_K * W + y_K] = rest_K
+        cols_GW.view(-1)[i_K * W + y_K] = c_K - int_tensor(n for _, _, n in rest)
     starts_GS = torch.zeros(G, S, dtype=torch.int64)
     starts_GS[:, 1 : W + 1] = cols_GW.cumsum(1)
     starts_GS[:, W + 1] = starts_GS[:, W] + own_G
     end_G = starts_GS[:, W + 1]
-    # every cut: item i, its helper, its cumulative want (``_cut``'s want)
-    i_Q, y_Q, want_Q = [], [], []
-    for i, (_, _, amounts) in enumerate(items):
-        want = 0
-        for y, n in amounts:
-            want += n
-            i_Q.append(i)
-            y_Q.append(y)
-            want_Q.append(want)
-    if not i_Q:
+    # every cut: its item i, its helper, its cumulative want (``_cut``'s want: the item's
+    # amounts summed so far = the running sum over all items less the earlier items' totals)
+    sizes = [len(amounts) for _, _, amounts in items]
+    y_Q = [y for _, _, amounts in items for y, _ in amounts]
+    if not y_Q:
         return [() for _ in items]
-    i_t = torch.tensor(i_Q, dtype=torch.int64)
-    q_Q = torch.minimum(torch.tensor(want_Q, dtype=torch.int64), end_G[i_t])
+    n_Q = int_tensor(n for _, _, amounts in items for _, n in amounts)
+    i_t = torch.arange(G).repeat_interleave(int_tensor(sizes))
+    total_G = torch.zeros(G, dtype=torch.int64).index_add_(0, i_t, n_Q)
+    earlier_G = total_G.cumsum(0) - total_G
+    q_Q = torch.minimum(n_Q.cumsum(0) - earlier_G[i_t], end_G[i_t])
     big = int(end_G.max()) + 1
     flat_S = (starts_GS + torch.arange(G).view(G, 1) * big).view(-1)  # ascending overall
     at_Q = torch.searchsorted(flat_S, q_Q + i_t * big, right=True) - 1  # bisect_right - 1
@@ -163,15 +164,15 @@ def _cut_many_tensor(
     q_Q = torch.where(inside_Q, near_Q, q_Q)
     # a cut never goes back (q = max(q, at)): the running max within each item, by offsets
     q_Q = torch.cummax(q_Q + i_t * big, 0).values - i_t * big
-    first_Q = torch.ones(len(i_Q), dtype=torch.bool)
+    first_Q = torch.ones(len(y_Q), dtype=torch.bool)
     first_Q[1:] = i_t[1:] != i_t[:-1]
-    prev_Q = torch.where(first_Q, 0, q_Q.roll(1))
-    n_Q = (q_Q - prev_Q).tolist()
-    out: list[list[Share]] = [[] for _ in items]
-    for i, y, n in zip(i_Q, y_Q, n_Q, strict=True):
-        if n > 0:
-            out[i].append((y, n))
-    return [tuple(cuts) for cuts in out]
+    rows_Q = (q_Q - torch.where(first_Q, 0, q_Q.roll(1))).tolist()
+    out, at = [], 0
+    for size in sizes:
+        cut = zip(y_Q[at : at + size], rows_Q[at : at + size], strict=True)
+        out.append(tuple((y, n) for y, n in cut if n > 0))
+        at += size
+    return out
 
 
 def _cut(starts: list[int], amounts: Sequence[Share], block_size: int) -> tuple[Share, ...]:

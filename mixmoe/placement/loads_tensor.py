@@ -94,37 +94,35 @@ def range_relay_loads_tensor(
     G = len(experts)
     if not G:
         return
-    g_G = torch.tensor([g for g, _, _, _ in experts], dtype=torch.int64)
+    g_G = int_tensor(g for g, _, _, _ in experts)
     o_G = g_G // E
     # the stream's rows from sources other than the owner (``ranges._stream_terms``)
     if colsum_N is None:  # rows of the transposed view: ~4x cheaper than C[:, g]
         colsum_G = C_WN.t().index_select(0, g_G).sum(1)
     else:
         colsum_G = colsum_N[g_G]
-    held = [(i, h) for i, (_, _, _, holders) in enumerate(experts) for h in holders]
-    i_P = torch.tensor([i for i, _ in held], dtype=torch.int64)
-    held_G = torch.zeros(G, dtype=torch.int64).index_add_(
-        0, i_P, _at(C_WN, torch.tensor([h for _, h in held], dtype=torch.int64), g_G[i_P])
-    )
+    ar_G = torch.arange(G)
+    i_P = ar_G.repeat_interleave(int_tensor(len(h) for _, _, _, h in experts))
+    h_P = int_tensor(chain.from_iterable(h for _, _, _, h in experts))
+    held_G = torch.zeros(G, dtype=torch.int64).index_add_(0, i_P, _at(C_WN, h_P, g_G[i_P]))
     others_G = colsum_G - _at(C_WN, o_G, g_G) - held_G
     rows, local, remote = loads_4W[0], loads_4W[1], loads_4W[2]
-    kept = [(i, y, n) for i, (_, _, k, _) in enumerate(experts) for y, n in k.items()]
-    if kept:
-        i_K = torch.tensor([i for i, _, _ in kept], dtype=torch.int64)
-        y_K = torch.tensor([y for _, y, _ in kept], dtype=torch.int64)
-        d_K = _at(C_WN, y_K, g_G[i_K]) - torch.tensor([n for _, _, n in kept], dtype=torch.int64)
+    if any(k for _, _, k, _ in experts):
+        i_K = ar_G.repeat_interleave(int_tensor(len(k) for _, _, k, _ in experts))
+        y_K = int_tensor(chain.from_iterable(k for _, _, k, _ in experts))
+        local_K = int_tensor(chain.from_iterable(k.values() for _, _, k, _ in experts))
+        d_K = _at(C_WN, y_K, g_G[i_K]) - local_K
         others_G.index_add_(0, i_K, d_K)  # the rests stay in the stream
         rows.index_add_(0, y_K, -d_K)
         local.index_add_(0, y_K, -d_K)
         remote.index_add_(0, y_K, d_K)
         rows.index_add_(0, o_G[i_K], d_K)
         remote.index_add_(0, o_G[i_K], d_K)
-    ranged = [(i, y, n) for i, (_, r, _, _) in enumerate(experts) for y, n in r]
     taken_G = torch.zeros(G, dtype=torch.int64)
-    if ranged:
-        i_Q = torch.tensor([i for i, _, _ in ranged], dtype=torch.int64)
-        y_Q = torch.tensor([y for _, y, _ in ranged], dtype=torch.int64)
-        n_Q = torch.tensor([n for _, _, n in ranged], dtype=torch.int64)
+    if any(r for _, r, _, _ in experts):
+        i_Q = ar_G.repeat_interleave(int_tensor(len(r) for _, r, _, _ in experts))
+        y_Q = int_tensor(y for _, r, _, _ in experts for y, _ in r)
+        n_Q = int_tensor(n for _, r, _, _ in experts for _, n in r)
         rows.index_add_(0, y_Q, n_Q)
         remote.index_add_(0, y_Q, n_Q)
         taken_G.index_add_(0, i_Q, n_Q)

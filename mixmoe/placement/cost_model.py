@@ -72,11 +72,12 @@ from mixmoe.placement.counts import (  # noqa: F401  (re-exported: the planners'
 )
 from mixmoe.placement.loads_tensor import (
     plan_loads_tensor,
+    range_crossing_tensor,
     range_relay_loads_tensor,
     relay_copies_tensor,
 )
 from mixmoe.placement.profile import HardwareProfile
-from mixmoe.placement.ranges import range_experts, range_loads, range_shares
+from mixmoe.placement.ranges import range_experts, range_loads
 from mixmoe.placement.relay import (
     near_relay,
     node_distance,
@@ -686,10 +687,17 @@ def plan_pricing(
     W = len(rows)
     per_node = getattr(profile, "ranks_per_node", None) or W
     remote_inter, replica_inter = _inter_node_loads(C_WN, plan, E, per_node)
-    if ranges and distance is None:  # one link: the ranges' loads in closed form
-        range_loads(C_WN, plan, E, rows, local, remote)
-    elif ranges:  # which rows cross nodes: from the segments the ranges cover
-        shares = sorted([*shares, *range_shares(C_WN, plan, E)])
+    if ranges:  # the ranges' loads in closed form; across nodes, their crossings too
+        experts = [(g, r, k, plan.holders(g)) for g, r, k in range_experts(plan)]
+        if W > LIST_PRICING_W:
+            loads_3W = torch.tensor([rows, local, remote], dtype=torch.int64)
+            range_relay_loads_tensor(C_WN, experts, E, loads_3W)
+            rows, local, remote = loads_3W.tolist()
+        else:
+            range_loads(C_WN, plan, E, rows, local, remote)
+        if distance is not None and per_node < W:
+            crossing = range_crossing_tensor(C_WN, experts, E, per_node).tolist()
+            remote_inter = list(map(int.__add__, remote_inter, crossing))
     counts = []
     if shares:
         index = torch.tensor([[s, g] for s, g, _ in shares], dtype=torch.int64)

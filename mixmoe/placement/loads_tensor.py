@@ -155,3 +155,89 @@ def relay_copies_tensor(
     o_G = torch.tensor([g // experts_per_rank for g, _ in replicas], dtype=torch.int64)
     replica_W.index_add_(0, o_G, torch.ones(len(replicas), dtype=torch.float64))
     return replica_W, rounds
+
+
+def range_crossing_tensor(
+    C_WN: torch.Tensor,
+    experts: list[tuple[int, tuple, dict[int, int], tuple[int, ...]]],
+    experts_per_rank: int,
+    ranks_per_node: int,
+) -> torch.Tensor:
+    """How ranges and kept holders change each rank's remote rows that cross nodes (nodes of
+    ``ranks_per_node`` consecutive ranks): int64 [W], to add to the replica rule's
+    (``cost_model._inter_node_loads``). ``experts``: as for ``range_relay_loads_tensor``.
+
+    Per expert (``ranges`` module doc): under the replica rule a source that neither owns g
+    nor holds it sends its C[s][g] rows to the owner o (crossing when s and o are on two
+    nodes; a holder's rows, a kept holder's included, stay at it); with ranges, stream row p
+    of source s is computed at the rank whose piece holds p (the helpers' ranges in order,
+    then the owner), crossing when that rank is on another node than s. A crossing row counts
+    at both ends. The stream's segments (G x (W + 2) starts, one column gather) and the pieces
+    (ranges, then the owner's rest) are two sorted boundary lists per expert; merged (one sort,
+    experts offset by BIG > every stream's end) they cut the stream into intervals of one
+    source and one computing rank each: one ``searchsorted`` into each list names them. The
+    same integers as the share loop over ``range_shares`` (a test compares them)."""
+    E, P = experts_per_rank, ranks_per_node
+    W = C_WN.shape[0]
+    G = len(experts)
+    delta_W = torch.zeros(W, dtype=torch.int64)
+    if not G:
+        return delta_W
+    node_W = torch.arange(W) // P
+    ar_G = torch.arange(G)
+    g_G = int_tensor(g for g, _, _, _ in experts)
+    o_G = g_G // E
+    cols_GW = C_WN.t().index_select(0, g_G)  # a copy: rows of the transposed view
+    own_G = cols_GW[ar_G, o_G]
+    # the stream's sources: the owner and the holders leave it (kept holders come back below)
+    out_X = int_tensor(chain.from_iterable((g // E, *h) for g, _, _, h in experts))
+    out_sizes = int_tensor(len(h) + 1 for _, _, _, h in experts)
+    cols_GW.view(-1)[ar_G.repeat_interleave(out_sizes) * W + out_X] = 0
+    # the replica rule's crossings, undone: each such source's rows went to the owner
+    far_GW = node_W.view(1, W) != node_W[o_G].view(G, 1)
+    old_GW = cols_GW * far_GW
+    delta_W -= old_GW.sum(0)
+    delta_W.index_add_(0, o_G, -old_GW.sum(1))
+    if any(k for _, _, k, _ in experts):  # a kept holder's rest joins the stream
+        i_K = ar_G.repeat_interleave(int_tensor(len(k) for _, _, k, _ in experts))
+        y_K = int_tensor(chain.from_iterable(k for _, _, k, _ in experts))
+        local_K = int_tensor(chain.from_iterable(k.values() for _, _, k, _ in experts))
+        cols_GW.view(-1)[i_K * W + y_K] = _at(C_WN, y_K, g_G[i_K]) - local_K
+    S = W + 2
+    starts_GS = torch.zeros(G, S, dtype=torch.int64)
+    starts_GS[:, 1 : W + 1] = cols_GW.cumsum(1)
+    starts_GS[:, W + 1] = starts_GS[:, W] + own_G  # the owner's segment last
+    end_G = starts_GS[:, W + 1]
+    big = int(end_G.max()) + 1
+    starts_X = (starts_GS + ar_G.view(G, 1) * big).view(-1)  # ascending overall
+    # the pieces: bounds 0, the ranges' running ends, the stream's end; ranks: the helpers,
+    # then the owner (and a placeholder at the end bound, never an interval's start)
+    sizes = int_tensor(len(r) + 2 for _, r, _, _ in experts)
+    i_B = ar_G.repeat_interleave(sizes)
+    rows_B = int_tensor(chain.from_iterable((0, *(n for _, n in r), 0) for _, r, _, _ in experts))
+    first_B = torch.zeros(len(rows_B), dtype=torch.bool)
+    first_B[sizes.cumsum(0)[:-1]] = True  # each expert's bounds restart at 0
+    first_B[0] = True
+    at_B = rows_B.cumsum(0)
+    at_B -= torch.cummax(torch.where(first_B, at_B, 0), 0).values  # running sums per expert
+    last_B = torch.zeros(len(rows_B), dtype=torch.bool)
+    last_B[sizes.cumsum(0) - 1] = True
+    at_B = torch.where(last_B, end_G[i_B], at_B)
+    rank_B = int_tensor(
+        chain.from_iterable((*(y for y, _ in r), g // E, g // E) for g, r, _, _ in experts)
+    )
+    bounds_X = (at_B + i_B * big).contiguous()
+    # the merged bounds: every interval has one source slot and one piece
+    x_I = torch.cat([starts_X, bounds_X]).sort().values
+    len_I = x_I.diff()
+    x_I = x_I[:-1]
+    e_I = x_I // big
+    inside_I = (x_I - e_I * big < end_G[e_I]) & (len_I > 0)
+    x_I, len_I, e_I = x_I[inside_I], len_I[inside_I], e_I[inside_I]
+    slot_I = torch.searchsorted(starts_X, x_I, right=True) - 1 - e_I * S
+    src_I = torch.where(slot_I < W, slot_I, o_G[e_I])  # slot W: the owner's own segment
+    dst_I = rank_B[torch.searchsorted(bounds_X, x_I, right=True) - 1]
+    cross_I = torch.where(node_W[src_I] != node_W[dst_I], len_I, 0)
+    delta_W.index_add_(0, src_I, cross_I)
+    delta_W.index_add_(0, dst_I, cross_I)
+    return delta_W

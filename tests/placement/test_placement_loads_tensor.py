@@ -4,7 +4,7 @@ the list code (at or below it): the same float64 aggregates bit for bit and the 
 random plans with holders, ranges, kept holders, empty holder lists, with and without the relay;
 ``near_relay`` against ``relay_degrees``; ``cut_ranges_many``'s batched cuts against
 ``cut_ranges`` (above ``LIST_CUT_W``); ``StepModel.seconds_fn`` against ``rank_seconds``; ``shadow_hot``'s tensor search against
-``plan_shadow_lists``.
+``plan_shadow_lists``; across nodes, ranged plans against their expansion into share entries.
 
 Legend: W ranks, E experts per rank, N = W*E experts, C[s][g] = rows s routes to g.
 """
@@ -208,3 +208,33 @@ def test_shadow_tensor_search_equals_the_list_twin(monkeypatch) -> None:
             assert plan_shadow(counts_WN, shape, profile) == want, (seed, profile.name)
             shadowed += len(want.hot)
     assert shadowed > 24  # the cases really shadow
+
+
+@settings(max_examples=120, deadline=None)
+@given(_plans(), st.sampled_from([1, 2, 3, 5]), st.sampled_from([10**9, 0]))
+def test_range_crossings_equal_the_expanded_share_loop(case, per_node, list_w) -> None:
+    """Across nodes, a plan with ranges and kept holders prices as its expansion into share
+    entries (``Plan.expanded``: the share loop, segment by segment): the closed-form loads and
+    the crossings of ``range_crossing_tensor``, on both the list and the tensor loads."""
+    C, E, plan, _ = case
+    W = C.shape[0]
+    # the amounts made valid: each expert's ranges capped at its stream (cut_ranges, 1-row
+    # blocks: every cut allowed)
+    kept = {g: dict(k) for g, k in plan.kept}
+    ranges = tuple(
+        (g, cut)
+        for g, amounts in plan.ranges
+        if (cut := cut_ranges(C[:, g].tolist(), g // E, plan.holders(g), amounts, 1, kept.get(g)))
+    )
+    plan = Plan(plan.hot, plan.replicas, P, P, relay=plan.relay, ranges=ranges, kept=plan.kept)
+    profile = HardwareProfile("nodes", 1e12, 2e9, 1e-5, ranks_per_node=per_node,
+                              inter_node_bandwidth=5e8, inter_node_latency=3e-5)  # fmt: skip
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cost_model, "LIST_PRICING_W", list_w)
+    try:
+        want, want_rounds = plan_pricing(C, plan.expanded(C, E), E, profile)
+        got, got_rounds = plan_pricing(C, plan, E, profile)
+    finally:
+        mp.undo()
+    assert got.shape == (6, W)
+    assert got.tolist() == want.tolist() and got_rounds == want_rounds

@@ -71,6 +71,7 @@ from mixmoe.placement.counts import (  # noqa: F401  (re-exported: the planners'
     counts_with_sums,
 )
 from mixmoe.placement.loads_tensor import (
+    inter_node_loads_tensor,
     plan_loads_tensor,
     range_crossing_tensor,
     range_relay_loads_tensor,
@@ -772,6 +773,18 @@ def _inter_node_loads(
     W, N = C_WN.shape
     if per_node >= W:
         return [0] * W, [0] * W
+    if W % per_node == 0:  # whole nodes: two block reductions of C, no [W, N] masks
+        replicas = [(g, tuple(h)) for g, h in plan.replicas]
+        return inter_node_loads_tensor(C_WN, replicas, E, per_node)
+    return _inter_node_loads_masks(C_WN, plan, E, per_node)
+
+
+def _inter_node_loads_masks(
+    C_WN: torch.Tensor, plan: object, E: int, per_node: int
+) -> tuple[list[int], list[int]]:
+    """``_inter_node_loads`` through [W, N] masks: any node size (a last node with fewer
+    ranks), and the twin ``inter_node_loads_tensor`` is tested against."""
+    W, N = C_WN.shape
     dest_WN = (torch.arange(N) // E).expand(W, N).clone()  # every row at its owner
     flat = [0] * W
     for g, holders in plan.replicas:

@@ -241,3 +241,46 @@ def range_crossing_tensor(
     delta_W.index_add_(0, src_I, cross_I)
     delta_W.index_add_(0, dst_I, cross_I)
     return delta_W
+
+
+def inter_node_loads_tensor(
+    C_WN: torch.Tensor,
+    replicas: list[tuple[int, tuple[int, ...]]],
+    experts_per_rank: int,
+    ranks_per_node: int,
+) -> tuple[list[int], list[int]]:
+    """``cost_model._inter_node_loads`` when W is a multiple of ``ranks_per_node`` P (L = W / P
+    nodes): the remote rows that cross nodes under the replica rule, per rank, and the flat
+    fan-out's crossing copies. Nothing replicated, source s sends across what it routes to
+    other nodes' experts (its row sum less its own node's column block) and the owner of g
+    receives across C[:, g]'s rows from other nodes (the column sum less its own node's rows):
+    two block reductions of C ([W, L] and [L, N]) instead of [W, N] masks. Then each holder h
+    of g computes its own C[h][g] rows: not crossing any more when h and g's owner are on two
+    nodes (at both), and such an owner -> holder copy counts once at each."""
+    E, P = experts_per_rank, ranks_per_node
+    W, N = C_WN.shape
+    L = W // P
+    node_W = torch.arange(W) // P
+    # per source, rows to each node's experts; per expert, rows from each node's sources
+    to_node_WL = C_WN.reshape(W, L, P * E).sum(2)
+    from_node_LN = C_WN.reshape(L, P, N).sum(1)
+    sent_W = to_node_WL.sum(1) - to_node_WL.gather(1, node_W.view(W, 1)).squeeze(1)
+    o_N = torch.arange(N) // E
+    received_N = from_node_LN.sum(0) - from_node_LN.gather(0, node_W[o_N].view(1, N)).squeeze(0)
+    remote_W = sent_W + received_N.view(W, E).sum(1)
+    flat_W = torch.zeros(W, dtype=torch.int64)
+    replicas = [(g, h) for g, h in replicas if h]
+    if replicas:
+        g_P = int_tensor(g for g, _ in replicas).repeat_interleave(
+            int_tensor(len(h) for _, h in replicas)
+        )
+        h_P = int_tensor(chain.from_iterable(h for _, h in replicas))
+        o_P = g_P // E
+        far_P = node_W[h_P] != node_W[o_P]
+        c_P = torch.where(far_P, _at(C_WN, h_P, g_P), 0)  # the holder's rows stop crossing
+        remote_W.index_add_(0, h_P, -c_P)
+        remote_W.index_add_(0, o_P, -c_P)
+        far_P = far_P.to(torch.int64)
+        flat_W.index_add_(0, h_P, far_P)
+        flat_W.index_add_(0, o_P, far_P)
+    return remote_W.tolist(), flat_W.tolist()

@@ -4,7 +4,8 @@ the list code (at or below it): the same float64 aggregates bit for bit and the 
 random plans with holders, ranges, kept holders, empty holder lists, with and without the relay;
 ``near_relay`` against ``relay_degrees``; ``cut_ranges_many``'s batched cuts against
 ``cut_ranges`` (above ``LIST_CUT_W``); ``StepModel.seconds_fn`` against ``rank_seconds``; ``shadow_hot``'s tensor search against
-``plan_shadow_lists``; across nodes, ranged plans against their expansion into share entries.
+``plan_shadow_lists``; across nodes, ranged plans against their expansion into share entries, and the replica
+rule's crossings from block sums against the [W, N] masks.
 
 Legend: W ranks, E experts per rank, N = W*E experts, C[s][g] = rows s routes to g.
 """
@@ -28,6 +29,7 @@ from mixmoe.placement.cost_model import (
     plan_loads,
     plan_pricing,
 )
+from mixmoe.placement.loads_tensor import inter_node_loads_tensor
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.ranges import cut_ranges, cut_ranges_many
@@ -238,3 +240,17 @@ def test_range_crossings_equal_the_expanded_share_loop(case, per_node, list_w) -
         mp.undo()
     assert got.shape == (6, W)
     assert got.tolist() == want.tolist() and got_rounds == want_rounds
+
+
+@settings(max_examples=80, deadline=None)
+@given(_plans(), st.integers(1, 6))
+def test_inter_node_block_sums_equal_the_masks(case, per_node) -> None:
+    """The replica rule's node crossings from block reductions (whole nodes) equal the [W, N]
+    masks' (``_inter_node_loads_masks``), remote rows and flat copies."""
+    C, E, plan, _ = case
+    W = C.shape[0]
+    if W % per_node or per_node >= W:
+        per_node = 1  # single-rank nodes: every pair crosses
+    replicas = [(g, tuple(h)) for g, h in plan.replicas]
+    want = cost_model._inter_node_loads_masks(C, plan, E, per_node)
+    assert inter_node_loads_tensor(C, replicas, E, per_node) == want

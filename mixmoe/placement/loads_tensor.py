@@ -1,15 +1,20 @@
-"""A plan's per-rank aggregates on tensors: ``cost_model.plan_pricing``'s one-link arithmetic at
-large W (the replica rule, ranges, kept holders and relay copies) in a few ``index_add_`` calls.
+"""A plan's per-rank aggregates on tensors: ``cost_model.plan_pricing``'s arithmetic at large W
+(the replica rule, ranges, kept holders and one-link relay copies) in a few ``index_add_``
+calls, and across nodes the rows that cross them (the replica rule's from block sums of C, the
+ranges' in closed form) for plans priced under a topology at any W.
 
 Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s routes
 to expert g; o = g // E its owner); P (holder pairs (g, h) of the plan's replicas), G (experts
-with ranges or kept holders), K (kept holders), Q (range entries): the lengths of the flat index
-vectors below; loads in ``cost_model.LOADS`` order (rows, local, remote, replica).
+with ranges or kept holders), K (kept holders), Q (range entries), B (range bounds), I (stream
+intervals): the lengths of the flat index vectors below; L nodes of ``ranks_per_node``
+consecutive ranks; loads in ``cost_model.LOADS`` order (rows, local, remote, replica).
 
 Why: at W = 1024 the list code gathers every hot expert's whole column twice (C[:, hot] reads
 most of the [W, N] matrix: ~5 ms) and walks every holder in Python; here only the counts the
 formulas read are gathered (C[h][g] of each holder pair, C[o][g], C[y][g] of each kept holder)
 plus one column sum per ranged expert (the transposed view's rows: ~4x cheaper than C[:, hot]).
+Across nodes the list code expanded the ranges into share entries (~7000 per plan at W = 256)
+and masked the whole [W, N] matrix per pricing.
 Every value is an exact integer in int64 (the relay's copies: float64 on the 2**-24 grid, whose
 sums are exact in any order: ``relay`` module doc), so the result equals the list code's bit for
 bit (``tests/placement/test_placement_loads_tensor.py`` compares both on random plans).

@@ -698,11 +698,11 @@ def _sources_may_pass(
     if cmax == 0:
         return False  # b sends no rows to other ranks' experts
     rows, local, remote, replica = loads_b
-    seconds = model.rank_seconds
+    seconds = model.seconds_fn(any_remote, True)  # ``rank_seconds`` bit for bit
 
     def bound(lo: int, hi: int) -> float:
-        compute = seconds(rows + lo, local + lo, remote - lo, replica + 1, any_remote, True)[0]
-        comm = seconds(rows + hi, local + hi, remote - hi, replica + 1, any_remote, True)[1]
+        compute = seconds(rows + lo, local + lo, remote - lo, replica + 1)[0]
+        comm = seconds(rows + hi, local + hi, remote - hi, replica + 1)[1]
         return compute + comm
 
     intervals = [(1, cmax)]

@@ -40,7 +40,7 @@ import torch
 
 from mixmoe.placement import level_fill as py_fill
 from mixmoe.placement.cost_model import TOKEN_COLLECTIVES, WEIGHT_COLLECTIVES, StepModel
-from mixmoe.placement.range_state import RangeState, start_relay, stream_rows
+from mixmoe.placement.range_state import RangeState
 
 __all__ = ["available", "filled", "unavailable_reason"]
 
@@ -57,10 +57,8 @@ _warned = False
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _F64P = ctypes.POINTER(ctypes.c_double)
-_I64 = ctypes.c_int64
-_ARGTYPES = [_I64P, _I64, _I64, _I64, _I64, _I64, _I64, _I64P, _F64P, _F64P, _I64P, _I64P,
-             _I64P, _I64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _F64P, _F64P,
-             _I64P, _I64P, _I64, _F64P, _I64, _I64P]  # fmt: skip
+_ARGTYPES = [_I64P, _I64P, _F64P, _I64P, _I64P, _F64P, _I64P, _F64P, _I64P, _I64P,
+             ctypes.c_int64, _F64P, ctypes.c_int64, _I64P]  # fmt: skip
 
 
 def _compiler() -> str | None:
@@ -140,10 +138,6 @@ def unavailable_reason() -> str | None:
     return None if _load() is not None else _why
 
 
-def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:
-    return ctypes.cast(t.data_ptr(), ctypes.POINTER(kind))
-
-
 def _model_terms(model: object) -> tuple[list[int], list[float]] | None:
     """The model's terms for ``total`` (cost_model.StepModel.total_fn), or None when one is not
     of the type the exact products assume (ints: FLOPs and bytes per row, params bytes; floats:
@@ -173,8 +167,9 @@ def filled(
 ) -> RangeState | None:
     """``RangeState(model, ..., loads_4W)`` after ``level_fill.level_fill(state, passes, stop,
     kept)`` (its ``moves``: the pieces), compiled: the same state bit for bit; None when the
-    compiled fill cannot run here or for these arguments (module doc). The start fields are
-    handed over as tensors (no Python lists in, the results read back once)."""
+    compiled fill cannot run here or for these arguments (module doc). The C++ builds the start
+    state itself (``RangeState.__init__``'s arithmetic) from the tensors; of the state, what
+    the planner reads after a fill is read back at once, the rest when first read."""
     if os.environ.get(ENV_OFF, "1") == "0":
         return None
     lib = _load()
@@ -190,91 +185,91 @@ def filled(
     if terms is None:
         return None
     W = C_WN.shape[0]
+    N = W * E
     i64, f64 = torch.int64, torch.float64
     C = C_WN if C_WN.dtype == i64 and C_WN.is_contiguous() else C_WN.to(i64).contiguous()
-    holders = {g: sorted(h) for g, h in start_holders.items() if h}
-    start = [(g, y) for g in sorted(holders) for y in holders[g]]
-    held = [0] * W
-    for _, y in start:
-        held[y] += 1
-    owner_rows, own_N, others = stream_rows(C, E, holders, colsum_N)
-    _, rounds = start_relay(holders, E, distance)
-    compute_W, comm_W = model.seconds_W(loads_4W, any_remote, rounds)
-    per_n = torch.stack([owner_rows, own_N, others, torch.zeros_like(own_N)]).to(i64)  # own, taken
-    per_w = torch.cat([torch.tensor(held, dtype=i64), loads_4W[:3].to(i64).reshape(-1)])
-    per_wf = torch.stack([loads_4W[3], compute_W + comm_W]).to(f64)  # replica, totals
-    cap = len(start) + W * slots  # holders at the end (each rank holds at most ``slots`` new)
-    out_i, out_d = torch.empty(12 * cap + 16, dtype=i64), torch.empty(2 * cap + 16, dtype=f64)
-    small = torch.tensor([rounds, 0, 0, 0, 0], dtype=i64)  # rounds, then the 4 counts out
-    overshot = torch.zeros(W, dtype=i64)
+    colsum = colsum_N.to(i64).contiguous()
+    loads = loads_4W[:4].to(f64).contiguous()
+    start = [x for g in sorted(start_holders) for y in start_holders[g] for x in (g, y)]
     model_i, model_d = terms
-    model_it, model_dt = torch.tensor(model_i, dtype=i64), torch.tensor(model_d, dtype=f64)
     a = model.flops_per_row / model.gemm_flops + model.row_s  # level_fill's rates, its expressions
     t = model.token_bytes_per_row / model.bw if any_remote else 0.0
     hide = a if model.overlap else 0.0
     copy = 2.0 * (model.params_bytes / model.bw + model.replica_s)
-    lat = TOKEN_COLLECTIVES * model.lat
-    params_d = torch.tensor([a, t, hide, copy, lat, stop, py_fill.MIN_GAIN], dtype=f64)
-    params_i = torch.tensor([passes, py_fill.TENSOR_POINTS, int(kept)], dtype=i64)
-    start_t = torch.tensor(start or [(0, 0)], dtype=i64)
-    I, F = ctypes.c_int64, ctypes.c_double
-    p_w, p_n = per_w.data_ptr(), per_n.data_ptr()
+    ints = [W, E, slots, block_size, per_node, int(any_remote), passes, py_fill.TENSOR_POINTS,
+            int(kept), *model_i, len(start) // 2]  # fmt: skip
+    reals = [*model_d, a, t, hide, copy, TOKEN_COLLECTIVES * model.lat, stop, py_fill.MIN_GAIN]
+    cap = len(start) // 2 + W * slots  # holders at the end (each rank holds at most ``slots``)
+    out_w, out_wf = torch.empty(5 * W, dtype=i64), torch.empty(2 * W, dtype=f64)
+    out_n = torch.empty(4 * N, dtype=i64)
+    out_i, out_d = torch.empty(12 * cap + 16, dtype=i64), torch.empty(2 * cap + 16, dtype=f64)
+    counts = (ctypes.c_int64 * 5)()
     pieces = lib.mixmoe_level_fill(
-        _ptr(C, I), W, E, slots, block_size, per_node, int(any_remote),
-        _ptr(model_it, I), _ptr(model_dt, F), _ptr(params_d, F), _ptr(params_i, I),
-        _ptr(small, I), _ptr(start_t, I), len(start),
-        _at(p_w, 0), _at(p_n, 0), _at(p_n, W * E), _at(p_n, 2 * W * E), _at(p_n, 3 * W * E),
-        _at(p_w, W), _at(p_w, 2 * W), _at(p_w, 3 * W),
-        _ptr(per_wf[0], F), _ptr(per_wf[1], F), _ptr(overshot, I),
-        _ptr(out_i, I), out_i.numel(), _ptr(out_d, F), out_d.numel(), _at(small.data_ptr(), 1),
+        _ptr(C, _I64P), _ptr(colsum, _I64P), _ptr(loads, _F64P), (ctypes.c_int64 * len(start))(*start),
+        (ctypes.c_int64 * len(ints))(*ints), (ctypes.c_double * len(reals))(*reals),
+        _ptr(out_w, _I64P), _ptr(out_wf, _F64P), _ptr(out_n, _I64P), _ptr(out_i, _I64P),
+        out_i.numel(), _ptr(out_d, _F64P), out_d.numel(), counts,
     )  # fmt: skip
     if pieces < 0:  # cannot happen with the capacities above (the C++ counts before writing)
         raise RuntimeError("native level fill: output buffers too small")
-    state = object.__new__(RangeState)  # the fields RangeState.__init__ sets, then the fill's
+    state = object.__new__(FilledState)  # RangeState.__init__'s fields, the fill's values
     state.model, state.C_WN, state.E, state.W = model, C_WN, E, W
     state.slots, state.block, state.distance = slots, block_size, distance
     state.any_remote, state._total_fns, state.moves = any_remote, {}, int(pieces)
-    _read_back(state, per_w.view(4, W), per_n, per_wf, small, overshot, out_i, out_d)
+    state.rounds, nh, na, nk, nd = counts
+    per_w = out_w.view(5, W)
+    state.rows, state.local, state.remote, overshot = per_w[1:].tolist()
+    state.replica, state.totals = out_wf.view(2, W).tolist()
+    state.overshot = {r for r, x in enumerate(overshot) if x}
+    flat = out_i[: 2 * nh + 3 * na + 3 * nk].tolist()
+    holders: dict[int, list[int]] = {}
+    for i in range(0, 2 * nh, 2):  # (g, y) by g, then y: each list ascending
+        holders.setdefault(flat[i], []).append(flat[i + 1])
+    state.holders = holders
+    state.amounts = _triples(flat, 2 * nh, na)
+    state.kept = _triples(flat, 2 * nh + 3 * na, nk)
+    degrees_at = 2 * nh + 3 * na + 3 * nk  # the rest stays raw until read (FilledState)
+    state._raw = (per_w[0], out_n.view(4, N), out_i[degrees_at : degrees_at + 2 * nd], out_d[:nd])
     return state
 
 
-def _at(address: int, index: int) -> ctypes._Pointer:
-    """A pointer to the index-th int64 from ``address`` (a row of a stacked tensor)."""
-    return ctypes.cast(address + 8 * index, _I64P)
+def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:
+    return ctypes.cast(t.data_ptr(), kind)
 
 
-def _read_back(state, per_w, per_n, per_wf, small, overshot, out_i, out_d) -> None:  # noqa: ANN001
-    """The C++ results into the state's Python fields (RangeState's types: lists, dicts)."""
-    state.rounds, nh, na, nk, nd = small.tolist()
-    state.held, state.rows, state.local, state.remote = per_w.tolist()
-    state.owner_rows, state.own, state.others, state.taken = per_n.tolist()
-    state.replica, state.totals = per_wf.tolist()
-    state.overshot = {r for r, x in enumerate(overshot.tolist()) if x}
-    flat = out_i[: 2 * nh + 3 * na + 3 * nk + 2 * nd].tolist()
-    holders: dict[int, list[int]] = {}
-    for i in range(0, 2 * nh, 2):
-        holders.setdefault(flat[i], []).append(flat[i + 1])
-    state.holders = holders
-    amounts: dict[int, dict[int, int]] = {}
-    helped: dict[int, dict[int, int]] = {}
-    base = 2 * nh
-    for i in range(base, base + 3 * na, 3):
-        g, y, n = flat[i : i + 3]
-        amounts.setdefault(g, {})[y] = n
-        helped.setdefault(y, {})[g] = n
-    state.amounts, state.helped = amounts, helped
-    kept: dict[int, dict[int, int]] = {}
-    base += 3 * na
-    for i in range(base, base + 3 * nk, 3):
-        g, y, n = flat[i : i + 3]
-        kept.setdefault(g, {})[y] = n
-    state.kept = kept
-    degrees: dict[int, dict[int, float]] = {}
-    base += 3 * nk
-    copies = out_d[:nd].tolist()
-    for j, i in enumerate(range(base, base + 2 * nd, 2)):
-        degrees.setdefault(flat[i], {})[flat[i + 1]] = copies[j]
-    state.degrees = degrees
+def _triples(flat: list[int], at: int, count: int) -> dict[int, dict[int, int]]:
+    """{g: {y: n}} from ``count`` (g, y, n) triples of ``flat`` from index ``at``."""
+    out: dict[int, dict[int, int]] = {}
+    for i in range(at, at + 3 * count, 3):
+        out.setdefault(flat[i], {})[flat[i + 1]] = flat[i + 2]
+    return out
+
+
+class FilledState(RangeState):
+    """A ``RangeState`` the compiled fill left. The planner reads holders, amounts, kept, the
+    loads, totals and overshot after a fill; the other fields (held, owner_rows, own, others,
+    taken, helped, degrees) are built from the C++ output on first read (``__getattr__`` runs
+    only for a field not set yet), so a fill pays no Python work for them."""
+
+    def __getattr__(self, name: str) -> object:
+        if name not in _LAZY or "_raw" not in self.__dict__:
+            raise AttributeError(name)
+        held, per_n, degree_pairs, copies = self._raw
+        self.held = held.tolist()
+        self.owner_rows, self.own, self.others, self.taken = per_n.tolist()
+        self.helped = {}
+        for g, amounts in self.amounts.items():
+            for y, n in amounts.items():
+                self.helped.setdefault(y, {})[g] = n
+        pairs, values = degree_pairs.tolist(), copies.tolist()
+        self.degrees = {}
+        for j, v in enumerate(values):
+            self.degrees.setdefault(pairs[2 * j], {})[pairs[2 * j + 1]] = v
+        del self._raw
+        return self.__dict__[name]
+
+
+_LAZY = frozenset(("held", "owner_rows", "own", "others", "taken", "helped", "degrees"))
 
 
 def _warn_once() -> None:

@@ -561,65 +561,90 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
 
 extern "C" {
 
-// One fill over a RangeState's fields (native_fill.py names every argument). Inputs are read,
-// the *_io arrays updated in place; the variable-length results go to out_i / out_d:
-// holders (g, y) pairs, amounts (g, y, n), kept (g, y, local), degrees (g, r) with their copies
-// in out_d; counts_out receives their four counts. Returns the pieces moved, or -1 when out_i /
-// out_d are too small (nothing written then is meaningful).
-int64_t mixmoe_level_fill(const int64_t* C, int64_t W, int64_t E, int64_t slots, int64_t blk,
-                          int64_t per_node, int64_t any_remote, const int64_t* model_i,
-                          const double* model_d, const double* params_d, const int64_t* params_i,
-                          int64_t* rounds_io, const int64_t* start_pairs, int64_t n_start,
-                          int64_t* held_io, int64_t* owner_rows_io, const int64_t* own_in,
-                          int64_t* others_io, int64_t* taken_io, int64_t* rows_io,
-                          int64_t* local_io, int64_t* remote_io, double* replica_io,
-                          double* totals_io, int64_t* overshot_out, int64_t* out_i, int64_t cap_i,
-                          double* out_d, int64_t cap_d, int64_t* counts_out) {
+// One fill from the start RangeState.__init__ builds (range_state.py), then the passes.
+// Inputs: C (int64 [W, N]), colsum (int64 [N], C's column sums), loads (float64 [4, W]: the start
+// plan's rows, local, remote, replica), start (n_start (g, y) pairs: the start holders),
+//   ints:  W, E, slots, blk, per_node, any_remote, passes, tensor_points, kept, fpr, tbr, P,
+//          weight_collectives, overlap, n_start;
+//   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (StepModel.total_fn's terms), then
+//          level_fill's a, t, hide, copy, lat, stop, min_gain.
+// Outputs: out_w (int64 [5, W]: held, rows, local, remote, overshot), out_wf (float64 [2, W]:
+// replica, totals), out_n (int64 [4, N]: owner_rows, own, others, taken), out_i / out_d: holders
+// (g, y) pairs, amounts (g, y, n), kept (g, y, local), degrees (g, r) with their copies in out_d;
+// counts: rounds and the four counts. Returns the pieces moved, or -1 when out_i / out_d are too
+// small (nothing written is meaningful then).
+int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double* loads,
+                          const int64_t* start, const int64_t* ints, const double* reals,
+                          int64_t* out_w, double* out_wf, int64_t* out_n, int64_t* out_i,
+                          int64_t cap_i, double* out_d, int64_t cap_d, int64_t* counts) {
   Fill f;
+  const int64_t W = ints[0], E = ints[1];
   f.W = W;
   f.E = E;
   f.N = W * E;
-  f.slots = slots;
-  f.blk = blk;
-  f.per_node = per_node;
+  f.slots = ints[2];
+  f.blk = ints[3];
+  f.per_node = ints[4];
+  f.any_remote = ints[5] != 0;
   f.C = C;
-  f.any_remote = any_remote != 0;
-  f.m.fpr = model_i[0];
-  f.m.tbr = model_i[1];
-  f.m.P = model_i[2];
-  f.m.weight_collectives = model_i[3];
-  f.m.overlap = model_i[4] != 0;
-  f.m.gf = model_d[0];
-  f.m.bw = model_d[1];
-  f.m.row_s = model_d[2];
-  f.m.fixed_s = model_d[3];
-  f.m.rep_s = model_d[4];
-  f.m.token0 = model_d[5];
-  f.m.lat = model_d[6];
+  f.m.fpr = ints[9];
+  f.m.tbr = ints[10];
+  f.m.P = ints[11];
+  f.m.weight_collectives = ints[12];
+  f.m.overlap = ints[13] != 0;
+  const int64_t n_start = ints[14];
+  f.m.gf = reals[0];
+  f.m.bw = reals[1];
+  f.m.row_s = reals[2];
+  f.m.fixed_s = reals[3];
+  f.m.rep_s = reals[4];
+  f.m.token0 = reals[5];
+  f.m.lat = reals[6];
+  const Params p{reals[7], reals[8], reals[9], reals[10], reals[11], reals[12], reals[13],
+                 ints[6], ints[7], ints[8] != 0};
   const size_t N = static_cast<size_t>(f.N), Wz = static_cast<size_t>(W);
   f.holders.assign(N, {});
-  for (int64_t i = 0; i < n_start; ++i) f.holders[start_pairs[2 * i]].push_back(start_pairs[2 * i + 1]);
-  for (auto& h : f.holders) std::sort(h.begin(), h.end());
-  f.held.assign(held_io, held_io + Wz);
-  f.owner_rows.assign(owner_rows_io, owner_rows_io + N);
-  f.own.assign(own_in, own_in + N);
-  f.others.assign(others_io, others_io + N);
-  f.taken.assign(taken_io, taken_io + N);
-  f.rows.assign(rows_io, rows_io + Wz);
-  f.local.assign(local_io, local_io + Wz);
-  f.remote.assign(remote_io, remote_io + Wz);
-  f.replica.assign(replica_io, replica_io + Wz);
-  f.totals.assign(totals_io, totals_io + Wz);
+  f.held.assign(Wz, 0);
+  for (int64_t i = 0; i < n_start; ++i) {
+    f.holders[start[2 * i]].push_back(start[2 * i + 1]);
+    f.held[start[2 * i + 1]] += 1;
+  }
+  // range_state.stream_rows: the owner's own rows C[o][g], the rows it computes (the holders'
+  // own rows are local at them), the stream's rows from other sources
+  f.own.resize(N);
+  f.owner_rows.resize(N);
+  f.others.resize(N);
+  for (size_t g = 0; g < N; ++g) {
+    auto& h = f.holders[g];
+    std::sort(h.begin(), h.end());
+    int64_t held_rows = 0;
+    for (int64_t y : h) held_rows += f.c(y, static_cast<int64_t>(g));
+    f.own[g] = f.c(static_cast<int64_t>(g) / E, static_cast<int64_t>(g));
+    f.owner_rows[g] = colsum[g] - held_rows;
+    f.others[g] = f.owner_rows[g] - f.own[g];
+  }
+  f.taken.assign(N, 0);
+  f.rows.resize(Wz);
+  f.local.resize(Wz);
+  f.remote.resize(Wz);
+  for (size_t r = 0; r < Wz; ++r) {  // the loads as float64: whole numbers, truncated as .to(int64)
+    f.rows[r] = static_cast<int64_t>(loads[r]);
+    f.local[r] = static_cast<int64_t>(loads[Wz + r]);
+    f.remote[r] = static_cast<int64_t>(loads[2 * Wz + r]);
+  }
+  f.replica.assign(loads + 3 * Wz, loads + 4 * Wz);
   f.amounts.assign(N, {});
   f.helped.assign(Wz, {});
   f.kept.assign(N, {});
   f.degrees.assign(N, {});
-  f.rounds = *rounds_io;
+  f.rounds = 0;
+  for (size_t g = 0; g < N; ++g)  // range_state.start_relay
+    if (!f.holders[g].empty())
+      f.rounds = std::max(f.rounds, f.relay_degrees(static_cast<int64_t>(g) / E, f.holders[g],
+                                                    f.degrees[g]));
+  f.totals.resize(Wz);
+  f.retotal();  // StepModel.seconds_W's totals, bit for bit (test_placement_planner_speed.py)
   f.overshot.assign(Wz, 0);
-  for (size_t g = 0; g < N; ++g)  // the start holders' relay, as RangeState.__init__ prices it
-    if (!f.holders[g].empty()) f.relay_degrees(static_cast<int64_t>(g) / E, f.holders[g], f.degrees[g]);
-  Params p{params_d[0], params_d[1], params_d[2], params_d[3], params_d[4], params_d[5],
-           params_d[6], params_i[0], params_i[1], params_i[2] != 0};
   const int64_t pieces = run(f, p);
   int64_t nh = 0, na = 0, nk = 0, nd = 0;
   for (size_t g = 0; g < N; ++g) {
@@ -639,21 +664,18 @@ int64_t mixmoe_level_fill(const int64_t* C, int64_t W, int64_t E, int64_t slots,
   double* od = out_d;
   for (size_t g = 0; g < N; ++g)
     for (const auto& [r, v] : f.degrees[g]) *o++ = static_cast<int64_t>(g), *o++ = r, *od++ = v;
-  counts_out[0] = nh;
-  counts_out[1] = na;
-  counts_out[2] = nk;
-  counts_out[3] = nd;
-  *rounds_io = f.rounds;
-  std::copy(f.held.begin(), f.held.end(), held_io);
-  std::copy(f.owner_rows.begin(), f.owner_rows.end(), owner_rows_io);
-  std::copy(f.others.begin(), f.others.end(), others_io);
-  std::copy(f.taken.begin(), f.taken.end(), taken_io);
-  std::copy(f.rows.begin(), f.rows.end(), rows_io);
-  std::copy(f.local.begin(), f.local.end(), local_io);
-  std::copy(f.remote.begin(), f.remote.end(), remote_io);
-  std::copy(f.replica.begin(), f.replica.end(), replica_io);
-  std::copy(f.totals.begin(), f.totals.end(), totals_io);
-  for (size_t r = 0; r < Wz; ++r) overshot_out[r] = f.overshot[r];
+  counts[0] = f.rounds;
+  counts[1] = nh;
+  counts[2] = na;
+  counts[3] = nk;
+  counts[4] = nd;
+  const std::vector<int64_t>* per_w[4] = {&f.held, &f.rows, &f.local, &f.remote};
+  for (size_t k = 0; k < 4; ++k) std::copy(per_w[k]->begin(), per_w[k]->end(), out_w + k * Wz);
+  for (size_t r = 0; r < Wz; ++r) out_w[4 * Wz + r] = f.overshot[r];
+  std::copy(f.replica.begin(), f.replica.end(), out_wf);
+  std::copy(f.totals.begin(), f.totals.end(), out_wf + Wz);
+  const std::vector<int64_t>* per_n[4] = {&f.owner_rows, &f.own, &f.others, &f.taken};
+  for (size_t k = 0; k < 4; ++k) std::copy(per_n[k]->begin(), per_n[k]->end(), out_n + k * N);
   return pieces;
 }
 

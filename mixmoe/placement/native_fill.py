@@ -10,7 +10,8 @@ being the slow twin). ``fill(state, passes, stop, kept)`` runs it when it can an
 otherwise:
 
 - the library is built on first use with the system C++ compiler (``$CXX``, else ``c++``,
-  ``g++``, ``clang++``; ~2 s) into ``$MIXMOE_NATIVE_DIR`` (default ``~/.cache/mixmoe/native``),
+  ``g++``, ``clang++``; a few seconds) into ``$MIXMOE_NATIVE_DIR`` (default
+  ``~/.cache/mixmoe/native``; the temporary folder when that is not writable),
   named by a hash of the source, the flags and the platform; concurrent builds (several ranks)
   each write a temporary file and rename it (atomic), so every process loads a whole library;
 - with no compiler, a failed build, ``MIXMOE_NATIVE=0``, a ``distance`` other than
@@ -80,11 +81,18 @@ def _build(cxx: str) -> Path:
     key = hashlib.sha256(
         b"\0".join([src, " ".join(FLAGS).encode(), platform.platform().encode(), cxx.encode()])
     ).hexdigest()[:16]
-    folder = _cache_dir()
-    lib = folder / f"level_fill-{key}.so"
-    if lib.exists():
-        return lib
-    folder.mkdir(parents=True, exist_ok=True)
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "mixmoe-native"):
+        lib = folder / f"level_fill-{key}.so"
+        if lib.exists():
+            return lib
+        try:  # a read-only home (a cluster's): the temporary folder instead
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no writable folder for the library ({_cache_dir()}, the temp dir)")
     fd, tmp = tempfile.mkstemp(prefix=lib.stem, suffix=".so.tmp", dir=folder)
     os.close(fd)
     try:

@@ -231,3 +231,16 @@ def test_kept_fill_skips_a_receiver_whose_own_rows_fill_less_than_a_block():
     assert kept.holders == {0: [2]} and kept.overshot == {1}
     plain = _compare(args, 6, 1.02, False)
     assert plain.holders == {0: [1, 2]}
+
+
+def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_folder(monkeypatch, tmp_path):
+    """``MIXMOE_NATIVE_DIR`` under a regular file (mkdir fails, as on a read-only home): the
+    library goes to the temporary folder instead and loads."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(native.ENV_DIR, str(blocker / "cache"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why", None)
+    assert native.available(), native.unavailable_reason()
+    assert len(list((tmp_path / "tmp" / "mixmoe-native").glob("level_fill-*.so"))) == 1

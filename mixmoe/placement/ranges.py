@@ -297,13 +297,26 @@ def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
     """Rows that cross ranks because of ``plan``'s ranges and kept holders, beyond the replica
     rule: the owner's own rows its helpers take (the other sources' rows cross either way, to
     the owner or to a helper), and each kept holder's rest (it crosses: no range of the
-    holder's own covers it, ``check_ranges``)."""
+    holder's own covers it, ``check_ranges``). In tensor ops over the ranged experts (every
+    rank computes it each step: W = 1024 has ~100 of them, columns of 1024)."""
     E = experts_per_rank
-    out = 0
-    for g, ranges, kept, col_W in _with_columns(C_WN, plan):
-        others, rest = _stream_terms(col_W, g // E, plan.holders(g), kept)
-        out += max(0, sum(n for _, n in ranges) - others) + rest
-    return out
+    experts = _experts(plan)
+    if not experts:
+        return 0
+    g_G = torch.tensor([g for g, _, _ in experts])
+    pairs = [(i, h) for i, (g, _, _) in enumerate(experts) for h in plan.holders(g)]
+    kept = [(i, y, local) for i, (_, _, k) in enumerate(experts) for y, local in k.items()]
+    i_P, h_P = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).unbind(1)
+    held_G = torch.zeros(len(experts), dtype=C_WN.dtype)
+    held_G.index_add_(0, i_P, C_WN[h_P, g_G[i_P]])  # the holders' own rows: not in the stream
+    rest_G = torch.zeros(len(experts), dtype=C_WN.dtype)
+    if kept:  # a kept holder's rest (its rows less its local ones) is in the stream
+        i_K, y_K, local_K = torch.tensor(kept, dtype=torch.int64).unbind(1)
+        rest_G.index_add_(0, i_K, C_WN[y_K, g_G[i_K]] - local_K)
+    # the stream's rows from sources other than the owner (``_stream_terms``)
+    others_G = C_WN[:, g_G].sum(0) - C_WN[g_G // E, g_G] - held_G + rest_G
+    taken_G = torch.tensor([sum(n for _, n in ranges) for _, ranges, _ in experts])
+    return int((taken_G - others_G).clamp(min=0).sum() + rest_G.sum())
 
 
 def range_loads(

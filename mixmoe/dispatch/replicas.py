@@ -31,7 +31,7 @@ import torch
 
 from mixmoe.comm.autograd import cached_all_to_all
 from mixmoe.ops.expert_mlp import ExpertWeights
-from mixmoe.placement.relay import piece_range, relay_messages
+from mixmoe.placement.relay import piece_range, relay_messages_at, relay_rounds
 from mixmoe.tracing import trace_span
 
 # (expert g, chunk j, chunks n): chunk j of g's packed row cut into n near-equal parts in
@@ -118,14 +118,20 @@ class RelayPlan:
         """``replicas``: ((g, holder ranks), ...) for every replicated expert, ascending g (a
         plan's ``replicas``); ``distance``: the topology that splits the route by node (None:
         one link); ``relay`` False: the owner sends every whole copy, in one
-        round (a flat fan-out). Identical round structure on every rank (every rank computes
-        every expert's messages)."""
+        round (a flat fan-out). Identical round structure on every rank: the most rounds of any
+        expert's route (``relay_rounds``, closed form); each rank builds only its own messages
+        (``relay_messages_at``: O(H) per expert it owns or holds, where the whole route has
+        O(H**2))."""
         E, r, W = experts_per_rank, rank, world_size
+        mine = [(g, holders) for g, holders in replicas if g // E == r or r in holders]
         if relay:
-            routes = [(g, relay_messages(g // E, holders, distance)) for g, holders in replicas]
-        else:
-            routes = [(g, (tuple((g // E, h, 0, 1) for h in holders),)) for g, holders in replicas]
-        num_rounds = max((len(m) for _, m in routes), default=0)
+            routes = [(g, relay_messages_at(r, g // E, holders, distance)) for g, holders in mine]
+            rounds_g = (relay_rounds(g // E, holders, distance) for g, holders in replicas)
+        else:  # the owner's flat fan-out: one round
+            routes = [(g, (tuple((g // E, h, 0, 1) for h in holders if r in (g // E, h)),))
+                      for g, holders in mine]  # fmt: skip
+            rounds_g = (1 for _, holders in replicas if holders)
+        num_rounds = max(rounds_g, default=0)
         pack = sorted(  # owned experts this rank sends (it relays others from its buffers)
             {g - r * E for g, m in routes if g // E == r for msgs in m for s, *_ in msgs if s == r}
         )

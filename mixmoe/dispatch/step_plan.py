@@ -77,25 +77,34 @@ def build_step_plan(
     shared = bool(plan.shares or plan.ranges or plan.kept)
     plan = plan.expanded(C_WN, E, r)
     rep = plan.replica_slots(r)
-    # rows of (source s, expert g) that stay at s although g is owned elsewhere: s holds a replica
-    replicated_WN = torch.zeros(W, N, dtype=torch.bool)
-    for g, holders in plan.replicas:
-        replicated_WN[list(holders), g] = True
-    owner_N = torch.arange(N) // E
-    own_WN = owner_N[None, :] == torch.arange(W)[:, None]
-    stays_WN = own_WN | replicated_WN
+    # only this rank's row and its own experts' columns of the count matrix are read (no [W, N]
+    # temporaries: ~25 ms of them per step at W = 1024): a segment (s, g) stays at s when s
+    # owns g or holds g's replica
+    stays_N = torch.zeros(N, dtype=torch.bool)  # the experts whose rows stay at this rank
+    stays_N[r * E : (r + 1) * E] = True
+    stays_N[list(rep)] = True
     # rows this rank sends, by owner: its row of C over the experts neither owned nor replicated
-    sent_N = torch.where(stays_WN[r], 0, C_WN[r])
+    sent_N = torch.where(stays_N, 0, C_WN[r])
     in_splits = sent_N.view(W, E).sum(1).tolist()
-    send = tuple(torch.nonzero(~stays_WN[r]).flatten().tolist())
-    # rows this rank receives: every other source's rows for its own experts, unless replicated
+    send = tuple(torch.nonzero(~stays_N).flatten().tolist())
+    # rows this rank receives: every other source's rows for its own experts, unless the source
+    # holds a replica
+    replicated_WE = torch.zeros(W, E, dtype=torch.bool)
+    for g, holders in plan.replicas:
+        if g // E == r:
+            replicated_WE[list(holders), g - r * E] = True
     mine_WE = C_WN[:, r * E : (r + 1) * E]
-    recv_WE = torch.where(replicated_WN[:, r * E : (r + 1) * E], 0, mine_WE)
+    recv_WE = torch.where(replicated_WE, 0, mine_WE)
     recv_WE[r] = 0
     recv_counts = recv_WE.reshape(-1).tolist()  # source-major, then own expert
     recv_slots = list(range(E)) * W
     out_splits = recv_WE.sum(1).tolist()
-    rows_moved = int(torch.where(stays_WN, 0, C_WN).sum()) + ranges_moved
+    # rows moved (every rank's): all rows less those computed where they were routed, at their
+    # owner (the [W, W, E] view's diagonal blocks) or at a replica's holder (one gather)
+    sources = [y for _, holders in plan.replicas for y in holders]
+    experts = [g for g, holders in plan.replicas for _ in holders]
+    stay = int(C_WN.reshape(W, W, E).diagonal(0, 0, 1).sum()) + int(C_WN[sources, experts].sum())
+    rows_moved = int(C_WN.sum()) - stay + ranges_moved
     fetch = RelayPlan.build(plan.replicas, r, W, E, distance, relay=plan.relay)
     assert fetch.recv_experts == tuple(rep), "replica slot order must match the fetch order"
     step = StepPlan(

@@ -20,6 +20,7 @@ Everything follows from C and the plan (no exchange): every rank computes the sa
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -69,13 +70,36 @@ def share_fields(
     H = len(rep)
     rep_slot = {g: h for h, g in enumerate(rep)}
 
-    # -- source side: this rank's rows as runs
-    counts_r = C_WN[r].tolist()
-    entry_g = {g for s, g, _ in plan.shares if s == r}
-    experts = sorted(set(torch.nonzero(C_WN[r]).flatten().tolist()) | entry_g)
+    # -- source side: this rank's rows as runs. A segment without a share entry is one run at
+    # the rank computing it (``Plan.computed_at``): its key from the expert id alone, so all of
+    # them at once (W = 1024: ~4000 experts a rank routes to, ~10 with entries); the experts
+    # with entries walk their runs, spliced in at their place in expert order
+    counts_N = C_WN[r]
+    counts_r = counts_N.tolist()
+    entry_g = sorted({g for s, g, _ in plan.shares if s == r})
+    g_N = torch.arange(N)
+    key_N = E + H + (g_N // E) * N + g_N  # sent: by receiver (the owner), then expert
+    key_N[r * E : (r + 1) * E] = torch.arange(E)  # own slot e
+    held = list(rep)
+    key_N[held] = E + torch.arange(H)  # replica slot h
+    plain_N = counts_N > 0
+    plain_N[entry_g] = False
+    plain_g = torch.nonzero(plain_N).flatten()
+    plain_len, plain_key = counts_N[plain_g].tolist(), key_N[plain_g].tolist()
+    plain_g = plain_g.tolist()
+    own_c = counts_N[r * E : (r + 1) * E].where(plain_N[r * E : (r + 1) * E], 0).tolist()
+    rep_c = counts_N[held].where(plain_N[held], 0).tolist()
+    sent_N = counts_N.where(plain_N, 0)
+    sent_N[r * E : (r + 1) * E] = 0
+    sent_N[held] = 0
+    in_splits = sent_N.view(W, E).sum(1).tolist()
     run_len, run_key = [], []
-    own_c, rep_c, in_splits = [0] * E, [0] * H, [0] * W
-    for g in experts:
+    at = 0  # plain runs copied so far
+    for g in entry_g:
+        cut = bisect.bisect_left(plain_g, g, at)  # the plain runs of experts before g
+        run_len += plain_len[at:cut]
+        run_key += plain_key[at:cut]
+        at = cut
         for c, n in plan.segment_runs(r, g, counts_r[g], E):
             if c != r:
                 key = E + H + c * N + g  # by receiver, then expert: the receiver's order
@@ -88,6 +112,8 @@ def share_fields(
                 rep_c[key - E] += n
             run_len.append(n)
             run_key.append(key)
+    run_len += plain_len[at:]
+    run_key += plain_key[at:]
 
     # -- receive side: columns = own experts and replicas held here, by expert id
     cols = sorted([*range(r * E, (r + 1) * E), *rep])

@@ -43,7 +43,9 @@ piece (an (expert, helper) pair), not one per segment.
 
 from __future__ import annotations
 
+import functools
 import operator
+from collections.abc import Iterable
 
 import torch
 
@@ -74,7 +76,7 @@ def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -
     free = False  # whether the level counts no copy for the ranks holding an offered expert
     for _ in range(passes):
         T_W = fill.totals
-        top, mean = max(T_W), sum(T_W) / W
+        top, mean = max(T_W), _fold_sum(T_W) / W
         if top <= stop * mean:
             break
         # each rank's token exchange before the max(0, .): > 0 when exposed
@@ -122,6 +124,13 @@ def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -
                 break  # (no holder anywhere: the level without their copies is the same)
             free = True  # the level without copies for the holders: their room first
     return pieces
+
+
+def _fold_sum(xs: Iterable[float]) -> float:
+    """The floats added left to right from 0.0: Python 3.11's ``sum``, which Python >= 3.12
+    replaced by a compensated sum; the compiled fill (``native/level_fill.cpp``) adds the same
+    way, so the two agree bit for bit on every Python."""
+    return functools.reduce(operator.add, xs, 0.0)
 
 
 def _offer(fill: RangeState, b: int, token: float, t: float, hide: float) -> tuple[list, int]:
@@ -176,7 +185,7 @@ def _level(
     (a fresh donor's expert has no other holder: its rows reach one more receiver than the
     receivers counted, one more copy). d decreases; its breakpoints: T_r - avail_r * save_r
     and T_r (slope changes; at T_r a drop of J when fresh), start_r (slope change)."""
-    jump = copy * len(cost_W) / sum(cost_W)
+    jump = copy * len(cost_W) / _fold_sum(cost_W)
     points = []  # (L, change of d's slope there, drop of d there), by rank
     d0 = 0.0  # d left of every breakpoint: every offer shed in full, every fresh copy counted
     for r, (T, avail, save, start, cost) in enumerate(

@@ -34,6 +34,7 @@ from mixmoe.placement.cost_model import (
 )
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.level_fill import level_fill
+from mixmoe.placement.native_fill import filled
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.range_state import RangeState
@@ -379,10 +380,13 @@ def _water_fill(
     distance = node_distance(profile)
     any_remote = bool(loads_4W[2].any())
     # the search: one link (module doc); copies: float under the relay's scatter
-    if fill == "level":
-        state = RangeState(model, C_WN, E, start, slots, block_size, distance, colsum_N,
-                           any_remote, loads_4W[:4])  # fmt: skip
-        state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP, kept)
+    if fill == "level":  # compiled where it can run (``native_fill``), else Python: same state
+        args = (model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote,
+                loads_4W[:4])  # fmt: skip
+        state = filled(*args, LEVEL_PASSES, FILL_STOP, kept)
+        if state is None:
+            state = RangeState(*args)
+            state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP, kept)
         return state if state.moves else None
     state = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     state.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])

@@ -34,7 +34,33 @@ from mixmoe.placement.cost_model import StepModel
 from mixmoe.placement.ranges import cut_ranges_many
 from mixmoe.placement.relay import relay_degrees
 
-__all__ = ["RangeState"]
+__all__ = ["RangeState", "start_relay", "stream_rows"]
+
+
+def stream_rows(
+    C_WN: torch.Tensor, E: int, holders: dict[int, list[int]], colsum_N: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(owner_rows_N, own_N, others_N) with ``holders`` holding replicas (their own rows
+    local): rows of each expert its owner computes, C[o][g], and the stream's rows from sources
+    other than the owner (int64 [N] each; all experts at once: no column read but the holders')."""
+    W = C_WN.shape[0]
+    # C[o][g] of each expert g's owner o (the [W, W, E] view's diagonal, as [W, E])
+    own_N = C_WN.view(W, W, E).diagonal(0, 0, 1).T.reshape(-1)
+    owner_rows = colsum_N.clone()
+    for g, h in holders.items():
+        owner_rows[g] -= int(C_WN[h, g].sum())
+    return owner_rows, own_N, owner_rows - own_N
+
+
+def start_relay(
+    holders: dict[int, list[int]], E: int, distance: Callable[[int, int], int] | None
+) -> tuple[dict[int, dict[int, float]], int]:
+    """Each replicated expert's relay copies per rank (``relay_degrees``), and the most rounds."""
+    degrees, rounds = {}, 0
+    for g, h in holders.items():
+        degrees[g], depth = relay_degrees(g // E, h, distance)
+        rounds = max(rounds, depth)
+    return degrees, rounds
 
 
 class RangeState:
@@ -69,27 +95,19 @@ class RangeState:
         for h in self.holders.values():
             for r in h:
                 self.held[r] += 1
-        W = self.W
-        # C[o][g] of each expert g's owner o (the [W, W, E] view's diagonal, as [W, E])
-        own_N = C_WN.view(W, W, E).diagonal(0, 0, 1).T.reshape(-1)
-        owner_rows = colsum_N.clone()
-        for g, h in self.holders.items():
-            owner_rows[g] -= int(C_WN[h, g].sum())
-        self.owner_rows = owner_rows.tolist()
-        self.own = own_N.tolist()
-        # each stream's rows from sources other than the owner (all experts: no column read)
-        self.others = (owner_rows - own_N).tolist()
+        owner_rows, own_N, others = stream_rows(C_WN, E, self.holders, colsum_N)
+        self.owner_rows, self.own, self.others = (
+            owner_rows.tolist(),
+            own_N.tolist(),
+            others.tolist(),
+        )
         self.amounts: dict[int, dict[int, int]] = {}
         self.taken = [0] * len(self.own)
         self.helped: dict[int, dict[int, int]] = {}
         self.kept: dict[int, dict[int, int]] = {}
         self.rows, self.local, self.remote = loads_4W[:3].to(torch.int64).tolist()
         self.replica = loads_4W[3].tolist()
-        self.degrees: dict[int, dict[int, float]] = {}
-        self.rounds = 0
-        for g, h in self.holders.items():
-            self.degrees[g], depth = relay_degrees(g // E, h, distance)
-            self.rounds = max(self.rounds, depth)
+        self.degrees, self.rounds = start_relay(self.holders, E, distance)
         compute_W, comm_W = model.seconds_W(loads_4W, any_remote, self.rounds)
         self.totals = (compute_W + comm_W).tolist()
         self._total_fns: dict[int, Callable] = {}

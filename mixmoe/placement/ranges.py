@@ -208,7 +208,8 @@ def _with_columns(C_WN: torch.Tensor, plan) -> Iterator[tuple[int, tuple[Share, 
     experts = range_experts(plan)
     if not experts:
         return
-    cols = C_WN[:, [g for g, _, _ in experts]].T.tolist()
+    # rows of C's transpose: ~3x faster than C[:, gs] (one stride per column, not per row)
+    cols = C_WN.T[[g for g, _, _ in experts]].tolist()
     for (g, ranges, kept), col_W in zip(experts, cols, strict=True):
         yield g, ranges, kept, col_W
 
@@ -280,7 +281,7 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
     mine = {}  # g -> where rank's segment starts in g's stream (the experts not expanded)
     if not all(full):
         part = [i for i, f in enumerate(full) if not f]
-        cols_GW = C_WN[:, [gs[i] for i in part]].T.clone()
+        cols_GW = C_WN.T[[gs[i] for i in part]]  # a copy: rows of C's transpose (fast)
         for k, i in enumerate(part):  # the owner and the holders leave the stream
             g, kept = gs[i], experts[i][2]
             cols_GW[k, [g // E, *plan.holders(g)]] = 0
@@ -291,7 +292,7 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
         rows = cols_GW[:, rank].tolist()
         for k, i in enumerate(part):
             mine[gs[i]] = (int(starts[k]), rows[k])
-    cols = C_WN[:, [g for g, f in zip(gs, full, strict=True) if f]].T.tolist()
+    cols = C_WN.T[[g for g, f in zip(gs, full, strict=True) if f]].tolist()
     out = []
     at = 0
     for (g, ranges, kept), f in zip(experts, full, strict=True):
@@ -353,13 +354,26 @@ def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
     """Rows that cross ranks because of ``plan``'s ranges and kept holders, beyond the replica
     rule: the owner's own rows its helpers take (the other sources' rows cross either way, to
     the owner or to a helper), and each kept holder's rest (it crosses: no range of the
-    holder's own covers it, ``check_ranges``)."""
+    holder's own covers it, ``check_ranges``). In tensor ops over the ranged experts (every
+    rank computes it each step: W = 1024 has ~100 of them, columns of 1024)."""
     E = experts_per_rank
-    out = 0
-    for g, ranges, kept, col_W in _with_columns(C_WN, plan):
-        others, rest = _stream_terms(col_W, g // E, plan.holders(g), kept)
-        out += max(0, sum(n for _, n in ranges) - others) + rest
-    return out
+    experts = _experts(plan)
+    if not experts:
+        return 0
+    g_G = torch.tensor([g for g, _, _ in experts])
+    pairs = [(i, h) for i, (g, _, _) in enumerate(experts) for h in plan.holders(g)]
+    kept = [(i, y, local) for i, (_, _, k) in enumerate(experts) for y, local in k.items()]
+    i_P, h_P = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).unbind(1)
+    held_G = torch.zeros(len(experts), dtype=C_WN.dtype)
+    held_G.index_add_(0, i_P, C_WN[h_P, g_G[i_P]])  # the holders' own rows: not in the stream
+    rest_G = torch.zeros(len(experts), dtype=C_WN.dtype)
+    if kept:  # a kept holder's rest (its rows less its local ones) is in the stream
+        i_K, y_K, local_K = torch.tensor(kept, dtype=torch.int64).unbind(1)
+        rest_G.index_add_(0, i_K, C_WN[y_K, g_G[i_K]] - local_K)
+    # the stream's rows from sources other than the owner (``_stream_terms``)
+    others_G = C_WN.T[g_G].sum(1) - C_WN[g_G // E, g_G] - held_G + rest_G
+    taken_G = torch.tensor([sum(n for _, n in ranges) for _, ranges, _ in experts])
+    return int((taken_G - others_G).clamp(min=0).sum() + rest_G.sum())
 
 
 def range_loads(

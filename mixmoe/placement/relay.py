@@ -255,3 +255,70 @@ def relay_inter_copies(owner: int, holders: Sequence[int], distance: Distance) -
 def _check(owner: int, holders: Sequence[int]) -> None:
     if owner in holders or len(set(holders)) != len(holders):
         raise ValueError(f"holders {list(holders)} must be distinct and exclude owner {owner}")
+
+
+def relay_rounds(owner: int, holders: Sequence[int], distance: Distance | None = None) -> int:
+    """``len(relay_messages(owner, holders, distance))`` in closed form: 0 without holders, else
+    round 0 (the scatter), + 1 when k >= 2 or R >= 2 (an all-gather or the exchange), + 1 when
+    L >= 2 and a far node has 2 holders or more (its all-gather inside the node)."""
+    if not holders:
+        return 0
+    near, groups = holder_groups(owner, holders, distance)
+    R = sum(map(len, groups))
+    pairs = len(groups) >= 2 and any(len(grp) >= 2 for grp in groups)
+    return 1 + (len(near) >= 2 or R >= 2) + pairs
+
+
+def relay_messages_at(
+    rank: int, owner: int, holders: Sequence[int], distance: Distance | None = None
+) -> tuple[tuple[Message, ...], ...]:
+    """``relay_messages(owner, holders, distance)`` with only the messages ``rank`` sends or
+    receives (the same rounds, some of them empty here): O(H) steps for one rank where the whole
+    route has O(H**2) messages (each node's all-gather). What ``dispatch.replicas.RelayPlan``
+    builds per rank; ``tests/placement/test_placement_plan_and_relay.py`` checks it against
+    filtering the whole route."""
+    rounds = relay_rounds(owner, holders, distance)
+    if rank != owner and rank not in holders:
+        return ((),) * rounds
+    near, groups = holder_groups(owner, holders, distance)
+    out: list[list[Message]] = [[] for _ in range(3)]
+    k = len(near)
+    if rank == owner:  # round 0: the scatters (near, then far)
+        out[0] += (
+            [(owner, near[0], 0, 1)] if k == 1 else [(owner, h, i, k) for i, h in enumerate(near)]
+        )
+    elif rank in near:
+        i = near.index(rank)
+        out[0].append((owner, rank, 0, 1) if k == 1 else (owner, rank, i, k))
+        if k >= 2:  # round 1: it passes chunk i on, and receives every other near chunk
+            out[1] += [(rank, b, i, k) for b in near if b != rank]
+            out[1] += [(a, rank, j, k) for j, a in enumerate(near) if a != rank]
+    far = [h for grp in groups for h in grp]
+    R, L = len(far), len(groups)
+    if R == 1 and rank in (owner, far[0]):
+        out[0].append((owner, far[0], 0, 1))
+    elif R >= 2:
+        if rank == owner:
+            out[0] += [(owner, h, p, R) for p, h in enumerate(far)]
+        elif rank in far:
+            out[0].append((owner, rank, far.index(rank), R))
+            starts = [0]
+            for grp in groups[:-1]:
+                starts.append(starts[-1] + len(grp))
+            home = next(n for n, grp in enumerate(groups) if rank in grp)
+            # the exchange (round 1): every chunk crosses once to each other far node; each
+            # far holder's chunks (to pass on inside its node): its own, and those it receives
+            held = {h: [p] for p, h in enumerate(far)}
+            for p, sender in enumerate(far):
+                for grp, start in zip(groups, starts, strict=True):
+                    if not start <= p < start + len(grp):
+                        q = _exchange_receiver(p, start, grp)
+                        if rank in (sender, q):
+                            out[1].append((sender, q, p, R))
+                        if q in groups[home]:
+                            held[q].append(p)
+            last = out[2] if L >= 2 else out[1]
+            grp = groups[home]
+            last += [(rank, b, p, R) for p in held[rank] for b in grp if b != rank]
+            last += [(a, rank, p, R) for a in grp if a != rank for p in held[a]]
+    return tuple(tuple(sorted(rnd)) for rnd in out[:rounds])

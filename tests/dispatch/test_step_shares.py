@@ -49,6 +49,13 @@ def random_share_plan(C: list[list[int]], E: int, rng: random.Random, base: Plan
     )
 
 
+def _key(r: int, c: int, g: int, E: int, W: int, rep: tuple) -> int:
+    """A run's group key: sent to c (by c, then g) | own slot | replica slot."""
+    if c != r:
+        return E + len(rep) + c * W * E + g
+    return g - r * E if g // E == r else E + rep.index(g)
+
+
 def loop_twin(C: list[list[int]], plan: Plan, r: int, E: int) -> dict:
     W = len(C)
     N = W * E
@@ -56,6 +63,10 @@ def loop_twin(C: list[list[int]], plan: Plan, r: int, E: int) -> dict:
     rep = plan.replica_slots(r)
     cols = sorted([*range(r * E, (r + 1) * E), *rep])
     recv = [at[s][g].get(r, 0) if s != r else 0 for s in range(W) for g in cols]
+
+    def at_runs(g: int):  # this rank's runs of its segment of g, in row order
+        return plan.segment_runs(r, g, C[r][g], E)
+
     return {
         "in_splits": [sum(at[r][g].get(c, 0) for g in range(N)) if c != r else 0 for c in range(W)],
         "out_splits": [
@@ -69,6 +80,9 @@ def loop_twin(C: list[list[int]], plan: Plan, r: int, E: int) -> dict:
         ),
         "own_c": [at[r][r * E + e].get(r, 0) for e in range(E)],
         "rep_c": [at[r][g].get(r, 0) for g in rep],
+        # this rank's runs in row order (expert ascending, then the segment's runs), each with
+        # its group key: own slot e | replica slot h | sent to c, by c then g
+        "runs": [(n, _key(r, c, g, E, W, rep)) for g in range(N) for c, n in at_runs(g)],
     }
 
 
@@ -96,6 +110,7 @@ def test_share_bookkeeping_equals_the_loop_twin(W, E, seed):
             "rows_moved": step.rows_moved,
             "own_c": runs.own_c,
             "rep_c": runs.rep_c,
+            "runs": list(zip(runs.run_len, runs.run_key, strict=True)),
         }
         assert got == want, (r, plan)
         # the runs cover this rank's kept rows, in by-expert order; keys put each in its group

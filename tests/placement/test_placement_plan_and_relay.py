@@ -23,6 +23,8 @@ from mixmoe.placement.relay import (
     relay_degrees,
     relay_inter_copies,
     relay_messages,
+    relay_messages_at,
+    relay_rounds,
 )
 
 P = Prediction((1.0,), (0.0,), (0,), (0,), (1,), 1.0)
@@ -128,6 +130,24 @@ def test_relay_degrees_equal_the_count_of_the_executed_messages(H: int) -> None:
             copies, rounds, inter = _count(41, holders, distance)
             assert relay_degrees(41, holders, distance) == (copies, rounds)
             assert relay_inter_copies(41, holders, distance) == inter
+
+
+@pytest.mark.parametrize("W,per_node", [(5, 0), (9, 0), (8, 2), (16, 4), (12, 3), (24, 8)])
+def test_one_ranks_messages_are_the_whole_routes_filtered(W: int, per_node: int) -> None:
+    """``relay_messages_at`` (one rank's messages, built directly) equals the whole route's
+    messages that rank sends or receives, round by round, for every rank (owner, near and far
+    holders, bystanders); ``relay_rounds`` equals the route's rounds."""
+    rng = random.Random(W * 7 + per_node)
+    for _ in range(40):
+        owner = rng.randrange(W)
+        others = [r for r in range(W) if r != owner]
+        holders = rng.sample(others, rng.randint(0, len(others)))  # any order
+        for distance in _nodes(per_node) if per_node else [None]:
+            route = relay_messages(owner, holders, distance)
+            assert relay_rounds(owner, holders, distance) == len(route)
+            for rank in range(W):
+                want = tuple(tuple(m for m in rnd if rank in m[:2]) for rnd in route)
+                assert relay_messages_at(rank, owner, holders, distance) == want, (owner, holders)
 
 
 @pytest.mark.parametrize("W,per_node", [(8, 2), (16, 4), (24, 8), (32, 8), (64, 8), (12, 3)])

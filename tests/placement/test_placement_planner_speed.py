@@ -138,9 +138,9 @@ def test_collector_paused_during_the_search_and_restored(enabled, fill, monkeypa
     """The cyclic garbage collector is off while the fill runs (either fill) and back in its
     entry state after ``plan_mix``."""
     seen = []
-    if fill == "level":
-        run = planner_module.level_fill
-        monkeypatch.setattr(planner_module, "level_fill", lambda *a: spy(*a))
+    if fill == "level":  # the compiled fill (native_fill.filled; the Python fill's twin)
+        run = planner_module.filled
+        monkeypatch.setattr(planner_module, "filled", lambda *a: spy(*a))
     else:
         run = WaterFill.run
         monkeypatch.setattr(WaterFill, "run", lambda *a: spy(*a))

@@ -1,0 +1,682 @@
+// The batched water-fill of mixmoe.placement.level_fill over a RangeState, compiled.
+//
+// Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64, C[s*N + g] =
+// rows rank s routes to expert g; g's owner is g / E); a rank's loads (rows, local, remote, replica)
+// and total (seconds) as in mixmoe.placement.range_state and StepModel.total_fn.
+//
+// The same passes as the Python fill, step for step: the same integer arithmetic, the same float
+// expressions in the same order (Python ints times ints are exact: here __int128 products, rounded
+// once to double as Python's int / float rounds them), the same tie rules (rank, then expert id), so
+// the state it leaves is the Python fill's, bit for bit (tests/placement/test_native_fill.py checks
+// every field). Build: any C++17 compiler, -ffp-contract=off (no fused multiply-add: Python rounds
+// every product). Loaded by mixmoe/placement/native_fill.py through ctypes; one C entry point.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int OFFERED = 4;  // level_fill.OFFERED
+constexpr int COPY_GRID_BITS = 24;  // relay.COPY_GRID_BITS
+constexpr double INF = std::numeric_limits<double>::infinity();
+
+// Python's int(v) for the finite doubles the fill converts, saturated at +-2**62 (every amount it
+// meets with min() is far below: the saturated value never wins a min).
+int64_t to_int(double v) {
+  if (v >= 4.6e18) return int64_t(1) << 62;
+  if (v <= -4.6e18) return -(int64_t(1) << 62);
+  return static_cast<int64_t>(v);  // truncates toward zero, as int() does
+}
+
+// Python's (n * k) / d with ints n, k and a float d: the exact product, rounded once.
+double mul_div(int64_t n, int64_t k, double d) {
+  return static_cast<double>(static_cast<__int128>(n) * k) / d;
+}
+
+// relay._grid: n / d copies floored to a multiple of 2**-24.
+double grid(int64_t n, int64_t d) {
+  return static_cast<double>((n << COPY_GRID_BITS) / d) /
+         static_cast<double>(int64_t(1) << COPY_GRID_BITS);
+}
+
+struct Model {  // StepModel.total_fn's terms
+  int64_t fpr, tbr, P, weight_collectives;
+  bool overlap;
+  double gf, bw, row_s, fixed_s, rep_s, token0, lat;
+
+  double total(int64_t rows, int64_t local, int64_t remote, double replica, bool any_remote,
+               int64_t rounds) const {
+    double compute = mul_div(rows, fpr, gf);
+    if (row_s != 0.0) compute = compute + static_cast<double>(rows) * row_s;
+    if (fixed_s != 0.0) compute = compute + fixed_s;
+    double token = 0.0;
+    if (any_remote) {
+      token = token0 + mul_div(remote, tbr, bw);
+      if (overlap) {
+        double hidden = mul_div(local, fpr, gf);
+        if (row_s != 0.0) hidden = hidden + static_cast<double>(local) * row_s;
+        const double x = token - hidden;
+        token = x > 0.0 ? x : 0.0;  // max(0.0, x)
+      }
+    }
+    double weight = 0.0;
+    if (rounds != 0) {
+      const double weight0 = static_cast<double>(weight_collectives * rounds) * lat;
+      weight = weight0 + static_cast<double>(P) * replica / bw;
+      if (rep_s != 0.0) weight = weight + replica * rep_s;
+    }
+    return compute + (token + weight);
+  }
+};
+
+struct Offer {  // level_fill._offer's [g, own rows allowed, own rows given at the offer]
+  int64_t g, mine, given;
+};
+
+struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of length N
+  int64_t W, E, N, slots, blk, per_node;  // per_node 0: no topology
+  const int64_t* C;
+  bool any_remote;
+  Model m;
+  std::vector<std::vector<int64_t>> holders;  // per expert, ranks ascending
+  std::vector<int64_t> held, owner_rows, own, others, taken, rows, local, remote;
+  std::vector<double> replica, totals;
+  std::vector<std::map<int64_t, int64_t>> amounts, helped, kept;  // {g: {y: n}}, {r: {g: n}}, ...
+  std::vector<std::map<int64_t, double>> degrees;
+  int64_t rounds = 0;
+  std::vector<char> overshot;
+
+  int64_t c(int64_t y, int64_t g) const { return C[y * N + g]; }
+
+  bool holds(int64_t g, int64_t y) const {
+    const auto& h = holders[g];
+    return std::binary_search(h.begin(), h.end(), y);
+  }
+
+  void owner_part(int64_t g, int64_t p[3]) const {
+    const int64_t oth = others[g], mine = own[g], tk = taken[g];
+    p[0] = oth + mine - tk;
+    p[1] = mine - std::max<int64_t>(0, tk - oth);
+    p[2] = oth > tk ? oth - tk : tk - oth;
+  }
+
+  void add(int64_t r, const int64_t p[3], int64_t sign) {
+    rows[r] += sign * p[0];
+    local[r] += sign * p[1];
+    remote[r] += sign * p[2];
+  }
+
+  void keep(int64_t g, int64_t y, int64_t k) {  // RangeState._keep
+    const int64_t o = g / E, cy = c(y, g);
+    int64_t part[3];
+    owner_part(g, part);
+    add(o, part, -1);
+    const int64_t mine[3] = {k, k, -k};
+    add(y, mine, 1);
+    others[g] -= k;
+    auto& kg = kept[g];
+    auto it = kg.find(y);
+    if (it != kg.end()) {
+      it->second += k;
+      if (it->second >= cy) kg.erase(it);  // all local: an ordinary holder
+    }
+    int64_t excess = taken[g] - others[g] - own[g];
+    if (excess > 0) {  // off the largest amounts first, ties by rank
+      auto& am = amounts[g];
+      std::vector<std::pair<int64_t, int64_t>> order;  // (-n, r)
+      for (const auto& [r, n] : am)
+        if (n != 0) order.emplace_back(-n, r);
+      std::sort(order.begin(), order.end());
+      for (const auto& [neg, r] : order) {
+        int64_t& n = am[r];
+        const int64_t d = std::min(excess, n);
+        n -= d;
+        rows[r] -= d;
+        remote[r] -= d;
+        helped[r][g] -= d;
+        taken[g] -= d;
+        excess -= d;
+        if (excess == 0) break;
+      }
+    }
+    owner_part(g, part);
+    add(o, part, 1);
+    owner_rows[g] = part[0];
+  }
+
+  void add_holder(int64_t g, int64_t y, int64_t local_rows /* -1: all */) {
+    const int64_t cy = c(y, g);
+    const int64_t k = local_rows < 0 ? cy : std::min(local_rows, cy);
+    if (k < cy) kept[g][y] = 0;
+    keep(g, y, k);
+    auto& h = holders[g];
+    h.insert(std::lower_bound(h.begin(), h.end(), y), y);
+    held[y] += 1;
+  }
+
+  int64_t kept_rest(int64_t g, int64_t y) const {
+    const auto& kg = kept[g];
+    auto it = kg.find(y);
+    return it == kg.end() ? 0 : c(y, g) - it->second;
+  }
+
+  void keep_more(int64_t g, int64_t y, int64_t k) {
+    keep(g, y, std::min(k, c(y, g) - kept[g].at(y)));
+  }
+
+  void move(int64_t g, int64_t b, int64_t y, int64_t n) {  // RangeState.move
+    const int64_t o = g / E;
+    int64_t part[3];
+    owner_part(g, part);
+    add(o, part, -1);
+    auto& am = amounts[g];
+    const std::pair<int64_t, int64_t> steps[2] = {{b, -n}, {y, n}};
+    for (const auto& [r, d] : steps) {
+      if (r == o) {
+        taken[g] -= d;
+      } else {
+        am[r] += d;
+        rows[r] += d;
+        remote[r] += d;
+        helped[r][g] += d;
+      }
+    }
+    owner_part(g, part);
+    add(o, part, 1);
+    owner_rows[g] = part[0];
+  }
+
+  // relay.relay_degrees: {rank: copies}, rounds (relay.py's module doc has the grid)
+  int64_t relay_degrees(int64_t owner, const std::vector<int64_t>& hs,
+                        std::map<int64_t, double>& out) const {
+    out.clear();
+    if (hs.empty()) return 0;
+    std::vector<int64_t> near;
+    std::vector<std::vector<int64_t>> groups;  // far nodes, by lowest holder
+    if (per_node == 0) {
+      near = hs;
+    } else {
+      const int64_t home = owner / per_node;
+      std::map<int64_t, size_t> slot;  // node -> its index in groups
+      for (int64_t h : hs) {
+        const int64_t node = h / per_node;
+        if (node == home) {
+          near.push_back(h);
+          continue;
+        }
+        auto it = slot.find(node);
+        if (it == slot.end()) {
+          slot.emplace(node, groups.size());
+          groups.push_back({h});
+        } else {
+          groups[it->second].push_back(h);
+        }
+      }
+    }
+    const int64_t k = static_cast<int64_t>(near.size()), L = static_cast<int64_t>(groups.size());
+    int64_t R = 0;
+    bool pair_far = false;
+    for (const auto& grp : groups) {
+      R += static_cast<int64_t>(grp.size());
+      pair_far = pair_far || grp.size() >= 2;
+    }
+    out[owner] = static_cast<double>((k > 0) + (R > 0));
+    if (k > 0) {
+      const double near_copies = k == 1 ? 1.0 : 1.0 + grid(k - 1, k);
+      for (int64_t h : near) out[h] = near_copies;
+    }
+    if (R == 1) {
+      out[groups[0][0]] = 1.0;
+    } else if (R >= 2) {
+      for (const auto& grp : groups) {
+        const int64_t cg = static_cast<int64_t>(grp.size());
+        const int64_t extra = (R - cg) % cg;
+        const double low = 1.0 + grid(L - 1 + (1 + (R - cg) / cg) * (cg - 1), R);
+        const double high = extra ? 1.0 + grid(L - 1 + (2 + (R - cg) / cg) * (cg - 1), R) : low;
+        for (int64_t i = 0; i < cg; ++i) out[grp[i]] = i < extra ? high : low;
+      }
+    }
+    return 1 + (k >= 2 || R >= 2) + (L >= 2 && pair_far);
+  }
+
+  void relay(int64_t g) {  // RangeState.relay
+    std::map<int64_t, double> fresh;
+    const int64_t depth = relay_degrees(g / E, holders[g], fresh);
+    const auto& old = degrees[g];
+    std::map<int64_t, std::pair<double, double>> both;  // rank -> (new, old); absent: 0
+    for (const auto& [r, v] : fresh) both[r].first = v;
+    for (const auto& [r, v] : old) both[r].second = v;
+    for (const auto& [r, v] : both) replica[r] += v.first - v.second;
+    degrees[g] = std::move(fresh);
+    rounds = std::max(rounds, depth);
+  }
+
+  void retotal() {
+    for (int64_t r = 0; r < W; ++r)
+      totals[r] = m.total(rows[r], local[r], remote[r], replica[r], any_remote, rounds);
+  }
+
+  // level_fill._offer: rank b's offers, and the rows they hold in all
+  int64_t offer(int64_t b, double token, double t, double hide, std::vector<Offer>& out) const {
+    std::vector<std::pair<int64_t, int64_t>> heavy;  // (-rows, g)
+    for (int64_t g = b * E; g < (b + 1) * E; ++g)
+      if (owner_rows[g] > 0) heavy.emplace_back(-owner_rows[g], g);
+    for (const auto& [g, n] : helped[b])
+      if (n > 0) heavy.emplace_back(-n, g);
+    std::sort(heavy.begin(), heavy.end());
+    int64_t headroom = token < 0 && t + hide > 0 ? to_int(-token / (t + hide)) : 0;
+    int64_t avail = 0;
+    out.clear();
+    for (size_t i = 0; i < heavy.size() && i < static_cast<size_t>(OFFERED); ++i) {
+      const auto [n, g] = heavy[i];
+      if (g / E != b) {  // as a helper: all its rows of g
+        out.push_back({g, 0, 0});
+        avail -= n;
+        continue;
+      }
+      const int64_t given = std::max<int64_t>(0, taken[g] - others[g]);
+      const int64_t mine = std::min(own[g] - given, headroom);
+      headroom -= mine;
+      out.push_back({g, mine, given});
+      avail += std::max<int64_t>(0, others[g] - taken[g]) + mine;
+    }
+    return avail;
+  }
+
+  int64_t cap(int64_t b, const Offer& o) const {  // level_fill._cap
+    const int64_t g = o.g;
+    if (g / E != b) {
+      const auto& am = amounts[g];
+      auto it = am.find(b);
+      return it == am.end() ? 0 : it->second;
+    }
+    const int64_t now = std::max<int64_t>(0, taken[g] - others[g]);
+    return std::max<int64_t>(0, others[g] - taken[g]) + std::max<int64_t>(0, o.given + o.mine - now);
+  }
+};
+
+struct Point {
+  double x, dslope, drop;
+};
+
+// level_fill._level: the level where the rows shed above it equal the rows absorbed below it
+double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
+             const std::vector<double>& save, const std::vector<double>& start, double cost,
+             double cost_sum, const std::vector<char>& fresh, double copy, size_t tensor_points) {
+  const size_t W = T.size();
+  const double jump = copy * static_cast<double>(W) / cost_sum;
+  std::vector<Point> points;
+  double d0 = 0.0;
+  for (size_t r = 0; r < W; ++r) {
+    if (avail[r] > 0) {
+      const double drop = fresh[r] ? jump : 0.0;
+      points.push_back({T[r] - static_cast<double>(avail[r]) * save[r], -1.0 / save[r], 0.0});
+      points.push_back({T[r], 1.0 / save[r], -drop});
+      d0 += static_cast<double>(avail[r]) + drop;
+    }
+    if (start[r] != INF) points.push_back({start[r], -1.0 / cost, 0.0});
+  }
+  if (points.empty()) return *std::max_element(T.begin(), T.end());
+  std::stable_sort(points.begin(), points.end(),
+                   [](const Point& p, const Point& q) { return p.x < q.x; });
+  const size_t n = points.size();
+  if (n <= tensor_points) {  // the list walk
+    double d = d0, slope = 0.0, prev = points[0].x;
+    for (const Point& p : points) {
+      const double left = d + slope * (p.x - prev);
+      if (left <= 0) break;
+      d = left + p.drop;
+      prev = p.x;
+      if (d <= 0) return p.x;
+      slope += p.dslope;
+    }
+    return prev + (slope < 0 ? d / -slope : 0.0);
+  }
+  // level_fill._crossing_tensor: sequential cumulative sums, as torch's on the CPU
+  std::vector<double> slope(n), right(n), left(n);
+  double s = 0.0, ramp = 0.0, drops = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    s += points[i].dslope;
+    slope[i] = s;
+    if (i > 0) ramp += slope[i - 1] * (points[i].x - points[i - 1].x);
+    drops += points[i].drop;
+    right[i] = (d0 + ramp) + drops;
+    left[i] = right[i] - points[i].drop;
+  }
+  size_t k1 = n, k2 = n;
+  for (size_t i = 0; i < n && k1 == n; ++i)
+    if (left[i] <= 0) k1 = i;
+  for (size_t i = 0; i < n && k2 == n; ++i)
+    if (right[i] <= 0) k2 = i;
+  size_t k;
+  if (k2 == n) {
+    k = n - 1;
+  } else {
+    if (k2 < k1) return points[k2].x;
+    if (k1 == 0) return points[0].x;
+    k = k1 - 1;
+  }
+  return points[k].x + (slope[k] < 0 ? right[k] / -slope[k] : 0.0);
+}
+
+struct Queue {
+  std::vector<int64_t> ranks;
+  size_t next = 0;
+};
+
+struct Params {  // level_fill's rates and settings
+  double a, t, hide, copy, lat, stop, min_gain;
+  int64_t passes, tensor_points;
+  bool kept;
+};
+
+// level_fill._matched: place each donor's shed rows; returns the pieces moved, new holders in `fresh`
+int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
+                const std::vector<std::pair<int64_t, int64_t>>& shed, std::vector<double>& room_W,
+                const std::vector<int64_t>& order, double cost, const Params& p,
+                std::map<int64_t, std::vector<int64_t>>& fresh) {
+  const int64_t blk = f.blk, E = f.E;
+  const double a = p.a, copy = p.copy;
+  int64_t moved = 0;
+  Queue all;
+  all.ranks = order;
+  std::vector<Queue> nodes;  // by node (empty: no such queue)
+  if (f.per_node) {
+    nodes.resize(static_cast<size_t>((f.W + f.per_node - 1) / f.per_node));
+    for (int64_t y : order) nodes[y / f.per_node].ranks.push_back(y);
+  }
+  auto ask = [blk](double rows) { return std::max(blk, to_int(rows / blk + 0.5) * blk); };
+  for (const auto& [b, left0] : shed) {
+    int64_t left = left0;
+    for (const Offer& of : offers[b]) {
+      const int64_t g = of.g, o = g / E;
+      std::vector<int64_t> ys{o};
+      ys.insert(ys.end(), f.holders[g].begin(), f.holders[g].end());
+      for (int64_t y : ys) {  // the owner and holders: no copy to pay
+        if (left < blk) break;
+        if (y == b || room_W[y] < 0.5 * blk * cost) continue;
+        const int64_t rest = f.kept_rest(g, y);
+        if (rest) {  // a kept holder takes back its own rows, no others
+          if (b == o && room_W[y] >= 0.5 * blk * a) {
+            const int64_t k = std::min({rest, left, ask(room_W[y] / a), f.cap(b, of)});
+            if (k > 0) {
+              f.keep_more(g, y, k);
+              moved += 1;
+              left -= k;
+              room_W[y] -= static_cast<double>(k) * a;
+            }
+          }
+          continue;
+        }
+        const int64_t n = std::min({left, ask(room_W[y] / cost), f.cap(b, of)});
+        if (n <= 0) break;
+        f.move(g, b, y, n);
+        moved += 1;
+        left -= n;
+        room_W[y] -= static_cast<double>(n) * cost;
+      }
+      std::vector<Queue*> queues;  // the owner's node first (its replica crosses no slow link)
+      if (f.per_node && !nodes[o / f.per_node].ranks.empty()) queues.push_back(&nodes[o / f.per_node]);
+      queues.push_back(&all);
+      for (Queue* q : queues) {
+        while (left >= blk && q->next < q->ranks.size()) {
+          const int64_t y = q->ranks[q->next];
+          double room = room_W[y] - copy;
+          const bool held = y == o || f.holds(g, y);
+          if (held || f.held[y] >= f.slots || room < 0.5 * blk * cost) {
+            q->next += 1;
+            continue;
+          }
+          if (f.cap(b, of) <= 0) break;
+          int64_t own = f.c(y, g);  // local at y once it holds g
+          const bool over = static_cast<double>(own) * a > room;
+          if (over) f.overshot[y] = 1;
+          if (p.kept && over) {  // the whole blocks that fit
+            own = to_int(room / a) / blk * blk;
+            if (own == 0) {
+              q->next += 1;
+              continue;
+            }
+            f.add_holder(g, y, own);
+          } else {
+            f.add_holder(g, y, -1);
+          }
+          fresh[g].push_back(y);
+          room -= static_cast<double>(own) * a;
+          if (b == o) left -= own;
+          const int64_t n = std::min({left, ask(room / cost), f.cap(b, of)});
+          if (n > 0 && !f.kept_rest(g, y)) {
+            f.move(g, b, y, n);
+            left -= n;
+            room -= static_cast<double>(n) * cost;
+          }
+          moved += 1;
+          room_W[y] = room;
+          if (room_W[y] < 0.5 * blk * cost) q->next += 1;
+        }
+      }
+      if (left < blk) break;
+    }
+  }
+  return moved;
+}
+
+double fold_sum(const std::vector<double>& xs) {  // level_fill._fold_sum: left to right
+  double s = 0.0;
+  for (double x : xs) s += x;
+  return s;
+}
+
+int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
+  const int64_t W = f.W, E = f.E;
+  const double a = p.a, t = p.t;
+  const double cost = a + t;
+  std::vector<double> cost_W(static_cast<size_t>(W), cost);
+  const double cost_sum = fold_sum(cost_W);
+  int64_t pieces = 0;
+  bool free_copy = false;
+  std::vector<std::vector<Offer>> offers(static_cast<size_t>(W));
+  std::vector<int64_t> avail_W(static_cast<size_t>(W));
+  std::vector<double> token_W(W), save_W(W), start_W(W), room_W(W);
+  std::vector<char> fresh_W(W);
+  for (int64_t pass = 0; pass < p.passes; ++pass) {
+    const std::vector<double> T_W = f.totals;
+    const double top = *std::max_element(T_W.begin(), T_W.end());
+    const double mean = fold_sum(T_W) / static_cast<double>(W);
+    if (top <= p.stop * mean) break;
+    for (int64_t b = 0; b < W; ++b)
+      token_W[b] = p.lat + t * static_cast<double>(f.remote[b]) - p.hide * static_cast<double>(f.local[b]);
+    for (int64_t b = 0; b < W; ++b) {
+      if (T_W[b] > mean) {
+        avail_W[b] = f.offer(b, token_W[b], t, p.hide, offers[b]);
+      } else {
+        offers[b].clear();
+        avail_W[b] = 0;
+      }
+    }
+    for (int64_t b = 0; b < W; ++b) save_W[b] = token_W[b] > 0 && t != 0.0 ? a + t : a;
+    for (int64_t r = 0; r < W; ++r) start_W[r] = f.held[r] < f.slots ? T_W[r] + p.copy : INF;
+    if (free_copy) {  // the owners and holders of the experts offered: no copy
+      for (int64_t b = 0; b < W; ++b)
+        for (const Offer& of : offers[b]) {
+          start_W[of.g / E] = T_W[of.g / E];
+          for (int64_t r : f.holders[of.g]) start_W[r] = T_W[r];
+        }
+    }
+    for (int64_t b = 0; b < W; ++b) {
+      bool fresh = !offers[b].empty();
+      if (fresh) {
+        const int64_t g = offers[b][0].g;
+        if (g / E != b) fresh = false;
+        for (int64_t r : f.holders[g])
+          if (r != b) fresh = false;
+      }
+      fresh_W[b] = fresh;
+    }
+    const double L = level(T_W, avail_W, save_W, start_W, cost, cost_sum, fresh_W, p.copy,
+                           static_cast<size_t>(p.tensor_points));
+    std::vector<int64_t> by_total(static_cast<size_t>(W));
+    for (int64_t r = 0; r < W; ++r) by_total[r] = r;
+    std::sort(by_total.begin(), by_total.end(), [&](int64_t x, int64_t y) {
+      return T_W[x] != T_W[y] ? T_W[x] > T_W[y] : x < y;
+    });
+    std::vector<std::pair<int64_t, int64_t>> shed;  // (donor, rows)
+    for (int64_t b : by_total) {
+      if (T_W[b] <= L) break;
+      const double x = (T_W[b] - L) / save_W[b];
+      const double n = x < static_cast<double>(avail_W[b]) ? x : static_cast<double>(avail_W[b]);
+      if (n >= 0.5 * f.blk) shed.emplace_back(b, std::max(f.blk, to_int(n / f.blk + 0.5) * f.blk));
+    }
+    for (int64_t r = 0; r < W; ++r) {
+      const double x = L - T_W[r];
+      room_W[r] = x > 0.0 ? x : 0.0;  // max(0.0, L - T)
+    }
+    std::vector<int64_t> order;
+    for (int64_t r = 0; r < W; ++r)
+      if (start_W[r] < L) order.push_back(r);
+    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return T_W[x] != T_W[y] ? T_W[x] < T_W[y] : x < y;
+    });
+    std::map<int64_t, std::vector<int64_t>> fresh;
+    const int64_t moved = matched(f, offers, shed, room_W, order, cost, p, fresh);
+    for (const auto& kv : fresh) f.relay(kv.first);
+    if (moved) f.retotal();
+    pieces += moved;
+    if (*std::max_element(f.totals.begin(), f.totals.end()) > (1.0 - p.min_gain) * top) {
+      bool any_holder = false;
+      for (const auto& h : f.holders) any_holder = any_holder || !h.empty();
+      if (free_copy || !(moved || any_holder)) break;
+      free_copy = true;
+    }
+  }
+  return pieces;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One fill from the start RangeState.__init__ builds (range_state.py), then the passes.
+// Inputs: C (int64 [W, N]), colsum (int64 [N], C's column sums), loads (float64 [4, W]: the start
+// plan's rows, local, remote, replica), start (n_start (g, y) pairs: the start holders),
+//   ints:  W, E, slots, blk, per_node, any_remote, passes, tensor_points, kept, fpr, tbr, P,
+//          weight_collectives, overlap, n_start;
+//   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (StepModel.total_fn's terms), then
+//          level_fill's a, t, hide, copy, lat, stop, min_gain.
+// Outputs: out_w (int64 [5, W]: held, rows, local, remote, overshot), out_wf (float64 [2, W]:
+// replica, totals), out_n (int64 [4, N]: owner_rows, own, others, taken), out_i / out_d: holders
+// (g, y) pairs, amounts (g, y, n), kept (g, y, local), degrees (g, r) with their copies in out_d;
+// counts: rounds and the four counts. Returns the pieces moved, or -1 when out_i / out_d are too
+// small (nothing written is meaningful then).
+int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double* loads,
+                          const int64_t* start, const int64_t* ints, const double* reals,
+                          int64_t* out_w, double* out_wf, int64_t* out_n, int64_t* out_i,
+                          int64_t cap_i, double* out_d, int64_t cap_d, int64_t* counts) {
+  Fill f;
+  const int64_t W = ints[0], E = ints[1];
+  f.W = W;
+  f.E = E;
+  f.N = W * E;
+  f.slots = ints[2];
+  f.blk = ints[3];
+  f.per_node = ints[4];
+  f.any_remote = ints[5] != 0;
+  f.C = C;
+  f.m.fpr = ints[9];
+  f.m.tbr = ints[10];
+  f.m.P = ints[11];
+  f.m.weight_collectives = ints[12];
+  f.m.overlap = ints[13] != 0;
+  const int64_t n_start = ints[14];
+  f.m.gf = reals[0];
+  f.m.bw = reals[1];
+  f.m.row_s = reals[2];
+  f.m.fixed_s = reals[3];
+  f.m.rep_s = reals[4];
+  f.m.token0 = reals[5];
+  f.m.lat = reals[6];
+  const Params p{reals[7], reals[8], reals[9], reals[10], reals[11], reals[12], reals[13],
+                 ints[6], ints[7], ints[8] != 0};
+  const size_t N = static_cast<size_t>(f.N), Wz = static_cast<size_t>(W);
+  f.holders.assign(N, {});
+  f.held.assign(Wz, 0);
+  for (int64_t i = 0; i < n_start; ++i) {
+    f.holders[start[2 * i]].push_back(start[2 * i + 1]);
+    f.held[start[2 * i + 1]] += 1;
+  }
+  // range_state.stream_rows: the owner's own rows C[o][g], the rows it computes (the holders'
+  // own rows are local at them), the stream's rows from other sources
+  f.own.resize(N);
+  f.owner_rows.resize(N);
+  f.others.resize(N);
+  for (size_t g = 0; g < N; ++g) {
+    auto& h = f.holders[g];
+    std::sort(h.begin(), h.end());
+    int64_t held_rows = 0;
+    for (int64_t y : h) held_rows += f.c(y, static_cast<int64_t>(g));
+    f.own[g] = f.c(static_cast<int64_t>(g) / E, static_cast<int64_t>(g));
+    f.owner_rows[g] = colsum[g] - held_rows;
+    f.others[g] = f.owner_rows[g] - f.own[g];
+  }
+  f.taken.assign(N, 0);
+  f.rows.resize(Wz);
+  f.local.resize(Wz);
+  f.remote.resize(Wz);
+  for (size_t r = 0; r < Wz; ++r) {  // the loads as float64: whole numbers, truncated as .to(int64)
+    f.rows[r] = static_cast<int64_t>(loads[r]);
+    f.local[r] = static_cast<int64_t>(loads[Wz + r]);
+    f.remote[r] = static_cast<int64_t>(loads[2 * Wz + r]);
+  }
+  f.replica.assign(loads + 3 * Wz, loads + 4 * Wz);
+  f.amounts.assign(N, {});
+  f.helped.assign(Wz, {});
+  f.kept.assign(N, {});
+  f.degrees.assign(N, {});
+  f.rounds = 0;
+  for (size_t g = 0; g < N; ++g)  // range_state.start_relay
+    if (!f.holders[g].empty())
+      f.rounds = std::max(f.rounds, f.relay_degrees(static_cast<int64_t>(g) / E, f.holders[g],
+                                                    f.degrees[g]));
+  f.totals.resize(Wz);
+  f.retotal();  // StepModel.seconds_W's totals, bit for bit (test_placement_planner_speed.py)
+  f.overshot.assign(Wz, 0);
+  const int64_t pieces = run(f, p);
+  int64_t nh = 0, na = 0, nk = 0, nd = 0;
+  for (size_t g = 0; g < N; ++g) {
+    nh += static_cast<int64_t>(f.holders[g].size());
+    na += static_cast<int64_t>(f.amounts[g].size());
+    nk += static_cast<int64_t>(f.kept[g].size());
+    nd += static_cast<int64_t>(f.degrees[g].size());
+  }
+  if (2 * nh + 3 * na + 3 * nk + 2 * nd > cap_i || nd > cap_d) return -1;
+  int64_t* o = out_i;
+  for (size_t g = 0; g < N; ++g)
+    for (int64_t y : f.holders[g]) *o++ = static_cast<int64_t>(g), *o++ = y;
+  for (size_t g = 0; g < N; ++g)
+    for (const auto& [y, n] : f.amounts[g]) *o++ = static_cast<int64_t>(g), *o++ = y, *o++ = n;
+  for (size_t g = 0; g < N; ++g)
+    for (const auto& [y, n] : f.kept[g]) *o++ = static_cast<int64_t>(g), *o++ = y, *o++ = n;
+  double* od = out_d;
+  for (size_t g = 0; g < N; ++g)
+    for (const auto& [r, v] : f.degrees[g]) *o++ = static_cast<int64_t>(g), *o++ = r, *od++ = v;
+  counts[0] = f.rounds;
+  counts[1] = nh;
+  counts[2] = na;
+  counts[3] = nk;
+  counts[4] = nd;
+  const std::vector<int64_t>* per_w[4] = {&f.held, &f.rows, &f.local, &f.remote};
+  for (size_t k = 0; k < 4; ++k) std::copy(per_w[k]->begin(), per_w[k]->end(), out_w + k * Wz);
+  for (size_t r = 0; r < Wz; ++r) out_w[4 * Wz + r] = f.overshot[r];
+  std::copy(f.replica.begin(), f.replica.end(), out_wf);
+  std::copy(f.totals.begin(), f.totals.end(), out_wf + Wz);
+  const std::vector<int64_t>* per_n[4] = {&f.owner_rows, &f.own, &f.others, &f.taken};
+  for (size_t k = 0; k < 4; ++k) std::copy(per_n[k]->begin(), per_n[k]->end(), out_n + k * N);
+  return pieces;
+}
+
+}  // extern "C"

@@ -1,0 +1,246 @@
+"""The compiled level fill (``mixmoe.placement.native_fill``, ``native/level_fill.cpp``) against
+its slow twin, the Python fill (``RangeState`` + ``level_fill.level_fill``): every field of the
+state they leave, compared exactly (ints, and floats bit for bit), on the starts ``plan_mix``
+really fills and on random ones; plus the build and every fallback to the Python fill.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mixmoe.placement.native_fill as native
+import mixmoe.placement.planner as planner_module
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
+from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape
+from mixmoe.placement.cost_model import plan_pricing, step_model
+from mixmoe.placement.counts import baseline_loads, counts_with_sums
+from mixmoe.placement.level_fill import OFFERED, level_fill
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.planner import _NO_PREDICTION, plan_mix
+from mixmoe.placement.profile_io import load_profile
+from mixmoe.placement.range_state import RangeState
+from mixmoe.placement.relay import node_distance
+
+FIELDS = ("holders", "held", "owner_rows", "own", "others", "taken", "rows", "local", "remote",
+          "replica", "totals", "amounts", "helped", "kept", "degrees", "rounds", "overshot",
+          "moves", "W", "E", "slots", "block", "any_remote")  # fmt: skip
+IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)
+NODES = dataclasses.replace(IB, ranks_per_node=4, inter_node_bandwidth=5e9, inter_node_latency=5e-5)
+FIXED = dataclasses.replace(IB, row_overhead_s=1e-8, replica_fixed_s=2e-5, step_fixed_s=1e-4)
+CHEAP_LINK = HardwareProfile("cheap-link", 1e12, 1e13, 1e-9)  # compute-bound: a row costs ~a
+
+
+def test_compiled_fill_is_built_here():
+    """CI and every machine with a C++ compiler run the compiled fill (a test that skipped here
+    would hide a broken build)."""
+    assert native.available(), native.unavailable_reason()
+    source = native.SOURCE.read_text()
+    assert int(re.search(r"constexpr int OFFERED = (\d+);", source).group(1)) == OFFERED
+    assert native.OFFERED == OFFERED
+
+
+def _compare(args: tuple, passes: int, stop: float, kept: bool) -> RangeState:
+    """Both fills from the same arguments; every field equal. Returns the Python state."""
+    fast = native.filled(*args, passes, stop, kept)
+    assert fast is not None
+    slow = RangeState(*args)
+    slow.moves += level_fill(slow, passes, stop, kept)
+    for name in FIELDS:
+        assert getattr(fast, name) == getattr(slow, name), name
+    # floats bit for bit (== would let -0.0 pass for 0.0)
+    for name in ("totals", "replica"):
+        assert [x.hex() for x in getattr(fast, name)] == [x.hex() for x in getattr(slow, name)]
+    assert fast.plan_fields() == slow.plan_fields()
+    return slow
+
+
+def _with_both(monkeypatch: pytest.MonkeyPatch, seen: list) -> None:
+    """plan_mix's fills run both ways and compared (``seen``: each fill's moves)."""
+
+    def both(*args):
+        state = _compare(args[:10], *args[10:])
+        seen.append(state.moves)
+        return state
+
+    monkeypatch.setattr(planner_module, "filled", both)
+
+
+@pytest.mark.parametrize("profile", ["gpu", "h100-nvlink-ib", "nodes", "fixed", "cheap"])
+def test_plan_mix_fills_equal(monkeypatch, profile):
+    """The starts plan_mix fills (the best candidate, nothing replicated, the spread and kept
+    fills) on skewed synthetic counts, W = 2-256 (above ~128 ranks ``_level`` walks its
+    breakpoints as tensor ops: the C++ mirrors both walks), with and without a topology, and a
+    profile with every fixed term set."""
+    named = {"gpu": GPU_PROFILE, "nodes": NODES, "fixed": FIXED, "cheap": CHEAP_LINK}
+    prof = named.get(profile) or load_profile(profile)
+    seen: list[int] = []
+    _with_both(monkeypatch, seen)
+    cases = [(2, 8), (3, 6), (8, 64), (16, 32), (64, 512), (160, 320)]
+    for i, (W, N) in enumerate(cases):
+        for routing in ("zipf:1.2", "zipf:2.0", "hot:0.5", "hotrank:0.6"):
+            spec = RoutingSpec.parse(routing) if not routing.startswith("hotrank") else None
+            gen = torch.Generator().manual_seed(100 * i + len(routing))
+            if spec is None:  # a hot rank: its experts take 60% of every rank's rows
+                C = synthetic_counts(RoutingSpec.parse("uniform"), W, 4096, 2, N, gen)
+                C[:, : N // W] += 2 * 4096 * 6 // 10 // (N // W)
+            else:
+                C = synthetic_counts(spec, W, 4096, 2, N, gen, shuffle_experts=True)
+            shape = LayerShape(1024, 4096, N // W, W, 2)
+            plan_mix(C, shape, prof, 4)
+    assert len(seen) >= 24 and sum(1 for m in seen if m) >= 16  # fills that moved rows
+
+
+def _random_args(rng: random.Random, W: int, E: int, profile: HardwareProfile) -> tuple:
+    """RangeState's arguments for random counts (zeros, a rank with no rows, skew) and random
+    start holders within the slots, the start's loads priced by plan_pricing under relay."""
+    N = W * E
+    gen = torch.Generator().manual_seed(rng.randrange(10**6))
+    C = torch.randint(0, rng.choice([5, 300, 3000]), (W, N), generator=gen)
+    C[torch.rand(W, N, generator=gen) < 0.25] = 0
+    hot = rng.randrange(N)
+    C[:, hot] += rng.randrange(0, 20000)
+    if rng.random() < 0.5:
+        C[rng.randrange(W)] = 0  # a rank routes nothing
+    if rng.random() < 0.3:
+        C[:, hot // E * E : hot // E * E + E] *= 4  # a hot rank
+    slots = rng.choice([1, 2, 8])
+    start: dict[int, tuple[int, ...]] = {}
+    held = [0] * W
+    for g in rng.sample(range(N), rng.randrange(0, min(N, 4) + 1)):
+        ranks = [r for r in range(W) if r != g // E and held[r] < slots]
+        chosen = tuple(sorted(rng.sample(ranks, rng.randrange(0, len(ranks) + 1))))
+        if chosen:
+            start[g] = chosen
+            for r in chosen:
+                held[r] += 1
+    shape = LayerShape(rng.choice([256, 1024]), rng.choice([1024, 4096]), E, W, 2)
+    model = step_model(shape, profile, rng.random() < 0.7)
+    C_WN, *sums = counts_with_sums(C, shape)
+    _, colsum_N, _ = baseline_loads(C_WN, E, sums)
+    hot_t = tuple(sorted(start))
+    plan = Plan(hot_t, tuple((g, start[g]) for g in hot_t), _NO_PREDICTION, _NO_PREDICTION,
+                relay=True)  # fmt: skip
+    loads_4W, _ = plan_pricing(C_WN, plan, E, profile)
+    any_remote = bool(loads_4W[2].any()) if rng.random() < 0.9 else not bool(loads_4W[2].any())
+    block = rng.choice([1, 16, 64])
+    return (model, C_WN, E, start, slots, block, node_distance(profile), colsum_N, any_remote,
+            loads_4W[:4])  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_starts_equal(seed):
+    """Random counts, start holders, slots, blocks, overlap and passes (1-8), kept or not: the
+    same state both ways, whatever the fill does."""
+    rng = random.Random(seed)
+    moved = 0
+    for _ in range(25):
+        W = rng.choice([2, 3, 5, 8, 12])
+        profile = rng.choice([IB, NODES, FIXED, CPU_PROFILE, CHEAP_LINK])
+        args = _random_args(rng, W, rng.choice([1, 2, 4]), profile)
+        state = _compare(
+            args, rng.randrange(1, 9), rng.choice([1.0, 1.02, 1.2]), rng.random() < 0.5
+        )
+        moved += bool(state.moves)
+    assert moved >= 5
+
+
+def test_falls_back_to_python(monkeypatch):
+    """``filled`` returns None (the caller runs the Python fill) for a distance callable of its
+    own, a model term of another type, and ``MIXMOE_NATIVE=0``; plan_mix's plan is the same."""
+    args = list(_random_args(random.Random(7), 8, 2, IB))
+    assert native.filled(*args, 6, 1.02) is not None
+
+    def pairwise(a: int, b: int) -> int:  # no ranks_per_node: only the Python fill groups it
+        return int(a // 3 != b // 3)
+
+    assert native.filled(*args[:6], pairwise, *args[7:], 6, 1.02) is None
+    model = args[0]
+    odd = copy.copy(model)
+    odd.gemm_flops = int(model.gemm_flops)  # an int: Python's int / int is another division
+    assert native.filled(odd, *args[1:], 6, 1.02) is None
+    C = synthetic_counts(
+        RoutingSpec.parse("zipf:1.2"), 8, 4096, 2, 64, torch.Generator().manual_seed(3)
+    )
+    shape = LayerShape(1024, 4096, 8, 8, 2)
+    compiled = plan_mix(C, shape, GPU_PROFILE, 4)
+    monkeypatch.setenv(native.ENV_OFF, "0")
+    assert native.filled(*args, 6, 1.02) is None
+    assert not native.available() and native.unavailable_reason() == "MIXMOE_NATIVE=0"
+    assert plan_mix(C, shape, GPU_PROFILE, 4) == compiled
+
+
+def test_failed_build_warns_once_and_plans_in_python(monkeypatch, tmp_path):
+    """A compiler that fails: the reason says so, the first fill warns (RuntimeWarning) and
+    returns None, plan_mix plans with the Python fill, the same plan."""
+    C = synthetic_counts(
+        RoutingSpec.parse("zipf:1.2"), 8, 4096, 2, 64, torch.Generator().manual_seed(4)
+    )
+    shape = LayerShape(1024, 4096, 8, 8, 2)
+    compiled = plan_mix(C, shape, GPU_PROFILE, 4)
+    broken = tmp_path / "broken-cxx"
+    broken.write_text("#!/bin/sh\necho 'no such compiler today' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why", None)
+    monkeypatch.setattr(native, "_warned", False)
+    assert not native.available()
+    assert "no such compiler today" in native.unavailable_reason()
+    with pytest.warns(RuntimeWarning, match="compiled level fill is unavailable"):
+        assert plan_mix(C, shape, GPU_PROFILE, 4) == compiled
+    assert not list((tmp_path / "cache").glob("*.tmp"))  # no half-written library left
+
+
+def test_concurrent_builds_share_one_library(tmp_path):
+    """Three processes building into one empty cache at once (the ranks of a job): each loads a
+    whole library and fills; one library file is left."""
+    code = (
+        "import mixmoe.placement.native_fill as n; import sys; "
+        "sys.exit(0 if n.available() else (print(n.unavailable_reason()) or 1))"
+    )
+    env = {**__import__("os").environ, native.ENV_DIR: str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0, 0]
+    assert len(list(tmp_path.glob("level_fill-*.so"))) == 1
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_kept_fill_skips_a_receiver_whose_own_rows_fill_less_than_a_block():
+    """Compute-bound rows (a row costs about its compute), block 64: rank 1 routes 42 rows to the
+    hot expert 0, more than its room takes, and not one whole block of them fits. The kept fill
+    passes it by (rank 2 alone helps); the plain fill makes it a holder, past its level. Both
+    ways equal in each (a case the random starts rarely reach)."""
+    C = torch.tensor([[3000, 5, 5], [42, 1455, 5], [0, 5, 0]])
+    shape = LayerShape(256, 1024, 1, 3, 2)
+    C_WN, *sums = counts_with_sums(C, shape)
+    _, colsum_N, _ = baseline_loads(C_WN, 1, sums)
+    none = Plan((), (), _NO_PREDICTION, _NO_PREDICTION, relay=True)
+    loads_4W, _ = plan_pricing(C_WN, none, 1, CHEAP_LINK)
+    args = (step_model(shape, CHEAP_LINK, True), C_WN, 1, {}, 8, 64, None, colsum_N, True,
+            loads_4W[:4])  # fmt: skip
+    kept = _compare(args, 6, 1.02, True)
+    assert kept.holders == {0: [2]} and kept.overshot == {1}
+    plain = _compare(args, 6, 1.02, False)
+    assert plain.holders == {0: [1, 2]}
+
+
+def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_folder(monkeypatch, tmp_path):
+    """``MIXMOE_NATIVE_DIR`` under a regular file (mkdir fails, as on a read-only home): the
+    library goes to the temporary folder instead and loads."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(native.ENV_DIR, str(blocker / "cache"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why", None)
+    assert native.available(), native.unavailable_reason()
+    assert len(list((tmp_path / "tmp" / "mixmoe-native").glob("level_fill-*.so"))) == 1

@@ -357,7 +357,7 @@ def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
     holder's own covers it, ``check_ranges``). In tensor ops over the ranged experts (every
     rank computes it each step: W = 1024 has ~100 of them, columns of 1024)."""
     E = experts_per_rank
-    experts = _experts(plan)
+    experts = range_experts(plan)
     if not experts:
         return 0
     g_G = torch.tensor([g for g, _, _ in experts])

@@ -179,7 +179,8 @@ def plan_mix(
     if hot and len(hot) <= slots:  # fits the budget: price it under mix's overlap
         replicas = tuple((g, tuple(r for r in range(W) if r != g // E)) for g in hot)
         shadow = Plan(hot, replicas, _NO_PREDICTION, _NO_PREDICTION)
-        loads_4W, rounds = plan_pricing(C_WN, shadow, E, profile, base_4W=base_4W)
+        loads_4W, rounds = plan_pricing(C_WN, shadow, E, profile, base_4W=base_4W,
+                                        colsum_N=colsum_N)  # fmt: skip
         pred = _prediction(model, loads_4W, rounds)
         if pred.step_s < best.prediction.step_s:
             best = shadow.priced(pred, best.baseline)
@@ -192,7 +193,8 @@ def plan_mix(
             best.hot
         ):  # the best candidate relayed: kept when cheaper than the owner sending every copy
             relayed = Plan(best.hot, best.replicas, best.prediction, best.baseline, relay=True)
-            loads_4W, rounds = plan_pricing(C_WN, relayed, E, profile, base_4W=base_4W)
+            loads_4W, rounds = plan_pricing(C_WN, relayed, E, profile, base_4W=base_4W,
+                                            colsum_N=colsum_N)  # fmt: skip
             start_loads[best.hot] = loads_4W
             pred = _prediction(model, loads_4W, rounds)
             if pred.step_s < best.prediction.step_s:
@@ -213,7 +215,7 @@ def plan_mix(
                                 profile, won_step, fill, loads_4W, base_4W)  # fmt: skip
             if state is not None:
                 stalled = stalled or _stalled(state)
-                step = _fill_step(state, model, C_WN, E, profile, base_4W)
+                step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)
                 if step < won_step:
                     won, won_step = state, step
             if won_step <= BALANCED * _fill_mean(won, best):
@@ -226,7 +228,7 @@ def plan_mix(
                                 profile, won_step, fill, None, base_4W) if spread else None  # fmt: skip
             if state is not None:
                 stalled = stalled or _stalled(state)
-                step = _fill_step(state, model, C_WN, E, profile, base_4W)
+                step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)
                 if step < won_step:
                     won, won_step = state, step
         # the step above the level of nothing replicated (the mean of the baseline's totals; a
@@ -241,13 +243,14 @@ def plan_mix(
             state = _water_fill(C_WN, colsum_N, shape, model, {}, slots, block_size, profile,
                                 won_step, fill, None, base_4W, kept=True)  # fmt: skip
             if state is not None:
-                step = _fill_step(state, model, C_WN, E, profile, base_4W)
+                step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)
                 if step < won_step:
                     won, won_step = state, step
         if won is None:
             return best
         plan = _fill_plan(won)
-        prediction = _prediction(model, *plan_pricing(C_WN, plan, E, profile, base_4W=base_4W))
+        priced = plan_pricing(C_WN, plan, E, profile, base_4W=base_4W, colsum_N=colsum_N)
+        prediction = _prediction(model, *priced)
         if not prediction.step_s < best.prediction.step_s:  # the guarantee holds on the price
             return best
         return plan.priced(prediction, best.baseline)
@@ -328,10 +331,12 @@ def _fill_step(
     E: int,
     profile: HardwareProfile,
     base_4W: torch.Tensor | None = None,
+    colsum_N: torch.Tensor | None = None,
 ) -> float:
     """The predicted step (s) of the plan the fill would emit: from its own loads and rounds
     (one link: the same numbers ``plan_pricing`` gives that plan), or priced in full when the
-    profile has a topology (the search saw one link)."""
+    profile has a topology (the search saw one link). ``base_4W``, ``colsum_N``: the caller's
+    baseline loads and column sums, for ``plan_pricing``."""
     if node_distance(profile) is None:
         if any(fill.remote) == fill.any_remote:
             # the search's totals are those of its loads under its rounds and flags (every
@@ -343,7 +348,8 @@ def _fill_step(
         compute_W, comm_W = model.seconds_W(loads_4W, bool(loads_4W[2].any()), fill.rounds)
         return float((compute_W + comm_W).max())
     plan = _fill_plan(fill)
-    return model.prediction_W(*plan_pricing(C_WN, plan, E, profile, base_4W=base_4W)).step_s
+    priced = plan_pricing(C_WN, plan, E, profile, base_4W=base_4W, colsum_N=colsum_N)
+    return model.prediction_W(*priced).step_s
 
 
 def _water_fill(
@@ -372,12 +378,14 @@ def _water_fill(
     nothing replicated (``baseline_loads``), when the caller has them. ``kept``: the level
     fill's new holders keep only the own rows that fit under its level (``level_fill``)."""
     W, E = shape.world_size, shape.experts_per_rank
+    distance = node_distance(profile)
+    if loads_4W is None and not start and distance is None and base_4W is not None:
+        loads_4W = base_4W  # nothing replicated, one link: plan_pricing's loads are the baseline
     if loads_4W is None:
         hot = tuple(sorted(start))
         plan = Plan(hot, tuple((g, start[g]) for g in hot), _NO_PREDICTION, _NO_PREDICTION,
                     relay=True)  # fmt: skip
-        loads_4W, _ = plan_pricing(C_WN, plan, E, profile, base_4W=base_4W)
-    distance = node_distance(profile)
+        loads_4W, _ = plan_pricing(C_WN, plan, E, profile, base_4W=base_4W, colsum_N=colsum_N)
     any_remote = bool(loads_4W[2].any())
     # the search: one link (module doc); copies: float under the relay's scatter
     if fill == "level":  # compiled where it can run (``native_fill``), else Python: same state

@@ -302,6 +302,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 
 struct Point {
   double x, dslope, drop;
+  size_t at;  // insertion order: ties in x keep it (Python's stable sort)
 };
 
 // level_fill._level: the level where the rows shed above it equal the rows absorbed below it
@@ -315,15 +316,17 @@ double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
   for (size_t r = 0; r < W; ++r) {
     if (avail[r] > 0) {
       const double drop = fresh[r] ? jump : 0.0;
-      points.push_back({T[r] - static_cast<double>(avail[r]) * save[r], -1.0 / save[r], 0.0});
-      points.push_back({T[r], 1.0 / save[r], -drop});
+      points.push_back({T[r] - static_cast<double>(avail[r]) * save[r], -1.0 / save[r], 0.0,
+                        points.size()});
+      points.push_back({T[r], 1.0 / save[r], -drop, points.size()});
       d0 += static_cast<double>(avail[r]) + drop;
     }
-    if (start[r] != INF) points.push_back({start[r], -1.0 / cost, 0.0});
+    if (start[r] != INF) points.push_back({start[r], -1.0 / cost, 0.0, points.size()});
   }
   if (points.empty()) return *std::max_element(T.begin(), T.end());
-  std::stable_sort(points.begin(), points.end(),
-                   [](const Point& p, const Point& q) { return p.x < q.x; });
+  std::sort(points.begin(), points.end(), [](const Point& p, const Point& q) {
+    return p.x != q.x ? p.x < q.x : p.at < q.at;  // a stable sort by x
+  });
   const size_t n = points.size();
   if (n <= tensor_points) {  // the list walk
     double d = d0, slope = 0.0, prev = points[0].x;
@@ -520,14 +523,14 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
     }
     const double L = level(T_W, avail_W, save_W, start_W, cost, cost_sum, fresh_W, p.copy,
                            static_cast<size_t>(p.tensor_points));
-    std::vector<int64_t> by_total(static_cast<size_t>(W));
-    for (int64_t r = 0; r < W; ++r) by_total[r] = r;
+    std::vector<int64_t> by_total;  // the donors: ranks above L, by total descending, then rank
+    for (int64_t r = 0; r < W; ++r)
+      if (T_W[r] > L) by_total.push_back(r);
     std::sort(by_total.begin(), by_total.end(), [&](int64_t x, int64_t y) {
       return T_W[x] != T_W[y] ? T_W[x] > T_W[y] : x < y;
     });
     std::vector<std::pair<int64_t, int64_t>> shed;  // (donor, rows)
     for (int64_t b : by_total) {
-      if (T_W[b] <= L) break;
       const double x = (T_W[b] - L) / save_W[b];
       const double n = x < static_cast<double>(avail_W[b]) ? x : static_cast<double>(avail_W[b]);
       if (n >= 0.5 * f.blk) shed.emplace_back(b, std::max(f.blk, to_int(n / f.blk + 0.5) * f.blk));

@@ -307,42 +307,15 @@ class StepModel:
     def total_fn(
         self, any_remote: bool, any_hot: bool | int
     ) -> Callable[[int, int, int, int], float]:
-        """``rank_total`` with the group-wide flags bound: ``total(rows, local, remote, replica)``.
-        The same expressions in the same order (the constant terms ``4 * latency`` and
-        ``2 * rounds * latency`` computed once, as ``rank_total`` computes them each call), so
-        the same float bit for bit (a test checks it); the water-filling search makes tens of
-        thousands of calls per plan and the closure skips the attribute look-ups."""
-        fpr, gf, tbr, bw, P = (
-            self.flops_per_row,
-            self.gemm_flops,
-            self.token_bytes_per_row,
-            self.bw,
-            self.params_bytes,
-        )
-        row_s, fixed_s, rep_s, overlap = self.row_s, self.fixed_s, self.replica_s, self.overlap
-        token0 = TOKEN_COLLECTIVES * self.lat
-        weight0 = WEIGHT_COLLECTIVES * any_hot * self.lat if any_hot else 0.0
+        """``rank_total`` with the group-wide flags bound: ``total(rows, local, remote, replica)``
+        = the sum of ``seconds_fn``'s pair, ``compute + (token + weight)`` as ``rank_total``
+        adds it, so the same float bit for bit (a test checks it); the Python water-fills make
+        tens of thousands of calls per plan and the closure skips the attribute look-ups."""
+        seconds = self.seconds_fn(any_remote, any_hot)
 
         def total(rows: int, local: int, remote: int, replica: int) -> float:
-            compute = rows * fpr / gf
-            if row_s:
-                compute = compute + rows * row_s
-            if fixed_s:
-                compute = compute + fixed_s
-            token = 0.0
-            if any_remote:
-                token = token0 + tbr * remote / bw
-                if overlap:
-                    hidden = local * fpr / gf
-                    if row_s:
-                        hidden = hidden + local * row_s
-                    token = max(0.0, token - hidden)
-            weight = 0.0
-            if any_hot:
-                weight = weight0 + P * replica / bw
-                if rep_s:
-                    weight = weight + replica * rep_s
-            return compute + (token + weight)
+            compute, comm = seconds(rows, local, remote, replica)
+            return compute + comm
 
         return total
 

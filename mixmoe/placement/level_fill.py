@@ -52,7 +52,7 @@ import torch
 from mixmoe.placement.cost_model import TOKEN_COLLECTIVES
 from mixmoe.placement.range_state import RangeState
 
-__all__ = ["MIN_GAIN", "level_fill"]
+__all__ = ["MIN_GAIN", "is_level", "level_fill"]
 
 OFFERED = 4  # experts a rank offers per pass, heaviest first
 MIN_GAIN = 0.005  # the passes stop after one lowering the max by less than this fraction
@@ -77,7 +77,7 @@ def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -
     for _ in range(passes):
         T_W = fill.totals
         top, mean = max(T_W), _fold_sum(T_W) / W
-        if top <= stop * mean:
+        if is_level(T_W, stop):
             break
         # each rank's token exchange before the max(0, .): > 0 when exposed
         token_W = [lat + t * rm - hide * lc for rm, lc in zip(fill.remote, fill.local, strict=True)]
@@ -124,6 +124,12 @@ def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -
                 break  # (no holder anywhere: the level without their copies is the same)
             free = True  # the level without copies for the holders: their room first
     return pieces
+
+
+def is_level(T_W: list[float], stop: float) -> bool:
+    """Whether totals ``T_W`` are level for a fill: max <= ``stop`` * mean (the mean added left
+    to right, ``_fold_sum``); a pass starts only from totals that are not."""
+    return max(T_W) <= stop * (_fold_sum(T_W) / len(T_W))
 
 
 def _fold_sum(xs: Iterable[float]) -> float:

@@ -175,7 +175,9 @@ def filled(
 ) -> RangeState | None:
     """``RangeState(model, ..., loads_4W)`` after ``level_fill.level_fill(state, passes, stop,
     kept)`` (its ``moves``: the pieces), compiled: the same state bit for bit; None when the
-    compiled fill cannot run here or for these arguments (module doc). The C++ builds the start
+    compiled fill cannot run here or for these arguments (module doc), or when the start is
+    level already (``level_fill``'s first test stops it: no pass, no move; the caller's Python
+    state costs less than the compiled set-up, ~1 ms at W = 1024). The C++ builds the start
     state itself (``RangeState.__init__``'s arithmetic) from the tensors; of the state, what
     the planner reads after a fill is read back at once, the rest when first read."""
     if os.environ.get(ENV_OFF, "1") == "0":
@@ -218,6 +220,8 @@ def filled(
         _ptr(out_w, _I64P), _ptr(out_wf, _F64P), _ptr(out_n, _I64P), _ptr(out_i, _I64P),
         out_i.numel(), _ptr(out_d, _F64P), out_d.numel(), counts,
     )  # fmt: skip
+    if pieces == -2:  # the start is level: no pass runs, the Python state is the cheaper one
+        return None
     if pieces < 0:  # cannot happen with the capacities above (the C++ counts before writing)
         raise RuntimeError("native level fill: output buffers too small")
     state = object.__new__(FilledState)  # RangeState.__init__'s fields, the fill's values

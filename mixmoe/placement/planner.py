@@ -33,11 +33,11 @@ from mixmoe.placement.cost_model import (
     step_model,
 )
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
-from mixmoe.placement.level_fill import level_fill
+from mixmoe.placement.level_fill import is_level, level_fill
 from mixmoe.placement.native_fill import filled
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
-from mixmoe.placement.range_state import RangeState
+from mixmoe.placement.range_state import RangeState, start_relay
 from mixmoe.placement.relay import node_distance
 from mixmoe.placement.replica_search import LIST_LIMIT, SEARCH_WIDTH, plan_replicas
 from mixmoe.placement.shadow import plan_shadow, shadow_hot
@@ -389,6 +389,10 @@ def _water_fill(
     any_remote = bool(loads_4W[2].any())
     # the search: one link (module doc); copies: float under the relay's scatter
     if fill == "level":  # compiled where it can run (``native_fill``), else Python: same state
+        _, rounds = start_relay({g: sorted(h) for g, h in start.items() if h}, E, distance)
+        compute_W, comm_W = model.seconds_W(loads_4W[:4], any_remote, rounds)
+        if is_level((compute_W + comm_W).tolist(), FILL_STOP):
+            return None  # the fill's first test (RangeState's start totals): nothing would move
         args = (model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote,
                 loads_4W[:4])  # fmt: skip
         state = filled(*args, LEVEL_PASSES, FILL_STOP, kept)

@@ -22,7 +22,7 @@ from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape
 from mixmoe.placement.cost_model import plan_pricing, step_model
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
-from mixmoe.placement.level_fill import OFFERED, level_fill
+from mixmoe.placement.level_fill import OFFERED, _fold_sum, level_fill
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import _NO_PREDICTION, plan_mix
 from mixmoe.placement.profile_io import load_profile
@@ -50,9 +50,12 @@ def test_compiled_fill_is_built_here():
 def _compare(args: tuple, passes: int, stop: float, kept: bool) -> RangeState:
     """Both fills from the same arguments; every field equal. Returns the Python state."""
     fast = native.filled(*args, passes, stop, kept)
-    assert fast is not None
     slow = RangeState(*args)
     slow.moves += level_fill(slow, passes, stop, kept)
+    if fast is None:  # a level start (the caller builds it in Python): no pass moves a row
+        T = slow.totals
+        assert passes and max(T) <= stop * (sum(T) / len(T)) * (1 + 1e-12) and slow.moves == 0
+        return slow
     for name in FIELDS:
         assert getattr(fast, name) == getattr(slow, name), name
     # floats bit for bit (== would let -0.0 pass for 0.0)
@@ -155,7 +158,7 @@ def test_random_starts_equal(seed):
 def test_falls_back_to_python(monkeypatch):
     """``filled`` returns None (the caller runs the Python fill) for a distance callable of its
     own, a model term of another type, and ``MIXMOE_NATIVE=0``; plan_mix's plan is the same."""
-    args = list(_random_args(random.Random(7), 8, 2, IB))
+    args = list(_hot_args())
     assert native.filled(*args, 6, 1.02) is not None
 
     def pairwise(a: int, b: int) -> int:  # no ranks_per_node: only the Python fill groups it
@@ -214,19 +217,38 @@ def test_concurrent_builds_share_one_library(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_kept_fill_skips_a_receiver_whose_own_rows_fill_less_than_a_block():
-    """Compute-bound rows (a row costs about its compute), block 64: rank 1 routes 42 rows to the
-    hot expert 0, more than its room takes, and not one whole block of them fits. The kept fill
-    passes it by (rank 2 alone helps); the plain fill makes it a holder, past its level. Both
-    ways equal in each (a case the random starts rarely reach)."""
+def _hot_args() -> tuple:
+    """RangeState's arguments: 3 ranks, one expert each, expert 0 hot (3000 + 42 rows), block 64,
+    compute-bound rows (``CHEAP_LINK``), nothing replicated: a start that fills."""
     C = torch.tensor([[3000, 5, 5], [42, 1455, 5], [0, 5, 0]])
     shape = LayerShape(256, 1024, 1, 3, 2)
     C_WN, *sums = counts_with_sums(C, shape)
     _, colsum_N, _ = baseline_loads(C_WN, 1, sums)
     none = Plan((), (), _NO_PREDICTION, _NO_PREDICTION, relay=True)
     loads_4W, _ = plan_pricing(C_WN, none, 1, CHEAP_LINK)
-    args = (step_model(shape, CHEAP_LINK, True), C_WN, 1, {}, 8, 64, None, colsum_N, True,
+    return (step_model(shape, CHEAP_LINK, True), C_WN, 1, {}, 8, 64, None, colsum_N, True,
             loads_4W[:4])  # fmt: skip
+
+
+def test_a_level_start_is_left_to_the_python_state():
+    """A start whose slowest rank is within ``stop`` of the mean: ``filled`` returns None (no
+    pass would run) and the Python state moves nothing; with a tighter stop it fills."""
+    args = _hot_args()
+    T = RangeState(*args).totals
+    loose = max(T) / (_fold_sum(T) / len(T))  # the start's max over its mean, as the fill adds
+    assert native.filled(*args, 6, loose) is None
+    slow = RangeState(*args)
+    assert level_fill(slow, 6, loose) == 0
+    assert native.filled(*args, 6, loose * 0.999) is not None
+    assert native.filled(*args, 0, 1.0) is not None  # no pass at all: the state as it starts
+
+
+def test_kept_fill_skips_a_receiver_whose_own_rows_fill_less_than_a_block():
+    """Compute-bound rows (a row costs about its compute), block 64: rank 1 routes 42 rows to the
+    hot expert 0, more than its room takes, and not one whole block of them fits. The kept fill
+    passes it by (rank 2 alone helps); the plain fill makes it a holder, past its level. Both
+    ways equal in each (a case the random starts rarely reach)."""
+    args = _hot_args()
     kept = _compare(args, 6, 1.02, True)
     assert kept.holders == {0: [2]} and kept.overshot == {1}
     plain = _compare(args, 6, 1.02, False)

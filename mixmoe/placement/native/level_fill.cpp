@@ -574,8 +574,9 @@ extern "C" {
 // Outputs: out_w (int64 [5, W]: held, rows, local, remote, overshot), out_wf (float64 [2, W]:
 // replica, totals), out_n (int64 [4, N]: owner_rows, own, others, taken), out_i / out_d: holders
 // (g, y) pairs, amounts (g, y, n), kept (g, y, local), degrees (g, r) with their copies in out_d;
-// counts: rounds and the four counts. Returns the pieces moved, or -1 when out_i / out_d are too
-// small (nothing written is meaningful then).
+// counts: rounds and the four counts. Returns the pieces moved; -1 when out_i / out_d are too
+// small, -2 when the start is level already (no pass runs: the fill would move nothing); nothing
+// written is meaningful then.
 int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double* loads,
                           const int64_t* start, const int64_t* ints, const double* reals,
                           int64_t* out_w, double* out_wf, int64_t* out_n, int64_t* out_i,
@@ -612,21 +613,7 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
     f.holders[start[2 * i]].push_back(start[2 * i + 1]);
     f.held[start[2 * i + 1]] += 1;
   }
-  // range_state.stream_rows: the owner's own rows C[o][g], the rows it computes (the holders'
-  // own rows are local at them), the stream's rows from other sources
-  f.own.resize(N);
-  f.owner_rows.resize(N);
-  f.others.resize(N);
-  for (size_t g = 0; g < N; ++g) {
-    auto& h = f.holders[g];
-    std::sort(h.begin(), h.end());
-    int64_t held_rows = 0;
-    for (int64_t y : h) held_rows += f.c(y, static_cast<int64_t>(g));
-    f.own[g] = f.c(static_cast<int64_t>(g) / E, static_cast<int64_t>(g));
-    f.owner_rows[g] = colsum[g] - held_rows;
-    f.others[g] = f.owner_rows[g] - f.own[g];
-  }
-  f.taken.assign(N, 0);
+  for (auto& h : f.holders) std::sort(h.begin(), h.end());
   f.rows.resize(Wz);
   f.local.resize(Wz);
   f.remote.resize(Wz);
@@ -636,9 +623,6 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
     f.remote[r] = static_cast<int64_t>(loads[2 * Wz + r]);
   }
   f.replica.assign(loads + 3 * Wz, loads + 4 * Wz);
-  f.amounts.assign(N, {});
-  f.helped.assign(Wz, {});
-  f.kept.assign(N, {});
   f.degrees.assign(N, {});
   f.rounds = 0;
   for (size_t g = 0; g < N; ++g)  // range_state.start_relay
@@ -647,6 +631,27 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
                                                     f.degrees[g]));
   f.totals.resize(Wz);
   f.retotal();  // StepModel.seconds_W's totals, bit for bit (test_placement_planner_speed.py)
+  if (p.passes > 0) {  // level_fill's first test: a start within ``stop`` of its mean moves
+    // nothing; the caller builds that state in Python (cheaper than the rest of this set-up)
+    const double top = *std::max_element(f.totals.begin(), f.totals.end());
+    if (top <= p.stop * (fold_sum(f.totals) / static_cast<double>(W))) return -2;
+  }
+  // range_state.stream_rows: the owner's own rows C[o][g], the rows it computes (the holders'
+  // own rows are local at them), the stream's rows from other sources
+  f.own.resize(N);
+  f.owner_rows.resize(N);
+  f.others.resize(N);
+  for (size_t g = 0; g < N; ++g) {
+    int64_t held_rows = 0;
+    for (int64_t y : f.holders[g]) held_rows += f.c(y, static_cast<int64_t>(g));
+    f.own[g] = f.c(static_cast<int64_t>(g) / E, static_cast<int64_t>(g));
+    f.owner_rows[g] = colsum[g] - held_rows;
+    f.others[g] = f.owner_rows[g] - f.own[g];
+  }
+  f.taken.assign(N, 0);
+  f.amounts.assign(N, {});
+  f.helped.assign(Wz, {});
+  f.kept.assign(N, {});
   f.overshot.assign(Wz, 0);
   const int64_t pieces = run(f, p);
   int64_t nh = 0, na = 0, nk = 0, nd = 0;

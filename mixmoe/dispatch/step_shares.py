@@ -67,53 +67,12 @@ def share_fields(
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
     rep = plan.replica_slots(r)
-    H = len(rep)
     rep_slot = {g: h for h, g in enumerate(rep)}
 
-    # -- source side: this rank's rows as runs. A segment without a share entry is one run at
-    # the rank computing it (``Plan.computed_at``): its key from the expert id alone, so all of
-    # them at once (W = 1024: ~4000 experts a rank routes to, ~10 with entries); the experts
-    # with entries walk their runs, spliced in at their place in expert order
-    counts_N = C_WN[r]
-    counts_r = counts_N.tolist()
-    entry_g = sorted({g for s, g, _ in plan.shares if s == r})
-    g_N = torch.arange(N)
-    key_N = E + H + (g_N // E) * N + g_N  # sent: by receiver (the owner), then expert
-    key_N[r * E : (r + 1) * E] = torch.arange(E)  # own slot e
-    held = list(rep)
-    key_N[held] = E + torch.arange(H)  # replica slot h
-    plain_N = counts_N > 0
-    plain_N[entry_g] = False
-    plain_g = torch.nonzero(plain_N).flatten()
-    plain_len, plain_key = counts_N[plain_g].tolist(), key_N[plain_g].tolist()
-    plain_g = plain_g.tolist()
-    own_c = counts_N[r * E : (r + 1) * E].where(plain_N[r * E : (r + 1) * E], 0).tolist()
-    rep_c = counts_N[held].where(plain_N[held], 0).tolist()
-    sent_N = counts_N.where(plain_N, 0)
-    sent_N[r * E : (r + 1) * E] = 0
-    sent_N[held] = 0
-    in_splits = sent_N.view(W, E).sum(1).tolist()
-    run_len, run_key = [], []
-    at = 0  # plain runs copied so far
-    for g in entry_g:
-        cut = bisect.bisect_left(plain_g, g, at)  # the plain runs of experts before g
-        run_len += plain_len[at:cut]
-        run_key += plain_key[at:cut]
-        at = cut
-        for c, n in plan.segment_runs(r, g, counts_r[g], E):
-            if c != r:
-                key = E + H + c * N + g  # by receiver, then expert: the receiver's order
-                in_splits[c] += n
-            elif g // E == r:
-                key = g - r * E
-                own_c[key] += n
-            else:  # computed here with the replica (check_shares: r holds one)
-                key = E + rep_slot[g]
-                rep_c[key - E] += n
-            run_len.append(n)
-            run_key.append(key)
-    run_len += plain_len[at:]
-    run_key += plain_key[at:]
+    # -- source side: this rank's rows as runs
+    counts_r = C_WN[r].tolist()
+    source_runs = _runs_by_expert if N <= LIST_RUNS_N else _runs_by_key
+    run_len, run_key, own_c, rep_c, in_splits = source_runs(C_WN[r], counts_r, plan, r, E, rep)
 
     # -- receive side: columns = own experts and replicas held here, by expert id
     cols = sorted([*range(r * E, (r + 1) * E), *rep])
@@ -148,3 +107,90 @@ def share_fields(
             owned_rows_stay=sum(own_c) == sum(counts_r[r * E : (r + 1) * E]),
         ),
     }
+
+
+LIST_RUNS_N = 256  # experts up to which a rank's runs are walked expert by expert (_runs_by_expert)
+
+
+def _runs_by_expert(
+    counts_N: torch.Tensor, counts_r: list[int], plan: Plan, r: int, E: int, rep: tuple
+) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """This rank's runs (``SourceRuns``' run_len, run_key, own_c, rep_c) and the rows it sends
+    to each rank: every expert it routes rows to walked in turn (``Plan.segment_runs``)."""
+    W, H = len(counts_r) // E, len(rep)
+    N = W * E
+    rep_slot = {g: h for h, g in enumerate(rep)}
+    entry_g = {g for s, g, _ in plan.shares if s == r}
+    experts = sorted(set(torch.nonzero(counts_N).flatten().tolist()) | entry_g)
+    run_len, run_key = [], []
+    own_c, rep_c, in_splits = [0] * E, [0] * H, [0] * W
+    for g in experts:
+        for c, n in plan.segment_runs(r, g, counts_r[g], E):
+            key = _run_key(c, g, r, E, H, N, rep_slot)
+            if c != r:
+                in_splits[c] += n
+            elif g // E == r:
+                own_c[key] += n
+            else:
+                rep_c[key - E] += n
+            run_len.append(n)
+            run_key.append(key)
+    return run_len, run_key, own_c, rep_c, in_splits
+
+
+def _run_key(c: int, g: int, r: int, E: int, H: int, N: int, rep_slot: dict) -> int:
+    """The sort key of a run of expert g computed at rank c (``SourceRuns.run_key``)."""
+    if c != r:
+        return E + H + c * N + g  # by receiver, then expert: the receiver's order
+    if g // E == r:
+        return g - r * E  # own slot
+    return E + rep_slot[g]  # computed here with the replica (check_shares: r holds one)
+
+
+def _runs_by_key(
+    counts_N: torch.Tensor, counts_r: list[int], plan: Plan, r: int, E: int, rep: tuple
+) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """``_runs_by_expert`` for many experts (W = 1024: ~4000 a rank routes to, ~10 of them with
+    share entries): a segment without an entry is one run at the rank computing it
+    (``Plan.computed_at``), its key from the expert id alone, so all of them in tensor ops; the
+    experts with entries walk their runs, spliced in at their place in expert order."""
+    W, H = len(counts_r) // E, len(rep)
+    N = W * E
+    rep_slot = {g: h for h, g in enumerate(rep)}
+    entry_g = sorted({g for s, g, _ in plan.shares if s == r})
+    g_N = torch.arange(N)
+    key_N = E + H + (g_N // E) * N + g_N  # sent: by receiver (the owner), then expert
+    key_N[r * E : (r + 1) * E] = torch.arange(E)  # own slot e
+    held = list(rep)
+    key_N[held] = E + torch.arange(H)  # replica slot h
+    plain_N = counts_N > 0
+    plain_N[entry_g] = False
+    plain_g = torch.nonzero(plain_N).flatten()
+    plain_len, plain_key = counts_N[plain_g].tolist(), key_N[plain_g].tolist()
+    plain_g = plain_g.tolist()
+    own_c = counts_N[r * E : (r + 1) * E].where(plain_N[r * E : (r + 1) * E], 0).tolist()
+    rep_c = counts_N[held].where(plain_N[held], 0).tolist()
+    sent_N = counts_N.where(plain_N, 0)
+    sent_N[r * E : (r + 1) * E] = 0
+    sent_N[held] = 0
+    in_splits = sent_N.view(W, E).sum(1).tolist()
+    run_len, run_key = [], []
+    at = 0  # plain runs copied so far
+    for g in entry_g:
+        cut = bisect.bisect_left(plain_g, g, at)  # the plain runs of experts before g
+        run_len += plain_len[at:cut]
+        run_key += plain_key[at:cut]
+        at = cut
+        for c, n in plan.segment_runs(r, g, counts_r[g], E):
+            key = _run_key(c, g, r, E, H, N, rep_slot)
+            if c != r:
+                in_splits[c] += n
+            elif g // E == r:
+                own_c[key] += n
+            else:
+                rep_c[key - E] += n
+            run_len.append(n)
+            run_key.append(key)
+    run_len += plain_len[at:]
+    run_key += plain_key[at:]
+    return run_len, run_key, own_c, rep_c, in_splits

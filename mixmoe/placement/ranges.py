@@ -350,13 +350,23 @@ def _stream_terms(col_W: list[int], o: int, holders, kept: Kept) -> tuple[int, i
     return sum(col_W) - col_W[o] - held + rest, rest
 
 
+LIST_MOVED_W = 64  # ranks up to which range_rows_moved adds the experts' columns as lists
+
+
 def range_rows_moved(C_WN: torch.Tensor, plan, experts_per_rank: int) -> int:
     """Rows that cross ranks because of ``plan``'s ranges and kept holders, beyond the replica
     rule: the owner's own rows its helpers take (the other sources' rows cross either way, to
     the owner or to a helper), and each kept holder's rest (it crosses: no range of the
-    holder's own covers it, ``check_ranges``). In tensor ops over the ranged experts (every
-    rank computes it each step: W = 1024 has ~100 of them, columns of 1024)."""
+    holder's own covers it, ``check_ranges``). Every rank computes it each step: above
+    ``LIST_MOVED_W`` ranks in tensor ops over the ranged experts (W = 1024: ~100 of them,
+    columns of 1024), below on their columns as lists (fewer fixed costs)."""
     E = experts_per_rank
+    if C_WN.shape[0] <= LIST_MOVED_W:
+        out = 0
+        for g, ranges, kept, col_W in _with_columns(C_WN, plan):
+            others, rest = _stream_terms(col_W, g // E, plan.holders(g), kept)
+            out += max(0, sum(n for _, n in ranges) - others) + rest
+        return out
     experts = range_experts(plan)
     if not experts:
         return 0

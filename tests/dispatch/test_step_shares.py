@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+import mixmoe.dispatch.step_shares as step_shares
+import mixmoe.placement.ranges as ranges_module
 from mixmoe.dispatch.step_plan import build_step_plan
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.plan import Plan
@@ -86,9 +88,20 @@ def loop_twin(C: list[list[int]], plan: Plan, r: int, E: int) -> dict:
     }
 
 
+@pytest.fixture(params=["by_expert", "by_key"])
+def runs_path(request, monkeypatch):
+    """Both ways of building a rank's runs (``step_shares._runs_by_expert`` up to
+    ``LIST_RUNS_N`` experts, ``_runs_by_key`` above) and of ``range_rows_moved`` (lists up to
+    ``LIST_MOVED_W`` ranks, tensor ops above), forced at these small sizes."""
+    if request.param == "by_key":
+        monkeypatch.setattr(step_shares, "LIST_RUNS_N", 0)
+        monkeypatch.setattr(ranges_module, "LIST_MOVED_W", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("W,E", [(2, 1), (2, 3), (3, 2), (4, 2), (5, 1)])
 @pytest.mark.parametrize("seed", range(5))
-def test_share_bookkeeping_equals_the_loop_twin(W, E, seed):
+def test_share_bookkeeping_equals_the_loop_twin(W, E, seed, runs_path):
     rng = random.Random(100 * seed + 10 * W + E)
     gen = torch.Generator().manual_seed(seed)
     N = W * E
@@ -139,7 +152,7 @@ def test_plan_without_shares_keeps_the_fast_path():
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_ranges_plan_bookkeeping_equals_its_full_expansion(seed: int) -> None:
+def test_ranges_plan_bookkeeping_equals_its_full_expansion(seed: int, runs_path) -> None:
     """A plan with row ranges and kept holders (each rank expanding only the entries it reads,
     its rows moved in closed form) gives every rank the same ``StepPlan`` as the plan with
     every range and kept holder expanded into share entries (the share path, no ranges

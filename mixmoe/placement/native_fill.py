@@ -34,7 +34,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -56,10 +56,8 @@ _lib: ctypes.CDLL | None = None
 _why: str | None = None  # why the library is unavailable (None: not tried yet, or loaded)
 _warned = False
 
-_I64P = ctypes.POINTER(ctypes.c_int64)
-_F64P = ctypes.POINTER(ctypes.c_double)
-_ARGTYPES = [_I64P, _I64P, _F64P, _I64P, _I64P, _F64P, _I64P, _F64P, _I64P, _I64P,
-             ctypes.c_int64, _F64P, ctypes.c_int64, _I64P]  # fmt: skip
+_P = ctypes.c_void_p  # buffers pass as addresses (tensors' data_ptr, ctypes arrays)
+_ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, _P, ctypes.c_int64, _P]
 
 
 def _compiler() -> str | None:
@@ -212,13 +210,13 @@ def filled(
     cap = len(start) // 2 + W * slots  # holders at the end (each rank holds at most ``slots``)
     out_w, out_wf = torch.empty(5 * W, dtype=i64), torch.empty(2 * W, dtype=f64)
     out_n = torch.empty(4 * N, dtype=i64)
-    out_i, out_d = torch.empty(12 * cap + 16, dtype=i64), torch.empty(2 * cap + 16, dtype=f64)
+    out_i, out_d = torch.empty(16 * cap + 16, dtype=i64), torch.empty(2 * cap + 16, dtype=f64)
     counts = (ctypes.c_int64 * 5)()
     pieces = lib.mixmoe_level_fill(
-        _ptr(C, _I64P), _ptr(colsum, _I64P), _ptr(loads, _F64P), (ctypes.c_int64 * len(start))(*start),
+        C.data_ptr(), colsum.data_ptr(), loads.data_ptr(), (ctypes.c_int64 * len(start))(*start),
         (ctypes.c_int64 * len(ints))(*ints), (ctypes.c_double * len(reals))(*reals),
-        _ptr(out_w, _I64P), _ptr(out_wf, _F64P), _ptr(out_n, _I64P), _ptr(out_i, _I64P),
-        out_i.numel(), _ptr(out_d, _F64P), out_d.numel(), counts,
+        out_w.data_ptr(), out_wf.data_ptr(), out_n.data_ptr(), out_i.data_ptr(),
+        out_i.numel(), out_d.data_ptr(), out_d.numel(), counts,
     )  # fmt: skip
     if pieces == -2:  # the start is level: no pass runs, the Python state is the cheaper one
         return None
@@ -228,33 +226,33 @@ def filled(
     state.model, state.C_WN, state.E, state.W = model, C_WN, E, W
     state.slots, state.block, state.distance = slots, block_size, distance
     state.any_remote, state._total_fns, state.moves = any_remote, {}, int(pieces)
-    state.rounds, nh, na, nk, nd = counts
+    state.rounds, nh, na, nk, nd = counts  # the sections' lengths in out_i (C++ doc)
     per_w = out_w.view(5, W)
     state.rows, state.local, state.remote, overshot = per_w[1:].tolist()
     state.replica, state.totals = out_wf.view(2, W).tolist()
     state.overshot = {r for r, x in enumerate(overshot) if x}
-    flat = out_i[: 2 * nh + 3 * na + 3 * nk].tolist()
-    holders: dict[int, list[int]] = {}
-    for i in range(0, 2 * nh, 2):  # (g, y) by g, then y: each list ascending
-        holders.setdefault(flat[i], []).append(flat[i + 1])
-    state.holders = holders
-    state.amounts = _triples(flat, 2 * nh, na)
-    state.kept = _triples(flat, 2 * nh + 3 * na, nk)
-    degrees_at = 2 * nh + 3 * na + 3 * nk  # the rest stays raw until read (FilledState)
-    state._raw = (per_w[0], out_n.view(4, N), out_i[degrees_at : degrees_at + 2 * nd], out_d[:nd])
+    flat = out_i[: nh + na + nk].tolist()
+    state.holders = dict(_groups(flat, 0, nh))
+    state.amounts = {
+        g: dict(zip(v[::2], v[1::2], strict=True)) for g, v in _groups(flat, nh, na, 2)
+    }
+    state.kept = {
+        g: dict(zip(v[::2], v[1::2], strict=True)) for g, v in _groups(flat, nh + na, nk, 2)
+    }
+    at = nh + na + nk  # the degrees stay raw until read (FilledState)
+    state._raw = (per_w[0], out_n.view(4, N), out_i[at : at + nd])
+    state._copies = out_d
     return state
 
 
-def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:
-    return ctypes.cast(t.data_ptr(), kind)
-
-
-def _triples(flat: list[int], at: int, count: int) -> dict[int, dict[int, int]]:
-    """{g: {y: n}} from ``count`` (g, y, n) triples of ``flat`` from index ``at``."""
-    out: dict[int, dict[int, int]] = {}
-    for i in range(at, at + 3 * count, 3):
-        out.setdefault(flat[i], {})[flat[i + 1]] = flat[i + 2]
-    return out
+def _groups(flat: list[int], at: int, length: int, width: int = 1) -> Iterator[tuple[int, list]]:
+    """(g, values) of each group [g, k, values...] of the section ``flat[at : at + length]``:
+    k values each ``width`` ints long (1: ranks; 2: (rank, rows) pairs, flat)."""
+    end = at + length
+    while at < end:
+        g, k = flat[at], flat[at + 1]
+        yield g, flat[at + 2 : at + 2 + width * k]
+        at += 2 + width * k
 
 
 class FilledState(RangeState):
@@ -266,17 +264,18 @@ class FilledState(RangeState):
     def __getattr__(self, name: str) -> object:
         if name not in _LAZY or "_raw" not in self.__dict__:
             raise AttributeError(name)
-        held, per_n, degree_pairs, copies = self._raw
+        held, per_n, degree_groups = self._raw
         self.held = held.tolist()
         self.owner_rows, self.own, self.others, self.taken = per_n.tolist()
         self.helped = {}
         for g, amounts in self.amounts.items():
             for y, n in amounts.items():
                 self.helped.setdefault(y, {})[g] = n
-        pairs, values = degree_pairs.tolist(), copies.tolist()
-        self.degrees = {}
-        for j, v in enumerate(values):
-            self.degrees.setdefault(pairs[2 * j], {})[pairs[2 * j + 1]] = v
+        flat, copies = degree_groups.tolist(), iter(self._copies.tolist())
+        self.degrees = {
+            g: {r: next(copies) for r in ranks} for g, ranks in _groups(flat, 0, len(flat))
+        }
+        del self._copies
         del self._raw
         return self.__dict__[name]
 

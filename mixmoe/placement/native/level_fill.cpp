@@ -572,9 +572,9 @@ extern "C" {
 //   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (StepModel.total_fn's terms), then
 //          level_fill's a, t, hide, copy, lat, stop, min_gain.
 // Outputs: out_w (int64 [5, W]: held, rows, local, remote, overshot), out_wf (float64 [2, W]:
-// replica, totals), out_n (int64 [4, N]: owner_rows, own, others, taken), out_i / out_d: holders
-// (g, y) pairs, amounts (g, y, n), kept (g, y, local), degrees (g, r) with their copies in out_d;
-// counts: rounds and the four counts. Returns the pieces moved; -1 when out_i / out_d are too
+// replica, totals), out_n (int64 [4, N]: owner_rows, own, others, taken), out_i / out_d: holders,
+// amounts, kept and degrees, one group per expert with entries (below; the degrees' copies in
+// out_d); counts: rounds and the four sections' lengths in out_i. Returns the pieces moved; -1 when out_i / out_d are too
 // small, -2 when the start is level already (no pass runs: the fill would move nothing); nothing
 // written is meaningful then.
 int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double* loads,
@@ -654,29 +654,42 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
   f.kept.assign(N, {});
   f.overshot.assign(Wz, 0);
   const int64_t pieces = run(f, p);
-  int64_t nh = 0, na = 0, nk = 0, nd = 0;
+  // four sections, each a group per expert that has entries: holders [g, k, y_1..y_k],
+  // amounts and kept [g, k, y_1, n_1, .., y_k, n_k], degrees [g, k, r_1..r_k] (copies in out_d)
+  int64_t need = 0, nd = 0;
   for (size_t g = 0; g < N; ++g) {
-    nh += static_cast<int64_t>(f.holders[g].size());
-    na += static_cast<int64_t>(f.amounts[g].size());
-    nk += static_cast<int64_t>(f.kept[g].size());
+    const size_t sizes[4] = {f.holders[g].size(), 2 * f.amounts[g].size(), 2 * f.kept[g].size(),
+                             f.degrees[g].size()};
+    for (size_t n : sizes) need += n ? 2 + static_cast<int64_t>(n) : 0;
     nd += static_cast<int64_t>(f.degrees[g].size());
   }
-  if (2 * nh + 3 * na + 3 * nk + 2 * nd > cap_i || nd > cap_d) return -1;
+  if (need > cap_i || nd > cap_d) return -1;
   int64_t* o = out_i;
+  int64_t* start_of = o;
   for (size_t g = 0; g < N; ++g)
-    for (int64_t y : f.holders[g]) *o++ = static_cast<int64_t>(g), *o++ = y;
-  for (size_t g = 0; g < N; ++g)
-    for (const auto& [y, n] : f.amounts[g]) *o++ = static_cast<int64_t>(g), *o++ = y, *o++ = n;
-  for (size_t g = 0; g < N; ++g)
-    for (const auto& [y, n] : f.kept[g]) *o++ = static_cast<int64_t>(g), *o++ = y, *o++ = n;
+    if (!f.holders[g].empty()) {
+      *o++ = static_cast<int64_t>(g), *o++ = static_cast<int64_t>(f.holders[g].size());
+      for (int64_t y : f.holders[g]) *o++ = y;
+    }
+  counts[1] = o - start_of;
+  for (const auto* maps : {&f.amounts, &f.kept}) {
+    start_of = o;
+    for (size_t g = 0; g < N; ++g)
+      if (!(*maps)[g].empty()) {
+        *o++ = static_cast<int64_t>(g), *o++ = static_cast<int64_t>((*maps)[g].size());
+        for (const auto& [y, n] : (*maps)[g]) *o++ = y, *o++ = n;
+      }
+    counts[maps == &f.amounts ? 2 : 3] = o - start_of;
+  }
+  start_of = o;
   double* od = out_d;
   for (size_t g = 0; g < N; ++g)
-    for (const auto& [r, v] : f.degrees[g]) *o++ = static_cast<int64_t>(g), *o++ = r, *od++ = v;
+    if (!f.degrees[g].empty()) {
+      *o++ = static_cast<int64_t>(g), *o++ = static_cast<int64_t>(f.degrees[g].size());
+      for (const auto& [r, v] : f.degrees[g]) *o++ = r, *od++ = v;
+    }
+  counts[4] = o - start_of;
   counts[0] = f.rounds;
-  counts[1] = nh;
-  counts[2] = na;
-  counts[3] = nk;
-  counts[4] = nd;
   const std::vector<int64_t>* per_w[4] = {&f.held, &f.rows, &f.local, &f.remote};
   for (size_t k = 0; k < 4; ++k) std::copy(per_w[k]->begin(), per_w[k]->end(), out_w + k * Wz);
   for (size_t r = 0; r < Wz; ++r) out_w[4 * Wz + r] = f.overshot[r];

@@ -118,33 +118,35 @@ def _runs_by_expert(
     """This rank's runs (``SourceRuns``' run_len, run_key, own_c, rep_c) and the rows it sends
     to each rank: every expert it routes rows to walked in turn (``Plan.segment_runs``)."""
     W, H = len(counts_r) // E, len(rep)
-    N = W * E
     rep_slot = {g: h for h, g in enumerate(rep)}
     entry_g = {g for s, g, _ in plan.shares if s == r}
     experts = sorted(set(torch.nonzero(counts_N).flatten().tolist()) | entry_g)
-    run_len, run_key = [], []
-    own_c, rep_c, in_splits = [0] * E, [0] * H, [0] * W
+    out = ([], [], [0] * E, [0] * H, [0] * W)  # run_len, run_key, own_c, rep_c, in_splits
     for g in experts:
-        for c, n in plan.segment_runs(r, g, counts_r[g], E):
-            key = _run_key(c, g, r, E, H, N, rep_slot)
-            if c != r:
-                in_splits[c] += n
-            elif g // E == r:
-                own_c[key] += n
-            else:
-                rep_c[key - E] += n
-            run_len.append(n)
-            run_key.append(key)
-    return run_len, run_key, own_c, rep_c, in_splits
+        _walk_segment(plan, r, g, counts_r[g], E, rep_slot, out)
+    return out
 
 
-def _run_key(c: int, g: int, r: int, E: int, H: int, N: int, rep_slot: dict) -> int:
-    """The sort key of a run of expert g computed at rank c (``SourceRuns.run_key``)."""
-    if c != r:
-        return E + H + c * N + g  # by receiver, then expert: the receiver's order
-    if g // E == r:
-        return g - r * E  # own slot
-    return E + rep_slot[g]  # computed here with the replica (check_shares: r holds one)
+def _walk_segment(
+    plan: Plan, r: int, g: int, rows: int, E: int, rep_slot: dict, out: tuple
+) -> None:
+    """The runs of this rank's segment of g (``Plan.segment_runs``) appended to ``out`` =
+    (run_len, run_key, own_c, rep_c, in_splits), each with its sort key (``SourceRuns.run_key``),
+    its rows counted where they are computed."""
+    run_len, run_key, own_c, rep_c, in_splits = out
+    H, N = len(rep_c), len(in_splits) * E
+    for c, n in plan.segment_runs(r, g, rows, E):
+        if c != r:
+            key = E + H + c * N + g  # by receiver, then expert: the receiver's order
+            in_splits[c] += n
+        elif g // E == r:
+            key = g - r * E  # own slot
+            own_c[key] += n
+        else:  # computed here with the replica (check_shares: r holds one)
+            key = E + rep_slot[g]
+            rep_c[key - E] += n
+        run_len.append(n)
+        run_key.append(key)
 
 
 def _runs_by_key(
@@ -181,16 +183,9 @@ def _runs_by_key(
         run_len += plain_len[at:cut]
         run_key += plain_key[at:cut]
         at = cut
-        for c, n in plan.segment_runs(r, g, counts_r[g], E):
-            key = _run_key(c, g, r, E, H, N, rep_slot)
-            if c != r:
-                in_splits[c] += n
-            elif g // E == r:
-                own_c[key] += n
-            else:
-                rep_c[key - E] += n
-            run_len.append(n)
-            run_key.append(key)
+        _walk_segment(
+            plan, r, g, counts_r[g], E, rep_slot, (run_len, run_key, own_c, rep_c, in_splits)
+        )
     run_len += plain_len[at:]
     run_key += plain_key[at:]
     return run_len, run_key, own_c, rep_c, in_splits

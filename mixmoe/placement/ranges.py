@@ -282,16 +282,26 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
     if not all(full):
         part = [i for i, f in enumerate(full) if not f]
         cols_GW = C_WN.T[[gs[i] for i in part]]  # a copy: rows of C's transpose (fast)
-        for k, i in enumerate(part):  # the owner and the holders leave the stream
-            g, kept = gs[i], experts[i][2]
-            cols_GW[k, [g // E, *plan.holders(g)]] = 0
-            for y, local in kept.items():  # a kept holder's rest stays in it
-                cols_GW[k, y] = int(C_WN[y, g]) - local
+        # the owner and the holders leave the stream, a kept holder's rest stays in it: one
+        # scatter each over (row of cols_GW, rank) index lists
+        out_k, out_y, kept_k, kept_y, kept_local = [], [], [], [], []
+        for k, i in enumerate(part):
+            g = gs[i]
+            leave = [g // E, *plan.holders(g)]
+            out_k += [k] * len(leave)
+            out_y += leave
+            for y, local in experts[i][2].items():
+                kept_k.append(k)
+                kept_y.append(y)
+                kept_local.append(local)
+        rest = cols_GW[kept_k, kept_y] - torch.tensor(kept_local, dtype=cols_GW.dtype)
+        cols_GW[out_k, out_y] = 0
+        cols_GW[kept_k, kept_y] = rest
         # rank's segment starts after the stream's sources below it (the owner comes last)
-        starts = cols_GW[:, :rank].sum(1) if rank else torch.zeros(len(part), dtype=torch.int64)
+        starts = cols_GW[:, :rank].sum(1).tolist() if rank else [0] * len(part)
         rows = cols_GW[:, rank].tolist()
         for k, i in enumerate(part):
-            mine[gs[i]] = (int(starts[k]), rows[k])
+            mine[gs[i]] = (starts[k], rows[k])
     cols = C_WN.T[[g for g, f in zip(gs, full, strict=True) if f]].tolist()
     out = []
     at = 0

@@ -35,12 +35,12 @@ except ImportError:  # pragma: no cover
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """The compiled level fill built once, before any test: otherwise the first multi-rank test
+    """The planner's compiled parts (``native_lib``) built once, before any test: otherwise the first multi-rank test
     would build it in every rank at once (``tests/placement/test_native_fill.py`` checks it is
     available; a failed build here leaves the planner on its Python fill)."""
-    from mixmoe.placement import native_fill
+    from mixmoe.placement import native_lib
 
-    native_fill.available()
+    native_lib.available()
 
 
 TIERS = ("unit", "dist", "kernels", "hf", "gpu")

@@ -30,7 +30,7 @@ from mixmoe.placement import (
     HardwareProfile,
     LayerShape,
     Plan,
-    native_fill,
+    native_lib,
     plan_mix,
     plan_none,
 )
@@ -163,8 +163,8 @@ def run_case(
         "a2a_step_ms": a2a_ms,
         "mix_over_a2a": step_ms / a2a_ms if a2a_ms else None,
         "hot": len(new.hot),
-        # whether the fill ran compiled (``native_fill``) or in Python: planning time differs ~5x
-        "compiled_fill": native_fill.available(),
+        # whether the fill ran compiled (``native_lib``) or in Python: planning time differs ~5x
+        "compiled_fill": native_lib.available(),
         "old_planner_ms": old_ms,
         "old_step_ms": old.prediction.step_s * 1e3 if old else None,
         "old_mix_over_a2a": old.prediction.step_s * 1e3 / a2a_ms if old and a2a_ms else None,

@@ -170,9 +170,9 @@ def run(args: argparse.Namespace) -> int:
         f"(today's planner: {cfg.old_repeats})",
         file=sys.stderr,
     )
-    from mixmoe.placement import native_fill  # the library is built here, before any timing
+    from mixmoe.placement import native_lib  # the library is built here, before any timing
 
-    how = "compiled" if native_fill.available() else f"Python ({native_fill.unavailable_reason()})"
+    how = "compiled" if native_lib.available() else f"Python ({native_lib.unavailable_reason()})"
     print(f"  level fill: {how}", file=sys.stderr)
     records = []
     for i, (routing, W, N) in enumerate(jobs):

@@ -1,4 +1,4 @@
-"""The level fill compiled: ``native/level_fill.cpp``, built once per machine, called by ctypes.
+"""The level fill compiled: ``native/level_fill.cpp`` in the planner's library (``native_lib``).
 
 Legend: W ranks, N experts; a ``RangeState``'s fields (``mixmoe.placement.range_state``).
 
@@ -6,154 +6,30 @@ Legend: W ranks, N experts; a ``RangeState``'s fields (``mixmoe.placement.range_
 skewed counts (W = 1024 zipf:1.2: ~0.4 s of ~0.5 s). The C++ file runs the same passes with the
 same integer and float operations in the same order, so it leaves the state the Python fill
 leaves, bit for bit (``tests/placement/test_native_fill.py`` compares every field, the Python fill
-being the slow twin). ``fill(state, passes, stop, kept)`` runs it when it can and the Python fill
-otherwise:
-
-- the library is built on first use with the system C++ compiler (``$CXX``, else ``c++``,
-  ``g++``, ``clang++``; a few seconds) into ``$MIXMOE_NATIVE_DIR`` (default
-  ``~/.cache/mixmoe/native``; the temporary folder when that is not writable),
-  named by a hash of the source, the flags and the platform; concurrent builds (several ranks)
-  each write a temporary file and rename it (atomic), so every process loads a whole library;
-- with no compiler, a failed build, ``MIXMOE_NATIVE=0``, a ``distance`` other than
-  ``relay.nodes_of``'s, or a model whose terms are not Python ints and floats (the exact-product
-  rule below), the Python fill runs: same plans, slower. The first fallback for a missing or
-  broken library warns once (``RuntimeWarning``, naming the reason);
-- ``-ffp-contract=off``: no fused multiply-add (Python rounds every product). Python's ``int *
-  int`` is exact, so the C++ forms those products in 128 bits and rounds once, as Python's
-  ``int / float`` does.
+being the slow twin). ``filled`` runs it when it can and returns None otherwise (the caller runs
+the Python fill): the library unavailable or off (``native_lib``), a ``distance`` other than
+``relay.nodes_of``'s, or a model whose terms are not Python ints and floats
+(``native_lib.model_args``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
 from mixmoe.placement import level_fill as py_fill
-from mixmoe.placement.cost_model import TOKEN_COLLECTIVES, WEIGHT_COLLECTIVES, StepModel
+from mixmoe.placement import native_lib
+from mixmoe.placement.cost_model import TOKEN_COLLECTIVES, StepModel
+from mixmoe.placement.native_lib import P as _P
 from mixmoe.placement.range_state import RangeState
 
-__all__ = ["available", "filled", "unavailable_reason"]
+__all__ = ["filled"]
 
-SOURCE = Path(__file__).with_name("native") / "level_fill.cpp"
-FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+SOURCE = native_lib.FOLDER / "level_fill.cpp"
 OFFERED = 4  # native/level_fill.cpp's OFFERED (level_fill.OFFERED: a test checks they agree)
-ENV_OFF, ENV_DIR = "MIXMOE_NATIVE", "MIXMOE_NATIVE_DIR"
-BUILD_TIMEOUT_S = 300
-
-_lock = threading.Lock()  # the planner may run on a background thread
-_lib: ctypes.CDLL | None = None
-_why: str | None = None  # why the library is unavailable (None: not tried yet, or loaded)
-_warned = False
-
-_P = ctypes.c_void_p  # buffers pass as addresses (tensors' data_ptr, ctypes arrays)
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, _P, ctypes.c_int64, _P]
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cache_dir() -> Path:
-    where = os.environ.get(ENV_DIR)
-    return Path(where) if where else Path.home() / ".cache" / "mixmoe" / "native"
-
-
-def _build(cxx: str) -> Path:
-    """The library's path, built now unless a library of the same source, flags and platform
-    is there already. RuntimeError naming the compiler's message when the build fails."""
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([src, " ".join(FLAGS).encode(), platform.platform().encode(), cxx.encode()])
-    ).hexdigest()[:16]
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "mixmoe-native"):
-        lib = folder / f"level_fill-{key}.so"
-        if lib.exists():
-            return lib
-        try:  # a read-only home (a cluster's): the temporary folder instead
-            folder.mkdir(parents=True, exist_ok=True)
-            if os.access(folder, os.W_OK):
-                break
-        except OSError:
-            continue
-    else:
-        raise RuntimeError(f"no writable folder for the library ({_cache_dir()}, the temp dir)")
-    fd, tmp = tempfile.mkstemp(prefix=lib.stem, suffix=".so.tmp", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cxx, *FLAGS, "-o", tmp, str(SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-400:]}")
-        os.replace(tmp, lib)  # atomic: a process loading it sees the whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
-
-
-def _load() -> ctypes.CDLL | None:
-    """The library, built and loaded once per process; None (reason in ``_why``) when off or
-    unavailable."""
-    global _lib, _why
-    with _lock:
-        if _lib is not None or _why is not None:
-            return _lib
-        cxx = _compiler()
-        if cxx is None:
-            _why = "no C++ compiler found ($CXX, c++, g++, clang++)"
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(cxx)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            _why = f"building {SOURCE.name} failed: {err}"
-            return None
-        fn = lib.mixmoe_level_fill
-        fn.restype = ctypes.c_int64
-        fn.argtypes = _ARGTYPES
-        _lib = lib
-        return _lib
-
-
-def available() -> bool:
-    """Whether the compiled fill runs here (builds it on first call; ``MIXMOE_NATIVE=0``: False)."""
-    return os.environ.get(ENV_OFF, "1") != "0" and _load() is not None
-
-
-def unavailable_reason() -> str | None:
-    """Why ``available()`` is False (None when it is True)."""
-    if os.environ.get(ENV_OFF, "1") == "0":
-        return f"{ENV_OFF}=0"
-    return None if _load() is not None else _why
-
-
-def _model_terms(model: object) -> tuple[list[int], list[float]] | None:
-    """The model's terms for ``total`` (cost_model.StepModel.total_fn), or None when one is not
-    of the type the exact products assume (ints: FLOPs and bytes per row, params bytes; floats:
-    the rest)."""
-    ints = [model.flops_per_row, model.token_bytes_per_row, model.params_bytes]
-    floats = [model.gemm_flops, model.bw, model.row_s, model.fixed_s, model.replica_s,
-              TOKEN_COLLECTIVES * model.lat, model.lat]  # fmt: skip
-    if any(type(v) is not int for v in ints) or any(type(v) is not float for v in floats):
-        return None
-    return [*ints, WEIGHT_COLLECTIVES, int(bool(model.overlap))], floats
 
 
 def filled(
@@ -178,18 +54,15 @@ def filled(
     state costs less than the compiled set-up, ~1 ms at W = 1024). The C++ builds the start
     state itself (``RangeState.__init__``'s arithmetic) from the tensors; of the state, what
     the planner reads after a fill is read back at once, the rest when first read."""
-    if os.environ.get(ENV_OFF, "1") == "0":
-        return None
-    lib = _load()
-    if lib is None:
-        _warn_once()
+    fn = native_lib.function("mixmoe_level_fill", ctypes.c_int64, _ARGTYPES)
+    if fn is None:
         return None
     per_node = 0
     if distance is not None:
         per_node = getattr(distance, "ranks_per_node", None)
         if type(per_node) is not int or per_node < 1:
             return None  # a distance callable of its own: only the Python fill groups it
-    terms = _model_terms(model)
+    terms = native_lib.model_args(model)
     if terms is None:
         return None
     W = C_WN.shape[0]
@@ -212,7 +85,7 @@ def filled(
     out_n = torch.empty(4 * N, dtype=i64)
     out_i, out_d = torch.empty(16 * cap + 16, dtype=i64), torch.empty(2 * cap + 16, dtype=f64)
     counts = (ctypes.c_int64 * 5)()
-    pieces = lib.mixmoe_level_fill(
+    pieces = fn(
         C.data_ptr(), colsum.data_ptr(), loads.data_ptr(), (ctypes.c_int64 * len(start))(*start),
         (ctypes.c_int64 * len(ints))(*ints), (ctypes.c_double * len(reals))(*reals),
         out_w.data_ptr(), out_wf.data_ptr(), out_n.data_ptr(), out_i.data_ptr(),
@@ -281,15 +154,3 @@ class FilledState(RangeState):
 
 
 _LAZY = frozenset(("held", "owner_rows", "own", "others", "taken", "helped", "degrees"))
-
-
-def _warn_once() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(
-            f"mixmoe: the compiled level fill is unavailable ({_why}); planning uses the Python "
-            "fill (same plans, slower). Set MIXMOE_NATIVE=0 to silence this.",
-            RuntimeWarning,
-            stacklevel=3,
-        )

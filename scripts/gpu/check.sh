@@ -31,7 +31,7 @@ for stage in "$@"; do case $stage in
        else export PYTHONPATH=$PWD; fi
        $PY -c "import mixmoe, transformers; print('mixmoe from', mixmoe.__file__, 'transformers', transformers.__version__)"
        # the planner's compiled fill, built here once (the ep-cuda ranks then load it)
-       $PY -c "from mixmoe.placement import native_fill as n; print('compiled fill:', n.available(), n.unavailable_reason() or '')";;
+       $PY -c "from mixmoe.placement import native_lib as n; print('compiled planner parts:', n.available(), n.unavailable_reason() or '')";;
   gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests/kernels tests/tracing -m gpu -o addopts= -q -ra -p no:cacheprovider -n ${GPU_N:-4};;
   ep-cuda) run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda;;
   correctness) GPU_N=${GPU_N:-4}

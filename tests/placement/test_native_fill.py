@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import mixmoe.placement.native_fill as native
+import mixmoe.placement.native_lib as lib
 import mixmoe.placement.planner as planner_module
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape
@@ -41,7 +42,7 @@ CHEAP_LINK = HardwareProfile("cheap-link", 1e12, 1e13, 1e-9)  # compute-bound: a
 def test_compiled_fill_is_built_here():
     """CI and every machine with a C++ compiler run the compiled fill (a test that skipped here
     would hide a broken build)."""
-    assert native.available(), native.unavailable_reason()
+    assert lib.available(), lib.unavailable_reason()
     source = native.SOURCE.read_text()
     assert int(re.search(r"constexpr int OFFERED = (\d+);", source).group(1)) == OFFERED
     assert native.OFFERED == OFFERED
@@ -174,9 +175,9 @@ def test_falls_back_to_python(monkeypatch):
     )
     shape = LayerShape(1024, 4096, 8, 8, 2)
     compiled = plan_mix(C, shape, GPU_PROFILE, 4)
-    monkeypatch.setenv(native.ENV_OFF, "0")
+    monkeypatch.setenv(lib.ENV_OFF, "0")
     assert native.filled(*args, 6, 1.02) is None
-    assert not native.available() and native.unavailable_reason() == "MIXMOE_NATIVE=0"
+    assert not lib.available() and lib.unavailable_reason() == "MIXMOE_NATIVE=0"
     assert plan_mix(C, shape, GPU_PROFILE, 4) == compiled
 
 
@@ -192,13 +193,13 @@ def test_failed_build_warns_once_and_plans_in_python(monkeypatch, tmp_path):
     broken.write_text("#!/bin/sh\necho 'no such compiler today' >&2\nexit 3\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
-    monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_why", None)
-    monkeypatch.setattr(native, "_warned", False)
-    assert not native.available()
-    assert "no such compiler today" in native.unavailable_reason()
-    with pytest.warns(RuntimeWarning, match="compiled level fill is unavailable"):
+    monkeypatch.setenv(lib.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(lib, "_lib", None)
+    monkeypatch.setattr(lib, "_why", None)
+    monkeypatch.setattr(lib, "_warned", False)
+    assert not lib.available()
+    assert "no such compiler today" in lib.unavailable_reason()
+    with pytest.warns(RuntimeWarning, match="compiled parts are unavailable"):
         assert plan_mix(C, shape, GPU_PROFILE, 4) == compiled
     assert not list((tmp_path / "cache").glob("*.tmp"))  # no half-written library left
 
@@ -207,13 +208,13 @@ def test_concurrent_builds_share_one_library(tmp_path):
     """Three processes building into one empty cache at once (the ranks of a job): each loads a
     whole library and fills; one library file is left."""
     code = (
-        "import mixmoe.placement.native_fill as n; import sys; "
+        "import mixmoe.placement.native_lib as n; import sys; "
         "sys.exit(0 if n.available() else (print(n.unavailable_reason()) or 1))"
     )
-    env = {**__import__("os").environ, native.ENV_DIR: str(tmp_path)}
+    env = {**__import__("os").environ, lib.ENV_DIR: str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
     assert [p.wait(timeout=600) for p in procs] == [0, 0, 0]
-    assert len(list(tmp_path.glob("level_fill-*.so"))) == 1
+    assert len(list(tmp_path.glob("mixmoe_native-*.so"))) == 1
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -260,9 +261,9 @@ def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_folder(monkey
     library goes to the temporary folder instead and loads."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv(native.ENV_DIR, str(blocker / "cache"))
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_why", None)
-    assert native.available(), native.unavailable_reason()
-    assert len(list((tmp_path / "tmp" / "mixmoe-native").glob("level_fill-*.so"))) == 1
+    monkeypatch.setenv(lib.ENV_DIR, str(blocker / "cache"))
+    monkeypatch.setattr(lib.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(lib, "_lib", None)
+    monkeypatch.setattr(lib, "_why", None)
+    assert lib.available(), lib.unavailable_reason()
+    assert len(list((tmp_path / "tmp" / "mixmoe-native").glob("mixmoe_native-*.so"))) == 1

@@ -9,70 +9,23 @@
 // once to double as Python's int / float rounds them), the same tie rules (rank, then expert id), so
 // the state it leaves is the Python fill's, bit for bit (tests/placement/test_native_fill.py checks
 // every field). Build: any C++17 compiler, -ffp-contract=off (no fused multiply-add: Python rounds
-// every product). Loaded by mixmoe/placement/native_fill.py through ctypes; one C entry point.
+// every product). Loaded by mixmoe/placement/native_fill.py through ctypes; one C entry point;
+// the shared arithmetic and the cost model's Model in common.h.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <limits>
 #include <map>
 #include <utility>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
+using namespace mixmoe_native;
+
 constexpr int OFFERED = 4;  // level_fill.OFFERED
-constexpr int COPY_GRID_BITS = 24;  // relay.COPY_GRID_BITS
-constexpr double INF = std::numeric_limits<double>::infinity();
-
-// Python's int(v) for the finite doubles the fill converts, saturated at +-2**62 (every amount it
-// meets with min() is far below: the saturated value never wins a min).
-int64_t to_int(double v) {
-  if (v >= 4.6e18) return int64_t(1) << 62;
-  if (v <= -4.6e18) return -(int64_t(1) << 62);
-  return static_cast<int64_t>(v);  // truncates toward zero, as int() does
-}
-
-// Python's (n * k) / d with ints n, k and a float d: the exact product, rounded once.
-double mul_div(int64_t n, int64_t k, double d) {
-  return static_cast<double>(static_cast<__int128>(n) * k) / d;
-}
-
-// relay._grid: n / d copies floored to a multiple of 2**-24.
-double grid(int64_t n, int64_t d) {
-  return static_cast<double>((n << COPY_GRID_BITS) / d) /
-         static_cast<double>(int64_t(1) << COPY_GRID_BITS);
-}
-
-struct Model {  // StepModel.total_fn's terms
-  int64_t fpr, tbr, P, weight_collectives;
-  bool overlap;
-  double gf, bw, row_s, fixed_s, rep_s, token0, lat;
-
-  double total(int64_t rows, int64_t local, int64_t remote, double replica, bool any_remote,
-               int64_t rounds) const {
-    double compute = mul_div(rows, fpr, gf);
-    if (row_s != 0.0) compute = compute + static_cast<double>(rows) * row_s;
-    if (fixed_s != 0.0) compute = compute + fixed_s;
-    double token = 0.0;
-    if (any_remote) {
-      token = token0 + mul_div(remote, tbr, bw);
-      if (overlap) {
-        double hidden = mul_div(local, fpr, gf);
-        if (row_s != 0.0) hidden = hidden + static_cast<double>(local) * row_s;
-        const double x = token - hidden;
-        token = x > 0.0 ? x : 0.0;  // max(0.0, x)
-      }
-    }
-    double weight = 0.0;
-    if (rounds != 0) {
-      const double weight0 = static_cast<double>(weight_collectives * rounds) * lat;
-      weight = weight0 + static_cast<double>(P) * replica / bw;
-      if (rep_s != 0.0) weight = weight + replica * rep_s;
-    }
-    return compute + (token + weight);
-  }
-};
 
 struct Offer {  // level_fill._offer's [g, own rows allowed, own rows given at the offer]
   int64_t g, mine, given;
@@ -591,19 +544,8 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
   f.per_node = ints[4];
   f.any_remote = ints[5] != 0;
   f.C = C;
-  f.m.fpr = ints[9];
-  f.m.tbr = ints[10];
-  f.m.P = ints[11];
-  f.m.weight_collectives = ints[12];
-  f.m.overlap = ints[13] != 0;
+  f.m = Model::from(ints + 9, reals);  // ints 9-13, reals 0-6: common.h's order
   const int64_t n_start = ints[14];
-  f.m.gf = reals[0];
-  f.m.bw = reals[1];
-  f.m.row_s = reals[2];
-  f.m.fixed_s = reals[3];
-  f.m.rep_s = reals[4];
-  f.m.token0 = reals[5];
-  f.m.lat = reals[6];
   const Params p{reals[7], reals[8], reals[9], reals[10], reals[11], reals[12], reals[13],
                  ints[6], ints[7], ints[8] != 0};
   const size_t N = static_cast<size_t>(f.N), Wz = static_cast<size_t>(W);

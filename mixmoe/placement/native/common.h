@@ -1,0 +1,114 @@
+// What every compiled part of the planner shares: Python's arithmetic rules, the cost model's
+// per-rank seconds, and the shapes of counts, loads and holders.
+//
+// Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64,
+// C[s*N + g] = rows rank s routes to expert g; g's owner is g / E). Loads in LOADS order
+// (mixmoe.placement.cost_model): rows computed, local rows, remote rows, replica copies.
+//
+// Each part runs the same integer arithmetic and the same float expressions in the same order as
+// its Python twin, so it returns the Python's values bit for bit: Python ints times ints are exact
+// (here __int128 products, rounded once to double as Python's int / float rounds them), and the
+// library is built with -ffp-contract=off (no fused multiply-add: Python rounds every product).
+// All parts build into one library (mixmoe/placement/native_lib.py), each with its own C entry
+// point; what the parts call of each other is declared in a header of the part's name.
+
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace mixmoe_native {
+
+constexpr int COPY_GRID_BITS = 24;  // relay.COPY_GRID_BITS
+constexpr double INF = std::numeric_limits<double>::infinity();
+
+// Python's int(v) for the finite doubles the planner converts, saturated at +-2**62 (every amount
+// it meets with min() is far below: the saturated value never wins a min).
+inline int64_t to_int(double v) {
+  if (v >= 4.6e18) return int64_t(1) << 62;
+  if (v <= -4.6e18) return -(int64_t(1) << 62);
+  return static_cast<int64_t>(v);  // truncates toward zero, as int() does
+}
+
+// Python's (n * k) / d with ints n, k and a float d: the exact product, rounded once.
+inline double mul_div(int64_t n, int64_t k, double d) {
+  return static_cast<double>(static_cast<__int128>(n) * k) / d;
+}
+
+// relay._grid: n / d copies floored to a multiple of 2**-24.
+inline double grid(int64_t n, int64_t d) {
+  return static_cast<double>((n << COPY_GRID_BITS) / d) /
+         static_cast<double>(int64_t(1) << COPY_GRID_BITS);
+}
+
+// StepModel.seconds_fn / total_fn's terms (cost_model.py). The Python side packs them with
+// native_lib.model_args: ints [fpr, tbr, P, weight_collectives, overlap],
+// reals [gf, bw, row_s, fixed_s, rep_s, token0 (TOKEN_COLLECTIVES * lat), lat].
+struct Model {
+  int64_t fpr, tbr, P, weight_collectives;
+  bool overlap;
+  double gf, bw, row_s, fixed_s, rep_s, token0, lat;
+
+  static Model from(const int64_t* ints, const double* reals) {
+    return Model{ints[0], ints[1], ints[2], ints[3], ints[4] != 0,
+                 reals[0], reals[1], reals[2], reals[3], reals[4], reals[5], reals[6]};
+  }
+
+  // StepModel.seconds_fn(any_remote, rounds)(rows, local, remote, replica): (compute, comm).
+  // rounds: the weight collectives' rounds (0: no replica anywhere; Python's True is 1).
+  // replica: whole copies or the relay's fractional ones (exact in a double either way).
+  std::pair<double, double> seconds(int64_t rows, int64_t local, int64_t remote, double replica,
+                                    bool any_remote, int64_t rounds) const {
+    double compute = mul_div(rows, fpr, gf);
+    if (row_s != 0.0) compute = compute + static_cast<double>(rows) * row_s;
+    if (fixed_s != 0.0) compute = compute + fixed_s;
+    double token = 0.0;
+    if (any_remote) {
+      token = token0 + mul_div(remote, tbr, bw);
+      if (overlap) {
+        double hidden = mul_div(local, fpr, gf);
+        if (row_s != 0.0) hidden = hidden + static_cast<double>(local) * row_s;
+        const double x = token - hidden;
+        token = x > 0.0 ? x : 0.0;  // max(0.0, x)
+      }
+    }
+    double weight = 0.0;
+    if (rounds != 0) {
+      const double weight0 = static_cast<double>(weight_collectives * rounds) * lat;
+      weight = weight0 + static_cast<double>(P) * replica / bw;
+      if (rep_s != 0.0) weight = weight + replica * rep_s;
+    }
+    return {compute, token + weight};
+  }
+
+  // StepModel.total_fn(any_remote, rounds)(...): compute + comm, as Python adds them.
+  double total(int64_t rows, int64_t local, int64_t remote, double replica, bool any_remote,
+               int64_t rounds) const {
+    const auto [compute, comm] = seconds(rows, local, remote, replica, any_remote, rounds);
+    return compute + comm;
+  }
+};
+
+// The validated counts (counts.counts_with_sums) and baseline_loads' aggregates of them.
+struct Counts {
+  int64_t W, E, N;
+  const int64_t* C;  // [W, N], row-major, not owned
+  int64_t c(int64_t s, int64_t g) const { return C[s * N + g]; }
+};
+
+// Per-rank aggregates in LOADS order; replica copies as doubles (whole, or the relay's chunks).
+struct Loads {
+  std::vector<int64_t> rows, local, remote;
+  std::vector<double> replica;
+};
+
+// (g, holder ranks ascending) by ascending g: Plan.replicas.
+using Replicas = std::vector<std::pair<int64_t, std::vector<int64_t>>>;
+// (rank, rows) pairs: Plan.ranges' and Plan.kept's entries of one expert.
+using Entries = std::vector<std::pair<int64_t, int64_t>>;
+// (g, entries) by ascending g: Plan.ranges, Plan.kept.
+using ExpertEntries = std::vector<std::pair<int64_t, Entries>>;
+
+}  // namespace mixmoe_native

@@ -1,0 +1,174 @@
+"""The planner's compiled parts: one library built from ``native/*.cpp``, loaded by ctypes.
+
+Each compiled part (``native/<part>.cpp``, its Python side ``native_<part>.py``) runs the same
+integer and float operations in the same order as its Python twin, so it returns the same values
+bit for bit (``native/common.h`` says how); the Python stays as the fallback and as the slow twin
+its tests compare against. This module builds and loads the library and hands out its entry
+points:
+
+- the library is built on first use with the system C++ compiler (``$CXX``, else ``c++``,
+  ``g++``, ``clang++``; a few seconds) into ``$MIXMOE_NATIVE_DIR`` (default
+  ``~/.cache/mixmoe/native``; the temporary folder when that is not writable), named by a hash
+  of the sources, the flags, the compiler and the platform; concurrent builds (several ranks)
+  each write a temporary file and rename it (atomic), so every process loads a whole library;
+- with no compiler, a failed build or ``MIXMOE_NATIVE=0``, ``function`` returns None and the
+  callers run their Python: same plans, slower. The first fallback for a missing or broken
+  library warns once (``RuntimeWarning``, naming the reason);
+- ``-ffp-contract=off``: no fused multiply-add (Python rounds every product).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+from mixmoe.placement.cost_model import TOKEN_COLLECTIVES, WEIGHT_COLLECTIVES, StepModel
+
+__all__ = ["available", "function", "model_args", "unavailable_reason"]
+
+FOLDER = Path(__file__).with_name("native")
+FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+ENV_OFF, ENV_DIR = "MIXMOE_NATIVE", "MIXMOE_NATIVE_DIR"
+BUILD_TIMEOUT_S = 300
+STEM = "mixmoe_native"
+
+_lock = threading.Lock()  # the planner may run on a background thread
+_lib: ctypes.CDLL | None = None
+_why: str | None = None  # why the library is unavailable (None: not tried yet, or loaded)
+_warned = False
+
+P = ctypes.c_void_p  # buffers pass as addresses (tensors' data_ptr, ctypes arrays)
+I64, F64 = ctypes.c_int64, ctypes.c_double
+
+
+def sources() -> list[Path]:
+    """The library's C++ sources, by name (headers are hashed too: ``_build``)."""
+    return sorted(FOLDER.glob("*.cpp"))
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cache_dir() -> Path:
+    where = os.environ.get(ENV_DIR)
+    return Path(where) if where else Path.home() / ".cache" / "mixmoe" / "native"
+
+
+def _build(cxx: str) -> Path:
+    """The library's path, built now unless a library of the same sources, flags and platform
+    is there already. RuntimeError naming the compiler's message when the build fails."""
+    texts = [p.name.encode() + b"\0" + p.read_bytes() for p in sorted(FOLDER.glob("*.[ch]*"))]
+    key = hashlib.sha256(
+        b"\0".join([*texts, " ".join(FLAGS).encode(), platform.platform().encode(), cxx.encode()])
+    ).hexdigest()[:16]
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "mixmoe-native"):
+        lib = folder / f"{STEM}-{key}.so"
+        if lib.exists():
+            return lib
+        try:  # a read-only home (a cluster's): the temporary folder instead
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no writable folder for the library ({_cache_dir()}, the temp dir)")
+    fd, tmp = tempfile.mkstemp(prefix=lib.stem, suffix=".so.tmp", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cxx, *FLAGS, "-o", tmp, *map(str, sources())],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-400:]}")
+        os.replace(tmp, lib)  # atomic: a process loading it sees the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    """The library, built and loaded once per process; None (reason in ``_why``) when
+    unavailable."""
+    global _lib, _why
+    with _lock:
+        if _lib is not None or _why is not None:
+            return _lib
+        cxx = _compiler()
+        if cxx is None:
+            _why = "no C++ compiler found ($CXX, c++, g++, clang++)"
+            return None
+        try:
+            _lib = ctypes.CDLL(str(_build(cxx)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            _why = f"building the planner's C++ ({FOLDER.name}/*.cpp) failed: {err}"
+        return _lib
+
+
+def available() -> bool:
+    """Whether the compiled parts run here (builds them on first call; ``MIXMOE_NATIVE=0``:
+    False)."""
+    return os.environ.get(ENV_OFF, "1") != "0" and _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` is False (None when it is True)."""
+    if os.environ.get(ENV_OFF, "1") == "0":
+        return f"{ENV_OFF}=0"
+    return None if _load() is not None else _why
+
+
+def function(name: str, restype: object, argtypes: list) -> ctypes._CFuncPtr | None:
+    """The library's C entry point ``name`` with its types set, or None when the compiled parts
+    are off (``MIXMOE_NATIVE=0``) or unavailable (warns once: module doc)."""
+    if os.environ.get(ENV_OFF, "1") == "0":
+        return None
+    lib = _load()
+    if lib is None:
+        _warn_once()
+        return None
+    fn = getattr(lib, name)
+    if fn.argtypes is None:  # first use: set once (ctypes keeps them on the function object)
+        fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
+def model_args(model: StepModel) -> tuple[list[int], list[float]] | None:
+    """``common.h``'s ``Model`` terms of ``model``: ints [fpr, tbr, P, weight_collectives,
+    overlap], reals [gf, bw, row_s, fixed_s, rep_s, TOKEN_COLLECTIVES * lat, lat]; None when a
+    term is not of the type the exact products assume (ints: FLOPs and bytes per row, params
+    bytes; floats: the rest), the caller then runs its Python."""
+    ints = [model.flops_per_row, model.token_bytes_per_row, model.params_bytes]
+    floats = [model.gemm_flops, model.bw, model.row_s, model.fixed_s, model.replica_s,
+              TOKEN_COLLECTIVES * model.lat, model.lat]  # fmt: skip
+    if any(type(v) is not int for v in ints) or any(type(v) is not float for v in floats):
+        return None
+    return [*ints, WEIGHT_COLLECTIVES, int(bool(model.overlap))], floats
+
+
+def _warn_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"mixmoe: the planner's compiled parts are unavailable ({_why}); planning runs in "
+            "Python (same plans, slower). Set MIXMOE_NATIVE=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,32 @@
+// The level fill (level_fill.cpp) as the compiled planner calls it: one link (no topology).
+#pragma once
+
+#include "common.h"
+
+namespace mixmoe_native {
+
+struct FillSettings {  // plan_mix's _water_fill arguments
+  int64_t slots, blk, passes;  // replica slots per rank, rows per block, LEVEL_PASSES
+  double stop;                 // FILL_STOP
+  bool kept;                   // level_fill(kept=True)
+};
+
+// What plan_mix reads of a RangeState after its fill.
+struct FillOut {
+  int64_t moves = 0;  // the pieces moved (RangeState.moves); -2: the start is level (no pass ran)
+  Loads loads;        // rows, local, remote, replica
+  std::vector<double> totals;
+  int64_t rounds = 0;
+  std::vector<char> overshot;          // per rank: RangeState.overshot
+  Replicas replicas;                   // RangeState.plan_fields(): hot with their holders,
+  ExpertEntries ranges, kept;          // the ranges and the kept entries
+};
+
+// RangeState(model, C, E, start, slots, blk, None, colsum, any_remote, start_loads) after
+// level_fill.level_fill(state, passes, stop, kept), and its plan_fields(). `start`: the start
+// holders; `start_loads`: plan_pricing of the start plan under relay.
+FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, const Model& model,
+                   const Replicas& start, bool any_remote, const Loads& start_loads,
+                   const FillSettings& settings);
+
+}  // namespace mixmoe_native

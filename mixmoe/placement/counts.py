@@ -51,7 +51,7 @@ def counts_as_tensor(counts_WN: object, shape: LayerShape) -> torch.Tensor:
     core; nested sequences go through ``counts_as_lists`` (slow at scale: pass tensors there).
     The planners use ``counts_with_sums`` instead (the sign check inside the pass that sums).
     """
-    C_WN = _counts_tensor(counts_WN, shape)
+    C_WN = counts_tensor_unsigned(counts_WN, shape)
     if C_WN.numel() and int(C_WN.min()) < 0:
         _raise_negative(C_WN)
     return C_WN
@@ -70,7 +70,7 @@ def counts_with_sums(
     when no word is negative no int64 is; otherwise (a negative count, or one >= 2**31) the
     exact int64 minimum decides.
     """
-    C_WN = _counts_tensor(counts_WN, shape)
+    C_WN = counts_tensor_unsigned(counts_WN, shape)
     W, N = C_WN.shape
     if C_WN.numel() == 0:
         return C_WN, C_WN.sum(0), C_WN.sum(1)
@@ -102,7 +102,7 @@ _BLOCK_BYTES = 1 << 19  # counts_with_sums' row blocks: well inside a core's L2 
 _ONE_PASS_BYTES = 8 << 20  # below this C stays in the last-level cache: plain reductions
 
 
-def _counts_tensor(counts_WN: object, shape: LayerShape) -> torch.Tensor:
+def counts_tensor_unsigned(counts_WN: object, shape: LayerShape) -> torch.Tensor:
     """Every check of ``counts_as_tensor`` but the signs."""
     if not isinstance(counts_WN, torch.Tensor):
         return torch.tensor(counts_as_lists(counts_WN, shape), dtype=torch.int64).reshape(

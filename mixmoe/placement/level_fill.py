@@ -76,7 +76,7 @@ def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -
     free = False  # whether the level counts no copy for the ranks holding an offered expert
     for _ in range(passes):
         T_W = fill.totals
-        top, mean = max(T_W), _fold_sum(T_W) / W
+        top, mean = max(T_W), fold_sum(T_W) / W
         if is_level(T_W, stop):
             break
         # each rank's token exchange before the max(0, .): > 0 when exposed
@@ -128,11 +128,11 @@ def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -
 
 def is_level(T_W: list[float], stop: float) -> bool:
     """Whether totals ``T_W`` are level for a fill: max <= ``stop`` * mean (the mean added left
-    to right, ``_fold_sum``); a pass starts only from totals that are not."""
-    return max(T_W) <= stop * (_fold_sum(T_W) / len(T_W))
+    to right, ``fold_sum``); a pass starts only from totals that are not."""
+    return max(T_W) <= stop * (fold_sum(T_W) / len(T_W))
 
 
-def _fold_sum(xs: Iterable[float]) -> float:
+def fold_sum(xs: Iterable[float]) -> float:
     """The floats added left to right from 0.0: Python 3.11's ``sum``, which Python >= 3.12
     replaced by a compensated sum; the compiled fill (``native/level_fill.cpp``) adds the same
     way, so the two agree bit for bit on every Python."""
@@ -191,7 +191,7 @@ def _level(
     (a fresh donor's expert has no other holder: its rows reach one more receiver than the
     receivers counted, one more copy). d decreases; its breakpoints: T_r - avail_r * save_r
     and T_r (slope changes; at T_r a drop of J when fresh), start_r (slope change)."""
-    jump = copy * len(cost_W) / _fold_sum(cost_W)
+    jump = copy * len(cost_W) / fold_sum(cost_W)
     points = []  # (L, change of d's slope there, drop of d there), by rank
     d0 = 0.0  # d left of every breakpoint: every offer shed in full, every fresh copy counted
     for r, (T, avail, save, start, cost) in enumerate(

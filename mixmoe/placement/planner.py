@@ -33,8 +33,9 @@ from mixmoe.placement.cost_model import (
     step_model,
 )
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
-from mixmoe.placement.level_fill import is_level, level_fill
+from mixmoe.placement.level_fill import fold_sum, is_level, level_fill
 from mixmoe.placement.native_fill import filled
+from mixmoe.placement.native_planner import planned
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.range_state import RangeState, start_relay
@@ -154,6 +155,12 @@ def plan_mix(
         raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
+    if fill == "level" and node_distance(profile) is None:  # compiled whole where it can run
+        constants = (BALANCED, FILL_STOP, SPREAD_WHEN, LEVEL_PASSES)
+        plan = planned(counts_WN, shape, profile, slots, overlap, search_width, block_size,
+                       balance, constants)  # fmt: skip
+        if plan is not None:
+            return plan
     counted = counts_with_sums(counts_WN, shape)  # checked and summed once for every candidate
     C_WN, *sums = counted
     # the aggregates with nothing replicated: the replica search (but on its tiny-problem lists)
@@ -185,7 +192,7 @@ def plan_mix(
         if pred.step_s < best.prediction.step_s:
             best = shadow.priced(pred, best.baseline)
     totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
-    if not balance or max(totals) <= BALANCED * sum(totals) / W:
+    if not balance or max(totals) <= BALANCED * fold_sum(totals) / W:
         return best  # balanced already: water-filling has little to win (planning time)
     with _collector_paused():  # the search allocates ~10**4-10**5 short-lived containers
         start_loads = {}  # the fills' start loads under relay pricing, by start (key: its hot)
@@ -238,7 +245,7 @@ def plan_mix(
         # candidate's fill looked level against its own mean): the kept fill, from nothing
         # replicated, its new holders keeping only the whole blocks of their own rows that fit
         # (``Plan.kept``); it wins only with a lower prediction
-        base_mean = sum(map(float.__add__, best.baseline.compute_s, best.baseline.comm_s)) / W
+        base_mean = fold_sum(map(float.__add__, best.baseline.compute_s, best.baseline.comm_s)) / W
         if fill == "level" and (stalled or not from_none) and won_step > FILL_STOP * base_mean:
             state = _water_fill(C_WN, colsum_N, shape, model, {}, slots, block_size, profile,
                                 won_step, fill, None, base_4W, kept=True)  # fmt: skip
@@ -306,9 +313,9 @@ def _collector_paused() -> Iterator[None]:
 def _fill_mean(fill: WaterFill | RangeState | None, best: Plan) -> float:
     """The mean rank total (s) of the fill's search, or of the best candidate's prediction."""
     if fill is not None:
-        return sum(fill.totals) / len(fill.totals)
+        return fold_sum(fill.totals) / len(fill.totals)
     totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
-    return sum(totals) / len(totals)
+    return fold_sum(totals) / len(totals)
 
 
 def _fill_plan(fill: WaterFill | RangeState) -> Plan:

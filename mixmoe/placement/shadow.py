@@ -91,10 +91,7 @@ def shadow_hot(
     W, E = shape.world_size, shape.experts_per_rank
     if W == 1:
         return ()
-    t_row_feat = (
-        shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
-    )
-    t_model = shape.params_bytes_per_expert / profile.link_bandwidth
+    t_row_feat, t_model = shadow_terms(shape, profile)
     if W > LIST_SHADOW_W:
         return _shadow_hot_tensor(C_WN, E, load_N, own_N, t_row_feat, t_model)
     load_W = load_N.view(W, E).sum(1).tolist()  # rows computed at each rank (int64 sums)
@@ -113,6 +110,14 @@ def shadow_hot(
         best, load_W = lat, trial_W
         shadowed.append(g)
     return tuple(sorted(shadowed))
+
+
+def shadow_terms(shape: LayerShape, profile: HardwareProfile) -> tuple[float, float]:
+    """``shadow_hot``'s two costs (s): a row's compute and feature traffic, an expert's copy."""
+    t_row_feat = (
+        shape.flops_per_row / profile.gemm_flops + 4 * shape.row_bytes / profile.link_bandwidth
+    )
+    return t_row_feat, shape.params_bytes_per_expert / profile.link_bandwidth
 
 
 LIST_SHADOW_W = 64  # ranks up to which shadow_hot tries experts on Python lists

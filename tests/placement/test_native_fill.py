@@ -23,7 +23,7 @@ from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape
 from mixmoe.placement.cost_model import plan_pricing, step_model
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
-from mixmoe.placement.level_fill import OFFERED, _fold_sum, level_fill
+from mixmoe.placement.level_fill import OFFERED, fold_sum, level_fill
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import _NO_PREDICTION, plan_mix
 from mixmoe.placement.profile_io import load_profile
@@ -236,7 +236,7 @@ def test_a_level_start_is_left_to_the_python_state():
     pass would run) and the Python state moves nothing; with a tighter stop it fills."""
     args = _hot_args()
     T = RangeState(*args).totals
-    loose = max(T) / (_fold_sum(T) / len(T))  # the start's max over its mean, as the fill adds
+    loose = max(T) / (fold_sum(T) / len(T))  # the start's max over its mean, as the fill adds
     assert native.filled(*args, 6, loose) is None
     slow = RangeState(*args)
     assert level_fill(slow, 6, loose) == 0

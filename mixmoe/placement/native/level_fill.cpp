@@ -422,7 +422,7 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
   return moved;
 }
 
-double fold_sum(const std::vector<double>& xs) {  // level_fill._fold_sum: left to right
+double fold_sum(const std::vector<double>& xs) {  // level_fill.fold_sum: left to right
   double s = 0.0;
   for (double x : xs) s += x;
   return s;

@@ -1,0 +1,295 @@
+// mixmoe.placement.planner.plan_mix compiled: the whole mixed plan in one call (one link,
+// fill="level"), from the parts declared in pricing.h, replica_search.h, candidates.h and
+// level_fill.h.
+//
+// Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64, C[s*N + g]
+// = rows rank s routes to expert g; g's owner is g / E). A candidate: a plan (replicas, relay,
+// ranges, kept) with its Prediction.
+//
+// The same steps as plan_mix, in the same order, with the same comparisons (common.h: every part
+// is its Python's twin bit for bit), so the plan it returns is plan_mix's: the best of the source
+// replicas (replica_search) and FasterMoE's shadowing (shadow_hot), then, unless that is balanced
+// already, level fills from the best candidate, from nothing replicated, from the spread start and
+// the kept fill, the winner's plan kept only when its price is strictly below the best
+// candidate's. tests/placement/test_native_planner.py compares the plans with plan_mix's Python
+// path (MIXMOE_NATIVE=0) field by field, floats bit for bit.
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "candidates.h"
+#include "common.h"
+#include "level_fill.h"
+#include "pricing.h"
+#include "replica_search.h"
+
+namespace {
+
+using namespace mixmoe_native;
+
+struct Settings {  // plan_mix's arguments and module constants
+  int64_t slots, width, blk, passes;
+  bool balance;
+  double balanced, fill_stop, spread_when;  // BALANCED, FILL_STOP, SPREAD_WHEN
+  double t_row_feat, t_model;               // shadow_hot's floats
+};
+
+struct Candidate {  // a priced plan (Plan's fields)
+  Replicas replicas;
+  bool relay = false;
+  ExpertEntries ranges, kept;
+  Prediction pred;
+};
+
+struct Filled {  // a fill that moved rows, with what plan_mix reads of it
+  FillOut out;
+  double step;   // planner._fill_step
+  bool stalled;  // planner._stalled
+};
+
+double fold_sum(const std::vector<double>& xs) {  // Python's left-to-right sum (level_fill.fold_sum)
+  double s = 0.0;
+  for (double x : xs) s = s + x;
+  return s;
+}
+
+std::vector<double> totals_of(const Prediction& p) {  // compute_s + comm_s per rank
+  std::vector<double> t(p.compute.size());
+  for (size_t r = 0; r < t.size(); ++r) t[r] = p.compute[r] + p.comm[r];
+  return t;
+}
+
+double max_of(const std::vector<double>& xs) { return *std::max_element(xs.begin(), xs.end()); }
+
+bool any_nonzero(const std::vector<int64_t>& xs) {
+  return std::any_of(xs.begin(), xs.end(), [](int64_t x) { return x != 0; });
+}
+
+class Planner {
+ public:
+  Planner(const Counts& k, const Model& m, const Baseline& base, const Settings& s)
+      : k_(k), m_(m), base_(base), s_(s) {}
+
+  // planner._water_fill (fill="level", one link): the fill from `start` (holders) whose loads
+  // are `loads` (nullptr: priced here under relay; nothing replicated: the baseline's), or
+  // nothing when the start is level or no piece moved.
+  std::optional<Filled> water_fill(const Replicas& start, const Loads* loads, bool kept) const {
+    Loads priced;
+    if (loads == nullptr) {
+      if (start.empty()) {
+        loads = &base_.loads;  // nothing replicated, one link: plan_pricing's loads are these
+      } else {
+        plan_pricing(k_, base_, start, true, {}, {}, priced);
+        loads = &priced;
+      }
+    }
+    const bool any_remote = any_nonzero(loads->remote);
+    const FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept};
+    FillOut out = level_fill(k_, base_.colsum, m_, start, any_remote, *loads, fs);
+    if (out.moves <= 0) return std::nullopt;  // -2: a level start; 0: nothing moved
+    const double step = fill_step(out, any_remote);
+    // planner._stalled: the max total (first max) at a rank the fill overshot
+    const auto top = std::max_element(out.totals.begin(), out.totals.end()) - out.totals.begin();
+    const bool stalled = out.overshot[static_cast<size_t>(top)] != 0;
+    return Filled{std::move(out), step, stalled};
+  }
+
+  // planner._fill_step on one link: the fill's max total when its remote flag is the one it ran
+  // with; else every rank's seconds under the flag of its loads
+  double fill_step(const FillOut& out, bool any_remote) const {
+    const bool now = any_nonzero(out.loads.remote);
+    if (now == any_remote) return max_of(out.totals);
+    double step = -INF;
+    for (size_t r = 0; r < out.totals.size(); ++r) {
+      const auto [compute, comm] = m_.seconds(out.loads.rows[r], out.loads.local[r],
+                                              out.loads.remote[r], out.loads.replica[r], now,
+                                              out.rounds);
+      step = std::max(step, compute + comm);
+    }
+    return step;
+  }
+
+  Candidate priced(Replicas replicas, bool relay, ExpertEntries ranges, ExpertEntries kept) const {
+    Loads loads;
+    const int64_t rounds = plan_pricing(k_, base_, replicas, relay, ranges, kept, loads);
+    return Candidate{std::move(replicas), relay, std::move(ranges), std::move(kept),
+                     predict(m_, loads, rounds)};
+  }
+
+  // plan_mix from replica_search's candidate on (planner.py, step for step)
+  Candidate plan(const Prediction& baseline) const {
+    const int64_t W = k_.W, E = k_.E;
+    Candidate best{{}, false, {}, {}, baseline};
+    int64_t moved = 0;  // remote rows in the group: plan_replicas' total_remote
+    for (int64_t g = 0; g < k_.N; ++g) moved += base_.colsum[g] - base_.own[g];
+    if (s_.slots > 0 && W > 1 && moved > 0) {  // plan_replicas
+      Loads loads = base_.loads;
+      Replicas accepted = replica_search(k_, m_, base_.colsum, loads, s_.slots, s_.width);
+      if (!accepted.empty()) best = Candidate{std::move(accepted), false, {}, {}, predict(m_, loads, -1)};
+    }
+    if (W == 1 || s_.slots == 0) return best;
+    std::vector<int64_t> hot = shadow_hot(k_, base_.colsum, base_.own, s_.t_row_feat, s_.t_model);
+    if (!hot.empty() && static_cast<int64_t>(hot.size()) <= s_.slots) {  // shadow fits the budget
+      Replicas shadow;
+      for (int64_t g : hot) {
+        std::vector<int64_t> everyone;  // every rank but the owner
+        for (int64_t r = 0; r < W; ++r)
+          if (r != g / E) everyone.push_back(r);
+        shadow.emplace_back(g, std::move(everyone));
+      }
+      Candidate c = priced(std::move(shadow), false, {}, {});
+      if (c.pred.step < best.pred.step) best = std::move(c);
+    }
+    const std::vector<double> totals = totals_of(best.pred);
+    if (!s_.balance || max_of(totals) <= s_.balanced * fold_sum(totals) / static_cast<double>(W))
+      return best;  // balanced already
+    std::optional<Loads> relay_loads;  // the best candidate's loads under relay
+    if (!best.replicas.empty()) {
+      Loads loads;
+      const int64_t rounds = plan_pricing(k_, base_, best.replicas, true, {}, {}, loads);
+      const Prediction p = predict(m_, loads, rounds);
+      relay_loads = std::move(loads);
+      if (p.step < best.pred.step) {
+        best.relay = true;
+        best.pred = p;
+      }
+    }
+    std::optional<Filled> won;
+    double won_step = best.pred.step;
+    bool stalled = false, from_none = false;
+    const auto mean = [&]() {  // planner._fill_mean
+      const std::vector<double> t = won ? won->out.totals : totals_of(best.pred);
+      return fold_sum(t) / static_cast<double>(t.size());
+    };
+    const auto consider = [&](std::optional<Filled>&& f, bool counts_stall) {
+      if (!f) return;
+      if (counts_stall) stalled = stalled || f->stalled;
+      if (f->step < won_step) {
+        won_step = f->step;
+        won = std::move(f);
+      }
+    };
+    std::vector<Replicas> starts{best.replicas};
+    if (!best.replicas.empty()) starts.emplace_back();
+    for (const Replicas& start : starts) {
+      from_none = from_none || start.empty();
+      const Loads* loads = !start.empty() && relay_loads ? &*relay_loads : nullptr;
+      consider(water_fill(start, loads, false), true);
+      if (won_step <= s_.balanced * mean()) break;
+    }
+    if (won_step > s_.spread_when * mean()) {  // experts too heavy for one helper at a time
+      const Replicas spread = spread_start(k_, base_.colsum, s_.slots);
+      if (!spread.empty()) consider(water_fill(spread, nullptr, false), true);
+    }
+    const double base_mean = fold_sum(totals_of(baseline)) / static_cast<double>(W);
+    if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
+      consider(water_fill({}, nullptr, true), false);  // the kept fill
+    if (!won) return best;
+    Candidate plan = priced(std::move(won->out.replicas), true, std::move(won->out.ranges),
+                            std::move(won->out.kept));
+    if (!(plan.pred.step < best.pred.step)) return best;  // the guarantee holds on the price
+    return plan;
+  }
+
+ private:
+  const Counts& k_;
+  const Model& m_;
+  const Baseline& base_;
+  const Settings& s_;
+};
+
+// Writes groups [g, k, entries...] (`put` writes one entry); returns the ints written.
+template <typename Groups, typename Put>
+int64_t put_groups(const Groups& groups, int64_t* o, Put put) {
+  int64_t* start = o;
+  for (const auto& [g, entries] : groups) {
+    *o++ = g;
+    *o++ = static_cast<int64_t>(entries.size());
+    for (const auto& e : entries) o = put(e, o);
+  }
+  return o - start;
+}
+
+int64_t group_ints(const Replicas& r) {
+  int64_t n = 0;
+  for (const auto& [g, h] : r) n += 2 + static_cast<int64_t>(h.size());
+  return n;
+}
+
+int64_t group_ints(const ExpertEntries& x) {
+  int64_t n = 0;
+  for (const auto& [g, e] : x) n += 2 + 2 * static_cast<int64_t>(e.size());
+  return n;
+}
+
+// Prediction p as ints [token_bytes, weight_bytes, rows] (3W) and reals [compute, comm] (2W),
+// its step after them.
+void put_prediction(const Prediction& p, int64_t W, int64_t* oi, double* od) {
+  std::copy(p.token_bytes.begin(), p.token_bytes.end(), oi);
+  std::copy(p.weight_bytes.begin(), p.weight_bytes.end(), oi + W);
+  std::copy(p.rows.begin(), p.rows.end(), oi + 2 * W);
+  std::copy(p.compute.begin(), p.compute.end(), od);
+  std::copy(p.comm.begin(), p.comm.end(), od + W);
+  od[2 * W] = p.step;
+}
+
+}  // namespace
+
+extern "C" {
+
+// plan_mix(C, shape, profile, max_replicas, overlap, search_width=, block_size=, balance=,
+// fill="level") on one link. Inputs: C (int64 [W, N], the caller checked shape and type);
+//   ints:  W, E, slots (replica_slots), width, blk, passes (LEVEL_PASSES), balance, then
+//          Model::from's 5 ints;
+//   reals: Model::from's 7 reals, then BALANCED, FILL_STOP, SPREAD_WHEN, t_row_feat, t_model.
+// Outputs: out_i: the plan's replicas [g, k, holders], ranges and kept [g, k, (y, n) x k]
+// sections, then its prediction's and its baseline's [token_bytes, weight_bytes, rows] (3W each);
+// out_d: the prediction's then the baseline's [compute, comm] (2W) and step; counts: the three
+// sections' lengths and the relay flag. Returns 0; -1: a negative count, -2: counts or model
+// terms too large for exact float arithmetic (StepModel.check_exact), -3: out_i too small; the
+// caller's Python then raises its error (nothing written is meaningful).
+int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* reals,
+                        int64_t* out_i, int64_t cap_i, double* out_d, int64_t* counts) {
+  const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
+  const Model m = Model::from(ints + 7, reals);
+  const Settings s{ints[2], ints[3], ints[4], ints[5], ints[6] != 0, reals[7], reals[8],
+                   reals[9], reals[10], reals[11]};
+  Baseline base;
+  if (!baseline(k, base)) return -1;
+  __int128 rows = 0;  // StepModel.check_exact(max(2 * sum(colsum), W * N)), as plan_replicas runs it
+  for (int64_t x : base.colsum) rows += x;
+  const __int128 limit = static_cast<__int128>(1) << 53;
+  if (2 * rows >= limit || static_cast<__int128>(k.W) * k.N >= limit || m.fpr >= limit ||
+      m.tbr >= limit || m.P >= limit)
+    return -2;
+  const Prediction baseline = predict(m, base.loads, -1);
+  const Candidate plan = Planner(k, m, base, s).plan(baseline);
+  const int64_t W = k.W;
+  const int64_t need = group_ints(plan.replicas) + group_ints(plan.ranges) +
+                       group_ints(plan.kept) + 6 * W;
+  if (need > cap_i) return -3;
+  int64_t* o = out_i;
+  counts[0] = put_groups(plan.replicas, o, [](int64_t h, int64_t* p) {
+    *p++ = h;
+    return p;
+  });
+  o += counts[0];
+  const auto pair = [](const std::pair<int64_t, int64_t>& e, int64_t* p) {
+    *p++ = e.first;
+    *p++ = e.second;
+    return p;
+  };
+  counts[1] = put_groups(plan.ranges, o, pair);
+  o += counts[1];
+  counts[2] = put_groups(plan.kept, o, pair);
+  o += counts[2];
+  counts[3] = plan.relay;
+  put_prediction(plan.pred, W, o, out_d);
+  put_prediction(baseline, W, o + 3 * W, out_d + 2 * W + 1);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,116 @@
+"""``plan_mix`` compiled whole: ``native/plan_mix.cpp`` in the planner's library (``native_lib``).
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN.
+
+At W <= 64 the Python ``plan_mix`` is a few milliseconds of small steps (candidates, pricing,
+fills, plan building: each ~0.1-1 ms of interpreter work), ~10x its target of 0.25 ms; the C++
+runs the same steps with the same arithmetic (``native/common.h``), so it returns the same
+``Plan``, floats bit for bit (``tests/placement/test_native_planner.py`` compares them with the
+Python path under ``MIXMOE_NATIVE=0``). ``planned`` returns None where the C++ does not run (the
+caller then plans in Python): the library unavailable or off (``native_lib``), counts that are
+not a tensor, a profile with a topology, ``fill="moves"``, model terms not of the types the
+exact products assume, or counts the Python rejects (negative, too large for exact arithmetic:
+its error is raised there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from mixmoe.placement import native_lib
+from mixmoe.placement.cost_model import LayerShape, Prediction, step_model
+from mixmoe.placement.counts import counts_tensor_unsigned
+from mixmoe.placement.native_lib import P as _P
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.shadow import shadow_terms
+
+__all__ = ["planned"]
+
+_ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P]
+
+
+def planned(
+    counts_WN: object,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    slots: int,
+    overlap: bool,
+    search_width: int,
+    block_size: int,
+    balance: bool,
+    constants: tuple[float, float, float, int],
+) -> Plan | None:
+    """``plan_mix(counts_WN, shape, profile, max_replicas, overlap, search_width=...,
+    block_size=..., balance=..., fill="level")`` on one link, compiled; ``slots``: its
+    ``replica_slots``; ``constants``: the planner's (BALANCED, FILL_STOP, SPREAD_WHEN,
+    LEVEL_PASSES). None where the compiled planner does not run (module doc)."""
+    if not isinstance(counts_WN, torch.Tensor):
+        return None
+    fn = native_lib.function("mixmoe_plan_mix", ctypes.c_int64, _ARGTYPES)
+    if fn is None:
+        return None
+    model = step_model(shape, profile, overlap)
+    terms = native_lib.model_args(model)
+    if terms is None:
+        return None
+    C_WN = counts_tensor_unsigned(counts_WN, shape)  # the checks but the signs (the C++'s)
+    W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
+    balanced, fill_stop, spread_when, passes = constants
+    model_i, model_d = terms
+    ints = [W, E, slots, search_width, block_size, passes, int(balance), *model_i]
+    reals = [*model_d, balanced, fill_stop, spread_when, *shadow_terms(shape, profile)]
+    # each rank holds at most `slots` replicas: holders, ranges and kept entries are bounded
+    # by W * slots, their groups by N each
+    out_i = torch.empty(6 * N + 5 * W * slots + 6 * W + 16, dtype=torch.int64)
+    out_d = torch.empty(4 * W + 2, dtype=torch.float64)
+    counts = (ctypes.c_int64 * 4)()
+    status = fn(
+        C_WN.data_ptr(), (ctypes.c_int64 * len(ints))(*ints),
+        (ctypes.c_double * len(reals))(*reals), out_i.data_ptr(), out_i.numel(),
+        out_d.data_ptr(), counts,
+    )  # fmt: skip
+    if status in (-1, -2):  # negative or too large counts: the Python raises its error
+        return None
+    if status != 0:  # cannot happen with the capacity above (the C++ counts before writing)
+        raise RuntimeError(f"native plan_mix: status {status}")
+    n_rep, n_ranges, n_kept, relay = counts
+    flat = out_i[: n_rep + n_ranges + n_kept + 6 * W].tolist()
+    replicas = tuple((g, tuple(h)) for g, h in _groups(flat, 0, n_rep, 1))
+    ranges = tuple(_pairs(flat, n_rep, n_ranges))
+    kept = tuple(_pairs(flat, n_rep + n_ranges, n_kept))
+    at, reals_out = n_rep + n_ranges + n_kept, out_d.tolist()
+    prediction = _prediction(flat[at : at + 3 * W], reals_out[: 2 * W + 1], W)
+    baseline = _prediction(flat[at + 3 * W : at + 6 * W], reals_out[2 * W + 1 :], W)
+    hot = tuple(g for g, _ in replicas)
+    return Plan(hot, replicas, prediction, baseline, relay=bool(relay), ranges=ranges, kept=kept)
+
+
+def _groups(flat: list[int], at: int, length: int, width: int):
+    """(g, values) of each group [g, k, values...] of ``flat[at : at + length]``, k entries of
+    ``width`` ints each."""
+    end = at + length
+    while at < end:
+        g, k = flat[at], flat[at + 1]
+        yield g, flat[at + 2 : at + 2 + width * k]
+        at += 2 + width * k
+
+
+def _pairs(flat: list[int], at: int, length: int):
+    """``_groups`` of (rank, rows) pairs as Plan.ranges / Plan.kept entries."""
+    for g, v in _groups(flat, at, length, 2):
+        yield g, tuple(zip(v[::2], v[1::2], strict=True))
+
+
+def _prediction(ints: list[int], reals: list[float], W: int) -> Prediction:
+    """A Prediction from [token_bytes, weight_bytes, rows] and [compute, comm, step]."""
+    return Prediction(
+        compute_s=tuple(reals[:W]),
+        comm_s=tuple(reals[W : 2 * W]),
+        token_bytes=tuple(ints[:W]),
+        weight_bytes=tuple(ints[W : 2 * W]),
+        rows=tuple(ints[2 * W :]),
+        step_s=reals[2 * W],
+    )

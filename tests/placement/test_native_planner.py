@@ -1,0 +1,160 @@
+"""``plan_mix`` compiled whole (``mixmoe.placement.native_planner``, ``native/plan_mix.cpp``)
+against its slow twin, the Python ``plan_mix`` (``MIXMOE_NATIVE=0``: every compiled part off):
+the same ``Plan`` field by field, floats bit for bit (compared as hex), on the workloads the
+balance benchmark runs and on random adversarial counts; plus where it must not run (the Python
+plans, or raises its error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import mixmoe.placement.native_lib as lib
+import mixmoe.placement.native_planner as native_planner
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
+from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape, plan_mix
+from mixmoe.placement.profile_io import load_profile
+
+IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)
+FIXED = dataclasses.replace(IB, row_overhead_s=1e-8, replica_fixed_s=2e-5, step_fixed_s=1e-4)
+CHEAP_LINK = HardwareProfile("cheap-link", 1e12, 1e13, 1e-9)  # compute-bound: a row costs ~a
+SEEDS = (1024, 4096, 2, 2)  # model_dim, hidden_dim, top_k, bytes per element
+DEEPSEEK = (2048, 1024, 8, 2)
+
+
+def _canon(x: object) -> str:
+    """A value as text, floats in hex (so equal text is equal bits), dataclasses by field."""
+    if isinstance(x, float):
+        return x.hex()
+    if isinstance(x, (tuple, list)):
+        return "(" + ",".join(map(_canon, x)) + ")"
+    if dataclasses.is_dataclass(x):
+        fields = dataclasses.fields(x)
+        return "{" + ",".join(f"{f.name}={_canon(getattr(x, f.name))}" for f in fields) + "}"
+    return f"{type(x).__name__}:{x!r}"
+
+
+def _both(monkeypatch, counts, shape, profile, *args, **kwargs):
+    """(compiled plan, Python plan) of the same call; asserts the compiled planner ran."""
+    ran = []
+    real = native_planner.planned
+
+    def spy(*a, **k):
+        plan = real(*a, **k)
+        ran.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr("mixmoe.placement.planner.planned", spy)
+    fast = plan_mix(counts, shape, profile, *args, **kwargs)
+    assert ran == [True], "the compiled planner did not run"
+    with monkeypatch.context() as m:
+        m.setenv(lib.ENV_OFF, "0")
+        slow = plan_mix(counts, shape, profile, *args, **kwargs)
+    return fast, slow
+
+
+def _shape(dims: tuple, E: int, W: int, gemms: int = 2) -> LayerShape:
+    D, F, _, nbytes = dims
+    return LayerShape(D, F, E, W, nbytes, gemms_per_expert=gemms)
+
+
+def test_the_compiled_planner_is_built_here():
+    """CI and every machine with a C++ compiler plan with the compiled planner."""
+    assert lib.available(), lib.unavailable_reason()
+
+
+@pytest.mark.parametrize(
+    "routing", ["uniform", "zipf:1.2", "zipf:2.0", "hot:0.3", "hot:0.5", "hotset:8:0.5"]
+)
+def test_equals_the_python_plan_on_the_benchmark_workloads(monkeypatch, routing):
+    """Both shapes, W = 2-160, the presets a user picks and a profile with fixed costs."""
+    spec = RoutingSpec.parse(routing)
+    cases = [
+        (SEEDS, 4, 2, GPU_PROFILE), (SEEDS, 4, 8, GPU_PROFILE), (SEEDS, 4, 64, GPU_PROFILE),
+        (SEEDS, 2, 16, CPU_PROFILE), (SEEDS, 8, 24, FIXED), (SEEDS, 1, 160, IB),
+        (DEEPSEEK, 32, 8, load_profile("h100-nvlink")), (DEEPSEEK, 4, 64, GPU_PROFILE),
+        (SEEDS, 3, 5, CHEAP_LINK),
+    ]  # fmt: skip
+    for i, (dims, E, W, profile) in enumerate(cases):
+        gen = torch.Generator().manual_seed(i)
+        top_k = dims[2]
+        counts = synthetic_counts(spec, W, 4096, top_k, W * E, gen, shuffle_experts=i % 2 == 0)
+        shape = _shape(dims, E, W, 3 if dims is DEEPSEEK else 2)
+        fast, slow = _both(monkeypatch, counts, shape, profile, 4)
+        assert _canon(fast) == _canon(slow), (routing, W, E, profile.name)
+
+
+def test_equals_the_python_plan_on_random_counts(monkeypatch):
+    """Small adversarial counts: zeros, empty ranks, one hot segment, ties; every knob of
+    plan_mix (budget, search width, block size, overlap, balance)."""
+    rng = random.Random(7)
+    profiles = [GPU_PROFILE, CPU_PROFILE, FIXED, CHEAP_LINK, IB]
+    for case in range(120):
+        W, E = rng.randint(2, 12), rng.choice([1, 2, 3, 4])
+        kind = case % 4
+        C = torch.tensor([[rng.randrange(0, 300) for _ in range(W * E)] for _ in range(W)])
+        if kind == 1:  # empty ranks
+            C[rng.randrange(W)] = 0
+            C[:, rng.randrange(W * E)] = 0
+        elif kind == 2:  # one hot segment
+            C[rng.randrange(W), rng.randrange(W * E)] += rng.randrange(2000, 20000)
+        elif kind == 3:  # ties
+            C = torch.full((W, W * E), rng.choice([0, 64, 100]))
+            C[0, 0] += 640
+        shape = LayerShape(rng.choice([64, 256, 1024]), 512, E, W, 2)
+        kwargs = {
+            "overlap": rng.random() < 0.7,
+            "search_width": rng.choice([1, 2, 8]),
+            "block_size": rng.choice([1, 16, 64]),
+            "balance": rng.random() < 0.9,
+        }
+        budget = rng.choice([0, 1, 2, 4, 8])
+        fast, slow = _both(monkeypatch, C, shape, rng.choice(profiles), budget, **kwargs)
+        assert _canon(fast) == _canon(slow), (case, W, E, budget, kwargs)
+
+
+def test_where_it_does_not_run_the_python_plans(monkeypatch):
+    """Counts as nested lists, a profile with a topology, ``fill="moves"``: the Python plans
+    (``planned`` not called, or None); the plans equal the compiled ones where both apply."""
+    gen = torch.Generator().manual_seed(1)
+    counts = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 8, 4096, 2, 32, gen)
+    shape = _shape(SEEDS, 4, 8)
+    assert native_planner.planned(counts.tolist(), shape, GPU_PROFILE, 8, True, 8, 64, True,
+                                  (1.02, 1.02, 1.05, 6)) is None  # fmt: skip
+    assert plan_mix(counts.tolist(), shape, GPU_PROFILE, 4) == plan_mix(
+        counts, shape, GPU_PROFILE, 4
+    )
+    calls = []
+    monkeypatch.setattr("mixmoe.placement.planner.planned", lambda *a, **k: calls.append(1) or None)
+    plan_mix(counts, shape, load_profile("h100-nvlink-ib"), 4)
+    plan_mix(counts, shape, GPU_PROFILE, 4, fill="moves")
+    assert calls == []
+
+
+def test_bad_counts_get_the_python_errors():
+    """A negative count, a float tensor, a wrong shape, counts too large for exact arithmetic:
+    the same errors as the Python planner's."""
+    shape = _shape(SEEDS, 2, 4)
+    C = torch.ones(4, 8, dtype=torch.int64)
+    C[2, 5] = -3
+    with pytest.raises(ValueError, match=r"counts_WN\[2\]\[5\] = -3 is negative"):
+        plan_mix(C, shape, GPU_PROFILE, 4)
+    with pytest.raises(TypeError, match="must hold integers"):
+        plan_mix(torch.ones(4, 8), shape, GPU_PROFILE, 4)
+    with pytest.raises(ValueError, match="expected"):
+        plan_mix(torch.ones(4, 9, dtype=torch.int64), shape, GPU_PROFILE, 4)
+    with pytest.raises(ValueError, match="too large for exact"):
+        plan_mix(torch.full((4, 8), 2**50, dtype=torch.int64), shape, GPU_PROFILE, 4)
+
+
+def test_int32_counts_plan_as_int64(monkeypatch):
+    """Counts of another integer type are converted once: the same plan."""
+    gen = torch.Generator().manual_seed(2)
+    counts = synthetic_counts(RoutingSpec.parse("hot:0.3"), 8, 4096, 2, 32, gen)
+    shape = _shape(SEEDS, 4, 8)
+    fast, slow = _both(monkeypatch, counts.to(torch.int32), shape, GPU_PROFILE, 4)
+    assert _canon(fast) == _canon(slow) == _canon(plan_mix(counts, shape, GPU_PROFILE, 4))

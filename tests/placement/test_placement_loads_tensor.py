@@ -194,8 +194,10 @@ def test_seconds_fn_equals_rank_seconds_bit_for_bit(
 def test_shadow_tensor_search_equals_the_list_twin(monkeypatch) -> None:
     """``shadow_hot``'s tensor search (``LIST_SHADOW_W`` = 0) against the list twin
     (``plan_shadow_lists``) on skewed random counts that shadow several experts, ties
-    included (small counts)."""
+    included (small counts). The compiled search off (``MIXMOE_NATIVE=0``: shadow_hot would
+    run it first; ``test_native_candidates`` compares it with both Python searches)."""
     monkeypatch.setattr(shadow_module, "LIST_SHADOW_W", 0)
+    monkeypatch.setenv("MIXMOE_NATIVE", "0")
     shadowed = 0
     for seed in range(24):
         gen = torch.Generator().manual_seed(seed)

@@ -35,6 +35,7 @@ from mixmoe.placement.cost_model import (
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
 from mixmoe.placement.level_fill import is_level, level_fill
 from mixmoe.placement.native_fill import filled
+from mixmoe.placement.native_pricing import counted_baseline
 from mixmoe.placement.native_pricing import prediction as compiled_prediction
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
@@ -69,9 +70,13 @@ def plan_none(
     dispatcher does not overlap the exchange with local compute). prediction == baseline.
     """
     model = step_model(shape, profile, overlap)
-    # vectorised: no W x N Python lists at scale; one pass over C
-    C_WN, *sums = counts_with_sums(counts_WN, shape)
-    loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank, sums)
+    # vectorised: no W x N Python lists at scale; one pass over C (compiled where it can run)
+    both = counted_baseline(counts_WN, shape)
+    if both is not None:
+        (C_WN, *_), (loads_4W, colsum_N, _) = both
+    else:
+        C_WN, *sums = counts_with_sums(counts_WN, shape)
+        loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), shape.world_size * shape.num_experts))
     if node_distance(profile) is not None:  # topology: inter-node rows at their own link
         none = Plan((), (), _NO_PREDICTION, _NO_PREDICTION)
@@ -155,11 +160,17 @@ def plan_mix(
         raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
-    counted = counts_with_sums(counts_WN, shape)  # checked and summed once for every candidate
-    C_WN, *sums = counted
-    # the aggregates with nothing replicated: the replica search (but on its tiny-problem lists)
-    # and every pricing below start from them
-    base = baseline_loads(C_WN, E, sums) if W * shape.num_experts > LIST_LIMIT else None
+    # checked and summed once for every candidate, with the aggregates with nothing replicated:
+    # the replica search (but on its tiny-problem lists) and every pricing below start from
+    # them; one compiled pass over C where it can run (``native_pricing.counted_baseline``)
+    both = counted_baseline(counts_WN, shape)
+    if both is not None:
+        counted, base = both
+        C_WN, *sums = counted
+    else:
+        counted = counts_with_sums(counts_WN, shape)
+        C_WN, *sums = counted
+        base = baseline_loads(C_WN, E, sums) if W * shape.num_experts > LIST_LIMIT else None
     best = plan_replicas(
         C_WN,
         shape,

@@ -131,6 +131,9 @@ def check_baseline(C_WN: torch.Tensor, E: int) -> None:
     want = (*baseline_loads(C_WN, E, (colsum, rowsum)), rowsum)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist()
+    (C, colsum2, rowsum2), base = native.counted_baseline(C_WN, shape)
+    assert C is C_WN and colsum2.tolist() == colsum.tolist() and rowsum2.tolist() == rowsum.tolist()
+    assert [x.tolist() for x in base] == [x.tolist() for x in want[:3]]
 
 
 def _recording(mp, seen: list) -> None:
@@ -295,8 +298,16 @@ def test_negative_counts_and_odd_layouts_fall_back():
     assert native.baseline(C, 2) is None
     with pytest.raises(ValueError, match=r"counts_WN\[2\]\[5\] = -1 is negative"):
         counts_with_sums(C, LayerShape(8, 8, 2, 4, 2))
+    assert native.counted_baseline(C, LayerShape(8, 8, 2, 4, 2)) is None
     C[2, 5] = 2**40  # above int32: the sign of every int64, not of its words
     check_baseline(C, 2)
+    C5 = torch.randint(0, 9, (5, 10))
+    C5[4, 7] = -(2**40)  # in a row past the blocks of four rows (W % 4)
+    assert native.baseline(C5, 2) is None
+    assert native.baseline(C5[:, :8].contiguous(), 2) is None  # N != W * E: not read
+    shape = LayerShape(8, 8, 2, 4, 2)  # counts not in the validated form: the Python checks
+    for odd in (C.tolist(), C.to(torch.int32), C.t().contiguous().t(), C[:3]):
+        assert native.counted_baseline(odd, shape) is None
     C = torch.randint(0, 9, (4, 8))
     base_4W, colsum_N, _ = baseline_loads(C, 2)
     plan = Plan((3,), ((3, (0, 2)),), P, P, relay=True)

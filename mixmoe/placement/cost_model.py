@@ -728,8 +728,8 @@ def _compiled_plan_loads(
     colsum_N: torch.Tensor | None,
 ) -> tuple[torch.Tensor, int] | None:
     """``plan_pricing`` of a plan without share entries on one link, compiled
-    (``native_pricing.plan_loads``: the same loads and rounds; measured ~3-4x faster than the
-    list code at W = 8..256, ~2.5x than the tensor code at W = 1024); None: run the Python."""
+    (``native_pricing.plan_loads``: the same loads and rounds; measured ~2-6x faster than the
+    list or tensor code on plan_mix's plans at W = 8..1024); None: run the Python."""
     from mixmoe.placement import native_pricing  # imported here: it imports this module
 
     return native_pricing.plan_loads(C_WN, plan, E, base_4W, colsum_N)

@@ -162,7 +162,8 @@ def plan_mix(
     slots = replica_slots(max_replicas, E)
     # checked and summed once for every candidate, with the aggregates with nothing replicated:
     # the replica search (but on its tiny-problem lists) and every pricing below start from
-    # them; one compiled pass over C where it can run (``native_pricing.counted_baseline``)
+    # them; one compiled pass over C where it can run (``native_pricing.counted_baseline``:
+    # measured ~3x faster at W = 8, ~1.5x at W = 1024, where C's 32 MiB cross the memory bus)
     both = counted_baseline(counts_WN, shape)
     if both is not None:
         counted, base = both
@@ -283,8 +284,8 @@ LIST_PREDICTION_W = 64  # ranks up to which a Prediction is priced on lists (_pr
 
 def _prediction(model: StepModel, loads_4W: torch.Tensor, rounds: int) -> Prediction:
     """``model.prediction_W(loads_4W, rounds)``: compiled with one link where it can run
-    (``native_pricing.prediction``: the same Prediction, measured ~2-4x faster at W = 8..256,
-    ~1.6x at W = 1024); else on Python lists (``prediction_lists``: the same floats, bit for
+    (``native_pricing.prediction``: the same Prediction, measured ~2.5-5x faster at W =
+    8..256, ~1.8x at W = 1024); else on Python lists (``prediction_lists``: the same floats, bit for
     bit) up to ``LIST_PREDICTION_W`` ranks with one link, where its ~20 tensor ops cost more
     than W scalar evaluations (measured ~80 vs ~25 us at W = 8)."""
     if loads_4W.shape[0] == 4:

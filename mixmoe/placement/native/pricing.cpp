@@ -27,7 +27,8 @@ using namespace mixmoe_native;
 
 // relay.near_relay(o, holders) of k >= 1 holders: (copies each holder sends + receives, rounds)
 std::pair<double, int64_t> near_relay(int64_t k) {
-  return k == 1 ? std::pair<double, int64_t>{1.0, 1} : std::pair<double, int64_t>{1.0 + grid(k - 1, k), 2};
+  if (k == 1) return {1.0, 1};
+  return {1.0 + grid(k - 1, k), 2};
 }
 
 // The holders of expert g in `replicas` (ascending by g), or null when g is not hot.
@@ -253,8 +254,9 @@ Prediction predict(const Model& model, const Loads& loads, int64_t rounds) {
     const double n = loads.replica[r];
     // whole copies: exact int products; the relay's fractional ones: the float product
     // rounded half to even (Python's round, std::nearbyint in the default rounding mode)
+    const double bytes = static_cast<double>(weight) * n;
     p.weight_bytes[r] = n == std::floor(n) ? weight * static_cast<int64_t>(n)
-                                           : static_cast<int64_t>(std::nearbyint(static_cast<double>(weight) * n));
+                                           : static_cast<int64_t>(std::nearbyint(bytes));
   }
   return p;
 }
@@ -279,7 +281,8 @@ int64_t mixmoe_baseline(const int64_t* C, int64_t W, int64_t E, double* loads_4W
   std::copy(base.own.begin(), base.own.end(), own_N);
   if (rowsum_W) {  // sent = remote - received + local, received = rows - local
     const Loads& l = base.loads;
-    for (int64_t r = 0; r < W; ++r) rowsum_W[r] = l.remote[r] - (l.rows[r] - l.local[r]) + l.local[r];
+    for (int64_t r = 0; r < W; ++r)
+      rowsum_W[r] = l.remote[r] - (l.rows[r] - l.local[r]) + l.local[r];
   }
   return 0;
 }

@@ -72,7 +72,9 @@ def _plans(draw):
 
 
 def _both(monkeypatch, fn):
-    """fn() on the list code, then on tensors."""
+    """fn() on the list code, then on tensors (the Python: the compiled pricing off, its own
+    twin tests in test_native_pricing.py)."""
+    monkeypatch.setenv("MIXMOE_NATIVE", "0")
     monkeypatch.setattr(cost_model, "LIST_PRICING_W", 10**9)
     lists = fn()
     monkeypatch.setattr(cost_model, "LIST_PRICING_W", 0)
@@ -97,6 +99,7 @@ def test_tensor_pricing_equals_the_list_code_bit_for_bit(case, with_base) -> Non
     assert got_rounds == want_rounds
     assert got_loads.tolist() == want_loads.tolist()
     # the column sums passed in (what plan_mix has) change nothing
+    mp.setenv("MIXMOE_NATIVE", "0")
     mp.setattr(cost_model, "LIST_PRICING_W", 0)
     try:
         summed, summed_rounds = plan_pricing(C, plan, E, base_4W=base, colsum_N=C.sum(0))

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from mixmoe.placement import native_search
 from mixmoe.placement.cost_model import LayerShape, Prediction, StepModel, step_model
 from mixmoe.placement.counts import baseline_loads, counts_as_lists, counts_with_sums
 from mixmoe.placement.plan import Plan
@@ -103,6 +104,12 @@ def plan_replicas(
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < lo:
             raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if native_search.available(model):  # compiled: the same plans (test_native_search.py)
+        plan = _plan_compiled(
+            counts_WN, shape, model, max_replicas, search_width, counted, baseline
+        )
+        if plan is not None:
+            return plan
     if shape.world_size * shape.num_experts <= LIST_LIMIT:
         return _plan_mix_lists(counts_WN, shape, model, max_replicas, search_width)
     C_WN, *sums = counted if counted is not None else counts_with_sums(counts_WN, shape)
@@ -145,6 +152,33 @@ def plan_replicas(
     # the last acceptance's seconds: the same flags as prediction_W's (remote rows are left
     # iff its expert did not hold the last ones; a replica exists)
     return _plan_of(search.accepted, model.pack(*search.seconds, search.loads_4W), baseline)
+
+
+def _plan_compiled(
+    counts_WN: object,
+    shape: LayerShape,
+    model: StepModel,
+    max_replicas: int,
+    width: int,
+    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    baseline: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> Plan | None:
+    """``plan_replicas`` with its search compiled (``native_search``, ``native_lib.available``):
+    the counts validated and summed as the Python paths do (the same errors), the search, the
+    loads and both predictions in one C++ call; None where ``native_search.searched`` is."""
+    C_WN, colsum_N, _ = counted if counted is not None else counts_with_sums(counts_WN, shape)
+    W, N = shape.world_size, shape.num_experts
+    model.check_exact(max(2 * int(colsum_N.sum()), W * N))
+    loads_4W = baseline[0] if baseline is not None else None  # None: built in the C++
+    found = native_search.searched(
+        C_WN, shape.experts_per_rank, model, max_replicas, width, colsum_N, loads_4W
+    )
+    if found is None:  # byte counts past int64: the Python paths price them as Python ints
+        return None
+    replicas, prediction, base = found
+    if not replicas:
+        return Plan((), (), base, base)
+    return _plan_of(dict(replicas), prediction, base)
 
 
 def _plan_of(

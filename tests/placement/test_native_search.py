@@ -251,3 +251,24 @@ def test_native_off_runs_python_and_plan_mix_is_unchanged(monkeypatch):
     assert not native.available(step_model(shape, GPU_PROFILE, True))
     assert native.searched(C, E, step_model(shape, GPU_PROFILE, True), 4, 8) is None
     assert plan_mix(C, shape, GPU_PROFILE, 4) == on
+
+
+def test_compiled_search_at_the_edges(monkeypatch):
+    """One rank, a cap of 0, and a cap and a width of 2**62 (clamped: they bind nothing; the
+    Python's tensor forms take them up to int64): the Python paths' plans."""
+    C = synthetic_counts(RoutingSpec.parse("hot:0.5"), 4, 512, 2, 8, torch.Generator())
+    shape = LayerShape(64, 256, 2, 4, 4)
+    for args, width in (
+        ((C[:1, :2], LayerShape(64, 256, 2, 1, 4), COMPUTE_BOUND, 4), 8),
+        ((C, shape, COMPUTE_BOUND, 0), 8),
+        ((C, shape, COMPUTE_BOUND, 2**62), 2**62),
+    ):
+        got = _compiled_plan(*args, search_width=width)
+        for path in PYTHON_PATHS:
+            _assert_same(got, _python_plan(monkeypatch, path, *args, search_width=width), path)
+    assert got.hot != ()  # the last case replicates
+    # past int64 (the host forms take any Python int)
+    got = _compiled_plan(C, shape, COMPUTE_BOUND, 10**30, search_width=10**30)
+    for path in ("lists", "host"):
+        want = _python_plan(monkeypatch, path, C, shape, COMPUTE_BOUND, 10**30, search_width=10**30)
+        _assert_same(got, want, path)

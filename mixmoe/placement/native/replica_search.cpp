@@ -17,9 +17,9 @@
 #include "replica_search.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <tuple>
-#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -31,9 +31,6 @@ using namespace mixmoe_native;
 
 constexpr int BOUND_INTERVALS = 32;  // replica_search._BOUND_INTERVALS
 
-// _sources_may_pass: whether some expert b does not own may bring b's total below best (false is
-// a proof that none can: b's row need not be scored). loads_b: b's (rows, local, remote,
-// replica); cmax: the most rows b sends to one expert of another rank.
 // StepModel.prediction_lists' seconds of loads (rounds None: one round when a copy is held)
 void seconds_of(const Model& m, const Loads& l, double* compute, double* comm) {
   const size_t W = l.rows.size();
@@ -47,6 +44,10 @@ void seconds_of(const Model& m, const Loads& l, double* compute, double* comm) {
         m.seconds(l.rows[r], l.local[r], l.remote[r], l.replica[r], any_remote, any_hot);
 }
 
+// _sources_may_pass: whether some expert b does not own may bring b's total below best (false is
+// a proof that none can: b's row need not be scored). b's loads: rows, local, remote, replica;
+// cmax: the most rows b sends to one expert of another rank. Skipping it (always "maybe") leaves
+// every plan of the twin tests unchanged; it saves 1.1-4x of the search at W = 64-1024.
 bool sources_may_pass(const Model& m, int64_t rows, int64_t local, int64_t remote, double replica,
                       int64_t cmax, bool any_remote, double best) {
   if (cmax == 0) return false;  // b sends no rows to other ranks' experts

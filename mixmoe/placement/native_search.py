@@ -37,14 +37,17 @@ def _entry() -> ctypes._CFuncPtr | None:
     return native_lib.function(ENTRY, _I64, _ARGTYPES)
 
 
-@functools.lru_cache(maxsize=64)
 def _terms(model: StepModel) -> tuple[list[int], ctypes.Array] | None:
-    """``native_lib.model_args(model)``: the ints, and the reals as a C array (a StepModel is
-    immutable after construction, and ``step_model`` caches them: built once per model)."""
+    """``native_lib.model_args(model)``: the ints, and the reals as a C array (None: the model's
+    terms are not exact ints and floats)."""
     terms = native_lib.model_args(model)
-    if terms is None:
-        return None
-    return terms[0], (ctypes.c_double * len(terms[1]))(*terms[1])
+    return None if terms is None else (terms[0], _c_reals(tuple(terms[1])))
+
+
+@functools.lru_cache(maxsize=64)
+def _c_reals(reals: tuple[float, ...]) -> ctypes.Array:
+    """The model's reals as a C array, built once per set of values (read-only in the C++)."""
+    return (ctypes.c_double * len(reals))(*reals)
 
 
 def available(model: StepModel) -> bool:

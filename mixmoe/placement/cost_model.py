@@ -644,6 +644,11 @@ def plan_pricing(
     ranges = getattr(plan, "ranges", ()) or getattr(plan, "kept", ())  # either: range code
     relay = getattr(plan, "relay", False)
     rounds = int(bool(plan.replicas))
+    if distance is None and not shares:  # compiled where it can run: the same loads
+        base_4W = baseline_loads(C_WN, E)[0] if base_4W is None else base_4W
+        compiled = _compiled_plan_loads(C_WN, plan, E, base_4W, colsum_N)
+        if compiled is not None:
+            return compiled
     if distance is None and not shares and C_WN.shape[0] > LIST_PRICING_W:
         return _plan_pricing_tensor(C_WN, plan, E, base_4W, relay, rounds, colsum_N)
     replicas = [(g, h) for g, h in ((g, tuple(h)) for g, h in plan.replicas) if h]
@@ -713,6 +718,21 @@ def plan_pricing(
     if distance is not None:
         loads += [remote_inter, replica_inter]
     return torch.tensor(loads, dtype=torch.float64), rounds
+
+
+def _compiled_plan_loads(
+    C_WN: torch.Tensor,
+    plan: object,
+    E: int,
+    base_4W: torch.Tensor,
+    colsum_N: torch.Tensor | None,
+) -> tuple[torch.Tensor, int] | None:
+    """``plan_pricing`` of a plan without share entries on one link, compiled
+    (``native_pricing.plan_loads``: the same loads and rounds; measured ~2-6x faster than the
+    list or tensor code on plan_mix's plans at W = 8..1024); None: run the Python."""
+    from mixmoe.placement import native_pricing  # imported here: it imports this module
+
+    return native_pricing.plan_loads(C_WN, plan, E, base_4W, colsum_N)
 
 
 def _plan_pricing_tensor(

@@ -20,6 +20,8 @@ import heapq
 
 import torch
 
+from mixmoe.placement import native_candidates
+
 __all__ = ["spread_start"]
 
 
@@ -31,15 +33,31 @@ def spread_start(
     the ranks with the fewest estimated rows, ties by rank, never g's owner, never a rank with
     ``slots`` replicas already. A rank's estimate starts at the rows its own experts receive and
     grows by rows_g / (holders + 1) per expert it holds (the even split the fill aims at).
-    Deterministic: a function of the counts only. Empty when no expert is heavier than the mean
-    or ``slots`` is 0."""
+    Deterministic: a function of the counts only. Empty when no expert is heavier than the mean,
+    ``slots`` is 0, or the mean is below one row (fewer rows than ranks: ``int(mean)``, the
+    holder count's divisor, would be 0, and no expert is worth one rank's rows to split).
+    Heavier than the mean: ``rows_g > rows / W`` compared in float64 (exact: an int64 tensor
+    compared with a Python float would round both to float32). Compiled where the library
+    runs (``native_candidates``: the same dict, in the same order); this Python otherwise."""
+    # compiled at every size: measured faster at W = 8 (0.03 -> 0.007 ms) up to W = 1024
+    # (zipf:1.2: 12.6 -> 0.46 ms)
+    out = native_candidates.spread_start(C_WN, colsum_N, experts_per_rank, slots)
+    return out if out is not None else _spread_start_python(C_WN, colsum_N, experts_per_rank, slots)
+
+
+def _spread_start_python(
+    C_WN: torch.Tensor, colsum_N: torch.Tensor, experts_per_rank: int, slots: int
+) -> dict[int, tuple[int, ...]]:
+    """``spread_start`` in Python: the compiled one's slow twin and fallback."""
     W, N = C_WN.shape
     E = experts_per_rank
     total = int(colsum_N.sum())
     if slots <= 0 or W < 2 or total == 0:
         return {}
     mean = total / W
-    heavy = (colsum_N > mean).nonzero().flatten().tolist()
+    if mean < 1:  # fewer rows than ranks: int(mean) == 0 below, nothing worth a rank to split
+        return {}
+    heavy = (colsum_N.to(torch.float64) > mean).nonzero().flatten().tolist()
     if not heavy:
         return {}
     cols = colsum_N.tolist()

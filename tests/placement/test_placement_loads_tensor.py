@@ -72,7 +72,9 @@ def _plans(draw):
 
 
 def _both(monkeypatch, fn):
-    """fn() on the list code, then on tensors."""
+    """fn() on the list code, then on tensors (the Python: the compiled pricing off, its own
+    twin tests in test_native_pricing.py)."""
+    monkeypatch.setenv("MIXMOE_NATIVE", "0")
     monkeypatch.setattr(cost_model, "LIST_PRICING_W", 10**9)
     lists = fn()
     monkeypatch.setattr(cost_model, "LIST_PRICING_W", 0)
@@ -97,6 +99,7 @@ def test_tensor_pricing_equals_the_list_code_bit_for_bit(case, with_base) -> Non
     assert got_rounds == want_rounds
     assert got_loads.tolist() == want_loads.tolist()
     # the column sums passed in (what plan_mix has) change nothing
+    mp.setenv("MIXMOE_NATIVE", "0")
     mp.setattr(cost_model, "LIST_PRICING_W", 0)
     try:
         summed, summed_rounds = plan_pricing(C, plan, E, base_4W=base, colsum_N=C.sum(0))
@@ -194,8 +197,10 @@ def test_seconds_fn_equals_rank_seconds_bit_for_bit(
 def test_shadow_tensor_search_equals_the_list_twin(monkeypatch) -> None:
     """``shadow_hot``'s tensor search (``LIST_SHADOW_W`` = 0) against the list twin
     (``plan_shadow_lists``) on skewed random counts that shadow several experts, ties
-    included (small counts)."""
+    included (small counts). The compiled search off (``MIXMOE_NATIVE=0``: shadow_hot would
+    run it first; ``test_native_candidates`` compares it with both Python searches)."""
     monkeypatch.setattr(shadow_module, "LIST_SHADOW_W", 0)
+    monkeypatch.setenv("MIXMOE_NATIVE", "0")
     shadowed = 0
     for seed in range(24):
         gen = torch.Generator().manual_seed(seed)

@@ -607,12 +607,14 @@ def test_mix_bounded_search_and_bad_width() -> None:
         plan_replicas(counts_WN, shape, GPU_PROFILE, 2, search_width=2.0)
 
 
-# (LIST_LIMIT, HOST_LIMIT, BATCH_LIMIT) forcing each search path
+# (LIST_LIMIT, HOST_LIMIT, BATCH_LIMIT) forcing each Python search path (the compiled search
+# off: MIXMOE_NATIVE=0); "compiled": the compiled search (native_search), on by default
 PATHS = {
     "lists": (10**9, 0, 0),
     "host": (-1, 10**9, 0),
     "batched": (-1, -1, 10**9),
     "shortlist": (-1, -1, -1),
+    "compiled": None,
 }
 
 
@@ -620,7 +622,8 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
     """Tiny problems search on Python lists (``_ListMixSearch``), up to ``HOST_LIMIT`` ranks on
     the host with the counts in a tensor (``_HostMixSearch``), larger ones shortlist then
     evaluate on tensors (``_MixSearch``), small ones of those scoring every candidate per round
-    after the first acceptance (``_BatchedMixSearch``). Forced each way, they give equal plans
+    after the first acceptance (``_BatchedMixSearch``); the compiled search (``native_search``)
+    runs before them where it can. Forced each way, they give equal plans
     (hot set, holders, prediction, baseline), width and replica cap binding included, with and
     without candidates listed as sources of the bottleneck (the link-bound profile)."""
     import mixmoe.placement.replica_search as replica_search
@@ -657,10 +660,8 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
                 (FIXED_COSTS, 4, 8, 256),
             ):
                 shape = LayerShape(64, hidden, E, W, 2)
-                for path, (list_limit, host_limit, batch_limit) in PATHS.items():
-                    monkeypatch.setattr(replica_search, "LIST_LIMIT", list_limit)
-                    monkeypatch.setattr(replica_search, "HOST_LIMIT", host_limit)
-                    monkeypatch.setattr(replica_search, "BATCH_LIMIT", batch_limit)
+                for path in PATHS:
+                    _force_path(monkeypatch, path)
                     plans[path] = plan_replicas(
                         counts_WN, shape, profile, max_replicas, search_width=width
                     )
@@ -675,6 +676,10 @@ def test_every_search_path_decides_alike(monkeypatch) -> None:
 def _force_path(monkeypatch, path: str) -> None:
     import mixmoe.placement.replica_search as replica_search
 
+    if PATHS[path] is None:  # the compiled search (test_native_search checks it is built here)
+        monkeypatch.delenv("MIXMOE_NATIVE", raising=False)
+        return
+    monkeypatch.setenv("MIXMOE_NATIVE", "0")
     list_limit, host_limit, batch_limit = PATHS[path]
     monkeypatch.setattr(replica_search, "LIST_LIMIT", list_limit)
     monkeypatch.setattr(replica_search, "HOST_LIMIT", host_limit)

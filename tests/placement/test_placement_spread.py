@@ -135,3 +135,32 @@ def test_plan_mix_never_worse_for_the_spread(W: int, seed: int, skew: float) -> 
     assert plan.prediction.step_s <= base.prediction.step_s
     assert isinstance(plan, Plan)
     plan.check_shares(C, 4, BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("E", [1, 4])
+def test_plan_mix_plans_fewer_rows_than_ranks(E: int) -> None:
+    """W = 8 with 1..7 rows in all on one expert: the mean is below one row, ``int(mean)`` (the
+    holder count's divisor) would be 0; plan_mix reaches the spread start with such counts and
+    must plan them (it raised ZeroDivisionError). The spread start is empty."""
+    W = 8
+    shape = LayerShape(1024, 4096, E, W, 2)
+    reached = []
+    saved = planner_module.spread_start
+    planner_module.spread_start = lambda *a: reached.append(a) or saved(*a)
+    try:
+        for rows in range(1, W):
+            C = torch.zeros(W, W * E, dtype=torch.int64)
+            C[0, 0] = rows
+            assert spread_start(C, C.sum(0), E, 8) == {}
+            plan = plan_mix(C, shape, IB, 4)
+            plan.check_shares(C, E, BLOCK_SIZE)
+    finally:
+        planner_module.spread_start = saved
+    assert reached
+
+
+def test_spread_start_compares_rows_with_the_mean_exactly() -> None:
+    """An expert one row above a mean of 2**24 + 0.5 rows is heavier than the mean (an int64
+    tensor compared with the float mean in float32 would round both to 2**24: not heavier)."""
+    C = torch.tensor([[2**24, 2**23], [1, 2**23]], dtype=torch.int64)
+    assert spread_start(C, C.sum(0), 1, 8) == {0: (1,)}

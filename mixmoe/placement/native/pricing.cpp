@@ -1,0 +1,370 @@
+// The cost model's aggregates and predictions compiled: counts.baseline_loads (with
+// counts_with_sums' sign check), cost_model.plan_pricing of a plan without share entries on one
+// link (the replica rule _plan_loads_lists, ranges.range_loads / _stream_terms, relay.near_relay)
+// and StepModel.prediction_lists + _pack_lists (equal to prediction_W / pack).
+//
+// Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64,
+// C[s*N + g] = rows rank s routes to expert g; g's owner is o = g / E); loads in LOADS order
+// (rows computed, local rows, remote rows, replica copies), per rank.
+//
+// Every load but the relay's copies is an exact integer sum (the order of the additions cannot
+// change it); the relay's copies lie on the 2**-24 grid (relay module doc: their sums are exact in
+// any order); the prediction runs Model::seconds (common.h: StepModel.seconds_fn bit for bit) per
+// rank and _pack_lists' byte counts, so every value equals the Python's bit for bit
+// (tests/placement/test_native_pricing.py). Loaded by mixmoe/placement/native_pricing.py.
+
+#include "pricing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using namespace mixmoe_native;
+
+// relay.near_relay(o, holders) of k >= 1 holders: (copies each holder sends + receives, rounds)
+std::pair<double, int64_t> near_relay(int64_t k) {
+  if (k == 1) return {1.0, 1};
+  return {1.0 + grid(k - 1, k), 2};
+}
+
+// The holders of expert g in `replicas` (ascending by g), or null when g is not hot.
+const std::vector<int64_t>* holders_of(const Replicas& replicas, int64_t g) {
+  auto it = std::lower_bound(replicas.begin(), replicas.end(), g,
+                             [](const auto& entry, int64_t key) { return entry.first < key; });
+  return it != replicas.end() && it->first == g ? &it->second : nullptr;
+}
+
+// ranges.range_loads of expert g (cost_model.plan_pricing's range code, W <= LIST_PRICING_W;
+// loads_tensor.range_relay_loads_tensor above: the same integers): its kept holders' rests go
+// back to the stream, then its helpers take their ranges off the owner.
+void range_expert(const Counts& counts, const Baseline& base, const Replicas& replicas,
+                  int64_t g, const Entries* ranges, const Entries* kept, Loads& out) {
+  const int64_t o = g / counts.E;
+  // ranges._stream_terms: the stream's rows from sources other than the owner
+  int64_t colsum = 0;
+  if (base.colsum.empty()) {  // no column sums given: this column's, read here
+    for (int64_t s = 0; s < counts.W; ++s) colsum += counts.c(s, g);
+  } else {
+    colsum = base.colsum[g];
+  }
+  int64_t held = 0;
+  if (const auto* hs = holders_of(replicas, g))
+    for (int64_t h : *hs) held += counts.c(h, g);
+  int64_t rest = 0;
+  if (kept)
+    for (const auto& [y, local_y] : *kept) rest += counts.c(y, g) - local_y;
+  const int64_t others = colsum - counts.c(o, g) - held + rest;
+  if (kept) {
+    for (const auto& [y, local_y] : *kept) {  // the replica rule undone for y's rest d
+      const int64_t d = counts.c(y, g) - local_y;
+      out.rows[y] -= d;
+      out.local[y] -= d;
+      out.remote[y] += d;
+      out.rows[o] += d;
+      out.remote[o] += d;
+    }
+  }
+  int64_t taken = 0;
+  if (ranges) {
+    for (const auto& [y, n] : *ranges) {  // a helper computes its n rows, received
+      out.rows[y] += n;
+      out.remote[y] += n;
+      taken += n;
+    }
+  }
+  // the owner gives up the other sources' rows first, then its own (sent now, not local)
+  const int64_t from_others = std::min(taken, others);
+  const int64_t own = taken - from_others;
+  out.rows[o] -= taken;
+  out.remote[o] += own - from_others;
+  out.local[o] -= own;
+}
+
+// Python raises (ValueError, IndexError) or wraps a negative index where the compiled part would
+// read out of bounds: such plans go back to the Python (the entry returns -1).
+bool plan_in_range(const Counts& counts, const Replicas& replicas, bool relay,
+                   const ExpertEntries& ranges, const ExpertEntries& kept) {
+  const int64_t W = counts.W, N = counts.N;
+  auto rank_ok = [W](int64_t r) { return r >= 0 && r < W; };
+  int64_t last = -1;
+  for (const auto& [g, hs] : replicas) {
+    if (g <= last || g >= N) return false;  // ascending experts (holders_of's binary search)
+    last = g;
+    int64_t prev = -1;
+    for (int64_t h : hs) {
+      if (!rank_ok(h)) return false;
+      // relay.near_relay's check: holders distinct (here: ascending), never the owner
+      if (relay && (h <= prev || h == g / counts.E)) return false;
+      prev = h;
+    }
+  }
+  for (const ExpertEntries* entries : {&ranges, &kept}) {
+    last = -1;
+    for (const auto& [g, list] : *entries) {
+      if (g <= last || g >= N) return false;  // ascending experts (the merge in plan_pricing)
+      last = g;
+      for (const auto& [y, n] : list)
+        if (!rank_ok(y)) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+namespace mixmoe_native {
+
+bool baseline(const Counts& counts, Baseline& out) {
+  const int64_t W = counts.W, E = counts.E, N = counts.N;
+  Loads& loads = out.loads;
+  loads.rows.assign(W, 0);
+  loads.local.assign(W, 0);
+  loads.remote.assign(W, 0);
+  loads.replica.assign(W, 0.0);
+  out.colsum.assign(N, 0);
+  out.own.assign(N, 0);
+  int64_t* colsum = out.colsum.data();
+  std::vector<int64_t> sent(W);  // row sums: what each source routes, anywhere
+  int64_t sign = 0;              // the OR of every count: negative iff some count is
+  // one pass over C in memory order, four rows at a time: one update of colsum per four counts
+  // (measured at [1024, 4096]: ~2.1 ms, ~2.9 ms row by row; a plain sum reads C in ~1.5 ms)
+  int64_t s = 0;
+  for (; s + 4 <= W; s += 4) {
+    const int64_t* r0 = counts.C + s * N;
+    const int64_t *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
+    int64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, bits = 0;
+    for (int64_t g = 0; g < N; ++g) {
+      const int64_t v0 = r0[g], v1 = r1[g], v2 = r2[g], v3 = r3[g];
+      colsum[g] += (v0 + v1) + (v2 + v3);
+      a0 += v0;
+      a1 += v1;
+      a2 += v2;
+      a3 += v3;
+      bits |= (v0 | v1) | (v2 | v3);
+    }
+    sent[s] = a0;
+    sent[s + 1] = a1;
+    sent[s + 2] = a2;
+    sent[s + 3] = a3;
+    sign |= bits;
+  }
+  for (; s < W; ++s) {  // the last W % 4 rows
+    const int64_t* row = counts.C + s * N;
+    int64_t a = 0;
+    for (int64_t g = 0; g < N; ++g) {
+      colsum[g] += row[g];
+      a += row[g];
+      sign |= row[g];
+    }
+    sent[s] = a;
+  }
+  for (int64_t r = 0; r < W; ++r) {
+    int64_t local = 0;
+    for (int64_t g = r * E; g < (r + 1) * E; ++g) {  // r's own experts: C[r][g] stays at r
+      out.own[g] = counts.c(r, g);
+      local += out.own[g];
+    }
+    loads.local[r] = local;
+    loads.remote[r] = sent[r] - local;  // what r sends away; what it receives is added below
+  }
+  if (sign < 0) return false;
+  for (int64_t r = 0; r < W; ++r) {
+    int64_t rows = 0;
+    for (int64_t g = r * E; g < (r + 1) * E; ++g) rows += colsum[g];
+    loads.rows[r] = rows;
+    // baseline_loads: (sent - local) + (rows - local)
+    loads.remote[r] = loads.remote[r] + (rows - loads.local[r]);
+  }
+  return true;
+}
+
+int64_t plan_pricing(const Counts& counts, const Baseline& base, const Replicas& replicas,
+                     bool relay, const ExpertEntries& ranges, const ExpertEntries& kept,
+                     Loads& out) {
+  const int64_t E = counts.E, W = counts.W;
+  out = base.loads;
+  int64_t rounds = replicas.empty() ? 0 : 1;  // int(bool(plan.replicas))
+  // the replica rule (_plan_loads_lists): a holder computes its own rows of g, locally
+  for (const auto& [g, hs] : replicas) {
+    const int64_t o = g / E;
+    int64_t moved = 0;
+    for (int64_t h : hs) {
+      const int64_t c = counts.c(h, g);
+      out.rows[h] += c;
+      out.local[h] += c;
+      out.remote[h] -= c;
+      out.replica[h] += 1.0;
+      moved += c;
+    }
+    out.rows[o] -= moved;  // the owner no longer computes (nor receives) them
+    out.remote[o] -= moved;
+    out.replica[o] += static_cast<double>(hs.size());
+  }
+  // ranges.range_experts: every expert with ranges or kept holders, ascending (a merge)
+  size_t i = 0, j = 0;
+  while (i < ranges.size() || j < kept.size()) {
+    const int64_t gr = i < ranges.size() ? ranges[i].first : INT64_MAX;
+    const int64_t gk = j < kept.size() ? kept[j].first : INT64_MAX;
+    const int64_t g = std::min(gr, gk);
+    const Entries* r = gr == g ? &ranges[i++].second : nullptr;
+    const Entries* k = gk == g ? &kept[j++].second : nullptr;
+    range_expert(counts, base, replicas, g, r, k, out);
+  }
+  if (relay && !replicas.empty()) {  // each rank's copies in the one-link relays instead
+    out.replica.assign(W, 0.0);
+    rounds = 0;
+    for (const auto& [g, hs] : replicas) {
+      if (hs.empty()) continue;  // relay_degrees of no holder: no copy, 0 rounds
+      const auto [copies, depth] = near_relay(static_cast<int64_t>(hs.size()));
+      rounds = std::max(rounds, depth);
+      out.replica[g / E] += 1.0;
+      for (int64_t h : hs) out.replica[h] += copies;  // grid values: exact sums
+    }
+  }
+  return rounds;
+}
+
+Prediction predict(const Model& model, const Loads& loads, int64_t rounds) {
+  const size_t W = loads.rows.size();
+  bool any_remote = false;
+  for (int64_t x : loads.remote) any_remote = any_remote || x != 0;
+  if (rounds < 0) {  // None: one round when any rank holds a copy
+    rounds = 0;
+    for (double x : loads.replica) rounds = rounds || x != 0.0;
+  }
+  Prediction p;
+  p.compute.resize(W);
+  p.comm.resize(W);
+  p.token_bytes.resize(W);
+  p.weight_bytes.resize(W);
+  p.rows = loads.rows;
+  const int64_t token = 2 * model.tbr, weight = 2 * model.P;
+  for (size_t r = 0; r < W; ++r) {
+    const auto [compute, comm] = model.seconds(loads.rows[r], loads.local[r], loads.remote[r],
+                                               loads.replica[r], any_remote, rounds);
+    p.compute[r] = compute;
+    p.comm[r] = comm;
+    const double total = compute + comm;
+    if (r == 0 || total > p.step) p.step = total;  // Python's max: the first largest
+    p.token_bytes[r] = token * loads.remote[r];
+    const double n = loads.replica[r];
+    // whole copies: exact int products; the relay's fractional ones: the float product
+    // rounded half to even (Python's round, std::nearbyint in the default rounding mode)
+    const double bytes = static_cast<double>(weight) * n;
+    p.weight_bytes[r] = n == std::floor(n) ? weight * static_cast<int64_t>(n)
+                                           : static_cast<int64_t>(std::nearbyint(bytes));
+  }
+  return p;
+}
+
+}  // namespace mixmoe_native
+
+extern "C" {
+
+// baseline: C (int64 [W, N]) -> loads (float64 [4, W]: baseline_loads' loads_4W), colsum (int64
+// [N]), own (int64 [N]) and, unless null, rowsum (int64 [W]: counts_with_sums' row sums). Returns
+// 0, or -1 when a count is negative (nothing written is meaningful then).
+int64_t mixmoe_baseline(const int64_t* C, int64_t W, int64_t E, double* loads_4W,
+                        int64_t* colsum_N, int64_t* own_N, int64_t* rowsum_W) {
+  const Counts counts{W, E, W * E, C};
+  Baseline base;
+  if (!mixmoe_native::baseline(counts, base)) return -1;
+  const std::vector<int64_t>* ints[3] = {&base.loads.rows, &base.loads.local, &base.loads.remote};
+  for (int64_t k = 0; k < 3; ++k)
+    for (int64_t r = 0; r < W; ++r) loads_4W[k * W + r] = static_cast<double>((*ints[k])[r]);
+  std::fill(loads_4W + 3 * W, loads_4W + 4 * W, 0.0);
+  std::copy(base.colsum.begin(), base.colsum.end(), colsum_N);
+  std::copy(base.own.begin(), base.own.end(), own_N);
+  if (rowsum_W) {  // sent = remote - received + local, received = rows - local
+    const Loads& l = base.loads;
+    for (int64_t r = 0; r < W; ++r)
+      rowsum_W[r] = l.remote[r] - (l.rows[r] - l.local[r]) + l.local[r];
+  }
+  return 0;
+}
+
+// plan_pricing: C (int64 [W, N]), base_4W (float64 [4, W]: the loads with nothing replicated, as
+// baseline_loads returns them), colsum (int64 [N], C's column sums; null: the ranged experts'
+// columns are summed here), the plan as flat int64 groups in `plan`: n_replicas, then per hot
+// expert [g, k, k holders]; n_ranges, then per expert [g, k, k (helper, rows) pairs]; n_kept,
+// then per expert [g, k, k (holder, local rows) pairs]; relay (Plan.relay). Writes the plan's
+// loads (float64 [4, W], plan_pricing's loads_4W) and returns its rounds; -1 (nothing written)
+// when an index is out of range or not ascending, or a relayed expert's holders repeat or
+// include its owner: the Python prices (or rejects) such a plan.
+int64_t mixmoe_plan_pricing(const int64_t* C, int64_t W, int64_t E, const double* base_4W,
+                            const int64_t* colsum_N, const int64_t* plan, int64_t relay,
+                            double* out_4W) {
+  const Counts counts{W, E, W * E, C};
+  Baseline base;
+  std::vector<int64_t>* ints[3] = {&base.loads.rows, &base.loads.local, &base.loads.remote};
+  for (int64_t k = 0; k < 3; ++k) {
+    ints[k]->resize(W);
+    for (int64_t r = 0; r < W; ++r) (*ints[k])[r] = static_cast<int64_t>(base_4W[k * W + r]);
+  }
+  base.loads.replica.assign(base_4W + 3 * W, base_4W + 4 * W);
+  if (colsum_N) base.colsum.assign(colsum_N, colsum_N + W * E);
+  Replicas replicas(static_cast<size_t>(*plan++));
+  for (auto& [g, hs] : replicas) {  // [g, k, holders...]
+    g = *plan++;
+    const int64_t k = *plan++;
+    hs.assign(plan, plan + k);
+    plan += k;
+  }
+  ExpertEntries entries[2];  // ranges, kept: [g, k, (rank, rows) pairs...]
+  for (auto& list : entries) {
+    list.resize(static_cast<size_t>(*plan++));
+    for (auto& [g, pairs] : list) {
+      g = *plan++;
+      pairs.resize(static_cast<size_t>(*plan++));
+      for (auto& [y, n] : pairs) {
+        y = *plan++;
+        n = *plan++;
+      }
+    }
+  }
+  if (!plan_in_range(counts, replicas, relay != 0, entries[0], entries[1])) return -1;
+  Loads out;
+  const int64_t rounds =
+      mixmoe_native::plan_pricing(counts, base, replicas, relay != 0, entries[0], entries[1], out);
+  for (int64_t k = 0; k < 3; ++k) {
+    const std::vector<int64_t>& v = k == 0 ? out.rows : k == 1 ? out.local : out.remote;
+    for (int64_t r = 0; r < W; ++r) out_4W[k * W + r] = static_cast<double>(v[r]);
+  }
+  std::copy(out.replica.begin(), out.replica.end(), out_4W + 3 * W);
+  return rounds;
+}
+
+// predict: model terms (common.h's Model::from order), loads (float64 [4, W], exact integer
+// rows, local, remote; replica copies), rounds (< 0: Python's None) -> out_d (float64 [2, W]:
+// compute, comm), out_i (int64 [3, W]: token_bytes, weight_bytes, rows); returns the step, or
+// NaN (nothing written is meaningful) when a byte count would not fit in int64 (Python's ints
+// are unbounded: the Python packs it).
+double mixmoe_predict(const int64_t* model_i, const double* model_d, const double* loads_4W,
+                      int64_t W, int64_t rounds, double* out_d, int64_t* out_i) {
+  const Model model = Model::from(model_i, model_d);
+  Loads loads;
+  std::vector<int64_t>* ints[3] = {&loads.rows, &loads.local, &loads.remote};
+  for (int64_t k = 0; k < 3; ++k) {
+    ints[k]->resize(W);
+    for (int64_t r = 0; r < W; ++r) (*ints[k])[r] = static_cast<int64_t>(loads_4W[k * W + r]);
+  }
+  loads.replica.assign(loads_4W + 3 * W, loads_4W + 4 * W);
+  // pack's int64 bound: (max(remote, replica) + 1) * max(token, weight) < 2**63
+  double top = 0.0;
+  for (int64_t r = 0; r < W; ++r) top = std::max({top, loads_4W[2 * W + r], loads_4W[3 * W + r]});
+  const double factor = static_cast<double>(2 * std::max(model.tbr, model.P));
+  if ((top + 1.0) * factor >= 9.2e18) return std::nan("");
+  const Prediction p = mixmoe_native::predict(model, loads, rounds);
+  std::copy(p.compute.begin(), p.compute.end(), out_d);
+  std::copy(p.comm.begin(), p.comm.end(), out_d + W);
+  std::copy(p.token_bytes.begin(), p.token_bytes.end(), out_i);
+  std::copy(p.weight_bytes.begin(), p.weight_bytes.end(), out_i + W);
+  std::copy(p.rows.begin(), p.rows.end(), out_i + 2 * W);
+  return p.step;
+}
+
+}  // extern "C"

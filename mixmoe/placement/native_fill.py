@@ -74,37 +74,21 @@ def filled(
         per_node = getattr(distance, "ranks_per_node", None)
         if type(per_node) is not int or per_node < 1:
             return None  # a distance callable of its own: only the Python fill groups it
-    terms = native_lib.model_args(model)
-    if terms is None:
+    inputs = _inputs(model, C_WN, E, start_holders, slots, block_size, per_node, colsum_N,
+                     any_remote, loads_4W, passes, stop, kept)  # fmt: skip
+    if inputs is None:
         return None
     W = C_WN.shape[0]
     N = W * E
-    # the tensors' own buffers when they are already int64 / float64 and contiguous (plan_mix's)
-    C = C_WN if C_WN.dtype == _I64 and C_WN.is_contiguous() else C_WN.to(_I64).contiguous()
-    colsum = colsum_N
-    if colsum.dtype != _I64 or not colsum.is_contiguous():
-        colsum = colsum.to(_I64).contiguous()
-    loads = loads_4W  # its first 4 rows: contiguous at the start of a contiguous tensor
-    if loads.dtype != _F64 or not loads.is_contiguous():
-        loads = loads[:4].to(_F64).contiguous()
-    start = array("q", start_holders)  # by columns: the experts, their counts, the holders
-    start.extend(map(len, start_holders.values()))
-    start.extend(chain.from_iterable(start_holders.values()))
-    model_i, model_d = terms
-    n_start = len(start) - 2 * len(start_holders)
-    ints = (I64 * 14)(W, E, slots, block_size, per_node, any_remote, passes, kept, *model_i,
-                      len(start_holders))  # fmt: skip
-    reals = (F64 * 8)(*model_d, stop)
     # the sections hold at most 23 ints per holder (each holder is in the holders, amounts,
     # kept, degrees, ranges and kept blocks, 2 ints in most; 2 more per expert, with one holder
     # at least), the degrees a copy per holder and owner; holders: the start's and at most
     # ``slots`` new per rank
-    holders = n_start + W * slots
+    holders = len(inputs[3]) - 2 * len(start_holders) + W * slots
     cap_i, cap_d = HEADER + 5 * W + 4 * N + 23 * holders, 2 * W + 2 * holders
     while True:
         out_i, out_d = (I64 * cap_i)(), (F64 * cap_d)()
-        pieces = fn(C.data_ptr(), colsum.data_ptr(), loads.data_ptr(), start.buffer_info()[0],
-                    ints, reals, out_i, cap_i, out_d, cap_d)  # fmt: skip
+        pieces = fn(*_addresses(inputs), out_i, cap_i, out_d, cap_d)
         if pieces != -1:
             break
         cap_i, cap_d = out_i[0], out_i[1]  # the sizes it needs (the bound above holds: never)
@@ -124,6 +108,40 @@ def filled(
     state.totals = md[W : 2 * W].tolist()
     state._raw = (head, mi, md, at + W + head[1] + 4 * N)
     return state
+
+
+def _inputs(
+    model: StepModel, C_WN: torch.Tensor, E: int, start_holders: dict[int, tuple[int, ...]],
+    slots: int, block_size: int, per_node: int, colsum_N: torch.Tensor, any_remote: bool,
+    loads_4W: torch.Tensor, passes: int, stop: float, kept: bool,
+) -> tuple | None:  # fmt: skip
+    """The C entry's inputs (C, colsum, loads, start, ints, reals: the C++ doc), the tensors as
+    their own buffers when they are int64 / float64 and contiguous already (plan_mix's); None
+    when the model's terms are not of the types the C++ assumes (``native_lib.model_args``)."""
+    terms = native_lib.model_args(model)
+    if terms is None:
+        return None
+    C = C_WN if C_WN.dtype == _I64 and C_WN.is_contiguous() else C_WN.to(_I64).contiguous()
+    colsum = colsum_N
+    if colsum.dtype != _I64 or not colsum.is_contiguous():
+        colsum = colsum.to(_I64).contiguous()
+    loads = loads_4W  # its first 4 rows: contiguous at the start of a contiguous tensor
+    if loads.dtype != _F64 or not loads.is_contiguous():
+        loads = loads[:4].to(_F64).contiguous()
+    start = array("q", start_holders)  # by columns: the experts, their counts, the holders
+    start.extend(map(len, start_holders.values()))
+    start.extend(chain.from_iterable(start_holders.values()))
+    model_i, model_d = terms
+    ints = (I64 * 14)(C_WN.shape[0], E, slots, block_size, per_node, any_remote, passes, kept,
+                      *model_i, len(start_holders))  # fmt: skip
+    reals = (F64 * 8)(*model_d, stop)
+    return C, colsum, loads, start, ints, reals
+
+
+def _addresses(inputs: tuple) -> tuple:
+    """``_inputs`` as the C entry's first six arguments."""
+    C, colsum, loads, start, ints, reals = inputs
+    return C.data_ptr(), colsum.data_ptr(), loads.data_ptr(), start.buffer_info()[0], ints, reals
 
 
 def _sections(

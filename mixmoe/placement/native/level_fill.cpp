@@ -1,4 +1,5 @@
-// The batched water-fill of mixmoe.placement.level_fill over a RangeState, compiled.
+// The batched water-fill of mixmoe.placement.level_fill over a RangeState, compiled, and the
+// plan the state stands for (RangeState.plan_fields, mixmoe.placement.ranges' cuts).
 //
 // Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64, C[s*N + g] =
 // rows rank s routes to expert g; g's owner is g / E); a rank's loads (rows, local, remote, replica)
@@ -7,10 +8,13 @@
 // The same passes as the Python fill, step for step: the same integer arithmetic, the same float
 // expressions in the same order (Python ints times ints are exact: here __int128 products, rounded
 // once to double as Python's int / float rounds them), the same tie rules (rank, then expert id), so
-// the state it leaves is the Python fill's, bit for bit (tests/placement/test_native_fill.py checks
-// every field). Build: any C++17 compiler, -ffp-contract=off (no fused multiply-add: Python rounds
-// every product). Loaded by mixmoe/placement/native_fill.py through ctypes; one C entry point;
-// the shared arithmetic and the cost model's Model in common.h.
+// the state it leaves is the Python fill's, bit for bit, and so are its plan fields
+// (tests/placement/test_native_fill.py checks every field). Build: any C++17 compiler,
+// -ffp-contract=off (no fused multiply-add: Python rounds every product). Two ways in, one code:
+// mixmoe_native::level_fill (level_fill.h; one link) for the compiled planner, and the C entry
+// mixmoe_level_fill (any topology, the whole state) for mixmoe/placement/native_fill.py through
+// ctypes; mixmoe_level_fill_out runs the former for the twin tests. The shared arithmetic and the
+// cost model's Model in common.h.
 
 #include <algorithm>
 #include <cstdint>
@@ -821,6 +825,58 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
   od = std::copy(f.totals.begin(), f.totals.end(), od);
   std::copy(copies.begin(), copies.end(), od);
   return pieces;
+}
+
+// mixmoe_native::level_fill for the twin tests: the C entry's inputs (per_node 0: one link), and
+// the FillOut in out_i (int64, cap_i): moves, rounds, the (m, length) of the replicas, ranges and
+// kept sections, then per rank [W] rows, local, remote, overshot (0/1), then the three sections
+// (as the C entry's); out_d (float64, 2W): replica, totals. Every field is written, -2 (a level
+// start: the start's fields) included. Returns moves; -1 when a buffer is too small.
+int64_t mixmoe_level_fill_out(const int64_t* C, const int64_t* colsum, const double* loads,
+                              const int64_t* start, const int64_t* ints, const double* reals,
+                              int64_t* out_i, int64_t cap_i, double* out_d, int64_t cap_d) {
+  const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
+  const Model m = Model::from(ints + 8, reals);
+  const FillSettings s{ints[2], ints[3], ints[6], reals[7], ints[7] != 0};
+  const size_t W = static_cast<size_t>(k.W);
+  Replicas holders;  // the start as the driver passes it: (g, ranks) by ascending g
+  const int64_t groups = ints[13];
+  const int64_t* ys = start + 2 * groups;
+  for (int64_t i = 0; i < groups; ++i) {  // start[groups + i]: expert start[i]'s holder count
+    holders.emplace_back(start[i], std::vector<int64_t>(ys, ys + start[groups + i]));
+    ys += start[groups + i];
+  }
+  std::sort(holders.begin(), holders.end());
+  Loads base;
+  for (size_t r = 0; r < W; ++r) {
+    base.rows.push_back(static_cast<int64_t>(loads[r]));
+    base.local.push_back(static_cast<int64_t>(loads[W + r]));
+    base.remote.push_back(static_cast<int64_t>(loads[2 * W + r]));
+    base.replica.push_back(loads[3 * W + r]);
+  }
+  std::vector<int64_t> sums(colsum, colsum + k.N);
+  const FillOut out = level_fill(k, sums, m, holders, ints[5] != 0, base, s);
+  Section replicas;
+  for (const auto& [g, hs] : out.replicas) {
+    replicas.add(g, hs.size());
+    replicas.values.insert(replicas.values.end(), hs.begin(), hs.end());
+  }
+  const Section sections[3] = {replicas, entries_section(out.ranges), entries_section(out.kept)};
+  size_t need = 8 + 4 * W;
+  for (const Section& sec : sections) need += sec.size();
+  if (need > static_cast<size_t>(cap_i) || 2 * W > static_cast<size_t>(cap_d)) return -1;
+  int64_t* o = out_i;
+  *o++ = out.moves;
+  *o++ = out.rounds;
+  for (const Section& sec : sections)
+    *o++ = static_cast<int64_t>(sec.g.size()), *o++ = static_cast<int64_t>(sec.size());
+  for (const auto* v : {&out.loads.rows, &out.loads.local, &out.loads.remote})
+    o = std::copy(v->begin(), v->end(), o);
+  for (char x : out.overshot) *o++ = x;
+  for (const Section& sec : sections) o = sec.put(o);
+  std::copy(out.loads.replica.begin(), out.loads.replica.end(), out_d);
+  std::copy(out.totals.begin(), out.totals.end(), out_d + W);
+  return out.moves;
 }
 
 }  // extern "C"

@@ -269,6 +269,10 @@ def _cut_cases(state: RangeState) -> set[str]:
         if any(n < blk for _, n in amounts):
             cases.add("an amount below one block")
         cut = _cut(starts, amounts, blk)
+        raw = state.kept.get(g, {})  # the kept holders' local rows not rounded: other cuts
+        if cut != _cut(_prefix(col, stream_sources(col, g // state.E, state.holders[g], raw), raw),
+                       amounts, blk):  # fmt: skip
+            cases.add("a cut past a kept holder's rest, moved by its rounding")
         if len(cut) < len(amounts):
             cases.add("a range cut to nothing, dropped")
         for q in accumulate(n for _, n in cut):
@@ -281,13 +285,13 @@ def _cut_cases(state: RangeState) -> set[str]:
 
 
 def test_plan_fields_meet_the_cuts_edge_cases():
-    """The random fills of seeds 6 and 8 (found by a scan of 60 seeds) meet every edge case of
-    the ranges' cuts (``_cut_cases``) and their plan fields are equal both ways."""
+    """The random fills of seeds 6, 8 and 232 (found by scans of 400 seeds) meet every edge
+    case of the ranges' cuts (``_cut_cases``) and their plan fields are equal both ways."""
     seen: set[str] = set()
-    for seed in (6, 8):
+    for seed in (6, 8, 232):
         for fill in _random_fills(seed):
             seen |= _cut_cases(_compare(*fill))
-    assert len(seen) == 6, seen
+    assert len(seen) == 7, seen
 
 
 def test_a_changed_state_plans_in_python():

@@ -217,6 +217,12 @@ class FilledState(RangeState):
         hot = tuple(g for g, _ in replicas)
         return hot, replicas, tuple(_grouped(ranges, 2, tuple)), tuple(_grouped(kept, 2, tuple))
 
+    def __getstate__(self) -> dict:
+        """Every field built (pickle and copy take no memoryview): plan_fields the Python's."""
+        if "_raw" in self.__dict__:
+            self.holders  # noqa: B018 (builds every lazy field)
+        return {k: v for k, v in self.__dict__.items() if k != "_plan"}
+
     # the state changes: plan_fields is the Python's from then on (its fields built first)
     def _keep(self, g: int, y: int, k: int) -> None:
         self._changed()

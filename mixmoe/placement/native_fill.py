@@ -21,6 +21,7 @@ fill (``moves``, ``totals``, ``remote``, ``overshot``) is decoded at once; the o
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from collections.abc import Callable, Iterator
 from itertools import chain, islice, repeat
@@ -39,8 +40,9 @@ SOURCE = native_lib.FOLDER / "level_fill.cpp"
 OFFERED = 4  # native/level_fill.cpp's OFFERED (level_fill.OFFERED: a test checks they agree)
 # native/level_fill.cpp's TENSOR_POINTS and MIN_GAIN (level_fill's: a test checks they agree)
 TENSOR_POINTS, MIN_GAIN = 384, 0.005
-HEADER = 14  # out_i's header: rounds, overshot ranks, each section's (experts, length)
+HEADER = 10  # out_i's header: rounds, overshot ranks, each section's (experts, length)
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, I64, _P, I64]
+_PLAN_ARGTYPES = [_P, _P, _P, _P, I64]
 _I64, _F64 = torch.int64, torch.float64
 
 
@@ -80,12 +82,7 @@ def filled(
         return None
     W = C_WN.shape[0]
     N = W * E
-    # the sections hold at most 23 ints per holder (each holder is in the holders, amounts,
-    # kept, degrees, ranges and kept blocks, 2 ints in most; 2 more per expert, with one holder
-    # at least), the degrees a copy per holder and owner; holders: the start's and at most
-    # ``slots`` new per rank
-    holders = len(inputs[3]) - 2 * len(start_holders) + W * slots
-    cap_i, cap_d = HEADER + 5 * W + 4 * N + 23 * holders, 2 * W + 2 * holders
+    cap_i, cap_d = _capacity(W, N, len(inputs[3]) - 2 * len(start_holders) + W * slots)
     while True:
         out_i, out_d = (I64 * cap_i)(), (F64 * cap_d)()
         pieces = fn(*_addresses(inputs), out_i, cap_i, out_d, cap_d)
@@ -106,8 +103,17 @@ def filled(
     state.remote = mi[at : at + W].tolist()
     state.overshot = set(mi[at + W : at + W + head[1]].tolist())
     state.totals = md[W : 2 * W].tolist()
-    state._raw = (head, mi, md, at + W + head[1] + 4 * N)
+    state._raw = (head, mi, md, at + W + head[1] + 4 * N, out_i, inputs[0])
     return state
+
+
+def _capacity(W: int, N: int, holders: int) -> tuple[int, int]:
+    """Ints and floats the C entry's output takes at most, ``holders`` the holder entries at
+    most (the start's and ``slots`` new per rank): the sections hold at most 15 ints per holder
+    (its rank in the holders and degrees, a pair in the amounts and kept; per expert, with one
+    holder at least, 2 ints in each section and the owner's rank in the degrees), the degrees
+    a copy per holder and owner."""
+    return HEADER + 5 * W + 4 * N + 15 * holders, 2 * W + 2 * holders
 
 
 def _inputs(
@@ -145,13 +151,14 @@ def _addresses(inputs: tuple) -> tuple:
 
 
 def _sections(
-    head: list[int], mi: memoryview, at: int, which: tuple[int, ...]
+    sizes: list[int], mi: memoryview, at: int, which: tuple[int, ...]
 ) -> list[tuple[list, list, Iterator]]:
-    """Sections ``which`` (of the six, in order) of the C++'s output at ``mi[at:]``: each
-    (experts, counts, an iterator over the entries' ints, in order)."""
+    """Sections ``which`` of the C++'s output at ``mi[at:]``, one after the other, ``sizes``
+    their (experts, length) pairs, flat: each (experts, counts, an iterator over the entries'
+    ints, in order)."""
     out = []
-    for i in range(6):
-        m, length = head[2 + 2 * i], head[3 + 2 * i]
+    for i in range(max(which) + 1):
+        m, length = sizes[2 * i], sizes[2 * i + 1]
         if i in which:
             ints = mi[at : at + length].tolist()
             out.append((ints[:m], ints[m : 2 * m], iter(ints[2 * m :])))
@@ -178,7 +185,7 @@ class FilledState(RangeState):
     def __getattr__(self, name: str) -> object:
         if name not in _LAZY or "_raw" not in self.__dict__:
             raise AttributeError(name)
-        head, mi, md, at = self._raw
+        head, mi, md, at, out_i, C = self._raw
         W, N = self.W, self.W * self.E
         self.rounds = head[0]
         per_w = mi[HEADER : HEADER + 3 * W].tolist()
@@ -187,7 +194,7 @@ class FilledState(RangeState):
         per_n = mi[at - 4 * N : at].tolist()
         self.owner_rows, self.own = per_n[:N], per_n[N : 2 * N]
         self.others, self.taken = per_n[2 * N : 3 * N], per_n[3 * N :]
-        holders, amounts, kept, degrees = _sections(head, mi, at, (0, 1, 2, 3))
+        holders, amounts, kept, degrees = _sections(head[2:], mi, at, (0, 1, 2, 3))
         self.holders = dict(_grouped(holders, 1, list))
         self.amounts = dict(_grouped(amounts, 2, dict))
         self.kept = dict(_grouped(kept, 2, dict))
@@ -201,27 +208,42 @@ class FilledState(RangeState):
             g: dict(zip(ranks, islice(copies_it, len(ranks)), strict=True))
             for g, ranks in _grouped(degrees, 1, list)
         }
-        self._plan = (head, mi, at)  # plan_fields' sections, until the state changes
+        self._plan = (head, mi, at, out_i, C)  # for plan_fields, until the state changes
         del self._raw
         return self.__dict__[name]
 
     def plan_fields(self) -> tuple[tuple, tuple, tuple, tuple]:
         """``RangeState.plan_fields()``: the C++'s fields while the state is as the fill left
-        it (the same tuples: ``tests/placement/test_native_fill.py``), else the Python's."""
+        it (the same tuples: ``tests/placement/test_native_fill.py``; computed on first call,
+        ``mixmoe_level_fill_plan``: plan_mix reads them of one fill only), else the Python's."""
+        fields = self.__dict__.get("_fields")
+        if fields is not None:
+            return fields
         raw = self.__dict__.get("_raw") or self.__dict__.get("_plan")
-        if raw is None:
+        fn = native_lib.function("mixmoe_level_fill_plan", I64, _PLAN_ARGTYPES) if raw else None
+        if fn is None:  # changed since the fill (or the library turned off since): Python's
             return super().plan_fields()
-        head, mi, at = raw[0], raw[1], raw[-1]
-        holders, ranges, kept = _sections(head, mi, at, (0, 4, 5))
+        head, mi, at, out_i, C = raw[0], raw[1], raw[-3], raw[-2], raw[-1]
+        ints = (I64 * 9)(self.W, self.E, self.block, *head[2:8])
+        cap = head[5] + head[7] + 4  # ranges: at most the amounts' groups and entries
+        out = (I64 * cap)()
+        # the holders, amounts and kept sections where the fill wrote them (int64: 8 bytes)
+        if fn(C.data_ptr(), ints, ctypes.addressof(out_i) + 8 * at, out, cap) != 0:
+            raise RuntimeError("native plan fields: output buffer too small")  # cannot happen
+        mo = memoryview(out).cast("B").cast("q")
+        ranges, kept = _sections(mo[:4].tolist(), mo, 4, (0, 1))
+        (holders,) = _sections(head[2:], mi, at, (0,))
         replicas = tuple(_grouped(holders, 1, tuple))
         hot = tuple(g for g, _ in replicas)
-        return hot, replicas, tuple(_grouped(ranges, 2, tuple)), tuple(_grouped(kept, 2, tuple))
+        fields = hot, replicas, tuple(_grouped(ranges, 2, tuple)), tuple(_grouped(kept, 2, tuple))
+        self._fields = fields
+        return fields
 
     def __getstate__(self) -> dict:
         """Every field built (pickle and copy take no memoryview): plan_fields the Python's."""
         if "_raw" in self.__dict__:
             self.holders  # noqa: B018 (builds every lazy field)
-        return {k: v for k, v in self.__dict__.items() if k != "_plan"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_plan", "_fields")}
 
     # the state changes: plan_fields is the Python's from then on (its fields built first)
     def _keep(self, g: int, y: int, k: int) -> None:
@@ -240,6 +262,7 @@ class FilledState(RangeState):
         if "_raw" in self.__dict__:
             self.holders  # noqa: B018 (builds every lazy field)
         self.__dict__.pop("_plan", None)
+        self.__dict__.pop("_fields", None)
 
 
 _LAZY = frozenset(("held", "owner_rows", "own", "others", "taken", "helped", "degrees",

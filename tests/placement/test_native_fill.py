@@ -295,6 +295,18 @@ def test_plan_fields_meet_the_cuts_edge_cases():
     assert len(seen) == 7, seen
 
 
+def test_too_small_buffers_are_sized_again(monkeypatch):
+    """Output buffers below what the fill writes: the C entry says the sizes it needs and
+    ``filled`` calls it again with them (the same state)."""
+    args = _hot_args()
+    want = native.filled(*args, 6, 1.02)
+    monkeypatch.setattr(native, "_capacity", lambda W, N, holders: (2, 0))
+    again = native.filled(*args, 6, 1.02)
+    for name in FIELDS:
+        assert getattr(again, name) == getattr(want, name), name
+    assert again.plan_fields() == want.plan_fields()
+
+
 def test_a_filled_state_pickles_and_copies():
     """A filled state pickles and deep-copies (its fields built first, none lost): the copies
     equal the original field for field and in their plan fields."""
@@ -313,6 +325,7 @@ def test_a_changed_state_plans_in_python():
     fast = native.filled(*args, 6, 1.02)
     slow = RangeState(*args)
     slow.moves += level_fill(slow, 6, 1.02)
+    assert fast.holders == slow.holders  # every field built first: the C++'s plan fields still
     assert fast.plan_fields() == slow.plan_fields()
     g, y = 0, max(slow.amounts[0], key=slow.amounts[0].get)  # the largest amount
     for state in (fast, slow):

@@ -12,8 +12,9 @@
 // (tests/placement/test_native_fill.py checks every field). Build: any C++17 compiler,
 // -ffp-contract=off (no fused multiply-add: Python rounds every product). Two ways in, one code:
 // mixmoe_native::level_fill (level_fill.h; one link) for the compiled planner, and the C entry
-// mixmoe_level_fill (any topology, the whole state) for mixmoe/placement/native_fill.py through
-// ctypes; mixmoe_level_fill_out runs the former for the twin tests. The shared arithmetic and the
+// mixmoe_level_fill (any topology, the whole state; mixmoe_level_fill_plan its plan fields) for
+// mixmoe/placement/native_fill.py through ctypes; mixmoe_level_fill_out runs the former for the
+// twin tests. The shared arithmetic and the
 // cost model's Model in common.h.
 
 #include <algorithm>
@@ -604,47 +605,90 @@ Entries cut(const std::vector<int64_t>& starts, const Entries& amounts, int64_t 
   return out;
 }
 
+// One expert's stream as plan_fields walks it (ranges.stream_sources, _prefix): its segments'
+// starts so far, and where it is in its sorted holders and kept holders
+struct Stream {
+  int64_t g, o, want;  // the expert, its owner, its amounts' sum (the last cut's most)
+  const std::vector<int64_t>* holders;
+  size_t next_holder = 0;
+  std::map<int64_t, int64_t>::const_iterator next_kept, kept_end;
+  std::vector<int64_t> starts{0};
+};
+
 // RangeState.plan_fields: the holders (Plan.replicas; hot is their experts), the kept holders'
 // local rows rounded down to whole blocks (Plan.kept), and each expert's positive amounts by
 // helper rank cut into ranges (ranges.cut_ranges_many: stream_sources, _prefix, _cut; an
-// expert whose cuts all come out empty has no entry)
+// expert whose cuts all come out empty has no entry). The streams' segments are read off C row
+// by row, every expert at once (a column read down C touches a new page per element), and an
+// expert's walk stops once its segments pass its amounts' sum: every cut then falls inside a
+// segment walked (_cut's arithmetic is the same on the shorter stream: no cut reaches its
+// end). W = 1024 zipf: ~60% of the columns read, ~12 ns an element (memory-bound).
 void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, ExpertEntries& kept) {
   replicas.clear();
   ranges.clear();
   kept.clear();
   const int64_t blk = f.blk, W = f.W;
-  for (int64_t g = 0; g < f.N; ++g)
-    if (!f.holders[g].empty()) replicas.emplace_back(g, f.holders[g]);
-  std::vector<int64_t> starts;
-  Entries amounts;
+  std::vector<Stream> streams;  // the experts with a positive amount: their ranges to cut
   for (int64_t g = 0; g < f.N; ++g) {
+    if (!f.holders[g].empty()) replicas.emplace_back(g, f.holders[g]);
     const auto& kg = f.kept[g];  // {y: local rows}, each below C[y][g]
     if (!kg.empty()) {
       Entries blocks;
       for (const auto& [y, n] : kg) blocks.emplace_back(y, n / blk * blk);  // n >= 0: n // blk
       kept.emplace_back(g, std::move(blocks));
     }
-    amounts.clear();
-    for (const auto& [y, n] : f.amounts[g])  // ascending helper rank
-      if (n > 0) amounts.emplace_back(y, n);
-    if (amounts.empty()) continue;
-    // the stream (ranges.stream_sources): sources with rows, neither the owner nor a holder
-    // (a kept holder stays, its rest C[y][g] - local blocks), ascending; the owner last
-    const int64_t o = g / f.E;
-    starts.assign(1, 0);
-    for (int64_t s = 0; s < W; ++s) {
-      const int64_t c = f.c(s, g);
-      if (c == 0 || s == o) continue;
-      auto it = kg.find(s);
-      if (it != kg.end()) {
-        starts.push_back(starts.back() + c - it->second / blk * blk);
-      } else if (!f.holds(g, s)) {
-        starts.push_back(starts.back() + c);
-      }
+    int64_t want = 0;
+    for (const auto& [y, n] : f.amounts[g]) want += n > 0 ? n : 0;
+    if (want > 0)
+      streams.push_back(Stream{g, g / f.E, want, &f.holders[g], 0, kg.begin(), kg.end(), {0}});
+  }
+  // the stream: sources with rows, neither the owner nor a holder (a kept holder stays, its
+  // rest C[y][g] - local blocks), ascending; the owner last. C's rows ROWS at a time: the
+  // active experts' elements gathered row by row into chunk (chunk[a * ROWS + s - s0]: C[s][g]
+  // of active expert a), then each expert walks its part, and stops once past its amounts
+  constexpr int64_t ROWS = 64;
+  std::vector<Stream*> active;
+  for (Stream& st : streams) active.push_back(&st);
+  std::vector<int64_t> chunk(active.size() * ROWS);
+  for (int64_t s0 = 0; s0 < W && !active.empty(); s0 += ROWS) {
+    const int64_t s1 = std::min(W, s0 + ROWS);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t* row = f.C + s * f.N;
+      for (size_t a = 0; a < active.size(); ++a) chunk[a * ROWS + (s - s0)] = row[active[a]->g];
     }
-    if (f.c(o, g)) starts.push_back(starts.back() + f.c(o, g));
-    Entries pieces = cut(starts, amounts, blk);
-    if (!pieces.empty()) ranges.emplace_back(g, std::move(pieces));
+    size_t keep = 0;
+    for (size_t a = 0; a < active.size(); ++a) {
+      Stream& st = *active[a];
+      const int64_t* col = chunk.data() + a * ROWS - s0;  // col[s] = C[s][st.g]
+      const auto& h = *st.holders;  // ascending: advanced with s
+      int64_t s = s0;
+      for (; s < s1 && st.starts.back() <= st.want; ++s) {
+        const int64_t c = col[s];
+        if (c == 0 || s == st.o) continue;
+        while (st.next_holder < h.size() && h[st.next_holder] < s) ++st.next_holder;
+        if (st.next_holder == h.size() || h[st.next_holder] != s) {
+          st.starts.push_back(st.starts.back() + c);
+        } else {  // a holder: in the stream only when kept (ascending too)
+          while (st.next_kept != st.kept_end && st.next_kept->first < s) ++st.next_kept;
+          if (st.next_kept != st.kept_end && st.next_kept->first == s)
+            st.starts.push_back(st.starts.back() + c - st.next_kept->second / blk * blk);
+        }
+      }
+      if (st.starts.back() <= st.want) active[keep++] = &st;  // else: walked far enough
+    }
+    active.resize(keep);
+  }
+  for (Stream* st : active) {  // walked every source: the owner's own rows close the stream
+    const int64_t own = f.c(st->o, st->g);
+    if (own) st->starts.push_back(st->starts.back() + own);
+  }
+  Entries amounts;
+  for (const Stream& st : streams) {
+    amounts.clear();
+    for (const auto& [y, n] : f.amounts[st.g])  // ascending helper rank
+      if (n > 0) amounts.emplace_back(y, n);
+    Entries pieces = cut(st.starts, amounts, blk);
+    if (!pieces.empty()) ranges.emplace_back(st.g, std::move(pieces));
   }
 }
 
@@ -742,8 +786,8 @@ Section entries_section(const ExpertEntries& entries) {
 
 extern "C" {
 
-// One fill from the start RangeState.__init__ builds (range_state.py), then the passes, then
-// the state's plan_fields.
+// One fill from the start RangeState.__init__ builds (range_state.py), then the passes (the
+// state's plan fields: mixmoe_level_fill_plan, for the one fill the planner keeps).
 // Inputs: C (int64 [W, N]), colsum (int64 [N], C's column sums), loads (float64 [4, W]: the start
 // plan's rows, local, remote, replica), start (the start holders: m experts [g_1..g_m], their
 // holder counts [k_1..k_m], then the holders, k_1 of g_1 first; any order within each),
@@ -751,12 +795,11 @@ extern "C" {
 //          weight_collectives, overlap, m;
 //   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (common.h's Model), stop.
 // Outputs, out_i (int64, cap_i of them), in this order:
-//   a header of 14: rounds, the number of overshot ranks, then (m, length) of each section;
+//   a header of 10: rounds, the number of overshot ranks, then (m, length) of each section;
 //   per rank [W] each: held, rows, local, remote; the overshot ranks ascending;
 //   per expert [N] each: owner_rows, own, others, taken;
-//   six sections (Section: by columns, ascending g): holders (ranks; plan_fields' replicas too),
-//   amounts and kept ((rank, n) pairs), degrees (ranks; their copies in out_d, in order),
-//   plan_fields' ranges and kept ((rank, n) pairs);
+//   four sections (Section: by columns, ascending g): holders (ranks; plan_fields' replicas
+//   too), amounts and kept ((rank, n) pairs), degrees (ranks; their copies in out_d, in order);
 // out_d (float64, cap_d): replica [W], totals [W], the degrees' copies.
 // Returns the pieces moved; -2 when the start is level already (no pass runs: nothing is
 // written); -1 when out_i or out_d is too small: out_i[0], out_i[1] then say the sizes needed
@@ -788,9 +831,6 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
   f.replica.assign(loads + 3 * W, loads + 4 * W);
   const int64_t pieces = fill_from_start(f, colsum, params(m, f.any_remote, s));
   if (pieces == -2) return -2;
-  Replicas replicas;  // the holders again: written once, as the holders section
-  ExpertEntries ranges, kept;
-  plan_fields(f, replicas, ranges, kept);
   Section degrees;
   std::vector<double> copies;
   for (size_t g = 0; g < N; ++g)
@@ -798,12 +838,11 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
       degrees.add(static_cast<int64_t>(g), f.degrees[g].size());
       for (const auto& [r, v] : f.degrees[g]) degrees.values.push_back(r), copies.push_back(v);
     }
-  const Section sections[6] = {ranks_section(f.holders), pairs_section(f.amounts),
-                               pairs_section(f.kept),    degrees,
-                               entries_section(ranges),  entries_section(kept)};
+  const Section sections[4] = {ranks_section(f.holders), pairs_section(f.amounts),
+                               pairs_section(f.kept), degrees};
   size_t n_over = 0;
   for (char x : f.overshot) n_over += x != 0;
-  size_t need = 14 + 4 * W + n_over + 4 * N;
+  size_t need = 10 + 4 * W + n_over + 4 * N;
   for (const Section& sec : sections) need += sec.size();
   const size_t need_d = 2 * W + copies.size();
   if (need > static_cast<size_t>(cap_i) || need_d > static_cast<size_t>(cap_d)) {
@@ -825,6 +864,44 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
   od = std::copy(f.totals.begin(), f.totals.end(), od);
   std::copy(copies.begin(), copies.end(), od);
   return pieces;
+}
+
+// RangeState.plan_fields' ranges and kept of the state mixmoe_level_fill left: C (int64 [W, N]),
+// ints [W, E, blk, then (m, length) of the holders, amounts and kept sections], `sections`: those
+// three sections as mixmoe_level_fill wrote them (one after the other). Writes out_i: a header
+// of 4, (m, length) of the ranges and of the kept sections, then both (Section, (rank, n)
+// pairs). Returns 0; -1 when cap_i is too small (the amounts' and kept's lengths plus 4 suffice).
+int64_t mixmoe_level_fill_plan(const int64_t* C, const int64_t* ints, const int64_t* sections,
+                               int64_t* out_i, int64_t cap_i) {
+  Fill f;
+  f.W = ints[0], f.E = ints[1], f.N = ints[0] * ints[1], f.blk = ints[2], f.C = C;
+  const size_t N = static_cast<size_t>(f.N);
+  f.holders.assign(N, {});
+  f.amounts.assign(N, {});
+  f.kept.assign(N, {});
+  const int64_t* at = sections;
+  for (int part = 0; part < 3; ++part) {  // holders, amounts, kept: by columns (Section)
+    const int64_t m = ints[3 + 2 * part], length = ints[4 + 2 * part];
+    const int64_t* values = at + 2 * m;
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t g = at[i], k = at[m + i];
+      for (int64_t j = 0; j < k; ++j, values += part ? 2 : 1) {
+        if (part == 0) f.holders[g].push_back(values[0]);
+        else (part == 1 ? f.amounts : f.kept)[g].emplace(values[0], values[1]);
+      }
+    }
+    at += length;
+  }
+  Replicas replicas;
+  ExpertEntries ranges, kept;
+  plan_fields(f, replicas, ranges, kept);
+  const Section out[2] = {entries_section(ranges), entries_section(kept)};
+  if (4 + out[0].size() + out[1].size() > static_cast<size_t>(cap_i)) return -1;
+  int64_t* o = out_i;
+  for (const Section& sec : out)
+    *o++ = static_cast<int64_t>(sec.g.size()), *o++ = static_cast<int64_t>(sec.size());
+  for (const Section& sec : out) o = sec.put(o);
+  return 0;
 }
 
 // mixmoe_native::level_fill for the twin tests: the C entry's inputs (per_node 0: one link), and

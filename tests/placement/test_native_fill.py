@@ -95,7 +95,7 @@ def _fill_out(args: tuple, passes: int, stop: float, kept: bool) -> dict:
     cap = 8 + 4 * W + 64 * (W * slots + sum(map(len, start.values())) + 1)
     out_i, out_d = (lib.I64 * cap)(), (lib.F64 * (2 * W))()
     moves = fn(*native._addresses(inputs), out_i, cap, out_d, 2 * W)
-    assert moves != -1
+    assert moves not in (-1, -3)  # -3: the plan fields filled later (fill_plan) differ
     at = 8 + 4 * W
     per_w = [out_i[8 + k * W : 8 + (k + 1) * W] for k in range(4)]
     sections = []

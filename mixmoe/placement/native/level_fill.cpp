@@ -708,9 +708,38 @@ void set_start(Fill& f, const Counts& k, const Model& m, bool any_remote, int64_
   f.holders.assign(static_cast<size_t>(k.N), {});
 }
 
+// plan_fields of a state given by its holders, amounts and kept holders' local rows (entries
+// by ascending g and rank): ranges and kept (replicas: the holders as they are)
+void plan_from(const Counts& k, int64_t blk, const Replicas& holders, const ExpertEntries& amounts,
+               const ExpertEntries& kept_local, ExpertEntries& ranges, ExpertEntries& kept) {
+  Fill f;
+  f.W = k.W, f.E = k.E, f.N = k.N, f.blk = blk, f.C = k.C;
+  const size_t N = static_cast<size_t>(k.N);
+  f.holders.assign(N, {});
+  f.amounts.assign(N, {});
+  f.kept.assign(N, {});
+  for (const auto& [g, hs] : holders) f.holders[g] = hs;
+  for (const auto& [g, e] : amounts) f.amounts[g].insert(e.begin(), e.end());
+  for (const auto& [g, e] : kept_local) f.kept[g].insert(e.begin(), e.end());
+  Replicas replicas;
+  plan_fields(f, replicas, ranges, kept);
+}
+
+ExpertEntries entries_of(const std::vector<std::map<int64_t, int64_t>>& per_g) {
+  ExpertEntries out;
+  for (size_t g = 0; g < per_g.size(); ++g)
+    if (!per_g[g].empty())
+      out.emplace_back(static_cast<int64_t>(g), Entries(per_g[g].begin(), per_g[g].end()));
+  return out;
+}
+
 }  // namespace
 
 namespace mixmoe_native {
+
+void fill_plan(const Counts& counts, int64_t blk, FillOut& out) {
+  plan_from(counts, blk, out.replicas, out.amounts, out.kept_local, out.ranges, out.kept);
+}
 
 FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, const Model& model,
                    const Replicas& start, bool any_remote, const Loads& start_loads,
@@ -729,7 +758,14 @@ FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, con
   out.totals = std::move(f.totals);
   out.rounds = f.rounds;
   out.overshot = std::move(f.overshot);
-  plan_fields(f, out.replicas, out.ranges, out.kept);
+  out.amounts = entries_of(f.amounts);
+  out.kept_local = entries_of(f.kept);
+  if (settings.plan) {
+    plan_fields(f, out.replicas, out.ranges, out.kept);
+  } else {
+    for (int64_t g = 0; g < f.N; ++g)
+      if (!f.holders[g].empty()) out.replicas.emplace_back(g, std::move(f.holders[g]));
+  }
   return out;
 }
 
@@ -873,28 +909,28 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
 // pairs). Returns 0; -1 when cap_i is too small (the amounts' and kept's lengths plus 4 suffice).
 int64_t mixmoe_level_fill_plan(const int64_t* C, const int64_t* ints, const int64_t* sections,
                                int64_t* out_i, int64_t cap_i) {
-  Fill f;
-  f.W = ints[0], f.E = ints[1], f.N = ints[0] * ints[1], f.blk = ints[2], f.C = C;
-  const size_t N = static_cast<size_t>(f.N);
-  f.holders.assign(N, {});
-  f.amounts.assign(N, {});
-  f.kept.assign(N, {});
+  const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
+  Replicas holders;
+  ExpertEntries amounts, kept_local;
   const int64_t* at = sections;
   for (int part = 0; part < 3; ++part) {  // holders, amounts, kept: by columns (Section)
     const int64_t m = ints[3 + 2 * part], length = ints[4 + 2 * part];
-    const int64_t* values = at + 2 * m;
+    const int64_t* values = at + 2 * m;  // past the experts [m] and their counts [m]
     for (int64_t i = 0; i < m; ++i) {
-      const int64_t g = at[i], k = at[m + i];
-      for (int64_t j = 0; j < k; ++j, values += part ? 2 : 1) {
-        if (part == 0) f.holders[g].push_back(values[0]);
-        else (part == 1 ? f.amounts : f.kept)[g].emplace(values[0], values[1]);
+      const int64_t g = at[i], n = at[m + i];
+      if (part == 0) {
+        holders.emplace_back(g, std::vector<int64_t>(values, values + n));
+        values += n;
+        continue;
       }
+      Entries e;
+      for (int64_t j = 0; j < n; ++j, values += 2) e.emplace_back(values[0], values[1]);
+      (part == 1 ? amounts : kept_local).emplace_back(g, std::move(e));
     }
     at += length;
   }
-  Replicas replicas;
   ExpertEntries ranges, kept;
-  plan_fields(f, replicas, ranges, kept);
+  plan_from(k, ints[2], holders, amounts, kept_local, ranges, kept);
   const Section out[2] = {entries_section(ranges), entries_section(kept)};
   if (4 + out[0].size() + out[1].size() > static_cast<size_t>(cap_i)) return -1;
   int64_t* o = out_i;
@@ -908,7 +944,8 @@ int64_t mixmoe_level_fill_plan(const int64_t* C, const int64_t* ints, const int6
 // the FillOut in out_i (int64, cap_i): moves, rounds, the (m, length) of the replicas, ranges and
 // kept sections, then per rank [W] rows, local, remote, overshot (0/1), then the three sections
 // (as the C entry's); out_d (float64, 2W): replica, totals. Every field is written, -2 (a level
-// start: the start's fields) included. Returns moves; -1 when a buffer is too small.
+// start: the start's fields) included. Returns moves; -1 when a buffer is too small; -3 when
+// level_fill with settings.plan false then fill_plan gives other plan fields.
 int64_t mixmoe_level_fill_out(const int64_t* C, const int64_t* colsum, const double* loads,
                               const int64_t* start, const int64_t* ints, const double* reals,
                               int64_t* out_i, int64_t cap_i, double* out_d, int64_t cap_d) {
@@ -933,6 +970,13 @@ int64_t mixmoe_level_fill_out(const int64_t* C, const int64_t* colsum, const dou
   }
   std::vector<int64_t> sums(colsum, colsum + k.N);
   const FillOut out = level_fill(k, sums, m, holders, ints[5] != 0, base, s);
+  FillSettings later = s;  // the plan fields left to fill_plan: the same entries (else -3)
+  later.plan = false;
+  FillOut lazy = level_fill(k, sums, m, holders, ints[5] != 0, base, later);
+  if (!lazy.ranges.empty() || !lazy.kept.empty()) return -3;
+  fill_plan(k, s.blk, lazy);
+  if (lazy.replicas != out.replicas || lazy.ranges != out.ranges || lazy.kept != out.kept)
+    return -3;
   Section replicas;
   for (const auto& [g, hs] : out.replicas) {
     replicas.add(g, hs.size());

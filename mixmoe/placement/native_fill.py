@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 from array import array
 from collections.abc import Callable, Iterator
-from itertools import chain, islice, repeat
+from itertools import islice, repeat
 
 import torch
 
@@ -136,7 +136,8 @@ def _inputs(
         loads = loads[:4].to(_F64).contiguous()
     start = array("q", start_holders)  # by columns: the experts, their counts, the holders
     start.extend(map(len, start_holders.values()))
-    start.extend(chain.from_iterable(start_holders.values()))
+    for h in start_holders.values():  # fromlist: ~4x faster than extend from an iterator
+        start.fromlist(list(h))
     model_i, model_d = terms
     ints = (I64 * 14)(C_WN.shape[0], E, slots, block_size, per_node, any_remote, passes, kept,
                       *model_i, len(start_holders))  # fmt: skip

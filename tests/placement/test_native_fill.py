@@ -1,17 +1,24 @@
 """The compiled level fill (``mixmoe.placement.native_fill``, ``native/level_fill.cpp``) against
 its slow twin, the Python fill (``RangeState`` + ``level_fill.level_fill``): every field of the
-state they leave, compared exactly (ints, and floats bit for bit), on the starts ``plan_mix``
-really fills and on random ones; plus the build and every fallback to the Python fill.
+state they leave and its ``plan_fields()`` (the ranges' cuts included), compared exactly (ints,
+and floats bit for bit), through both ways in (the C entry ``native_fill`` calls, and the C++
+``mixmoe_native::level_fill`` the compiled planner calls), on the starts ``plan_mix`` really
+fills and on random ones; plus the build and every fallback to the Python fill.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import pickle
 import random
 import re
 import subprocess
 import sys
+from bisect import bisect_right
+from collections.abc import Iterator
+from itertools import accumulate
 
 import pytest
 import torch
@@ -23,12 +30,14 @@ from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape
 from mixmoe.placement.cost_model import plan_pricing, step_model
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
-from mixmoe.placement.level_fill import OFFERED, _fold_sum, level_fill
+from mixmoe.placement.level_fill import MIN_GAIN, OFFERED, TENSOR_POINTS, _fold_sum, level_fill
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import _NO_PREDICTION, plan_mix
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.range_state import RangeState
+from mixmoe.placement.ranges import _cut, _prefix, stream_sources
 from mixmoe.placement.relay import node_distance
+from mixmoe.simulate.workloads import SHAPES, layer_shape
 
 FIELDS = ("holders", "held", "owner_rows", "own", "others", "taken", "rows", "local", "remote",
           "replica", "totals", "amounts", "helped", "kept", "degrees", "rounds", "overshot",
@@ -46,24 +55,77 @@ def test_compiled_fill_is_built_here():
     source = native.SOURCE.read_text()
     assert int(re.search(r"constexpr int OFFERED = (\d+);", source).group(1)) == OFFERED
     assert native.OFFERED == OFFERED
+    points = re.search(r"constexpr int64_t TENSOR_POINTS = (\d+);", source).group(1)
+    gain = re.search(r"constexpr double MIN_GAIN = ([0-9.e-]+);", source).group(1)
+    assert int(points) == TENSOR_POINTS and float(gain) == MIN_GAIN
 
 
 def _compare(args: tuple, passes: int, stop: float, kept: bool) -> RangeState:
-    """Both fills from the same arguments; every field equal. Returns the Python state."""
+    """Both fills from the same arguments; every field equal, and the plan fields (read first,
+    as plan_mix reads them, and again after the other fields); with one link, the C++
+    ``level_fill``'s ``FillOut`` too. Returns the Python state."""
     fast = native.filled(*args, passes, stop, kept)
     slow = RangeState(*args)
     slow.moves += level_fill(slow, passes, stop, kept)
+    if args[6] is None:
+        _compare_out(_fill_out(args, passes, stop, kept), slow, level=fast is None and passes > 0)
     if fast is None:  # a level start (the caller builds it in Python): no pass moves a row
         T = slow.totals
         assert passes and max(T) <= stop * (sum(T) / len(T)) * (1 + 1e-12) and slow.moves == 0
         return slow
+    fields = slow.plan_fields()
+    assert fast.plan_fields() == fields  # from the C++'s output, no other field read yet
     for name in FIELDS:
         assert getattr(fast, name) == getattr(slow, name), name
     # floats bit for bit (== would let -0.0 pass for 0.0)
     for name in ("totals", "replica"):
         assert [x.hex() for x in getattr(fast, name)] == [x.hex() for x in getattr(slow, name)]
-    assert fast.plan_fields() == slow.plan_fields()
+    assert fast.plan_fields() == fields
     return slow
+
+
+def _fill_out(args: tuple, passes: int, stop: float, kept: bool) -> dict:
+    """``mixmoe_native::level_fill`` (through ``mixmoe_level_fill_out``) on RangeState's
+    arguments (one link): its FillOut's fields, decoded here on their own."""
+    fn = lib.function("mixmoe_level_fill_out", lib.I64, native._ARGTYPES)
+    model, C_WN, E, start, slots, block, _, colsum, any_remote, loads = args
+    inputs = native._inputs(model, C_WN, E, start, slots, block, 0, colsum, any_remote, loads,
+                            passes, stop, kept)  # fmt: skip
+    W = C_WN.shape[0]
+    cap = 8 + 4 * W + 64 * (W * slots + sum(map(len, start.values())) + 1)
+    out_i, out_d = (lib.I64 * cap)(), (lib.F64 * (2 * W))()
+    moves = fn(*native._addresses(inputs), out_i, cap, out_d, 2 * W)
+    assert moves not in (-1, -3)  # -3: the plan fields filled later (fill_plan) differ
+    at = 8 + 4 * W
+    per_w = [out_i[8 + k * W : 8 + (k + 1) * W] for k in range(4)]
+    sections = []
+    for m, length in (out_i[2:4], out_i[4:6], out_i[6:8]):
+        ints = out_i[at : at + length]
+        values, groups = ints[2 * m :], []
+        width = 1 if not sections else 2  # the replicas' ranks; the ranges' and kept's pairs
+        for g, k in zip(ints[:m], ints[m : 2 * m], strict=True):
+            mine, values = values[: width * k], values[width * k :]
+            if width == 2:
+                mine = list(zip(mine[::2], mine[1::2], strict=True))
+            groups.append((g, tuple(mine)))
+        assert not values
+        sections.append(tuple(groups))
+        at += length
+    replicas, ranges, kept_e = sections
+    return {"moves": moves, "rounds": out_i[1], "rows": per_w[0], "local": per_w[1],
+            "remote": per_w[2], "overshot": {r for r, x in enumerate(per_w[3]) if x},
+            "replica": out_d[:W], "totals": out_d[W : 2 * W],
+            "plan_fields": (tuple(g for g, _ in replicas), replicas, ranges, kept_e)}  # fmt: skip
+
+
+def _compare_out(out: dict, slow: RangeState, level: bool) -> None:
+    """A FillOut equals the Python state: moves (-2: a level start, the start's fields)."""
+    assert out["moves"] == (-2 if level else slow.moves)
+    for name in ("rounds", "rows", "local", "remote", "overshot"):
+        assert out[name] == getattr(slow, name), name
+    for name in ("totals", "replica"):
+        assert [x.hex() for x in out[name]] == [x.hex() for x in getattr(slow, name)], name
+    assert out["plan_fields"] == slow.plan_fields()
 
 
 def _with_both(monkeypatch: pytest.MonkeyPatch, seen: list) -> None:
@@ -100,6 +162,37 @@ def test_plan_mix_fills_equal(monkeypatch, profile):
             shape = LayerShape(1024, 4096, N // W, W, 2)
             plan_mix(C, shape, prof, 4)
     assert len(seen) >= 24 and sum(1 for m in seen if m) >= 16  # fills that moved rows
+
+
+@functools.cache
+def _both_shapes() -> list[tuple[torch.Tensor, LayerShape]]:
+    """Synthetic counts (uniform, zipf:1.2, zipf:2.0, hot:0.3; 2048 tokens per rank) at the
+    seeds' shape (D1024 F4096 top-2, E = 4 and 8) and the DeepSeek-like one (256 experts,
+    top-8), W = 2-160; drawn once for every profile (drawing them dominates the test)."""
+    cases = [(layer_shape(SHAPES["deepseek"], W), 8) for W in (4, 32, 64)]
+    cases += [(LayerShape(1024, 4096, E, W, 2), 2) for W, E in ((2, 8), (12, 4), (64, 8), (160, 4))]
+    out = []
+    for i, (shape, k) in enumerate(cases):
+        for routing in ("uniform", "zipf:1.2", "zipf:2.0", "hot:0.3"):
+            gen = torch.Generator().manual_seed(7 * i + len(routing))
+            W, N = shape.world_size, shape.num_experts
+            C = synthetic_counts(RoutingSpec.parse(routing), W, 2048, k, N, gen,
+                                 shuffle_experts=True)  # fmt: skip
+            out.append((C, shape))
+    return out
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu", "fixed"])
+def test_plan_mix_fills_equal_on_both_shapes(monkeypatch, profile):
+    """The planner's real inputs at both shapes (``_both_shapes``): every fill's state and plan
+    fields equal both ways, under GPU_PROFILE, CPU_PROFILE and a profile with row and fixed
+    costs."""
+    prof = {"gpu": GPU_PROFILE, "cpu": CPU_PROFILE, "fixed": FIXED}[profile]
+    seen: list[int] = []
+    _with_both(monkeypatch, seen)
+    for C, shape in _both_shapes():
+        plan_mix(C, shape, prof, 4)
+    assert sum(1 for m in seen if m) >= 12  # fills that moved rows
 
 
 def _random_args(rng: random.Random, W: int, E: int, profile: HardwareProfile) -> tuple:
@@ -139,21 +232,110 @@ def _random_args(rng: random.Random, W: int, E: int, profile: HardwareProfile) -
             loads_4W[:4])  # fmt: skip
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_starts_equal(seed):
-    """Random counts, start holders, slots, blocks, overlap and passes (1-8), kept or not: the
-    same state both ways, whatever the fill does."""
+def _random_fills(seed: int) -> Iterator[tuple]:
+    """25 random fills: (args, passes 1-8, stop, kept) each."""
     rng = random.Random(seed)
-    moved = 0
     for _ in range(25):
         W = rng.choice([2, 3, 5, 8, 12])
         profile = rng.choice([IB, NODES, FIXED, CPU_PROFILE, CHEAP_LINK])
         args = _random_args(rng, W, rng.choice([1, 2, 4]), profile)
-        state = _compare(
-            args, rng.randrange(1, 9), rng.choice([1.0, 1.02, 1.2]), rng.random() < 0.5
-        )
-        moved += bool(state.moves)
+        yield args, rng.randrange(1, 9), rng.choice([1.0, 1.02, 1.2]), rng.random() < 0.5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_starts_equal(seed):
+    """Random counts, start holders, slots, blocks, overlap and passes (1-8), kept or not: the
+    same state both ways, whatever the fill does."""
+    moved = 0
+    for fill in _random_fills(seed):
+        moved += bool(_compare(*fill).moves)
     assert moved >= 5
+
+
+def _cut_cases(state: RangeState) -> set[str]:
+    """The edge cases of ``cut_ranges_many`` that ``state.plan_fields()`` meets (read off the
+    Python state with ``ranges``' own helpers)."""
+    cases, blk = set(), state.block
+    for g, rows in state.amounts.items():
+        amounts = sorted((y, n) for y, n in rows.items() if n > 0)
+        if not amounts:
+            continue
+        kept = {y: n // blk * blk for y, n in state.kept.get(g, {}).items()}
+        if kept:
+            cases.add("a kept holder's rest in the stream")
+        if any(n % blk for n in state.kept.get(g, {}).values()):
+            cases.add("a kept holder's local rows rounded down")
+        col = state.C_WN[:, g].tolist()
+        starts = _prefix(col, stream_sources(col, g // state.E, state.holders[g], kept), kept)
+        if any(n < blk for _, n in amounts):
+            cases.add("an amount below one block")
+        cut = _cut(starts, amounts, blk)
+        raw = state.kept.get(g, {})  # the kept holders' local rows not rounded: other cuts
+        if cut != _cut(_prefix(col, stream_sources(col, g // state.E, state.holders[g], raw), raw),
+                       amounts, blk):  # fmt: skip
+            cases.add("a cut past a kept holder's rest, moved by its rounding")
+        if len(cut) < len(amounts):
+            cases.add("a range cut to nothing, dropped")
+        for q in accumulate(n for _, n in cut):
+            k = bisect_right(starts, q) - 1
+            if k >= 1 and q == starts[k] and (starts[k] - starts[k - 1]) % blk:
+                cases.add("a cut at a segment's partial last block")
+            if q == starts[-1] and (starts[-1] - starts[-2]) % blk:
+                cases.add("the last helper taking the stream's partial last block")
+    return cases
+
+
+def test_plan_fields_meet_the_cuts_edge_cases():
+    """The random fills of seeds 6, 8 and 232 (found by scans of 400 seeds) meet every edge
+    case of the ranges' cuts (``_cut_cases``) and their plan fields are equal both ways."""
+    seen: set[str] = set()
+    for seed in (6, 8, 232):
+        for fill in _random_fills(seed):
+            seen |= _cut_cases(_compare(*fill))
+    assert len(seen) == 7, seen
+
+
+def test_too_small_buffers_are_sized_again(monkeypatch):
+    """Output buffers below what the fill writes: the C entry says the sizes it needs and
+    ``filled`` calls it again with them (the same state)."""
+    args = _hot_args()
+    want = native.filled(*args, 6, 1.02)
+    monkeypatch.setattr(native, "_capacity", lambda W, N, holders: (2, 0))
+    again = native.filled(*args, 6, 1.02)
+    for name in FIELDS:
+        assert getattr(again, name) == getattr(want, name), name
+    assert again.plan_fields() == want.plan_fields()
+
+
+def test_a_filled_state_pickles_and_copies():
+    """A filled state pickles and deep-copies (its fields built first, none lost): the copies
+    equal the original field for field and in their plan fields."""
+    fast = native.filled(*_hot_args(), 6, 1.02)
+    fields = fast.plan_fields()
+    for twin in (pickle.loads(pickle.dumps(fast)), copy.deepcopy(fast)):
+        for name in FIELDS:
+            assert getattr(twin, name) == getattr(fast, name), name
+        assert twin.plan_fields() == fields
+
+
+def test_a_changed_state_plans_in_python():
+    """A filled state that changes after the fill (a move back to the owner, a relay) builds
+    its plan fields in Python, as a Python state changed the same way does."""
+    args = _hot_args()
+    fast = native.filled(*args, 6, 1.02)
+    slow = RangeState(*args)
+    slow.moves += level_fill(slow, 6, 1.02)
+    assert fast.holders == slow.holders  # every field built first: the C++'s plan fields still
+    assert fast.plan_fields() == slow.plan_fields()
+    g, y = 0, max(slow.amounts[0], key=slow.amounts[0].get)  # the largest amount
+    for state in (fast, slow):
+        state.move(g, y, 0, state.amounts[g][y] // 2)
+        state.relay(g)
+    assert (
+        fast.plan_fields()
+        == slow.plan_fields()
+        != RangeState.plan_fields(native.filled(*args, 6, 1.02))
+    )
 
 
 def test_falls_back_to_python(monkeypatch):

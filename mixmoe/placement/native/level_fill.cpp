@@ -1,4 +1,5 @@
-// The batched water-fill of mixmoe.placement.level_fill over a RangeState, compiled.
+// The batched water-fill of mixmoe.placement.level_fill over a RangeState, compiled, and the
+// plan the state stands for (RangeState.plan_fields, mixmoe.placement.ranges' cuts).
 //
 // Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64, C[s*N + g] =
 // rows rank s routes to expert g; g's owner is g / E); a rank's loads (rows, local, remote, replica)
@@ -7,10 +8,14 @@
 // The same passes as the Python fill, step for step: the same integer arithmetic, the same float
 // expressions in the same order (Python ints times ints are exact: here __int128 products, rounded
 // once to double as Python's int / float rounds them), the same tie rules (rank, then expert id), so
-// the state it leaves is the Python fill's, bit for bit (tests/placement/test_native_fill.py checks
-// every field). Build: any C++17 compiler, -ffp-contract=off (no fused multiply-add: Python rounds
-// every product). Loaded by mixmoe/placement/native_fill.py through ctypes; one C entry point;
-// the shared arithmetic and the cost model's Model in common.h.
+// the state it leaves is the Python fill's, bit for bit, and so are its plan fields
+// (tests/placement/test_native_fill.py checks every field). Build: any C++17 compiler,
+// -ffp-contract=off (no fused multiply-add: Python rounds every product). Two ways in, one code:
+// mixmoe_native::level_fill (level_fill.h; one link) for the compiled planner, and the C entry
+// mixmoe_level_fill (any topology, the whole state; mixmoe_level_fill_plan its plan fields) for
+// mixmoe/placement/native_fill.py through ctypes; mixmoe_level_fill_out runs the former for the
+// twin tests. The shared arithmetic and the
+// cost model's Model in common.h.
 
 #include <algorithm>
 #include <cstdint>
@@ -19,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "level_fill.h"
 
 namespace {
 
@@ -513,70 +518,47 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
   return pieces;
 }
 
-}  // namespace
 
-extern "C" {
+constexpr int64_t TENSOR_POINTS = 384;  // level_fill.TENSOR_POINTS
+constexpr double MIN_GAIN = 0.005;      // level_fill.MIN_GAIN
 
-// One fill from the start RangeState.__init__ builds (range_state.py), then the passes.
-// Inputs: C (int64 [W, N]), colsum (int64 [N], C's column sums), loads (float64 [4, W]: the start
-// plan's rows, local, remote, replica), start (n_start (g, y) pairs: the start holders),
-//   ints:  W, E, slots, blk, per_node, any_remote, passes, tensor_points, kept, fpr, tbr, P,
-//          weight_collectives, overlap, n_start;
-//   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (StepModel.total_fn's terms), then
-//          level_fill's a, t, hide, copy, lat, stop, min_gain.
-// Outputs: out_w (int64 [5, W]: held, rows, local, remote, overshot), out_wf (float64 [2, W]:
-// replica, totals), out_n (int64 [4, N]: owner_rows, own, others, taken), out_i / out_d: holders,
-// amounts, kept and degrees, one group per expert with entries (below; the degrees' copies in
-// out_d); counts: rounds and the four sections' lengths in out_i. Returns the pieces moved; -1 when out_i / out_d are too
-// small, -2 when the start is level already (no pass runs: the fill would move nothing); nothing
-// written is meaningful then.
-int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double* loads,
-                          const int64_t* start, const int64_t* ints, const double* reals,
-                          int64_t* out_w, double* out_wf, int64_t* out_n, int64_t* out_i,
-                          int64_t cap_i, double* out_d, int64_t cap_d, int64_t* counts) {
-  Fill f;
-  const int64_t W = ints[0], E = ints[1];
-  f.W = W;
-  f.E = E;
-  f.N = W * E;
-  f.slots = ints[2];
-  f.blk = ints[3];
-  f.per_node = ints[4];
-  f.any_remote = ints[5] != 0;
-  f.C = C;
-  f.m = Model::from(ints + 9, reals);  // ints 9-13, reals 0-6: common.h's order
-  const int64_t n_start = ints[14];
-  const Params p{reals[7], reals[8], reals[9], reals[10], reals[11], reals[12], reals[13],
-                 ints[6], ints[7], ints[8] != 0};
-  const size_t N = static_cast<size_t>(f.N), Wz = static_cast<size_t>(W);
-  f.holders.assign(N, {});
+// level_fill.level_fill's rates from the model, its expressions (Python's int / float converts
+// the int to the nearest double first, as static_cast does)
+Params params(const Model& m, bool any_remote, const FillSettings& s) {
+  const double a = static_cast<double>(m.fpr) / m.gf + m.row_s;
+  const double t = any_remote ? static_cast<double>(m.tbr) / m.bw : 0.0;
+  const double copy = 2.0 * (static_cast<double>(m.P) / m.bw + m.rep_s);
+  // token0 is TOKEN_COLLECTIVES * lat, the fill's ``lat``
+  return Params{a, t, m.overlap ? a : 0.0, copy, m.token0, s.stop, MIN_GAIN,
+                s.passes, TENSOR_POINTS, s.kept};
+}
+
+// RangeState.__init__ (range_state.py) from the fields the caller set (sizes, C, model, the
+// start holders in any order, the start loads), then level_fill. Returns the pieces moved, or
+// -2 when the start is level (no pass runs; the state is the start's: holders, loads, totals,
+// rounds, nothing else moved).
+int64_t fill_from_start(Fill& f, const int64_t* colsum, const Params& p) {
+  const size_t N = static_cast<size_t>(f.N), Wz = static_cast<size_t>(f.W);
   f.held.assign(Wz, 0);
-  for (int64_t i = 0; i < n_start; ++i) {
-    f.holders[start[2 * i]].push_back(start[2 * i + 1]);
-    f.held[start[2 * i + 1]] += 1;
+  for (auto& h : f.holders) {
+    std::sort(h.begin(), h.end());
+    for (int64_t y : h) f.held[y] += 1;
   }
-  for (auto& h : f.holders) std::sort(h.begin(), h.end());
-  f.rows.resize(Wz);
-  f.local.resize(Wz);
-  f.remote.resize(Wz);
-  for (size_t r = 0; r < Wz; ++r) {  // the loads as float64: whole numbers, truncated as .to(int64)
-    f.rows[r] = static_cast<int64_t>(loads[r]);
-    f.local[r] = static_cast<int64_t>(loads[Wz + r]);
-    f.remote[r] = static_cast<int64_t>(loads[2 * Wz + r]);
-  }
-  f.replica.assign(loads + 3 * Wz, loads + 4 * Wz);
   f.degrees.assign(N, {});
   f.rounds = 0;
   for (size_t g = 0; g < N; ++g)  // range_state.start_relay
     if (!f.holders[g].empty())
-      f.rounds = std::max(f.rounds, f.relay_degrees(static_cast<int64_t>(g) / E, f.holders[g],
+      f.rounds = std::max(f.rounds, f.relay_degrees(static_cast<int64_t>(g) / f.E, f.holders[g],
                                                     f.degrees[g]));
   f.totals.resize(Wz);
   f.retotal();  // StepModel.seconds_W's totals, bit for bit (test_placement_planner_speed.py)
+  f.amounts.assign(N, {});
+  f.kept.assign(N, {});
+  f.overshot.assign(Wz, 0);
   if (p.passes > 0) {  // level_fill's first test: a start within ``stop`` of its mean moves
-    // nothing; the caller builds that state in Python (cheaper than the rest of this set-up)
+    // nothing (the C entry's caller then builds that state in Python: cheaper than the rest)
     const double top = *std::max_element(f.totals.begin(), f.totals.end());
-    if (top <= p.stop * (fold_sum(f.totals) / static_cast<double>(W))) return -2;
+    if (top <= p.stop * (fold_sum(f.totals) / static_cast<double>(f.W))) return -2;
   }
   // range_state.stream_rows: the owner's own rows C[o][g], the rows it computes (the holders'
   // own rows are local at them), the stream's rows from other sources
@@ -586,60 +568,436 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
   for (size_t g = 0; g < N; ++g) {
     int64_t held_rows = 0;
     for (int64_t y : f.holders[g]) held_rows += f.c(y, static_cast<int64_t>(g));
-    f.own[g] = f.c(static_cast<int64_t>(g) / E, static_cast<int64_t>(g));
+    f.own[g] = f.c(static_cast<int64_t>(g) / f.E, static_cast<int64_t>(g));
     f.owner_rows[g] = colsum[g] - held_rows;
     f.others[g] = f.owner_rows[g] - f.own[g];
   }
   f.taken.assign(N, 0);
-  f.amounts.assign(N, {});
   f.helped.assign(Wz, {});
-  f.kept.assign(N, {});
-  f.overshot.assign(Wz, 0);
-  const int64_t pieces = run(f, p);
-  // four sections, each a group per expert that has entries: holders [g, k, y_1..y_k],
-  // amounts and kept [g, k, y_1, n_1, .., y_k, n_k], degrees [g, k, r_1..r_k] (copies in out_d)
-  int64_t need = 0, nd = 0;
-  for (size_t g = 0; g < N; ++g) {
-    const size_t sizes[4] = {f.holders[g].size(), 2 * f.amounts[g].size(), 2 * f.kept[g].size(),
-                             f.degrees[g].size()};
-    for (size_t n : sizes) need += n ? 2 + static_cast<int64_t>(n) : 0;
-    nd += static_cast<int64_t>(f.degrees[g].size());
-  }
-  if (need > cap_i || nd > cap_d) return -1;
-  int64_t* o = out_i;
-  int64_t* start_of = o;
-  for (size_t g = 0; g < N; ++g)
-    if (!f.holders[g].empty()) {
-      *o++ = static_cast<int64_t>(g), *o++ = static_cast<int64_t>(f.holders[g].size());
-      for (int64_t y : f.holders[g]) *o++ = y;
+  return run(f, p);
+}
+
+// ranges._cut: the amounts [(helper, rows)] as cuts of the stream whose segments start at
+// `starts` (its end last): each cumulative cut to the nearest allowed position (a segment's
+// start or end, or whole blocks into it; ties: the lower), capped at the end, never going back;
+// ranges left with 0 rows dropped
+Entries cut(const std::vector<int64_t>& starts, const Entries& amounts, int64_t blk) {
+  const int64_t end = starts.back();
+  const size_t last = starts.size() - 1;
+  Entries out;
+  int64_t at = 0, want = 0;
+  for (const auto& [y, n] : amounts) {
+    want += n;
+    int64_t q = std::min(want, end);
+    // bisect_right(starts, q) - 1: the segment q falls in (or starts at); starts ascend strictly
+    const size_t k = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), q) -
+                                         starts.begin()) - 1;
+    if (k < last) {  // inside the stream: rounded
+      const int64_t off = q - starts[k];  // >= 0: Python's // is C++'s / here
+      const int64_t down = off / blk * blk;  // the whole block below, or the segment's start
+      const int64_t up = std::min(starts[k + 1] - starts[k], down + blk);  // block or end
+      q = starts[k] + (off - down <= up - off ? down : up);
     }
-  counts[1] = o - start_of;
-  for (const auto* maps : {&f.amounts, &f.kept}) {
-    start_of = o;
-    for (size_t g = 0; g < N; ++g)
-      if (!(*maps)[g].empty()) {
-        *o++ = static_cast<int64_t>(g), *o++ = static_cast<int64_t>((*maps)[g].size());
-        for (const auto& [y, n] : (*maps)[g]) *o++ = y, *o++ = n;
-      }
-    counts[maps == &f.amounts ? 2 : 3] = o - start_of;
+    q = std::max(q, at);
+    if (q > at) out.emplace_back(y, q - at);
+    at = q;
   }
-  start_of = o;
-  double* od = out_d;
+  return out;
+}
+
+// One expert's stream as plan_fields walks it (ranges.stream_sources, _prefix): its segments'
+// starts so far, and where it is in its sorted holders and kept holders
+struct Stream {
+  int64_t g, o, want;  // the expert, its owner, its amounts' sum (the last cut's most)
+  const std::vector<int64_t>* holders;
+  size_t next_holder = 0;
+  std::map<int64_t, int64_t>::const_iterator next_kept, kept_end;
+  std::vector<int64_t> starts{0};
+};
+
+// RangeState.plan_fields: the holders (Plan.replicas; hot is their experts), the kept holders'
+// local rows rounded down to whole blocks (Plan.kept), and each expert's positive amounts by
+// helper rank cut into ranges (ranges.cut_ranges_many: stream_sources, _prefix, _cut; an
+// expert whose cuts all come out empty has no entry). The streams' segments are read off C row
+// by row, every expert at once (a column read down C touches a new page per element), and an
+// expert's walk stops once its segments pass its amounts' sum: every cut then falls inside a
+// segment walked (_cut's arithmetic is the same on the shorter stream: no cut reaches its
+// end). W = 1024 zipf: ~60% of the columns read, ~12 ns an element (memory-bound).
+void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, ExpertEntries& kept) {
+  replicas.clear();
+  ranges.clear();
+  kept.clear();
+  const int64_t blk = f.blk, W = f.W;
+  std::vector<Stream> streams;  // the experts with a positive amount: their ranges to cut
+  for (int64_t g = 0; g < f.N; ++g) {
+    if (!f.holders[g].empty()) replicas.emplace_back(g, f.holders[g]);
+    const auto& kg = f.kept[g];  // {y: local rows}, each below C[y][g]
+    if (!kg.empty()) {
+      Entries blocks;
+      for (const auto& [y, n] : kg) blocks.emplace_back(y, n / blk * blk);  // n >= 0: n // blk
+      kept.emplace_back(g, std::move(blocks));
+    }
+    int64_t want = 0;
+    for (const auto& [y, n] : f.amounts[g]) want += n > 0 ? n : 0;
+    if (want > 0)
+      streams.push_back(Stream{g, g / f.E, want, &f.holders[g], 0, kg.begin(), kg.end(), {0}});
+  }
+  // the stream: sources with rows, neither the owner nor a holder (a kept holder stays, its
+  // rest C[y][g] - local blocks), ascending; the owner last. C's rows ROWS at a time: the
+  // active experts' elements gathered row by row into chunk (chunk[a * ROWS + s - s0]: C[s][g]
+  // of active expert a), then each expert walks its part, and stops once past its amounts
+  constexpr int64_t ROWS = 64;
+  std::vector<Stream*> active;
+  for (Stream& st : streams) active.push_back(&st);
+  std::vector<int64_t> chunk(active.size() * ROWS);
+  for (int64_t s0 = 0; s0 < W && !active.empty(); s0 += ROWS) {
+    const int64_t s1 = std::min(W, s0 + ROWS);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t* row = f.C + s * f.N;
+      for (size_t a = 0; a < active.size(); ++a) chunk[a * ROWS + (s - s0)] = row[active[a]->g];
+    }
+    size_t keep = 0;
+    for (size_t a = 0; a < active.size(); ++a) {
+      Stream& st = *active[a];
+      const int64_t* col = chunk.data() + a * ROWS - s0;  // col[s] = C[s][st.g]
+      const auto& h = *st.holders;  // ascending: advanced with s
+      int64_t s = s0;
+      for (; s < s1 && st.starts.back() <= st.want; ++s) {
+        const int64_t c = col[s];
+        if (c == 0 || s == st.o) continue;
+        while (st.next_holder < h.size() && h[st.next_holder] < s) ++st.next_holder;
+        if (st.next_holder == h.size() || h[st.next_holder] != s) {
+          st.starts.push_back(st.starts.back() + c);
+        } else {  // a holder: in the stream only when kept (ascending too)
+          while (st.next_kept != st.kept_end && st.next_kept->first < s) ++st.next_kept;
+          if (st.next_kept != st.kept_end && st.next_kept->first == s)
+            st.starts.push_back(st.starts.back() + c - st.next_kept->second / blk * blk);
+        }
+      }
+      if (st.starts.back() <= st.want) active[keep++] = &st;  // else: walked far enough
+    }
+    active.resize(keep);
+  }
+  for (Stream* st : active) {  // walked every source: the owner's own rows close the stream
+    const int64_t own = f.c(st->o, st->g);
+    if (own) st->starts.push_back(st->starts.back() + own);
+  }
+  Entries amounts;
+  for (const Stream& st : streams) {
+    amounts.clear();
+    for (const auto& [y, n] : f.amounts[st.g])  // ascending helper rank
+      if (n > 0) amounts.emplace_back(y, n);
+    Entries pieces = cut(st.starts, amounts, blk);
+    if (!pieces.empty()) ranges.emplace_back(st.g, std::move(pieces));
+  }
+}
+
+// The caller's start: holders per expert and the loads (rows, local, remote truncated to ints
+// as .to(int64) does, replica copies as doubles)
+void set_start(Fill& f, const Counts& k, const Model& m, bool any_remote, int64_t slots,
+               int64_t blk, int64_t per_node) {
+  f.W = k.W;
+  f.E = k.E;
+  f.N = k.N;
+  f.C = k.C;
+  f.m = m;
+  f.any_remote = any_remote;
+  f.slots = slots;
+  f.blk = blk;
+  f.per_node = per_node;
+  f.holders.assign(static_cast<size_t>(k.N), {});
+}
+
+// plan_fields of a state given by its holders, amounts and kept holders' local rows (entries
+// by ascending g and rank): ranges and kept (replicas: the holders as they are)
+void plan_from(const Counts& k, int64_t blk, const Replicas& holders, const ExpertEntries& amounts,
+               const ExpertEntries& kept_local, ExpertEntries& ranges, ExpertEntries& kept) {
+  Fill f;
+  f.W = k.W, f.E = k.E, f.N = k.N, f.blk = blk, f.C = k.C;
+  const size_t N = static_cast<size_t>(k.N);
+  f.holders.assign(N, {});
+  f.amounts.assign(N, {});
+  f.kept.assign(N, {});
+  for (const auto& [g, hs] : holders) f.holders[g] = hs;
+  for (const auto& [g, e] : amounts) f.amounts[g].insert(e.begin(), e.end());
+  for (const auto& [g, e] : kept_local) f.kept[g].insert(e.begin(), e.end());
+  Replicas replicas;
+  plan_fields(f, replicas, ranges, kept);
+}
+
+ExpertEntries entries_of(const std::vector<std::map<int64_t, int64_t>>& per_g) {
+  ExpertEntries out;
+  for (size_t g = 0; g < per_g.size(); ++g)
+    if (!per_g[g].empty())
+      out.emplace_back(static_cast<int64_t>(g), Entries(per_g[g].begin(), per_g[g].end()));
+  return out;
+}
+
+}  // namespace
+
+namespace mixmoe_native {
+
+void fill_plan(const Counts& counts, int64_t blk, FillOut& out) {
+  plan_from(counts, blk, out.replicas, out.amounts, out.kept_local, out.ranges, out.kept);
+}
+
+FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, const Model& model,
+                   const Replicas& start, bool any_remote, const Loads& start_loads,
+                   const FillSettings& settings) {
+  Fill f;
+  set_start(f, counts, model, any_remote, settings.slots, settings.blk, 0);
+  for (const auto& [g, hs] : start) f.holders[g] = hs;
+  f.rows = start_loads.rows;
+  f.local = start_loads.local;
+  f.remote = start_loads.remote;
+  f.replica = start_loads.replica;
+  FillOut out;
+  out.moves = fill_from_start(f, colsum.data(), params(model, any_remote, settings));
+  out.loads = Loads{std::move(f.rows), std::move(f.local), std::move(f.remote),
+                    std::move(f.replica)};
+  out.totals = std::move(f.totals);
+  out.rounds = f.rounds;
+  out.overshot = std::move(f.overshot);
+  out.amounts = entries_of(f.amounts);
+  out.kept_local = entries_of(f.kept);
+  if (settings.plan) {
+    plan_fields(f, out.replicas, out.ranges, out.kept);
+  } else {
+    for (int64_t g = 0; g < f.N; ++g)
+      if (!f.holders[g].empty()) out.replicas.emplace_back(g, std::move(f.holders[g]));
+  }
+  return out;
+}
+
+}  // namespace mixmoe_native
+namespace {
+
+// One output section of the C entry, by columns (Python reads each column with one slice):
+// the experts with entries [g_1..g_m], their entry counts [k_1..k_m], then the entries in
+// order, each `width` ints (ranks; or (rank, n) pairs)
+struct Section {
+  std::vector<int64_t> g, k, values;
+  void add(int64_t expert, size_t count) {
+    g.push_back(expert);
+    k.push_back(static_cast<int64_t>(count));
+  }
+  size_t size() const { return g.size() + k.size() + values.size(); }
+  int64_t* put(int64_t* o) const {
+    o = std::copy(g.begin(), g.end(), o);
+    o = std::copy(k.begin(), k.end(), o);
+    return std::copy(values.begin(), values.end(), o);
+  }
+};
+
+Section ranks_section(const std::vector<std::vector<int64_t>>& per_g) {
+  Section s;
+  for (size_t g = 0; g < per_g.size(); ++g)
+    if (!per_g[g].empty()) {
+      s.add(static_cast<int64_t>(g), per_g[g].size());
+      s.values.insert(s.values.end(), per_g[g].begin(), per_g[g].end());
+    }
+  return s;
+}
+
+Section pairs_section(const std::vector<std::map<int64_t, int64_t>>& per_g) {
+  Section s;
+  for (size_t g = 0; g < per_g.size(); ++g)
+    if (!per_g[g].empty()) {
+      s.add(static_cast<int64_t>(g), per_g[g].size());
+      for (const auto& [y, n] : per_g[g]) s.values.push_back(y), s.values.push_back(n);
+    }
+  return s;
+}
+
+Section entries_section(const ExpertEntries& entries) {
+  Section s;
+  for (const auto& [g, e] : entries) {
+    s.add(g, e.size());
+    for (const auto& [y, n] : e) s.values.push_back(y), s.values.push_back(n);
+  }
+  return s;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One fill from the start RangeState.__init__ builds (range_state.py), then the passes (the
+// state's plan fields: mixmoe_level_fill_plan, for the one fill the planner keeps).
+// Inputs: C (int64 [W, N]), colsum (int64 [N], C's column sums), loads (float64 [4, W]: the start
+// plan's rows, local, remote, replica), start (the start holders: m experts [g_1..g_m], their
+// holder counts [k_1..k_m], then the holders, k_1 of g_1 first; any order within each),
+//   ints:  W, E, slots, blk, per_node, any_remote, passes, kept, fpr, tbr, P,
+//          weight_collectives, overlap, m;
+//   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (common.h's Model), stop.
+// Outputs, out_i (int64, cap_i of them), in this order:
+//   a header of 10: rounds, the number of overshot ranks, then (m, length) of each section;
+//   per rank [W] each: held, rows, local, remote; the overshot ranks ascending;
+//   per expert [N] each: owner_rows, own, others, taken;
+//   four sections (Section: by columns, ascending g): holders (ranks; plan_fields' replicas
+//   too), amounts and kept ((rank, n) pairs), degrees (ranks; their copies in out_d, in order);
+// out_d (float64, cap_d): replica [W], totals [W], the degrees' copies.
+// Returns the pieces moved; -2 when the start is level already (no pass runs: nothing is
+// written); -1 when out_i or out_d is too small: out_i[0], out_i[1] then say the sizes needed
+// (cap_i >= 2, else nothing is written).
+int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double* loads,
+                          const int64_t* start, const int64_t* ints, const double* reals,
+                          int64_t* out_i, int64_t cap_i, double* out_d, int64_t cap_d) {
+  const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
+  const Model m = Model::from(ints + 8, reals);  // ints 8-12, reals 0-6: common.h's order
+  const FillSettings s{ints[2], ints[3], ints[6], reals[7], ints[7] != 0};
+  Fill f;
+  set_start(f, k, m, ints[5] != 0, s.slots, s.blk, ints[4]);
+  const int64_t groups = ints[13];
+  const int64_t* ys = start + 2 * groups;  // the holders, group after group
+  for (int64_t i = 0; i < groups; ++i) {
+    auto& h = f.holders[start[i]];
+    h.insert(h.end(), ys, ys + start[groups + i]);
+    ys += start[groups + i];
+  }
+  const size_t N = static_cast<size_t>(k.N), W = static_cast<size_t>(k.W);
+  f.rows.resize(W);
+  f.local.resize(W);
+  f.remote.resize(W);
+  for (size_t r = 0; r < W; ++r) {  // the loads as float64: whole numbers, truncated as .to(int64)
+    f.rows[r] = static_cast<int64_t>(loads[r]);
+    f.local[r] = static_cast<int64_t>(loads[W + r]);
+    f.remote[r] = static_cast<int64_t>(loads[2 * W + r]);
+  }
+  f.replica.assign(loads + 3 * W, loads + 4 * W);
+  const int64_t pieces = fill_from_start(f, colsum, params(m, f.any_remote, s));
+  if (pieces == -2) return -2;
+  Section degrees;
+  std::vector<double> copies;
   for (size_t g = 0; g < N; ++g)
     if (!f.degrees[g].empty()) {
-      *o++ = static_cast<int64_t>(g), *o++ = static_cast<int64_t>(f.degrees[g].size());
-      for (const auto& [r, v] : f.degrees[g]) *o++ = r, *od++ = v;
+      degrees.add(static_cast<int64_t>(g), f.degrees[g].size());
+      for (const auto& [r, v] : f.degrees[g]) degrees.values.push_back(r), copies.push_back(v);
     }
-  counts[4] = o - start_of;
-  counts[0] = f.rounds;
-  const std::vector<int64_t>* per_w[4] = {&f.held, &f.rows, &f.local, &f.remote};
-  for (size_t k = 0; k < 4; ++k) std::copy(per_w[k]->begin(), per_w[k]->end(), out_w + k * Wz);
-  for (size_t r = 0; r < Wz; ++r) out_w[4 * Wz + r] = f.overshot[r];
-  std::copy(f.replica.begin(), f.replica.end(), out_wf);
-  std::copy(f.totals.begin(), f.totals.end(), out_wf + Wz);
-  const std::vector<int64_t>* per_n[4] = {&f.owner_rows, &f.own, &f.others, &f.taken};
-  for (size_t k = 0; k < 4; ++k) std::copy(per_n[k]->begin(), per_n[k]->end(), out_n + k * N);
+  const Section sections[4] = {ranks_section(f.holders), pairs_section(f.amounts),
+                               pairs_section(f.kept), degrees};
+  size_t n_over = 0;
+  for (char x : f.overshot) n_over += x != 0;
+  size_t need = 10 + 4 * W + n_over + 4 * N;
+  for (const Section& sec : sections) need += sec.size();
+  const size_t need_d = 2 * W + copies.size();
+  if (need > static_cast<size_t>(cap_i) || need_d > static_cast<size_t>(cap_d)) {
+    if (cap_i >= 2) out_i[0] = static_cast<int64_t>(need), out_i[1] = static_cast<int64_t>(need_d);
+    return -1;
+  }
+  int64_t* o = out_i;
+  *o++ = f.rounds;
+  *o++ = static_cast<int64_t>(n_over);
+  for (const Section& sec : sections)
+    *o++ = static_cast<int64_t>(sec.g.size()), *o++ = static_cast<int64_t>(sec.size());
+  for (const auto* v : {&f.held, &f.rows, &f.local, &f.remote}) o = std::copy(v->begin(), v->end(), o);
+  for (size_t r = 0; r < W; ++r)
+    if (f.overshot[r]) *o++ = static_cast<int64_t>(r);
+  for (const auto* v : {&f.owner_rows, &f.own, &f.others, &f.taken})
+    o = std::copy(v->begin(), v->end(), o);
+  for (const Section& sec : sections) o = sec.put(o);
+  double* od = std::copy(f.replica.begin(), f.replica.end(), out_d);
+  od = std::copy(f.totals.begin(), f.totals.end(), od);
+  std::copy(copies.begin(), copies.end(), od);
   return pieces;
+}
+
+// RangeState.plan_fields' ranges and kept of the state mixmoe_level_fill left: C (int64 [W, N]),
+// ints [W, E, blk, then (m, length) of the holders, amounts and kept sections], `sections`: those
+// three sections as mixmoe_level_fill wrote them (one after the other). Writes out_i: a header
+// of 4, (m, length) of the ranges and of the kept sections, then both (Section, (rank, n)
+// pairs). Returns 0; -1 when cap_i is too small (the amounts' and kept's lengths plus 4 suffice).
+int64_t mixmoe_level_fill_plan(const int64_t* C, const int64_t* ints, const int64_t* sections,
+                               int64_t* out_i, int64_t cap_i) {
+  const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
+  Replicas holders;
+  ExpertEntries amounts, kept_local;
+  const int64_t* at = sections;
+  for (int part = 0; part < 3; ++part) {  // holders, amounts, kept: by columns (Section)
+    const int64_t m = ints[3 + 2 * part], length = ints[4 + 2 * part];
+    const int64_t* values = at + 2 * m;  // past the experts [m] and their counts [m]
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t g = at[i], n = at[m + i];
+      if (part == 0) {
+        holders.emplace_back(g, std::vector<int64_t>(values, values + n));
+        values += n;
+        continue;
+      }
+      Entries e;
+      for (int64_t j = 0; j < n; ++j, values += 2) e.emplace_back(values[0], values[1]);
+      (part == 1 ? amounts : kept_local).emplace_back(g, std::move(e));
+    }
+    at += length;
+  }
+  ExpertEntries ranges, kept;
+  plan_from(k, ints[2], holders, amounts, kept_local, ranges, kept);
+  const Section out[2] = {entries_section(ranges), entries_section(kept)};
+  if (4 + out[0].size() + out[1].size() > static_cast<size_t>(cap_i)) return -1;
+  int64_t* o = out_i;
+  for (const Section& sec : out)
+    *o++ = static_cast<int64_t>(sec.g.size()), *o++ = static_cast<int64_t>(sec.size());
+  for (const Section& sec : out) o = sec.put(o);
+  return 0;
+}
+
+// mixmoe_native::level_fill for the twin tests: the C entry's inputs (per_node 0: one link), and
+// the FillOut in out_i (int64, cap_i): moves, rounds, the (m, length) of the replicas, ranges and
+// kept sections, then per rank [W] rows, local, remote, overshot (0/1), then the three sections
+// (as the C entry's); out_d (float64, 2W): replica, totals. Every field is written, -2 (a level
+// start: the start's fields) included. Returns moves; -1 when a buffer is too small; -3 when
+// level_fill with settings.plan false then fill_plan gives other plan fields.
+int64_t mixmoe_level_fill_out(const int64_t* C, const int64_t* colsum, const double* loads,
+                              const int64_t* start, const int64_t* ints, const double* reals,
+                              int64_t* out_i, int64_t cap_i, double* out_d, int64_t cap_d) {
+  const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
+  const Model m = Model::from(ints + 8, reals);
+  const FillSettings s{ints[2], ints[3], ints[6], reals[7], ints[7] != 0};
+  const size_t W = static_cast<size_t>(k.W);
+  Replicas holders;  // the start as the driver passes it: (g, ranks) by ascending g
+  const int64_t groups = ints[13];
+  const int64_t* ys = start + 2 * groups;
+  for (int64_t i = 0; i < groups; ++i) {  // start[groups + i]: expert start[i]'s holder count
+    holders.emplace_back(start[i], std::vector<int64_t>(ys, ys + start[groups + i]));
+    ys += start[groups + i];
+  }
+  std::sort(holders.begin(), holders.end());
+  Loads base;
+  for (size_t r = 0; r < W; ++r) {
+    base.rows.push_back(static_cast<int64_t>(loads[r]));
+    base.local.push_back(static_cast<int64_t>(loads[W + r]));
+    base.remote.push_back(static_cast<int64_t>(loads[2 * W + r]));
+    base.replica.push_back(loads[3 * W + r]);
+  }
+  std::vector<int64_t> sums(colsum, colsum + k.N);
+  const FillOut out = level_fill(k, sums, m, holders, ints[5] != 0, base, s);
+  FillSettings later = s;  // the plan fields left to fill_plan: the same entries (else -3)
+  later.plan = false;
+  FillOut lazy = level_fill(k, sums, m, holders, ints[5] != 0, base, later);
+  if (!lazy.ranges.empty() || !lazy.kept.empty()) return -3;
+  fill_plan(k, s.blk, lazy);
+  if (lazy.replicas != out.replicas || lazy.ranges != out.ranges || lazy.kept != out.kept)
+    return -3;
+  Section replicas;
+  for (const auto& [g, hs] : out.replicas) {
+    replicas.add(g, hs.size());
+    replicas.values.insert(replicas.values.end(), hs.begin(), hs.end());
+  }
+  const Section sections[3] = {replicas, entries_section(out.ranges), entries_section(out.kept)};
+  size_t need = 8 + 4 * W;
+  for (const Section& sec : sections) need += sec.size();
+  if (need > static_cast<size_t>(cap_i) || 2 * W > static_cast<size_t>(cap_d)) return -1;
+  int64_t* o = out_i;
+  *o++ = out.moves;
+  *o++ = out.rounds;
+  for (const Section& sec : sections)
+    *o++ = static_cast<int64_t>(sec.g.size()), *o++ = static_cast<int64_t>(sec.size());
+  for (const auto* v : {&out.loads.rows, &out.loads.local, &out.loads.remote})
+    o = std::copy(v->begin(), v->end(), o);
+  for (char x : out.overshot) *o++ = x;
+  for (const Section& sec : sections) o = sec.put(o);
+  std::copy(out.loads.replica.begin(), out.loads.replica.end(), out_d);
+  std::copy(out.totals.begin(), out.totals.end(), out_d + W);
+  return out.moves;
 }
 
 }  // extern "C"

@@ -9,6 +9,9 @@ struct FillSettings {  // plan_mix's _water_fill arguments
   int64_t slots, blk, passes;  // replica slots per rank, rows per block, LEVEL_PASSES
   double stop;                 // FILL_STOP
   bool kept;                   // level_fill(kept=True)
+  // false: FillOut's ranges and kept left empty, fill_plan fills them later (plan_mix reads
+  // them of the one fill it keeps; W = 1024 zipf: ~1.5 ms a fill, memory-bound reads of C)
+  bool plan = true;
 };
 
 // What plan_mix reads of a RangeState after its fill.
@@ -19,7 +22,8 @@ struct FillOut {
   int64_t rounds = 0;
   std::vector<char> overshot;          // per rank: RangeState.overshot
   Replicas replicas;                   // RangeState.plan_fields(): hot with their holders,
-  ExpertEntries ranges, kept;          // the ranges and the kept entries
+  ExpertEntries ranges, kept;          // the ranges and the kept entries (FillSettings.plan)
+  ExpertEntries amounts, kept_local;   // RangeState.amounts and .kept (all entries): fill_plan's
 };
 
 // RangeState(model, C, E, start, slots, blk, None, colsum, any_remote, start_loads) after
@@ -28,5 +32,10 @@ struct FillOut {
 FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, const Model& model,
                    const Replicas& start, bool any_remote, const Loads& start_loads,
                    const FillSettings& settings);
+
+// out.ranges and out.kept (RangeState.plan_fields) from out.replicas, out.amounts and
+// out.kept_local, for a level_fill run with settings.plan false: the same entries it would have
+// filled. `counts`, `blk`: level_fill's.
+void fill_plan(const Counts& counts, int64_t blk, FillOut& out);
 
 }  // namespace mixmoe_native

@@ -18,6 +18,8 @@ import mixmoe.placement.native_planner as native_planner
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape, plan_mix
 from mixmoe.placement.profile_io import load_profile
+from mixmoe.simulate.routing import counts_source
+from mixmoe.simulate.workloads import DEFAULT_WORKLOADS
 
 IB = HardwareProfile("ib-like", 593e12, 40e9, 30e-6)
 FIXED = dataclasses.replace(IB, row_overhead_s=1e-8, replica_fixed_s=2e-5, step_fixed_s=1e-4)
@@ -67,25 +69,22 @@ def test_the_compiled_planner_is_built_here():
     assert lib.available(), lib.unavailable_reason()
 
 
-@pytest.mark.parametrize(
-    "routing", ["uniform", "zipf:1.2", "zipf:2.0", "hot:0.3", "hot:0.5", "hotset:8:0.5"]
-)
-def test_equals_the_python_plan_on_the_benchmark_workloads(monkeypatch, routing):
-    """Both shapes, W = 2-160, the presets a user picks and a profile with fixed costs."""
-    spec = RoutingSpec.parse(routing)
+@pytest.mark.parametrize("workload", DEFAULT_WORKLOADS)
+def test_equals_the_python_plan_on_the_benchmark_workloads(monkeypatch, workload):
+    """``bench balance``'s workloads (every step of the rotating one), both shapes, W = 2-160,
+    the one-link presets a user picks and profiles with fixed costs or a cheap link."""
     cases = [
-        (SEEDS, 4, 2, GPU_PROFILE), (SEEDS, 4, 8, GPU_PROFILE), (SEEDS, 4, 64, GPU_PROFILE),
-        (SEEDS, 2, 16, CPU_PROFILE), (SEEDS, 8, 24, FIXED), (SEEDS, 1, 160, IB),
-        (DEEPSEEK, 32, 8, load_profile("h100-nvlink")), (DEEPSEEK, 4, 64, GPU_PROFILE),
-        (SEEDS, 3, 5, CHEAP_LINK),
+        (SEEDS, 5, 2, GPU_PROFILE), (SEEDS, 4, 8, load_profile("h100-nvlink")),
+        (SEEDS, 4, 64, load_profile("h100-ib")), (SEEDS, 2, 16, CPU_PROFILE),
+        (SEEDS, 8, 24, FIXED), (SEEDS, 1, 160, IB), (DEEPSEEK, 32, 8, load_profile("h100-nvlink")),
+        (DEEPSEEK, 4, 64, GPU_PROFILE), (SEEDS, 3, 5, CHEAP_LINK),
     ]  # fmt: skip
     for i, (dims, E, W, profile) in enumerate(cases):
-        gen = torch.Generator().manual_seed(i)
-        top_k = dims[2]
-        counts = synthetic_counts(spec, W, 4096, top_k, W * E, gen, shuffle_experts=i % 2 == 0)
         shape = _shape(dims, E, W, 3 if dims is DEEPSEEK else 2)
-        fast, slow = _both(monkeypatch, counts, shape, profile, 4)
-        assert _canon(fast) == _canon(slow), (routing, W, E, profile.name)
+        steps = counts_source(workload, W, W * E, 4096, dims[2], seed=i)
+        for counts in steps[:3]:
+            fast, slow = _both(monkeypatch, counts, shape, profile, 4)
+            assert _canon(fast) == _canon(slow), (workload, W, E, profile.name)
 
 
 def test_equals_the_python_plan_on_random_counts(monkeypatch):

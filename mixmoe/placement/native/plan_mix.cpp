@@ -87,7 +87,8 @@ class Planner {
       }
     }
     const bool any_remote = any_nonzero(loads->remote);
-    const FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept};
+    // the plan fields (ranges, kept) only of the fill that wins (fill_plan, below)
+    const FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept, false};
     FillOut out = level_fill(k_, base_.colsum, m_, start, any_remote, *loads, fs);
     if (out.moves <= 0) return std::nullopt;  // -2: a level start; 0: nothing moved
     const double step = fill_step(out, any_remote);
@@ -188,6 +189,7 @@ class Planner {
     if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
       consider(water_fill({}, nullptr, true), false);  // the kept fill
     if (!won) return best;
+    fill_plan(k_, s_.blk, won->out);
     Candidate plan = priced(std::move(won->out.replicas), true, std::move(won->out.ranges),
                             std::move(won->out.kept));
     if (!(plan.pred.step < best.pred.step)) return best;  // the guarantee holds on the price

@@ -127,6 +127,9 @@ def test_plan_mix_calls_equal(monkeypatch):
 
     monkeypatch.setattr(planner_module, "shadow_hot", shadow_both)
     monkeypatch.setattr(planner_module, "spread_start", spread_both)
+    monkeypatch.setattr(
+        planner_module, "planned", lambda *a: None
+    )  # plan_mix's Python steps (the compiled whole, native_planner, runs none of them)
     for i, (W, routing, profile) in enumerate(
         [(8, "zipf:2.0", GPU_PROFILE), (16, "zipf:1.2", FIXED), (32, "hot:0.3", CPU_PROFILE),
          (64, "zipf:2.0", FIXED), (128, "zipf:1.2", GPU_PROFILE)]
@@ -213,6 +216,9 @@ def test_fewer_rows_than_ranks_plan(monkeypatch, E):
     reached = []
     saved = planner_module.spread_start
     monkeypatch.setattr(planner_module, "spread_start", lambda *a: reached.append(a) or saved(*a))
+    monkeypatch.setattr(
+        planner_module, "planned", lambda *a: None
+    )  # plan_mix's Python steps (the compiled whole, native_planner, runs none of them)
     for rows in range(1, W):
         C = torch.zeros(W, W * E, dtype=torch.int64)
         C[rows % W, E * (rows % W) + E - 1] = rows  # routed by its owner's rank

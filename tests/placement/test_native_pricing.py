@@ -158,6 +158,9 @@ def _recording(mp, seen: list) -> None:
 
     mp.setattr(planner_module, "plan_pricing", pricing)
     mp.setattr(planner_module, "_prediction", prediction)
+    mp.setattr(
+        planner_module, "planned", lambda *a: None
+    )  # plan_mix's Python steps (the compiled whole, native_planner, runs none of them)
 
 
 def _shapes(profile: str) -> list[tuple[int, LayerShape, int]]:

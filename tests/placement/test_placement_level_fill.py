@@ -285,6 +285,9 @@ def test_plan_mix_kept_holders_where_own_rows_do_not_fit(monkeypatch) -> None:
     expanded = plan.expanded(C, E)
     assert predict_plan(C, expanded, shape, profile, True) == plan.prediction
     fill = planner_module._water_fill
+    monkeypatch.setattr(
+        planner_module, "planned", lambda *a: None
+    )  # plan_mix's Python steps (the compiled whole, native_planner, runs none of them)
 
     def no_kept(*args, **kwargs):
         return fill(*args, **{**kwargs, "kept": False})

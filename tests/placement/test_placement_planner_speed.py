@@ -138,6 +138,9 @@ def test_collector_paused_during_the_search_and_restored(enabled, fill, monkeypa
     """The cyclic garbage collector is off while the fill runs (either fill) and back in its
     entry state after ``plan_mix``."""
     seen = []
+    monkeypatch.setattr(
+        planner_module, "planned", lambda *a: None
+    )  # plan_mix's Python steps (the compiled whole, native_planner, runs none of them)
     if fill == "level":  # the compiled fill (native_fill.filled; the Python fill's twin)
         run = planner_module.filled
         monkeypatch.setattr(planner_module, "filled", lambda *a: spy(*a))

@@ -105,6 +105,9 @@ def test_plan_mix_uses_the_spread_start(fill, W, routing, monkeypatch: pytest.Mo
     else:
         (C,) = counts_source(routing, W, 4 * W, 8192, 2, seed=0)
         profile = load_profile("h100-ib")
+    monkeypatch.setattr(
+        planner_module, "planned", lambda *a: None
+    )  # plan_mix's Python steps (the compiled whole, native_planner, runs none of them)
     with_spread = plan_mix(C, shape, profile, 4, fill=fill)
     monkeypatch.setattr(planner_module, "spread_start", lambda *a, **k: {})
     without = plan_mix(C, shape, profile, 4, fill=fill)
@@ -126,12 +129,15 @@ def test_plan_mix_never_worse_for_the_spread(W: int, seed: int, skew: float) -> 
     C = _counts(W, 4, seed, skew)
     shape = _seeds_shape(W)
     plan = plan_mix(C, shape, IB, 4)
-    saved = planner_module.spread_start
+    saved, compiled = planner_module.spread_start, planner_module.planned
     planner_module.spread_start = lambda *a, **k: {}
+    planner_module.planned = lambda *a: (
+        None
+    )  # plan_mix's Python steps (the compiled whole, native_planner, runs none of them)
     try:
         base = plan_mix(C, shape, IB, 4)
     finally:
-        planner_module.spread_start = saved
+        planner_module.spread_start, planner_module.planned = saved, compiled
     assert plan.prediction.step_s <= base.prediction.step_s
     assert isinstance(plan, Plan)
     plan.check_shares(C, 4, BLOCK_SIZE)
@@ -145,8 +151,11 @@ def test_plan_mix_plans_fewer_rows_than_ranks(E: int) -> None:
     W = 8
     shape = LayerShape(1024, 4096, E, W, 2)
     reached = []
-    saved = planner_module.spread_start
+    saved, compiled = planner_module.spread_start, planner_module.planned
     planner_module.spread_start = lambda *a: reached.append(a) or saved(*a)
+    planner_module.planned = lambda *a: (
+        None
+    )  # plan_mix's Python steps (the compiled whole, native_planner, runs none of them)
     try:
         for rows in range(1, W):
             C = torch.zeros(W, W * E, dtype=torch.int64)
@@ -155,7 +164,7 @@ def test_plan_mix_plans_fewer_rows_than_ranks(E: int) -> None:
             plan = plan_mix(C, shape, IB, 4)
             plan.check_shares(C, E, BLOCK_SIZE)
     finally:
-        planner_module.spread_start = saved
+        planner_module.spread_start, planner_module.planned = saved, compiled
     assert reached
 
 

@@ -157,3 +157,47 @@ def test_int32_counts_plan_as_int64(monkeypatch):
     shape = _shape(SEEDS, 4, 8)
     fast, slow = _both(monkeypatch, counts.to(torch.int32), shape, GPU_PROFILE, 4)
     assert _canon(fast) == _canon(slow) == _canon(plan_mix(counts, shape, GPU_PROFILE, 4))
+
+
+def test_equals_the_python_plan_when_no_row_is_remote_at_the_start(monkeypatch):
+    """Every rank routes only to its own experts, one much more: the fills start without the
+    token collectives and their moves turn rows remote (``_fill_step`` prices the fill under
+    the flag its loads then have)."""
+    rng = random.Random(1)
+    filled = 0
+    for _ in range(40):
+        W, E = rng.randint(2, 8), rng.choice([1, 2])
+        C = torch.zeros(W, W * E, dtype=torch.int64)
+        for r in range(W):
+            C[r, r * E : (r + 1) * E] = torch.tensor([rng.randrange(0, 3000) for _ in range(E)])
+        C[0, 0] += rng.randrange(5000, 50000)
+        shape = LayerShape(rng.choice([256, 1024]), 1024, E, W, 2)
+        profile = rng.choice([GPU_PROFILE, CPU_PROFILE, IB])
+        fast, slow = _both(monkeypatch, C, shape, profile, 4)
+        assert _canon(fast) == _canon(slow), (W, E, profile.name)
+        filled += bool(fast.ranges)
+    assert filled >= 5
+
+
+def test_equals_the_python_plan_when_shadow_fills_the_budget(monkeypatch):
+    """FasterMoE's rule shadows exactly ``replica_slots`` experts (8): its plan is a candidate
+    (the budget allows it) and wins without balancing (its replicas differ from the source
+    replicas': a rank without rows of the expert holds one too)."""
+    rng = random.Random(1)
+    found = 0
+    for _ in range(400):
+        W = rng.choice([9, 12, 16])
+        C = torch.randint(
+            0, 50, (W, W), generator=torch.Generator().manual_seed(rng.randrange(10**6))
+        )
+        for g in rng.sample(range(W), 8):
+            C[:, g] += rng.randrange(200, 2000)
+            C[rng.randrange(W), g] = 0  # a source without rows: no source replica there
+        shape = LayerShape(rng.choice([64, 128, 256]), 256, 1, W, 2)
+        profile = rng.choice([GPU_PROFILE, IB, CPU_PROFILE])
+        fast, slow = _both(monkeypatch, C, shape, profile, 4, balance=False)
+        assert _canon(fast) == _canon(slow)
+        found += len(fast.hot) == 8 and len(fast.replicas[0][1]) == W - 1
+        if found == 3:
+            break
+    assert found == 3

@@ -160,19 +160,24 @@ def test_equals_the_python_plan_on_random_counts(monkeypatch):
 
 
 def test_ranged_fills_win_under_nodes(monkeypatch):
-    """The cases above reach the topology's fills: plans with ranges, relayed holders on other
-    nodes, and kept holders (a test that cannot reach them could not fail on them)."""
+    """The topology's fills are reached: plans with ranges and relayed holders on other nodes
+    (4 ranks per node), and the kept fill's plans (one node of 8: its kept holders; kept
+    holders across nodes: the pricing test's random plans). A test that cannot reach them
+    could not fail on them."""
     seen = {"ranges": 0, "far": 0, "kept": 0}
-    for W, routing in [(16, "zipf:2.0"), (32, "zipf:1.2"), (16, "hot:0.3"), (64, "zipf:2.0")]:
+    cases = [(16, "zipf:2.0", FOUR), (32, "zipf:1.2", FOUR), (16, "hot:0.3", FOUR),
+             (64, "zipf:2.0", FOUR), (8, "zipf:2.0", NVLINK_IB), (8, "zipf:1.2", NVLINK_IB)]  # fmt: skip
+    for W, routing, profile in cases:
         for seed in range(3):
             gen = torch.Generator().manual_seed(seed)
             counts = synthetic_counts(RoutingSpec.parse(routing), W, 8192, 2, 4 * W, gen)
-            fast, slow = _both(monkeypatch, counts, _shape(SEEDS, 4, W), FOUR, 4)
+            fast, slow = _both(monkeypatch, counts, _shape(SEEDS, 4, W), profile, 4)
             assert _canon(fast) == _canon(slow)
+            P = profile.ranks_per_node
             seen["ranges"] += bool(fast.ranges)
             seen["kept"] += bool(fast.kept)
-            seen["far"] += any(h // 4 != g // 4 // 4 for g, hs in fast.replicas for h in hs)
-    assert seen["ranges"] >= 3 and seen["far"] >= 3, seen
+            seen["far"] += any(h // P != g // 4 // P for g, hs in fast.replicas for h in hs)
+    assert seen["ranges"] >= 3 and seen["far"] >= 3 and seen["kept"] >= 2, seen
 
 
 def test_plan_mix_runs_compiled_with_nodes(monkeypatch):

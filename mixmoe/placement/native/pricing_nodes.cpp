@@ -93,37 +93,53 @@ int64_t relay_nodes(int64_t owner, const std::vector<int64_t>& hs, int64_t P,
 // stream cut by the ranges crossing nodes counted at both ends (ranges module doc: the stream is
 // the non-owner, non-holder sources ascending, a kept holder's rest at its place, the owner's
 // own rows last; the helpers' ranges cut it from its start in order, the owner takes the rest)
-void range_crossing(const Counts& counts, int64_t P, int64_t g, const std::vector<int64_t>* hs,
-                    const Entries* ranges, const Entries* kept, std::vector<int64_t>& inter) {
-  const int64_t o = g / counts.E;
+struct Scratch {  // per-rank marks of range_crossing, reset after each expert
+  std::vector<int64_t> node;           // r / P, once per pricing (no division per row)
+  std::vector<char> holder, is_kept;   // the expert's holders, its kept holders
+  std::vector<int64_t> rest;           // a kept holder's rows left in the stream
   std::vector<std::pair<int64_t, int64_t>> stream;  // (source, rows) segments in order
+};
+
+void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>* hs,
+                    const Entries* ranges, const Entries* kept, Scratch& x,
+                    std::vector<int64_t>& inter) {
+  const int64_t o = g / counts.E, home = x.node[o];
+  if (hs)
+    for (int64_t h : *hs) x.holder[h] = 1;
+  if (kept)
+    for (const auto& [y, local] : *kept) {  // the last entry of a rank counts (a dict's)
+      x.is_kept[y] = 1;
+      x.rest[y] = counts.c(y, g) - local;
+    }
+  x.stream.clear();
   for (int64_t s = 0; s < counts.W; ++s) {
     if (s == o) continue;  // the owner's segment comes last
-    const int64_t c = counts.c(s, g);
-    const bool holder = hs && std::binary_search(hs->begin(), hs->end(), s);
-    if (!holder && s / P != o / P) {  // under the replica rule these rows crossed to o
+    const int64_t c = counts.c(s, g);  // a strided read of column g
+    if (!x.holder[s] && x.node[s] != home) {  // under the replica rule these rows crossed to o
       inter[s] -= c;
       inter[o] -= c;
     }
-    int64_t n = holder ? 0 : c;  // a holder's rows stay at it...
-    if (kept)
-      for (const auto& [y, local] : *kept)
-        if (y == s) n = c - local;  // ...but a kept holder's rest joins the stream
-    if (n > 0) stream.emplace_back(s, n);
+    // a holder's rows stay at it, but a kept holder's rest joins the stream
+    const int64_t n = x.is_kept[s] ? x.rest[s] : x.holder[s] ? 0 : c;
+    if (n > 0) x.stream.emplace_back(s, n);
   }
-  stream.emplace_back(o, counts.c(o, g));
+  x.stream.emplace_back(o, counts.c(o, g));
+  if (hs)
+    for (int64_t h : *hs) x.holder[h] = 0;
+  if (kept)
+    for (const auto& [y, local] : *kept) x.is_kept[y] = 0;
   size_t piece = 0;  // the ranges' entry computing the stream's next row (its end: the owner)
   int64_t piece_left = ranges && !ranges->empty() ? (*ranges)[0].second : -1;
   while (piece_left == 0) {  // empty ranges hold no row
     ++piece;
     piece_left = piece < ranges->size() ? (*ranges)[piece].second : -1;
   }
-  for (auto [src, n] : stream) {
+  for (auto [src, n] : x.stream) {
     while (n > 0) {
       const bool helper = piece_left > 0;  // -1: past the ranges, the owner's rest
       const int64_t dst = helper ? (*ranges)[piece].first : o;
       const int64_t len = helper ? std::min(n, piece_left) : n;
-      if (src / P != dst / P) {  // a crossing row counts at both ends
+      if (x.node[src] != x.node[dst]) {  // a crossing row counts at both ends
         inter[src] += len;
         inter[dst] += len;
       }
@@ -193,6 +209,14 @@ int64_t plan_pricing_nodes(const Counts& counts, const Baseline& base,
       }
     }
     // range_crossing_tensor of every expert with ranges or kept holders (ascending: a merge)
+    Scratch x;
+    if (!ranges.empty() || !kept.empty()) {
+      x.node.resize(static_cast<size_t>(W));
+      for (int64_t r = 0; r < W; ++r) x.node[r] = r / P;
+      x.holder.assign(static_cast<size_t>(W), 0);
+      x.is_kept.assign(static_cast<size_t>(W), 0);
+      x.rest.assign(static_cast<size_t>(W), 0);
+    }
     size_t i = 0, j = 0;
     while (i < ranges.size() || j < kept.size()) {
       const int64_t gr = i < ranges.size() ? ranges[i].first : INT64_MAX;
@@ -200,7 +224,7 @@ int64_t plan_pricing_nodes(const Counts& counts, const Baseline& base,
       const int64_t g = std::min(gr, gk);
       const Entries* r = gr == g ? &ranges[i++].second : nullptr;
       const Entries* k = gk == g ? &kept[j++].second : nullptr;
-      range_crossing(counts, P, g, holders_of(replicas, g), r, k, out.remote_inter);
+      range_crossing(counts, g, holders_of(replicas, g), r, k, x, out.remote_inter);
     }
   }
   if (relay && !replicas.empty()) {  // every rank's copies in the relays, split by node

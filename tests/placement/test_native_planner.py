@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from _planner_cases import random_plan_case
 
 import mixmoe.placement.native_lib as lib
 import mixmoe.placement.native_planner as native_planner
@@ -93,27 +94,9 @@ def test_equals_the_python_plan_on_random_counts(monkeypatch):
     rng = random.Random(7)
     profiles = [GPU_PROFILE, CPU_PROFILE, FIXED, CHEAP_LINK, IB]
     for case in range(120):
-        W, E = rng.randint(2, 12), rng.choice([1, 2, 3, 4])
-        kind = case % 4
-        C = torch.tensor([[rng.randrange(0, 300) for _ in range(W * E)] for _ in range(W)])
-        if kind == 1:  # empty ranks
-            C[rng.randrange(W)] = 0
-            C[:, rng.randrange(W * E)] = 0
-        elif kind == 2:  # one hot segment
-            C[rng.randrange(W), rng.randrange(W * E)] += rng.randrange(2000, 20000)
-        elif kind == 3:  # ties
-            C = torch.full((W, W * E), rng.choice([0, 64, 100]))
-            C[0, 0] += 640
-        shape = LayerShape(rng.choice([64, 256, 1024]), 512, E, W, 2)
-        kwargs = {
-            "overlap": rng.random() < 0.7,
-            "search_width": rng.choice([1, 2, 8]),
-            "block_size": rng.choice([1, 16, 64]),
-            "balance": rng.random() < 0.9,
-        }
-        budget = rng.choice([0, 1, 2, 4, 8])
+        C, shape, budget, kwargs = random_plan_case(rng, case)
         fast, slow = _both(monkeypatch, C, shape, rng.choice(profiles), budget, **kwargs)
-        assert _canon(fast) == _canon(slow), (case, W, E, budget, kwargs)
+        assert _canon(fast) == _canon(slow), (case, C.shape, budget, kwargs)
 
 
 def test_where_it_does_not_run_the_python_plans(monkeypatch):

@@ -229,36 +229,16 @@ int64_t plan_pricing(const Counts& counts, const Baseline& base, const Replicas&
 }
 
 Prediction predict(const Model& model, const Loads& loads, int64_t rounds) {
-  const size_t W = loads.rows.size();
   bool any_remote = false;
   for (int64_t x : loads.remote) any_remote = any_remote || x != 0;
   if (rounds < 0) {  // None: one round when any rank holds a copy
     rounds = 0;
     for (double x : loads.replica) rounds = rounds || x != 0.0;
   }
-  Prediction p;
-  p.compute.resize(W);
-  p.comm.resize(W);
-  p.token_bytes.resize(W);
-  p.weight_bytes.resize(W);
-  p.rows = loads.rows;
-  const int64_t token = 2 * model.tbr, weight = 2 * model.P;
-  for (size_t r = 0; r < W; ++r) {
-    const auto [compute, comm] = model.seconds(loads.rows[r], loads.local[r], loads.remote[r],
-                                               loads.replica[r], any_remote, rounds);
-    p.compute[r] = compute;
-    p.comm[r] = comm;
-    const double total = compute + comm;
-    if (r == 0 || total > p.step) p.step = total;  // Python's max: the first largest
-    p.token_bytes[r] = token * loads.remote[r];
-    const double n = loads.replica[r];
-    // whole copies: exact int products; the relay's fractional ones: the float product
-    // rounded half to even (Python's round, std::nearbyint in the default rounding mode)
-    const double bytes = static_cast<double>(weight) * n;
-    p.weight_bytes[r] = n == std::floor(n) ? weight * static_cast<int64_t>(n)
-                                           : static_cast<int64_t>(std::nearbyint(bytes));
-  }
-  return p;
+  return pack_prediction(model, loads, [&](size_t r) {
+    return model.seconds(loads.rows[r], loads.local[r], loads.remote[r], loads.replica[r],
+                         any_remote, rounds);
+  });
 }
 
 }  // namespace mixmoe_native

@@ -3,6 +3,8 @@
 // topology (nodes of per_node consecutive ranks: plan_pricing's 6-row loads, pricing_nodes.cpp).
 #pragma once
 
+#include <cmath>
+
 #include "common.h"
 
 namespace mixmoe_native {
@@ -33,6 +35,35 @@ struct Prediction {
   double step = 0.0;
 };
 Prediction predict(const Model& model, const Loads& loads, int64_t rounds);
+
+// The Prediction of `loads` whose rank r costs seconds(r) = (compute, comm): _pack_lists' bytes
+// and step, shared by predict and predict_nodes.
+template <typename Seconds>
+Prediction pack_prediction(const Model& model, const Loads& loads, Seconds seconds) {
+  const size_t W = loads.rows.size();
+  Prediction p;
+  p.compute.resize(W);
+  p.comm.resize(W);
+  p.token_bytes.resize(W);
+  p.weight_bytes.resize(W);
+  p.rows = loads.rows;
+  const int64_t token = 2 * model.tbr, weight = 2 * model.P;
+  for (size_t r = 0; r < W; ++r) {
+    const auto [compute, comm] = seconds(r);
+    p.compute[r] = compute;
+    p.comm[r] = comm;
+    const double total = compute + comm;
+    if (r == 0 || total > p.step) p.step = total;  // Python's max: the first largest
+    p.token_bytes[r] = token * loads.remote[r];
+    const double n = loads.replica[r];
+    // whole copies: exact int products; the relay's fractional ones: the float product
+    // rounded half to even (Python's round, std::nearbyint in the default rounding mode)
+    const double bytes = static_cast<double>(weight) * n;
+    p.weight_bytes[r] = n == std::floor(n) ? weight * static_cast<int64_t>(n)
+                                           : static_cast<int64_t>(std::nearbyint(bytes));
+  }
+  return p;
+}
 
 // plan_pricing's 6-row loads under a topology: LOADS, then the remote rows and the relay (or flat
 // fan-out) copies that cross nodes, per rank.

@@ -240,32 +240,13 @@ int64_t plan_pricing_nodes(const Counts& counts, const Baseline& base,
 Prediction predict_nodes(const Model& model, double bw_inter, const NodeLoads& nl,
                          int64_t rounds) {
   const Loads& loads = nl.loads;
-  const size_t W = loads.rows.size();
   bool any_remote = false;
   for (int64_t x : loads.remote) any_remote = any_remote || x != 0;
-  Prediction p;
-  p.compute.resize(W);
-  p.comm.resize(W);
-  p.token_bytes.resize(W);
-  p.weight_bytes.resize(W);
-  p.rows = loads.rows;
-  const int64_t token = 2 * model.tbr, weight = 2 * model.P;
-  for (size_t r = 0; r < W; ++r) {
-    const auto [compute, comm] = model.seconds_nodes(
-        loads.rows[r], loads.local[r], loads.remote[r], loads.replica[r], nl.remote_inter[r],
-        nl.replica_inter[r], bw_inter, any_remote, rounds);
-    p.compute[r] = compute;
-    p.comm[r] = comm;
-    const double total = compute + comm;
-    if (r == 0 || total > p.step) p.step = total;  // the max (a value: ties alike)
-    p.token_bytes[r] = token * loads.remote[r];
-    const double n = loads.replica[r];
-    // pack: whole copies as exact int products, fractional ones rounded half to even
-    p.weight_bytes[r] = n == std::floor(n)
-                            ? weight * static_cast<int64_t>(n)
-                            : static_cast<int64_t>(std::nearbyint(static_cast<double>(weight) * n));
-  }
-  return p;
+  return pack_prediction(model, loads, [&](size_t r) {
+    return model.seconds_nodes(loads.rows[r], loads.local[r], loads.remote[r], loads.replica[r],
+                               nl.remote_inter[r], nl.replica_inter[r], bw_inter, any_remote,
+                               rounds);
+  });
 }
 
 }  // namespace mixmoe_native

@@ -20,10 +20,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <utility>
 #include <vector>
 
+#include "flat_map.h"
 #include "level_fill.h"
 
 namespace {
@@ -44,10 +46,13 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   std::vector<std::vector<int64_t>> holders;  // per expert, ranks ascending
   std::vector<int64_t> held, owner_rows, own, others, taken, rows, local, remote;
   std::vector<double> replica, totals;
-  std::vector<std::map<int64_t, int64_t>> amounts, helped, kept;  // {g: {y: n}}, {r: {g: n}}, ...
-  std::vector<std::map<int64_t, double>> degrees;
+  std::vector<FlatMap<int64_t>> amounts, helped, kept;  // {g: {y: n}}, {r: {g: n}}, ...
+  std::vector<FlatMap<double>> degrees;
   int64_t rounds = 0;
   std::vector<char> overshot;
+  // scratch reused call after call (no allocation per call): offer's candidates, relay's degrees
+  mutable std::vector<std::pair<int64_t, int64_t>> heavy_;
+  FlatMap<double> fresh_;
 
   int64_t c(int64_t y, int64_t g) const { return C[y * N + g]; }
 
@@ -124,7 +129,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   }
 
   void keep_more(int64_t g, int64_t y, int64_t k) {
-    keep(g, y, std::min(k, c(y, g) - kept[g].at(y)));
+    keep(g, y, std::min(k, c(y, g) - kept[g].find(y)->second));  // y is a kept holder of g
   }
 
   void move(int64_t g, int64_t b, int64_t y, int64_t n) {  // RangeState.move
@@ -151,20 +156,19 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 
   // relay.relay_degrees: {rank: copies}, rounds (relay.py's module doc has the grid)
   int64_t relay_degrees(int64_t owner, const std::vector<int64_t>& hs,
-                        std::map<int64_t, double>& out) const {
+                        FlatMap<double>& out) const {
     out.clear();
     if (hs.empty()) return 0;
-    std::vector<int64_t> near;
+    std::vector<int64_t> near_node;  // with a topology: the holders on the owner's node
+    const std::vector<int64_t>& near = per_node == 0 ? hs : near_node;  // one link: all of them
     std::vector<std::vector<int64_t>> groups;  // far nodes, by lowest holder
-    if (per_node == 0) {
-      near = hs;
-    } else {
+    if (per_node != 0) {
       const int64_t home = owner / per_node;
       std::map<int64_t, size_t> slot;  // node -> its index in groups
       for (int64_t h : hs) {
         const int64_t node = h / per_node;
         if (node == home) {
-          near.push_back(h);
+          near_node.push_back(h);
           continue;
         }
         auto it = slot.find(node);
@@ -203,14 +207,18 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   }
 
   void relay(int64_t g) {  // RangeState.relay
-    std::map<int64_t, double> fresh;
-    const int64_t depth = relay_degrees(g / E, holders[g], fresh);
-    const auto& old = degrees[g];
-    std::map<int64_t, std::pair<double, double>> both;  // rank -> (new, old); absent: 0
-    for (const auto& [r, v] : fresh) both[r].first = v;
-    for (const auto& [r, v] : old) both[r].second = v;
-    for (const auto& [r, v] : both) replica[r] += v.first - v.second;
-    degrees[g] = std::move(fresh);
+    const int64_t depth = relay_degrees(g / E, holders[g], fresh_);
+    auto& old = degrees[g];
+    // every rank of either (ascending, each once): replica[r] += new - old, absent 0.0
+    auto i = fresh_.begin(), j = old.begin();
+    while (i != fresh_.end() || j != old.end()) {
+      const int64_t r = j == old.end() || (i != fresh_.end() && i->first < j->first) ? i->first
+                                                                                      : j->first;
+      const double now = i != fresh_.end() && i->first == r ? (i++)->second : 0.0;
+      const double was = j != old.end() && j->first == r ? (j++)->second : 0.0;
+      replica[r] += now - was;
+    }
+    std::swap(degrees[g], fresh_);  // fresh_ keeps the old one's buffer for the next call
     rounds = std::max(rounds, depth);
   }
 
@@ -221,7 +229,8 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 
   // level_fill._offer: rank b's offers, and the rows they hold in all
   int64_t offer(int64_t b, double token, double t, double hide, std::vector<Offer>& out) const {
-    std::vector<std::pair<int64_t, int64_t>> heavy;  // (-rows, g)
+    auto& heavy = heavy_;  // (-rows, g)
+    heavy.clear();
     for (int64_t g = b * E; g < (b + 1) * E; ++g)
       if (owner_rows[g] > 0) heavy.emplace_back(-owner_rows[g], g);
     for (const auto& [g, n] : helped[b])
@@ -260,35 +269,86 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 
 struct Point {
   double x, dslope, drop;
-  size_t at;  // insertion order: ties in x keep it (Python's stable sort)
+};
+
+// A point's place in the sort: x as an unsigned key in x's order, and its insertion index
+struct Keyed {
+  uint64_t key;
+  uint32_t at;  // insertion order: ties in x keep it (Python's stable sort)
+};
+
+// x's bits as an unsigned integer ordered as x is (no NaN here): a negative's bits all flipped
+// (larger magnitude: smaller key), a positive's sign bit set; -0.0 first made 0.0 (equal under <)
+uint64_t order_key(double x) {
+  const double z = x == 0.0 ? 0.0 : x;
+  uint64_t b;
+  std::memcpy(&b, &z, sizeof b);
+  return b >> 63 ? ~b : b | (uint64_t{1} << 63);
+}
+
+// `a` sorted by (key, at) (`a` comes in `at` order): short lists by comparisons, longer ones by
+// an LSD radix sort on the key, byte by byte, each pass stable (so ties keep `at` order), the
+// passes whose byte is the same for every key (the exponent's, mostly) skipped
+void sort_keyed(std::vector<Keyed>& a, std::vector<Keyed>& tmp) {
+  const size_t n = a.size();
+  if (n < 64) {
+    std::sort(a.begin(), a.end(), [](const Keyed& p, const Keyed& q) {
+      return p.key != q.key ? p.key < q.key : p.at < q.at;
+    });
+    return;
+  }
+  uint32_t count[8][256] = {};  // count[b][d]: keys whose byte b (from the low end) is d
+  for (const Keyed& e : a)
+    for (int b = 0; b < 8; ++b) ++count[b][(e.key >> (8 * b)) & 255];
+  tmp.resize(n);
+  for (int b = 0; b < 8; ++b) {
+    if (count[b][(a[0].key >> (8 * b)) & 255] == n) continue;  // one value: the order stands
+    uint32_t next[256];  // next[d]: where the next key with byte d goes
+    uint32_t sum = 0;
+    for (int d = 0; d < 256; ++d) next[d] = sum, sum += count[b][d];
+    for (const Keyed& e : a) tmp[next[(e.key >> (8 * b)) & 255]++] = e;
+    a.swap(tmp);
+  }
+}
+
+struct LevelScratch {  // level's buffers, reused pass after pass
+  std::vector<Point> points;
+  std::vector<Keyed> keys, tmp;
 };
 
 // level_fill._level: the level where the rows shed above it equal the rows absorbed below it
 double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
              const std::vector<double>& save, const std::vector<double>& start, double cost,
-             double cost_sum, const std::vector<char>& fresh, double copy, size_t tensor_points) {
+             double cost_sum, const std::vector<char>& fresh, double copy, size_t tensor_points,
+             LevelScratch& ws) {
   const size_t W = T.size();
   const double jump = copy * static_cast<double>(W) / cost_sum;
-  std::vector<Point> points;
+  std::vector<Point>& points = ws.points;  // in insertion order; ws.keys: their sorted order
+  std::vector<Keyed>& keys = ws.keys;
+  points.clear();
+  keys.clear();
+  const auto push = [&](double x, double dslope, double drop) {
+    keys.push_back({order_key(x), static_cast<uint32_t>(points.size())});
+    points.push_back({x, dslope, drop});
+  };
   double d0 = 0.0;
   for (size_t r = 0; r < W; ++r) {
     if (avail[r] > 0) {
       const double drop = fresh[r] ? jump : 0.0;
-      points.push_back({T[r] - static_cast<double>(avail[r]) * save[r], -1.0 / save[r], 0.0,
-                        points.size()});
-      points.push_back({T[r], 1.0 / save[r], -drop, points.size()});
+      push(T[r] - static_cast<double>(avail[r]) * save[r], -1.0 / save[r], 0.0);
+      push(T[r], 1.0 / save[r], -drop);
       d0 += static_cast<double>(avail[r]) + drop;
     }
-    if (start[r] != INF) points.push_back({start[r], -1.0 / cost, 0.0, points.size()});
+    if (start[r] != INF) push(start[r], -1.0 / cost, 0.0);
   }
   if (points.empty()) return *std::max_element(T.begin(), T.end());
-  std::sort(points.begin(), points.end(), [](const Point& p, const Point& q) {
-    return p.x != q.x ? p.x < q.x : p.at < q.at;  // a stable sort by x
-  });
+  sort_keyed(keys, ws.tmp);  // a stable sort by x
   const size_t n = points.size();
+  const auto pt = [&](size_t i) -> const Point& { return points[keys[i].at]; };  // i-th by x
   if (n <= tensor_points) {  // the list walk
-    double d = d0, slope = 0.0, prev = points[0].x;
-    for (const Point& p : points) {
+    double d = d0, slope = 0.0, prev = pt(0).x;
+    for (size_t i = 0; i < n; ++i) {
+      const Point& p = pt(i);
       const double left = d + slope * (p.x - prev);
       if (left <= 0) break;
       d = left + p.drop;
@@ -298,35 +358,48 @@ double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
     }
     return prev + (slope < 0 ? d / -slope : 0.0);
   }
-  // level_fill._crossing_tensor: sequential cumulative sums, as torch's on the CPU
-  std::vector<double> slope(n), right(n), left(n);
-  double s = 0.0, ramp = 0.0, drops = 0.0;
-  for (size_t i = 0; i < n; ++i) {
-    s += points[i].dslope;
-    slope[i] = s;
-    if (i > 0) ramp += slope[i - 1] * (points[i].x - points[i - 1].x);
-    drops += points[i].drop;
-    right[i] = (d0 + ramp) + drops;
-    left[i] = right[i] - points[i].drop;
-  }
+  // level_fill._crossing_tensor: sequential cumulative sums, as torch's on the CPU (slope_i,
+  // right_i = (d0 + ramp_i) + drops_i, left_i = right_i - drop_i), walked once: k1, the first
+  // i with left_i <= 0, and k2, the first with right_i <= 0 (the walk stops there: the answer
+  // needs nothing after k2); the slope and right at k1 - 1 and at the last point kept
   size_t k1 = n, k2 = n;
-  for (size_t i = 0; i < n && k1 == n; ++i)
-    if (left[i] <= 0) k1 = i;
-  for (size_t i = 0; i < n && k2 == n; ++i)
-    if (right[i] <= 0) k2 = i;
+  double s = 0.0, ramp = 0.0, drops = 0.0, s_prev = 0.0, right = 0.0;
+  double s_k = 0.0, right_k = 0.0;  // at k1 - 1 once k1 is found
+  for (size_t i = 0; i < n; ++i) {
+    const Point& p = pt(i);
+    s += p.dslope;
+    if (i > 0) ramp += s_prev * (p.x - pt(i - 1).x);
+    drops += p.drop;
+    const double right_prev = right;
+    right = (d0 + ramp) + drops;
+    const double left = right - p.drop;
+    if (k1 == n && left <= 0) k1 = i, s_k = i > 0 ? s_prev : 0.0, right_k = right_prev;
+    if (right <= 0) {
+      k2 = i;
+      break;
+    }
+    s_prev = s;
+  }
+  double slope_k, right_at_k;
   size_t k;
   if (k2 == n) {
-    k = n - 1;
+    k = n - 1, slope_k = s, right_at_k = right;
   } else {
-    if (k2 < k1) return points[k2].x;
-    if (k1 == 0) return points[0].x;
-    k = k1 - 1;
+    if (k2 < k1) return pt(k2).x;
+    if (k1 == 0) return pt(0).x;
+    k = k1 - 1, slope_k = s_k, right_at_k = right_k;
   }
-  return points[k].x + (slope[k] < 0 ? right[k] / -slope[k] : 0.0);
+  return pt(k).x + (slope_k < 0 ? right_at_k / -slope_k : 0.0);
 }
 
 struct Queue {
   std::vector<int64_t> ranks;
+  size_t next = 0;
+};
+
+// matched's queue of receivers: every rank in `order` (a view: no copy)
+struct View {
+  const std::vector<int64_t>* ranks;
   size_t next = 0;
 };
 
@@ -340,12 +413,11 @@ struct Params {  // level_fill's rates and settings
 int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
                 const std::vector<std::pair<int64_t, int64_t>>& shed, std::vector<double>& room_W,
                 const std::vector<int64_t>& order, double cost, const Params& p,
-                std::map<int64_t, std::vector<int64_t>>& fresh) {
+                std::vector<int64_t>& fresh) {
   const int64_t blk = f.blk, E = f.E;
   const double a = p.a, copy = p.copy;
   int64_t moved = 0;
-  Queue all;
-  all.ranks = order;
+  View all{&order};
   std::vector<Queue> nodes;  // by node (empty: no such queue)
   if (f.per_node) {
     nodes.resize(static_cast<size_t>((f.W + f.per_node - 1) / f.per_node));
@@ -356,9 +428,10 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
     int64_t left = left0;
     for (const Offer& of : offers[b]) {
       const int64_t g = of.g, o = g / E;
-      std::vector<int64_t> ys{o};
-      ys.insert(ys.end(), f.holders[g].begin(), f.holders[g].end());
-      for (int64_t y : ys) {  // the owner and holders: no copy to pay
+      const std::vector<int64_t>& hs = f.holders[g];  // not changed in this loop
+      // the owner (i = -1), then the holders (hs[i]): no copy to pay
+      for (int64_t i = -1; i < static_cast<int64_t>(hs.size()); ++i) {
+        const int64_t y = i < 0 ? o : hs[static_cast<size_t>(i)];
         if (left < blk) break;
         if (y == b || room_W[y] < 0.5 * blk * cost) continue;
         const int64_t rest = f.kept_rest(g, y);
@@ -381,16 +454,24 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
         left -= n;
         room_W[y] -= static_cast<double>(n) * cost;
       }
-      std::vector<Queue*> queues;  // the owner's node first (its replica crosses no slow link)
-      if (f.per_node && !nodes[o / f.per_node].ranks.empty()) queues.push_back(&nodes[o / f.per_node]);
-      queues.push_back(&all);
-      for (Queue* q : queues) {
-        while (left >= blk && q->next < q->ranks.size()) {
-          const int64_t y = q->ranks[q->next];
+      // the owner's node first (its replica crosses no slow link), then every rank: the queue
+      // (its ranks, where it is) as pointers into `nodes` or `all`
+      std::pair<const std::vector<int64_t>*, size_t*> queues[2];
+      int n_queues = 0;
+      if (f.per_node && !nodes[o / f.per_node].ranks.empty()) {
+        Queue& q = nodes[o / f.per_node];
+        queues[n_queues++] = {&q.ranks, &q.next};
+      }
+      queues[n_queues++] = {all.ranks, &all.next};
+      for (int qi = 0; qi < n_queues; ++qi) {
+        const std::vector<int64_t>& ranks = *queues[qi].first;
+        size_t& next = *queues[qi].second;
+        while (left >= blk && next < ranks.size()) {
+          const int64_t y = ranks[next];
           double room = room_W[y] - copy;
           const bool held = y == o || f.holds(g, y);
           if (held || f.held[y] >= f.slots || room < 0.5 * blk * cost) {
-            q->next += 1;
+            next += 1;
             continue;
           }
           if (f.cap(b, of) <= 0) break;
@@ -400,14 +481,14 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
           if (p.kept && over) {  // the whole blocks that fit
             own = to_int(room / a) / blk * blk;
             if (own == 0) {
-              q->next += 1;
+              next += 1;
               continue;
             }
             f.add_holder(g, y, own);
           } else {
             f.add_holder(g, y, -1);
           }
-          fresh[g].push_back(y);
+          fresh.push_back(g);  // g has a new holder: relayed after the pass
           room -= static_cast<double>(own) * a;
           if (b == o) left -= own;
           const int64_t n = std::min({left, ask(room / cost), f.cap(b, of)});
@@ -418,7 +499,7 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
           }
           moved += 1;
           room_W[y] = room;
-          if (room_W[y] < 0.5 * blk * cost) q->next += 1;
+          if (room_W[y] < 0.5 * blk * cost) next += 1;
         }
       }
       if (left < blk) break;
@@ -445,8 +526,12 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
   std::vector<int64_t> avail_W(static_cast<size_t>(W));
   std::vector<double> token_W(W), save_W(W), start_W(W), room_W(W);
   std::vector<char> fresh_W(W);
+  std::vector<double> T_W;
+  std::vector<int64_t> by_total, order, fresh;
+  std::vector<std::pair<int64_t, int64_t>> shed;
+  LevelScratch ws;
   for (int64_t pass = 0; pass < p.passes; ++pass) {
-    const std::vector<double> T_W = f.totals;
+    T_W = f.totals;  // the pass's totals (the fill changes f.totals)
     const double top = *std::max_element(T_W.begin(), T_W.end());
     const double mean = fold_sum(T_W) / static_cast<double>(W);
     if (top <= p.stop * mean) break;
@@ -480,14 +565,14 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
       fresh_W[b] = fresh;
     }
     const double L = level(T_W, avail_W, save_W, start_W, cost, cost_sum, fresh_W, p.copy,
-                           static_cast<size_t>(p.tensor_points));
-    std::vector<int64_t> by_total;  // the donors: ranks above L, by total descending, then rank
+                           static_cast<size_t>(p.tensor_points), ws);
+    by_total.clear();  // the donors: ranks above L, by total descending, then rank
     for (int64_t r = 0; r < W; ++r)
       if (T_W[r] > L) by_total.push_back(r);
     std::sort(by_total.begin(), by_total.end(), [&](int64_t x, int64_t y) {
       return T_W[x] != T_W[y] ? T_W[x] > T_W[y] : x < y;
     });
-    std::vector<std::pair<int64_t, int64_t>> shed;  // (donor, rows)
+    shed.clear();  // (donor, rows)
     for (int64_t b : by_total) {
       const double x = (T_W[b] - L) / save_W[b];
       const double n = x < static_cast<double>(avail_W[b]) ? x : static_cast<double>(avail_W[b]);
@@ -497,15 +582,17 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
       const double x = L - T_W[r];
       room_W[r] = x > 0.0 ? x : 0.0;  // max(0.0, L - T)
     }
-    std::vector<int64_t> order;
+    order.clear();
     for (int64_t r = 0; r < W; ++r)
       if (start_W[r] < L) order.push_back(r);
     std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
       return T_W[x] != T_W[y] ? T_W[x] < T_W[y] : x < y;
     });
-    std::map<int64_t, std::vector<int64_t>> fresh;
+    fresh.clear();
     const int64_t moved = matched(f, offers, shed, room_W, order, cost, p, fresh);
-    for (const auto& kv : fresh) f.relay(kv.first);
+    std::sort(fresh.begin(), fresh.end());  // the experts with new holders, ascending, once each
+    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
+    for (int64_t g : fresh) f.relay(g);
     if (moved) f.retotal();
     pieces += moved;
     if (*std::max_element(f.totals.begin(), f.totals.end()) > (1.0 - p.min_gain) * top) {
@@ -611,7 +698,7 @@ struct Stream {
   int64_t g, o, want;  // the expert, its owner, its amounts' sum (the last cut's most)
   const std::vector<int64_t>* holders;
   size_t next_holder = 0;
-  std::map<int64_t, int64_t>::const_iterator next_kept, kept_end;
+  FlatMap<int64_t>::const_iterator next_kept, kept_end;
   std::vector<int64_t> starts{0};
 };
 
@@ -719,13 +806,13 @@ void plan_from(const Counts& k, int64_t blk, const Replicas& holders, const Expe
   f.amounts.assign(N, {});
   f.kept.assign(N, {});
   for (const auto& [g, hs] : holders) f.holders[g] = hs;
-  for (const auto& [g, e] : amounts) f.amounts[g].insert(e.begin(), e.end());
-  for (const auto& [g, e] : kept_local) f.kept[g].insert(e.begin(), e.end());
+  for (const auto& [g, e] : amounts) f.amounts[g].assign(e.begin(), e.end());
+  for (const auto& [g, e] : kept_local) f.kept[g].assign(e.begin(), e.end());
   Replicas replicas;
   plan_fields(f, replicas, ranges, kept);
 }
 
-ExpertEntries entries_of(const std::vector<std::map<int64_t, int64_t>>& per_g) {
+ExpertEntries entries_of(const std::vector<FlatMap<int64_t>>& per_g) {
   ExpertEntries out;
   for (size_t g = 0; g < per_g.size(); ++g)
     if (!per_g[g].empty())
@@ -799,7 +886,7 @@ Section ranks_section(const std::vector<std::vector<int64_t>>& per_g) {
   return s;
 }
 
-Section pairs_section(const std::vector<std::map<int64_t, int64_t>>& per_g) {
+Section pairs_section(const std::vector<FlatMap<int64_t>>& per_g) {
   Section s;
   for (size_t g = 0; g < per_g.size(); ++g)
     if (!per_g[g].empty()) {

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <utility>
 #include <vector>
@@ -271,50 +270,76 @@ struct Point {
   double x, dslope, drop;
 };
 
-// A point's place in the sort: x as an unsigned key in x's order, and its insertion index
+// A point's place in the sort: its x and its insertion index
 struct Keyed {
-  uint64_t key;
+  double x;
   uint32_t at;  // insertion order: ties in x keep it (Python's stable sort)
 };
 
-// x's bits as an unsigned integer ordered as x is (no NaN here): a negative's bits all flipped
-// (larger magnitude: smaller key), a positive's sign bit set; -0.0 first made 0.0 (equal under <)
-uint64_t order_key(double x) {
-  const double z = x == 0.0 ? 0.0 : x;
-  uint64_t b;
-  std::memcpy(&b, &z, sizeof b);
-  return b >> 63 ? ~b : b | (uint64_t{1} << 63);
-}
+bool before(const Keyed& p, const Keyed& q) { return p.x != q.x ? p.x < q.x : p.at < q.at; }
 
-// `a` sorted by (key, at) (`a` comes in `at` order): short lists by comparisons, longer ones by
-// an LSD radix sort on the key, byte by byte, each pass stable (so ties keep `at` order), the
-// passes whose byte is the same for every key (the exponent's, mostly) skipped
-void sort_keyed(std::vector<Keyed>& a, std::vector<Keyed>& tmp) {
-  const size_t n = a.size();
-  if (n < 64) {
-    std::sort(a.begin(), a.end(), [](const Keyed& p, const Keyed& q) {
-      return p.key != q.key ? p.key < q.key : p.at < q.at;
-    });
-    return;
-  }
-  uint32_t count[8][256] = {};  // count[b][d]: keys whose byte b (from the low end) is d
-  for (const Keyed& e : a)
-    for (int b = 0; b < 8; ++b) ++count[b][(e.key >> (8 * b)) & 255];
-  tmp.resize(n);
-  for (int b = 0; b < 8; ++b) {
-    if (count[b][(a[0].key >> (8 * b)) & 255] == n) continue;  // one value: the order stands
-    uint32_t next[256];  // next[d]: where the next key with byte d goes
-    uint32_t sum = 0;
-    for (int d = 0; d < 256; ++d) next[d] = sum, sum += count[b][d];
-    for (const Keyed& e : a) tmp[next[(e.key >> (8 * b)) & 255]++] = e;
-    a.swap(tmp);
-  }
-}
-
-struct LevelScratch {  // level's buffers, reused pass after pass
+struct LevelScratch {  // level's buffers (and sort_ranks'), reused pass after pass
   std::vector<Point> points;
   std::vector<Keyed> keys, tmp;
+  std::vector<uint32_t> ends;
 };
+
+// `a` sorted by (x, at), a total order: the same order whatever the algorithm. Short lists by
+// comparisons; longer ones by buckets: n buckets evenly over [min x, max x] (a bucket's index is
+// monotone in x: rounding is monotone, so equal xs share a bucket and a larger x never lands in
+// an earlier bucket), a stable scatter, then each bucket by comparisons (points bunch: a bucket
+// of many falls back to std::sort, so the worst case is std::sort's)
+void sort_keyed(std::vector<Keyed>& a, LevelScratch& ws) {
+  const size_t n = a.size();
+  if (n < 64) {
+    std::sort(a.begin(), a.end(), before);
+    return;
+  }
+  double lo = a[0].x, hi = a[0].x;
+  for (const Keyed& e : a) lo = std::min(lo, e.x), hi = std::max(hi, e.x);
+  if (!(lo < hi)) return;  // all equal: insertion order is the order
+  const double scale = static_cast<double>(n) / (hi - lo);  // 0.0 when hi - lo overflows
+  const auto bucket = [&](double x) {  // in [0, n): the last takes the top (and any overflow)
+    const double b = (x - lo) * scale;
+    return b < static_cast<double>(n - 1) ? static_cast<size_t>(b) : n - 1;
+  };
+  std::vector<uint32_t>& ends = ws.ends;  // ends[d + 1]: bucket d's count, then its end
+  ends.assign(n + 1, 0);
+  for (const Keyed& e : a) ++ends[bucket(e.x) + 1];
+  for (size_t d = 1; d <= n; ++d) ends[d] += ends[d - 1];  // ends[d]: bucket d's start
+  ws.tmp.resize(n);
+  for (const Keyed& e : a) ws.tmp[ends[bucket(e.x)]++] = e;  // stable; ends[d]: bucket d's end
+  uint32_t start = 0;
+  for (size_t d = 0; d < n; ++d) {
+    const uint32_t end = ends[d];
+    const auto first = ws.tmp.begin() + start, last = ws.tmp.begin() + end;
+    if (end - start > 16) {
+      std::sort(first, last, before);
+    } else {
+      for (auto i = first + (end > start); i < last; ++i) {  // insertion sort
+        const Keyed v = *i;
+        auto j = i;
+        for (; j > first && before(v, *(j - 1)); --j) *j = *(j - 1);
+        *j = v;
+      }
+    }
+    start = end;
+  }
+  a.swap(ws.tmp);
+}
+
+// `ranks` (ascending) sorted by (T[r], r), or by (-T[r], r) when `descending` (-T: exact, and
+// equal totals stay equal): the rank rides along as the key's `at`
+void sort_ranks(std::vector<int64_t>& ranks, const std::vector<double>& T, bool descending,
+                LevelScratch& ws) {
+  ws.keys.clear();
+  for (int64_t r : ranks) {
+    const double x = T[static_cast<size_t>(r)];
+    ws.keys.push_back({descending ? -x : x, static_cast<uint32_t>(r)});
+  }
+  sort_keyed(ws.keys, ws);
+  for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = ws.keys[i].at;
+}
 
 // level_fill._level: the level where the rows shed above it equal the rows absorbed below it
 double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
@@ -328,7 +353,7 @@ double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
   points.clear();
   keys.clear();
   const auto push = [&](double x, double dslope, double drop) {
-    keys.push_back({order_key(x), static_cast<uint32_t>(points.size())});
+    keys.push_back({x, static_cast<uint32_t>(points.size())});
     points.push_back({x, dslope, drop});
   };
   double d0 = 0.0;
@@ -342,7 +367,7 @@ double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
     if (start[r] != INF) push(start[r], -1.0 / cost, 0.0);
   }
   if (points.empty()) return *std::max_element(T.begin(), T.end());
-  sort_keyed(keys, ws.tmp);  // a stable sort by x
+  sort_keyed(keys, ws);  // a stable sort by x
   const size_t n = points.size();
   const auto pt = [&](size_t i) -> const Point& { return points[keys[i].at]; };  // i-th by x
   if (n <= tensor_points) {  // the list walk
@@ -560,7 +585,10 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
         const int64_t g = offers[b][0].g;
         if (g / E != b) fresh = false;
         for (int64_t r : f.holders[g])
-          if (r != b) fresh = false;
+          if (r != b) {
+            fresh = false;
+            break;
+          }
       }
       fresh_W[b] = fresh;
     }
@@ -569,9 +597,7 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
     by_total.clear();  // the donors: ranks above L, by total descending, then rank
     for (int64_t r = 0; r < W; ++r)
       if (T_W[r] > L) by_total.push_back(r);
-    std::sort(by_total.begin(), by_total.end(), [&](int64_t x, int64_t y) {
-      return T_W[x] != T_W[y] ? T_W[x] > T_W[y] : x < y;
-    });
+    sort_ranks(by_total, T_W, true, ws);
     shed.clear();  // (donor, rows)
     for (int64_t b : by_total) {
       const double x = (T_W[b] - L) / save_W[b];
@@ -585,9 +611,7 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
     order.clear();
     for (int64_t r = 0; r < W; ++r)
       if (start_W[r] < L) order.push_back(r);
-    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-      return T_W[x] != T_W[y] ? T_W[x] < T_W[y] : x < y;
-    });
+    sort_ranks(order, T_W, false, ws);  // the receivers: by total ascending, then rank
     fresh.clear();
     const int64_t moved = matched(f, offers, shed, room_W, order, cost, p, fresh);
     std::sort(fresh.begin(), fresh.end());  // the experts with new holders, ascending, once each
@@ -652,7 +676,12 @@ int64_t fill_from_start(Fill& f, const int64_t* colsum, const Params& p) {
   f.own.resize(N);
   f.owner_rows.resize(N);
   f.others.resize(N);
+  constexpr size_t AHEAD = 8;  // owners ahead: C's diagonal blocks sit on other pages (prefetched)
   for (size_t g = 0; g < N; ++g) {
+    if (g % static_cast<size_t>(f.E) == 0 && g + AHEAD * f.E < N) {
+      const size_t ahead = g + AHEAD * static_cast<size_t>(f.E);  // owner (ahead / E)'s first
+      __builtin_prefetch(f.C + (ahead / static_cast<size_t>(f.E)) * N + ahead);
+    }
     int64_t held_rows = 0;
     for (int64_t y : f.holders[g]) held_rows += f.c(y, static_cast<int64_t>(g));
     f.own[g] = f.c(static_cast<int64_t>(g) / f.E, static_cast<int64_t>(g));

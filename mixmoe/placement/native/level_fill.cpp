@@ -676,12 +676,7 @@ int64_t fill_from_start(Fill& f, const int64_t* colsum, const Params& p) {
   f.own.resize(N);
   f.owner_rows.resize(N);
   f.others.resize(N);
-  constexpr size_t AHEAD = 8;  // owners ahead: C's diagonal blocks sit on other pages (prefetched)
   for (size_t g = 0; g < N; ++g) {
-    if (g % static_cast<size_t>(f.E) == 0 && g + AHEAD * f.E < N) {
-      const size_t ahead = g + AHEAD * static_cast<size_t>(f.E);  // owner (ahead / E)'s first
-      __builtin_prefetch(f.C + (ahead / static_cast<size_t>(f.E)) * N + ahead);
-    }
     int64_t held_rows = 0;
     for (int64_t y : f.holders[g]) held_rows += f.c(y, static_cast<int64_t>(g));
     f.own[g] = f.c(static_cast<int64_t>(g) / f.E, static_cast<int64_t>(g));

@@ -37,6 +37,17 @@ struct Offer {  // level_fill._offer's [g, own rows allowed, own rows given at t
   int64_t g, mine, given;
 };
 
+struct Offers {  // a rank's offers: at most OFFERED, held in place (no allocation per rank)
+  Offer items[OFFERED];
+  int n = 0;
+  const Offer* begin() const { return items; }
+  const Offer* end() const { return items + n; }
+  bool empty() const { return n == 0; }
+  void clear() { n = 0; }
+  void push_back(const Offer& o) { items[n++] = o; }  // the caller stops at OFFERED
+  const Offer& operator[](int i) const { return items[i]; }
+};
+
 struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of length N
   int64_t W, E, N, slots, blk, per_node;  // per_node 0: no topology
   const int64_t* C;
@@ -227,7 +238,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   }
 
   // level_fill._offer: rank b's offers, and the rows they hold in all
-  int64_t offer(int64_t b, double token, double t, double hide, std::vector<Offer>& out) const {
+  int64_t offer(int64_t b, double token, double t, double hide, Offers& out) const {
     auto& heavy = heavy_;  // (-rows, g)
     heavy.clear();
     for (int64_t g = b * E; g < (b + 1) * E; ++g)
@@ -435,7 +446,7 @@ struct Params {  // level_fill's rates and settings
 };
 
 // level_fill._matched: place each donor's shed rows; returns the pieces moved, new holders in `fresh`
-int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
+int64_t matched(Fill& f, const std::vector<Offers>& offers,
                 const std::vector<std::pair<int64_t, int64_t>>& shed, std::vector<double>& room_W,
                 const std::vector<int64_t>& order, double cost, const Params& p,
                 std::vector<int64_t>& fresh) {
@@ -547,7 +558,7 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
   const double cost_sum = fold_sum(cost_W);
   int64_t pieces = 0;
   bool free_copy = false;
-  std::vector<std::vector<Offer>> offers(static_cast<size_t>(W));
+  std::vector<Offers> offers(static_cast<size_t>(W));
   std::vector<int64_t> avail_W(static_cast<size_t>(W));
   std::vector<double> token_W(W), save_W(W), start_W(W), room_W(W);
   std::vector<char> fresh_W(W);

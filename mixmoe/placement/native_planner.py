@@ -8,9 +8,11 @@ runs the same steps with the same arithmetic (``native/common.h``), so it return
 ``Plan``, floats bit for bit (``tests/placement/test_native_planner.py`` compares them with the
 Python path under ``MIXMOE_NATIVE=0``). ``planned`` returns None where the C++ does not run (the
 caller then plans in Python): the library unavailable or off (``native_lib``), counts that are
-not a tensor, a profile with a topology, ``fill="moves"``, model terms not of the types the
-exact products assume, or counts the Python rejects (negative, too large for exact arithmetic:
-its error is raised there).
+not a tensor, ``fill="moves"``, a topology whose ``distance`` is not ``relay.nodes_of``'s, model
+terms not of the types the exact products assume, or counts the Python rejects (negative, too
+large for exact arithmetic: its error is raised there). With a topology (``relay.node_distance``
+not None) the C++ prices every candidate and fill on the 6 loads rows as ``plan_pricing`` does
+(``native/pricing_nodes.cpp``; ``tests/placement/test_native_planner_nodes.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from mixmoe.placement.counts import counts_tensor_unsigned
 from mixmoe.placement.native_lib import P as _P
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.relay import node_distance
 from mixmoe.placement.shadow import shadow_terms
 
 __all__ = ["planned"]
@@ -44,7 +47,7 @@ def planned(
     constants: tuple[float, float, float, int],
 ) -> Plan | None:
     """``plan_mix(counts_WN, shape, profile, max_replicas, overlap, search_width=...,
-    block_size=..., balance=..., fill="level")`` on one link, compiled; ``slots``: its
+    block_size=..., balance=..., fill="level")``, compiled; ``slots``: its
     ``replica_slots``; ``constants``: the planner's (BALANCED, FILL_STOP, SPREAD_WHEN,
     LEVEL_PASSES). None where the compiled planner does not run (module doc)."""
     if not isinstance(counts_WN, torch.Tensor):
@@ -56,12 +59,19 @@ def planned(
     terms = native_lib.model_args(model)
     if terms is None:
         return None
+    per_node, bw_inter = 0, 0.0  # one link
+    distance = node_distance(profile)
+    if distance is not None:  # nodes of per_node consecutive ranks (relay.nodes_of's form only)
+        per_node = getattr(distance, "ranks_per_node", None)
+        bw_inter = model.bw_inter
+        if type(per_node) is not int or per_node < 1 or type(bw_inter) is not float:
+            return None
     C_WN = counts_tensor_unsigned(counts_WN, shape)  # the checks but the signs (the C++'s)
     W, E, N = shape.world_size, shape.experts_per_rank, shape.num_experts
     balanced, fill_stop, spread_when, passes = constants
     model_i, model_d = terms
-    ints = [W, E, slots, search_width, block_size, passes, int(balance), *model_i]
-    reals = [*model_d, balanced, fill_stop, spread_when, *shadow_terms(shape, profile)]
+    ints = [W, E, slots, search_width, block_size, passes, int(balance), *model_i, per_node]
+    reals = [*model_d, balanced, fill_stop, spread_when, *shadow_terms(shape, profile), bw_inter]
     # each rank holds at most `slots` replicas: holders, ranges and kept entries are bounded
     # by W * slots, their groups by N each
     out_i = torch.empty(6 * N + 5 * W * slots + 6 * W + 16, dtype=torch.int64)

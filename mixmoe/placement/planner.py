@@ -161,7 +161,7 @@ def plan_mix(
         raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
-    if fill == "level" and node_distance(profile) is None:  # compiled whole where it can run
+    if fill == "level":  # compiled whole where it can run (a topology included)
         constants = (BALANCED, FILL_STOP, SPREAD_WHEN, LEVEL_PASSES)
         plan = planned(counts_WN, shape, profile, slots, overlap, search_width, block_size,
                        balance, constants)  # fmt: skip

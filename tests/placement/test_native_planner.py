@@ -117,8 +117,9 @@ def test_equals_the_python_plan_on_random_counts(monkeypatch):
 
 
 def test_where_it_does_not_run_the_python_plans(monkeypatch):
-    """Counts as nested lists, a profile with a topology, ``fill="moves"``: the Python plans
-    (``planned`` not called, or None); the plans equal the compiled ones where both apply."""
+    """Counts as nested lists, ``fill="moves"``: the Python plans (``planned`` not called, or
+    None); the plans equal the compiled ones where both apply (a profile with a topology:
+    test_native_planner_nodes.py)."""
     gen = torch.Generator().manual_seed(1)
     counts = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 8, 4096, 2, 32, gen)
     shape = _shape(SEEDS, 4, 8)
@@ -129,7 +130,6 @@ def test_where_it_does_not_run_the_python_plans(monkeypatch):
     )
     calls = []
     monkeypatch.setattr("mixmoe.placement.planner.planned", lambda *a, **k: calls.append(1) or None)
-    plan_mix(counts, shape, load_profile("h100-nvlink-ib"), 4)
     plan_mix(counts, shape, GPU_PROFILE, 4, fill="moves")
     assert calls == []
 

@@ -83,6 +83,41 @@ struct Model {
     return {compute, token + weight};
   }
 
+  // StepModel.seconds_W of one rank's 6-row loads (a profile with a topology): `remote_inter`
+  // rows and `replica_inter` copies of remote / replica cross nodes, at `bw_inter`
+  // (StepModel.bw_inter); the rest at bw. seconds_W's tensor expressions, in its order: the
+  // remote term (remote - r_in) * tb / bw + r_in * tb / bwi (each product of two exact doubles
+  // rounded once, as mul_div rounds it), the replica term likewise with P.
+  std::pair<double, double> seconds_nodes(int64_t rows, int64_t local, int64_t remote,
+                                          double replica, int64_t remote_inter,
+                                          double replica_inter, double bw_inter,
+                                          bool any_remote, int64_t rounds) const {
+    double compute = mul_div(rows, fpr, gf);
+    double hidden = mul_div(local, fpr, gf);
+    const double remote_s = mul_div(remote - remote_inter, tbr, bw) +
+                            mul_div(remote_inter, tbr, bw_inter);
+    // replica - replica_inter: two 2**-24 grid values (exact difference)
+    const double replica_s = (replica - replica_inter) * static_cast<double>(P) / bw +
+                             replica_inter * static_cast<double>(P) / bw_inter;
+    if (row_s != 0.0) {
+      compute = compute + static_cast<double>(rows) * row_s;
+      hidden = hidden + static_cast<double>(local) * row_s;
+    }
+    if (fixed_s != 0.0) compute = compute + fixed_s;
+    double token = 0.0;
+    if (any_remote) {
+      token = token0 + remote_s;
+      if (overlap) {
+        const double x = token - hidden;
+        token = x > 0.0 ? x : 0.0;  // clamp_min(0.0)
+      }
+    }
+    if (rounds == 0) return {compute, token + 0.0};
+    double weight = static_cast<double>(weight_collectives * rounds) * lat + replica_s;
+    if (rep_s != 0.0) weight = weight + replica * rep_s;
+    return {compute, token + weight};
+  }
+
   // StepModel.total_fn(any_remote, rounds)(...): compute + comm, as Python adds them.
   double total(int64_t rows, int64_t local, int64_t remote, double replica, bool any_remote,
                int64_t rounds) const {

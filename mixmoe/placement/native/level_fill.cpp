@@ -867,7 +867,7 @@ FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, con
                    const Replicas& start, bool any_remote, const Loads& start_loads,
                    const FillSettings& settings) {
   Fill f;
-  set_start(f, counts, model, any_remote, settings.slots, settings.blk, 0);
+  set_start(f, counts, model, any_remote, settings.slots, settings.blk, settings.per_node);
   for (const auto& [g, hs] : start) f.holders[g] = hs;
   f.rows = start_loads.rows;
   f.local = start_loads.local;

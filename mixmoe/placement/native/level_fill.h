@@ -1,4 +1,5 @@
-// The level fill (level_fill.cpp) as the compiled planner calls it: one link (no topology).
+// The level fill (level_fill.cpp) as the compiled planner calls it (FillSettings.per_node: the
+// relay's nodes; the search itself prices on one link, as planner._water_fill's).
 #pragma once
 
 #include "common.h"
@@ -12,6 +13,7 @@ struct FillSettings {  // plan_mix's _water_fill arguments
   // false: FillOut's ranges and kept left empty, fill_plan fills them later (plan_mix reads
   // them of the one fill it keeps; W = 1024 zipf: ~1.5 ms a fill, memory-bound reads of C)
   bool plan = true;
+  int64_t per_node = 0;  // the profile's ranks per node (relay.nodes_of); 0: one link
 };
 
 // What plan_mix reads of a RangeState after its fill.
@@ -26,9 +28,10 @@ struct FillOut {
   ExpertEntries amounts, kept_local;   // RangeState.amounts and .kept (all entries): fill_plan's
 };
 
-// RangeState(model, C, E, start, slots, blk, None, colsum, any_remote, start_loads) after
+// RangeState(model, C, E, start, slots, blk, distance, colsum, any_remote, start_loads) after
 // level_fill.level_fill(state, passes, stop, kept), and its plan_fields(). `start`: the start
-// holders; `start_loads`: plan_pricing of the start plan under relay.
+// holders; `start_loads`: plan_pricing of the start plan under relay (its first 4 rows);
+// distance: relay.nodes_of(settings.per_node), None when it is 0.
 FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, const Model& model,
                    const Replicas& start, bool any_remote, const Loads& start_loads,
                    const FillSettings& settings);

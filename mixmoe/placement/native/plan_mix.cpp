@@ -1,6 +1,6 @@
-// mixmoe.placement.planner.plan_mix compiled: the whole mixed plan in one call (one link,
-// fill="level"), from the parts declared in pricing.h, replica_search.h, candidates.h and
-// level_fill.h.
+// mixmoe.placement.planner.plan_mix compiled: the whole mixed plan in one call (fill="level"; one
+// link, or a profile's nodes of per_node consecutive ranks), from the parts declared in pricing.h,
+// replica_search.h, candidates.h and level_fill.h.
 //
 // Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64, C[s*N + g]
 // = rows rank s routes to expert g; g's owner is g / E). A candidate: a plan (replicas, relay,
@@ -11,8 +11,12 @@
 // replicas (replica_search) and FasterMoE's shadowing (shadow_hot), then, unless that is balanced
 // already, level fills from the best candidate, from nothing replicated, from the spread start and
 // the kept fill, the winner's plan kept only when its price is strictly below the best
-// candidate's. tests/placement/test_native_planner.py compares the plans with plan_mix's Python
-// path (MIXMOE_NATIVE=0) field by field, floats bit for bit.
+// candidate's. With a topology every candidate and fill is priced by the 6-row pricing
+// (plan_pricing_nodes, predict_nodes: the search and the fills still see one link, as in the
+// Python): the source-replica candidate repriced (cost_model.reprice), each fill's plan priced
+// in full (planner._fill_step). tests/placement/test_native_planner.py and
+// test_native_planner_nodes.py compare the plans with plan_mix's Python path (MIXMOE_NATIVE=0)
+// field by field, floats bit for bit.
 
 #include <algorithm>
 #include <cstdint>
@@ -35,6 +39,8 @@ struct Settings {  // plan_mix's arguments and module constants
   bool balance;
   double balanced, fill_stop, spread_when;  // BALANCED, FILL_STOP, SPREAD_WHEN
   double t_row_feat, t_model;               // shadow_hot's floats
+  int64_t per_node;                         // the profile's ranks per node; 0: one link
+  double bw_inter;                          // StepModel.bw_inter (per_node > 0)
 };
 
 struct Candidate {  // a priced plan (Plan's fields)
@@ -71,7 +77,32 @@ bool any_nonzero(const std::vector<int64_t>& xs) {
 class Planner {
  public:
   Planner(const Counts& k, const Model& m, const Baseline& base, const Settings& s)
-      : k_(k), m_(m), base_(base), s_(s) {}
+      : k_(k), m_(m), base_(base), s_(s) {
+    if (s_.per_node > 0) inter_ = inter_baseline(k_, base_, s_.per_node);
+  }
+
+  // cost_model.plan_pricing(C, plan, E, profile) then StepModel.prediction_W: the plan's
+  // prediction, its first 4 loads rows into `loads` (6 rows priced with a topology)
+  Prediction price(const Replicas& replicas, bool relay, const ExpertEntries& ranges,
+                   const ExpertEntries& kept, Loads& loads) const {
+    if (s_.per_node == 0) {
+      const int64_t rounds = plan_pricing(k_, base_, replicas, relay, ranges, kept, loads);
+      return predict(m_, loads, rounds);
+    }
+    NodeLoads nl;
+    const int64_t rounds = plan_pricing_nodes(k_, base_, inter_, s_.per_node, replicas, relay,
+                                              ranges, kept, nl);
+    Prediction p = predict_nodes(m_, s_.bw_inter, nl, rounds);
+    loads = std::move(nl.loads);
+    return p;
+  }
+
+  // the baseline: nothing replicated (with a topology: reprice's, 6 rows, rounds 0)
+  Prediction baseline() const {
+    if (s_.per_node == 0) return predict(m_, base_.loads, -1);
+    Loads loads;
+    return price({}, false, {}, {}, loads);
+  }
 
   // planner._water_fill (fill="level", one link): the fill from `start` (holders) whose loads
   // are `loads` (nullptr: priced here under relay; nothing replicated: the baseline's), or
@@ -80,15 +111,17 @@ class Planner {
     Loads priced;
     if (loads == nullptr) {
       if (start.empty()) {
-        loads = &base_.loads;  // nothing replicated, one link: plan_pricing's loads are these
+        loads = &base_.loads;  // nothing replicated: plan_pricing's first 4 rows are these
       } else {
-        plan_pricing(k_, base_, start, true, {}, {}, priced);
+        price(start, true, {}, {}, priced);
         loads = &priced;
       }
     }
     const bool any_remote = any_nonzero(loads->remote);
-    // the plan fields (ranges, kept) only of the fill that wins (fill_plan, below)
-    const FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept, false};
+    // one link: the plan fields (ranges, kept) only of the fill that wins (fill_plan, below);
+    // with a topology every fill's plan is priced in full (fill_step)
+    const FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept, s_.per_node > 0,
+                          s_.per_node};
     FillOut out = level_fill(k_, base_.colsum, m_, start, any_remote, *loads, fs);
     if (out.moves <= 0) return std::nullopt;  // -2: a level start; 0: nothing moved
     const double step = fill_step(out, any_remote);
@@ -98,9 +131,14 @@ class Planner {
     return Filled{std::move(out), step, stalled};
   }
 
-  // planner._fill_step on one link: the fill's max total when its remote flag is the one it ran
-  // with; else every rank's seconds under the flag of its loads
+  // planner._fill_step: with a topology the step of the fill's plan priced in full; on one link
+  // the fill's max total when its remote flag is the one it ran with, else every rank's seconds
+  // under the flag of its loads
   double fill_step(const FillOut& out, bool any_remote) const {
+    if (s_.per_node > 0) {
+      Loads loads;
+      return price(out.replicas, true, out.ranges, out.kept, loads).step;
+    }
     const bool now = any_nonzero(out.loads.remote);
     if (now == any_remote) return max_of(out.totals);
     double step = -INF;
@@ -115,9 +153,9 @@ class Planner {
 
   Candidate priced(Replicas replicas, bool relay, ExpertEntries ranges, ExpertEntries kept) const {
     Loads loads;
-    const int64_t rounds = plan_pricing(k_, base_, replicas, relay, ranges, kept, loads);
+    Prediction p = price(replicas, relay, ranges, kept, loads);
     return Candidate{std::move(replicas), relay, std::move(ranges), std::move(kept),
-                     predict(m_, loads, rounds)};
+                     std::move(p)};
   }
 
   // plan_mix from replica_search's candidate on (planner.py, step for step)
@@ -129,7 +167,11 @@ class Planner {
     if (s_.slots > 0 && W > 1 && moved > 0) {  // plan_replicas
       Loads loads = base_.loads;
       Replicas accepted = replica_search(k_, m_, base_.colsum, loads, s_.slots, s_.width);
-      if (!accepted.empty()) best = Candidate{std::move(accepted), false, {}, {}, predict(m_, loads, -1)};
+      if (!accepted.empty() && s_.per_node > 0) {  // the search saw one link: reprice
+        best = priced(std::move(accepted), false, {}, {});
+      } else if (!accepted.empty()) {
+        best = Candidate{std::move(accepted), false, {}, {}, predict(m_, loads, -1)};
+      }
     }
     if (W == 1 || s_.slots == 0) return best;
     std::vector<int64_t> hot = shadow_hot(k_, base_.colsum, base_.own, s_.t_row_feat, s_.t_model);
@@ -150,8 +192,7 @@ class Planner {
     std::optional<Loads> relay_loads;  // the best candidate's loads under relay
     if (!best.replicas.empty()) {
       Loads loads;
-      const int64_t rounds = plan_pricing(k_, base_, best.replicas, true, {}, {}, loads);
-      const Prediction p = predict(m_, loads, rounds);
+      const Prediction p = price(best.replicas, true, {}, {}, loads);
       relay_loads = std::move(loads);
       if (p.step < best.pred.step) {
         best.relay = true;
@@ -189,7 +230,7 @@ class Planner {
     if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
       consider(water_fill({}, nullptr, true), false);  // the kept fill
     if (!won) return best;
-    fill_plan(k_, s_.blk, won->out);
+    if (s_.per_node == 0) fill_plan(k_, s_.blk, won->out);  // with a topology: filled already
     Candidate plan = priced(std::move(won->out.replicas), true, std::move(won->out.ranges),
                             std::move(won->out.kept));
     if (!(plan.pred.step < best.pred.step)) return best;  // the guarantee holds on the price
@@ -201,6 +242,7 @@ class Planner {
   const Model& m_;
   const Baseline& base_;
   const Settings& s_;
+  std::vector<int64_t> inter_;  // inter_baseline's (with a topology)
 };
 
 // Writes groups [g, k, entries...] (`put` writes one entry); returns the ints written.
@@ -245,8 +287,9 @@ extern "C" {
 // plan_mix(C, shape, profile, max_replicas, overlap, search_width=, block_size=, balance=,
 // fill="level") on one link. Inputs: C (int64 [W, N], the caller checked shape and type);
 //   ints:  W, E, slots (replica_slots), width, blk, passes (LEVEL_PASSES), balance, then
-//          Model::from's 5 ints;
-//   reals: Model::from's 7 reals, then BALANCED, FILL_STOP, SPREAD_WHEN, t_row_feat, t_model.
+//          Model::from's 5 ints, then per_node (the profile's ranks_per_node; 0: one link);
+//   reals: Model::from's 7 reals, then BALANCED, FILL_STOP, SPREAD_WHEN, t_row_feat, t_model,
+//          bw_inter (StepModel.bw_inter; read when per_node > 0).
 // Outputs: out_i: the plan's replicas [g, k, holders], ranges and kept [g, k, (y, n) x k]
 // sections, then its prediction's and its baseline's [token_bytes, weight_bytes, rows] (3W each);
 // out_d: the prediction's then the baseline's [compute, comm] (2W) and step; counts: the three
@@ -257,8 +300,8 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
                         int64_t* out_i, int64_t cap_i, double* out_d, int64_t* counts) {
   const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
   const Model m = Model::from(ints + 7, reals);
-  const Settings s{ints[2], ints[3], ints[4], ints[5], ints[6] != 0, reals[7], reals[8],
-                   reals[9], reals[10], reals[11]};
+  const Settings s{ints[2], ints[3],  ints[4],  ints[5],  ints[6] != 0, reals[7], reals[8],
+                   reals[9], reals[10], reals[11], ints[12],     reals[12]};
   Baseline base;
   if (!baseline(k, base)) return -1;
   __int128 rows = 0;  // StepModel.check_exact(max(2 * sum(colsum), W * N)), as plan_replicas runs it
@@ -267,8 +310,9 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
   if (2 * rows >= limit || static_cast<__int128>(k.W) * k.N >= limit || m.fpr >= limit ||
       m.tbr >= limit || m.P >= limit)
     return -2;
-  const Prediction baseline = predict(m, base.loads, -1);
-  const Candidate plan = Planner(k, m, base, s).plan(baseline);
+  const Planner planner(k, m, base, s);
+  const Prediction baseline = planner.baseline();
+  const Candidate plan = planner.plan(baseline);
   const int64_t W = k.W;
   const int64_t need = group_ints(plan.replicas) + group_ints(plan.ranges) +
                        group_ints(plan.kept) + 6 * W;

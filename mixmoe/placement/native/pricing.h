@@ -1,5 +1,6 @@
 // The cost model's aggregates and predictions of mixmoe.placement.counts and
-// mixmoe.placement.cost_model, compiled (one link: no topology, no share entries).
+// mixmoe.placement.cost_model, compiled (no share entries): on one link, and with a profile's
+// topology (nodes of per_node consecutive ranks: plan_pricing's 6-row loads, pricing_nodes.cpp).
 #pragma once
 
 #include "common.h"
@@ -32,5 +33,30 @@ struct Prediction {
   double step = 0.0;
 };
 Prediction predict(const Model& model, const Loads& loads, int64_t rounds);
+
+// plan_pricing's 6-row loads under a topology: LOADS, then the remote rows and the relay (or flat
+// fan-out) copies that cross nodes, per rank.
+struct NodeLoads {
+  Loads loads;
+  std::vector<int64_t> remote_inter;
+  std::vector<double> replica_inter;
+};
+
+// cost_model._inter_node_loads of nothing replicated (remote rows crossing nodes per rank, nodes
+// of per_node consecutive ranks; zeros when per_node >= W): plan_pricing_nodes starts from it.
+std::vector<int64_t> inter_baseline(const Counts& counts, const Baseline& base, int64_t per_node);
+
+// cost_model.plan_pricing(C, plan, E, profile) of a plan without share entries when the profile
+// has nodes of `per_node` ranks (relay.nodes_of): its 6-row loads (out) and the weight rounds.
+// `inter`: inter_baseline's; the rest as plan_pricing's.
+int64_t plan_pricing_nodes(const Counts& counts, const Baseline& base,
+                           const std::vector<int64_t>& inter, int64_t per_node,
+                           const Replicas& replicas, bool relay, const ExpertEntries& ranges,
+                           const ExpertEntries& kept, NodeLoads& out);
+
+// StepModel.prediction_W(loads_6W, rounds) (rounds >= 0): seconds_W's 6-row prices
+// (Model::seconds_nodes at `bw_inter`), packed as predict packs them.
+Prediction predict_nodes(const Model& model, double bw_inter, const NodeLoads& loads,
+                         int64_t rounds);
 
 }  // namespace mixmoe_native

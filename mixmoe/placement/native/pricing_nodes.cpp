@@ -1,0 +1,356 @@
+// cost_model.plan_pricing and StepModel.prediction_W with a profile's topology, compiled: the
+// 6-row loads (LOADS, then the remote rows and replica copies that cross nodes) of a plan without
+// share entries, twin of plan_pricing's list code with a `distance` (cost_model._inter_node_loads,
+// loads_tensor.range_crossing_tensor, relay.relay_degrees and relay.relay_inter_copies with
+// relay.nodes_of's nodes), and seconds_W's 6-row prices (common.h's Model::seconds_nodes).
+//
+// Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64,
+// C[s*N + g] = rows rank s routes to expert g; g's owner is o = g / E); P = per_node ranks per
+// node, rank r on node r / P; near: on the owner's node, far: on another one; k near holders,
+// R far ones on L far nodes (relay module doc).
+//
+// Every crossing load is an exact integer sum, every relay copy a 2**-24 grid value whose sums
+// are exact in any order, so the loads equal the Python's whatever the order of the additions;
+// the prices run seconds_W's expressions in its order (tests/placement/test_native_nodes.py).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "pricing.h"
+
+namespace {
+
+using namespace mixmoe_native;
+
+// relay.holder_groups with relay.nodes_of(P): near holders ascending, the far nodes' holders
+// (each ascending), nodes ordered by their lowest holder
+void holder_groups(int64_t owner, std::vector<int64_t> hs, int64_t P, std::vector<int64_t>& near,
+                   std::vector<std::vector<int64_t>>& groups) {
+  std::sort(hs.begin(), hs.end());  // relay sorts the holders first
+  near.clear();
+  groups.clear();
+  std::map<int64_t, size_t> slot;  // node -> its index in groups (first seen: lowest holder)
+  for (int64_t h : hs) {
+    const int64_t node = h / P;
+    if (node == owner / P) {
+      near.push_back(h);
+      continue;
+    }
+    auto [it, fresh] = slot.emplace(node, groups.size());
+    if (fresh) groups.emplace_back();
+    groups[it->second].push_back(h);
+  }
+}
+
+// relay.relay_degrees (copies added into `replica`) and relay.relay_inter_copies (into `inter`)
+// of expert g's holders; returns relay_degrees' rounds
+int64_t relay_nodes(int64_t owner, const std::vector<int64_t>& hs, int64_t P,
+                    std::vector<double>& replica, std::vector<double>& inter) {
+  if (hs.empty()) return 0;
+  std::vector<int64_t> near;
+  std::vector<std::vector<int64_t>> groups;
+  holder_groups(owner, hs, P, near, groups);
+  const int64_t k = static_cast<int64_t>(near.size()), L = static_cast<int64_t>(groups.size());
+  int64_t R = 0;
+  bool pairs = false;  // a far node with 2 holders or more
+  for (const auto& grp : groups) {
+    R += static_cast<int64_t>(grp.size());
+    pairs = pairs || grp.size() >= 2;
+  }
+  replica[owner] += static_cast<double>((k > 0) + (R > 0));  // 1 per nonempty link class
+  if (k > 0) {
+    const double near_copies = k == 1 ? 1.0 : 1.0 + grid(k - 1, k);
+    for (int64_t h : near) replica[h] += near_copies;
+  }
+  if (R > 0) inter[owner] += 1.0;  // the far scatter crosses once, in all
+  if (R == 1) {
+    replica[groups[0][0]] += 1.0;
+    inter[groups[0][0]] += 1.0;
+  } else if (R >= 2) {
+    const double sent = grid(L - 1, R);  // the exchange: L - 1 chunks sent across
+    for (const auto& grp : groups) {
+      const int64_t c = static_cast<int64_t>(grp.size());
+      const int64_t extra = (R - c) % c;  // holders 0 .. extra - 1 receive one chunk more
+      const double low = 1.0 + grid(L - 1 + (1 + (R - c) / c) * (c - 1), R);
+      const double high = extra ? 1.0 + grid(L - 1 + (2 + (R - c) / c) * (c - 1), R) : low;
+      const double low_in = grid(1 + (R - c) / c, R) + sent;
+      const double high_in = extra ? grid(2 + (R - c) / c, R) + sent : low_in;
+      for (int64_t i = 0; i < c; ++i) {
+        replica[grp[i]] += i < extra ? high : low;
+        inter[grp[i]] += i < extra ? high_in : low_in;
+      }
+    }
+  }
+  return 1 + (k >= 2 || R >= 2) + (L >= 2 && pairs);
+}
+
+// loads_tensor.range_crossing_tensor of one expert g, added into `inter`: the replica rule's
+// crossings of its stream's sources undone, then each (source, computing rank) interval of the
+// stream cut by the ranges crossing nodes counted at both ends (ranges module doc: the stream is
+// the non-owner, non-holder sources ascending, a kept holder's rest at its place, the owner's
+// own rows last; the helpers' ranges cut it from its start in order, the owner takes the rest)
+struct Scratch {  // per-rank marks of range_crossing, reset after each expert
+  std::vector<int64_t> node;           // r / P, once per pricing (no division per row)
+  std::vector<char> holder, is_kept;   // the expert's holders, its kept holders
+  std::vector<int64_t> rest;           // a kept holder's rows left in the stream
+  std::vector<std::pair<int64_t, int64_t>> stream;  // (source, rows) segments in order
+};
+
+void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>* hs,
+                    const Entries* ranges, const Entries* kept, Scratch& x,
+                    std::vector<int64_t>& inter) {
+  const int64_t o = g / counts.E, home = x.node[o];
+  if (hs)
+    for (int64_t h : *hs) x.holder[h] = 1;
+  if (kept)
+    for (const auto& [y, local] : *kept) {  // the last entry of a rank counts (a dict's)
+      x.is_kept[y] = 1;
+      x.rest[y] = counts.c(y, g) - local;
+    }
+  x.stream.clear();
+  for (int64_t s = 0; s < counts.W; ++s) {
+    if (s == o) continue;  // the owner's segment comes last
+    const int64_t c = counts.c(s, g);  // a strided read of column g
+    if (!x.holder[s] && x.node[s] != home) {  // under the replica rule these rows crossed to o
+      inter[s] -= c;
+      inter[o] -= c;
+    }
+    // a holder's rows stay at it, but a kept holder's rest joins the stream
+    const int64_t n = x.is_kept[s] ? x.rest[s] : x.holder[s] ? 0 : c;
+    if (n > 0) x.stream.emplace_back(s, n);
+  }
+  x.stream.emplace_back(o, counts.c(o, g));
+  if (hs)
+    for (int64_t h : *hs) x.holder[h] = 0;
+  if (kept)
+    for (const auto& [y, local] : *kept) x.is_kept[y] = 0;
+  size_t piece = 0;  // the ranges' entry computing the stream's next row (its end: the owner)
+  int64_t piece_left = ranges && !ranges->empty() ? (*ranges)[0].second : -1;
+  while (piece_left == 0) {  // empty ranges hold no row
+    ++piece;
+    piece_left = piece < ranges->size() ? (*ranges)[piece].second : -1;
+  }
+  for (auto [src, n] : x.stream) {
+    while (n > 0) {
+      const bool helper = piece_left > 0;  // -1: past the ranges, the owner's rest
+      const int64_t dst = helper ? (*ranges)[piece].first : o;
+      const int64_t len = helper ? std::min(n, piece_left) : n;
+      if (x.node[src] != x.node[dst]) {  // a crossing row counts at both ends
+        inter[src] += len;
+        inter[dst] += len;
+      }
+      n -= len;
+      if (!helper) continue;
+      piece_left -= len;
+      while (piece_left == 0) {
+        ++piece;
+        piece_left = piece < ranges->size() ? (*ranges)[piece].second : -1;
+      }
+    }
+  }
+}
+
+const std::vector<int64_t>* holders_of(const Replicas& replicas, int64_t g) {
+  auto it = std::lower_bound(replicas.begin(), replicas.end(), g,
+                             [](const auto& entry, int64_t key) { return entry.first < key; });
+  return it != replicas.end() && it->first == g ? &it->second : nullptr;
+}
+
+}  // namespace
+
+namespace mixmoe_native {
+
+std::vector<int64_t> inter_baseline(const Counts& counts, const Baseline& base, int64_t P) {
+  const int64_t W = counts.W, E = counts.E, N = counts.N;
+  std::vector<int64_t> inter(static_cast<size_t>(W), 0);
+  if (P >= W) return inter;
+  const Loads& l = base.loads;
+  for (int64_t s = 0; s < W; ++s) {  // sent across: s's row sum less its own node's experts
+    const int64_t sent = l.remote[s] - (l.rows[s] - l.local[s]) + l.local[s];
+    const int64_t lo = s / P * P * E, hi = std::min(N, (s / P + 1) * P * E);
+    int64_t home = 0;
+    for (int64_t g = lo; g < hi; ++g) home += counts.c(s, g);
+    inter[s] += sent - home;
+  }
+  for (int64_t g = 0; g < N; ++g) {  // received across: g's column sum less its owner's node's
+    const int64_t o = g / E, lo = o / P * P, hi = std::min(W, lo + P);
+    int64_t home = 0;
+    for (int64_t s = lo; s < hi; ++s) home += counts.c(s, g);
+    inter[o] += base.colsum[g] - home;
+  }
+  return inter;
+}
+
+int64_t plan_pricing_nodes(const Counts& counts, const Baseline& base,
+                           const std::vector<int64_t>& inter, int64_t P,
+                           const Replicas& replicas, bool relay, const ExpertEntries& ranges,
+                           const ExpertEntries& kept, NodeLoads& out) {
+  const int64_t W = counts.W, E = counts.E;
+  // the replica rule, the ranges and kept holders: the loads on one link (relay's copies below)
+  int64_t rounds = plan_pricing(counts, base, replicas, false, ranges, kept, out.loads);
+  out.remote_inter = inter;
+  out.replica_inter.assign(static_cast<size_t>(W), 0.0);
+  if (P < W) {
+    // _inter_node_loads: a holder's own rows stop crossing to a far owner; the flat fan-out's
+    // owner -> far holder copies count at both
+    for (const auto& [g, hs] : replicas) {
+      const int64_t o = g / E;
+      for (int64_t h : hs) {
+        if (h / P == o / P) continue;
+        const int64_t c = counts.c(h, g);
+        out.remote_inter[h] -= c;
+        out.remote_inter[o] -= c;
+        out.replica_inter[h] += 1.0;
+        out.replica_inter[o] += 1.0;
+      }
+    }
+    // range_crossing_tensor of every expert with ranges or kept holders (ascending: a merge)
+    Scratch x;
+    if (!ranges.empty() || !kept.empty()) {
+      x.node.resize(static_cast<size_t>(W));
+      for (int64_t r = 0; r < W; ++r) x.node[r] = r / P;
+      x.holder.assign(static_cast<size_t>(W), 0);
+      x.is_kept.assign(static_cast<size_t>(W), 0);
+      x.rest.assign(static_cast<size_t>(W), 0);
+    }
+    size_t i = 0, j = 0;
+    while (i < ranges.size() || j < kept.size()) {
+      const int64_t gr = i < ranges.size() ? ranges[i].first : INT64_MAX;
+      const int64_t gk = j < kept.size() ? kept[j].first : INT64_MAX;
+      const int64_t g = std::min(gr, gk);
+      const Entries* r = gr == g ? &ranges[i++].second : nullptr;
+      const Entries* k = gk == g ? &kept[j++].second : nullptr;
+      range_crossing(counts, g, holders_of(replicas, g), r, k, x, out.remote_inter);
+    }
+  }
+  if (relay && !replicas.empty()) {  // every rank's copies in the relays, split by node
+    out.loads.replica.assign(static_cast<size_t>(W), 0.0);
+    out.replica_inter.assign(static_cast<size_t>(W), 0.0);
+    rounds = 0;
+    for (const auto& [g, hs] : replicas)
+      rounds = std::max(rounds, relay_nodes(g / E, hs, P, out.loads.replica, out.replica_inter));
+  }
+  return rounds;
+}
+
+Prediction predict_nodes(const Model& model, double bw_inter, const NodeLoads& nl,
+                         int64_t rounds) {
+  const Loads& loads = nl.loads;
+  const size_t W = loads.rows.size();
+  bool any_remote = false;
+  for (int64_t x : loads.remote) any_remote = any_remote || x != 0;
+  Prediction p;
+  p.compute.resize(W);
+  p.comm.resize(W);
+  p.token_bytes.resize(W);
+  p.weight_bytes.resize(W);
+  p.rows = loads.rows;
+  const int64_t token = 2 * model.tbr, weight = 2 * model.P;
+  for (size_t r = 0; r < W; ++r) {
+    const auto [compute, comm] = model.seconds_nodes(
+        loads.rows[r], loads.local[r], loads.remote[r], loads.replica[r], nl.remote_inter[r],
+        nl.replica_inter[r], bw_inter, any_remote, rounds);
+    p.compute[r] = compute;
+    p.comm[r] = comm;
+    const double total = compute + comm;
+    if (r == 0 || total > p.step) p.step = total;  // the max (a value: ties alike)
+    p.token_bytes[r] = token * loads.remote[r];
+    const double n = loads.replica[r];
+    // pack: whole copies as exact int products, fractional ones rounded half to even
+    p.weight_bytes[r] = n == std::floor(n)
+                            ? weight * static_cast<int64_t>(n)
+                            : static_cast<int64_t>(std::nearbyint(static_cast<double>(weight) * n));
+  }
+  return p;
+}
+
+}  // namespace mixmoe_native
+
+namespace {
+
+// The C entries' plan: [n_replicas, then per hot expert (g, k, k holders); n_ranges, then per
+// expert (g, k, k (helper, rows) pairs); n_kept, likewise (holder, local rows)]
+const int64_t* read_plan(const int64_t* plan, Replicas& replicas, ExpertEntries (&entries)[2]) {
+  replicas.resize(static_cast<size_t>(*plan++));
+  for (auto& [g, hs] : replicas) {
+    g = *plan++;
+    const int64_t k = *plan++;
+    hs.assign(plan, plan + k);
+    plan += k;
+  }
+  for (auto& list : entries) {
+    list.resize(static_cast<size_t>(*plan++));
+    for (auto& [g, pairs] : list) {
+      g = *plan++;
+      pairs.resize(static_cast<size_t>(*plan++));
+      for (auto& [y, n] : pairs) {
+        y = *plan++;
+        n = *plan++;
+      }
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+extern "C" {
+
+// plan_pricing_nodes for the twin tests: C (int64 [W, N], counts the caller checked), per_node,
+// the plan (read_plan's layout; experts ascending, ranks in range, relayed holders distinct and
+// not the owner: the caller checks), relay -> out_6W (float64 [6, W]: plan_pricing's loads);
+// returns the rounds, -1 when a count is negative.
+int64_t mixmoe_plan_pricing_nodes(const int64_t* C, int64_t W, int64_t E, int64_t per_node,
+                                  const int64_t* plan, int64_t relay, double* out_6W) {
+  const Counts counts{W, E, W * E, C};
+  Baseline base;
+  if (!baseline(counts, base)) return -1;
+  Replicas replicas;
+  ExpertEntries entries[2];
+  read_plan(plan, replicas, entries);
+  NodeLoads out;
+  const std::vector<int64_t> inter = inter_baseline(counts, base, per_node);
+  const int64_t rounds = plan_pricing_nodes(counts, base, inter, per_node, replicas, relay != 0,
+                                            entries[0], entries[1], out);
+  const std::vector<int64_t>* ints[4] = {&out.loads.rows, &out.loads.local, &out.loads.remote,
+                                         &out.remote_inter};
+  for (int64_t k = 0; k < 3; ++k)
+    for (int64_t r = 0; r < W; ++r) out_6W[k * W + r] = static_cast<double>((*ints[k])[r]);
+  std::copy(out.loads.replica.begin(), out.loads.replica.end(), out_6W + 3 * W);
+  for (int64_t r = 0; r < W; ++r) out_6W[4 * W + r] = static_cast<double>((*ints[3])[r]);
+  std::copy(out.replica_inter.begin(), out.replica_inter.end(), out_6W + 5 * W);
+  return rounds;
+}
+
+// predict_nodes for the twin tests: model terms (Model::from's order), bw_inter, loads (float64
+// [6, W]), rounds >= 0 -> out_d (float64 [2, W]: compute, comm), out_i (int64 [3, W]:
+// token_bytes, weight_bytes, rows); returns the step.
+double mixmoe_predict_nodes(const int64_t* model_i, const double* model_d, double bw_inter,
+                            const double* loads_6W, int64_t W, int64_t rounds, double* out_d,
+                            int64_t* out_i) {
+  const Model model = Model::from(model_i, model_d);
+  NodeLoads nl;
+  std::vector<int64_t>* ints[4] = {&nl.loads.rows, &nl.loads.local, &nl.loads.remote,
+                                   &nl.remote_inter};
+  const int64_t at[4] = {0, 1, 2, 4};  // the integer rows of loads_6W
+  for (int64_t k = 0; k < 4; ++k) {
+    ints[k]->resize(static_cast<size_t>(W));
+    for (int64_t r = 0; r < W; ++r)
+      (*ints[k])[r] = static_cast<int64_t>(loads_6W[at[k] * W + r]);
+  }
+  nl.loads.replica.assign(loads_6W + 3 * W, loads_6W + 4 * W);
+  nl.replica_inter.assign(loads_6W + 5 * W, loads_6W + 6 * W);
+  const Prediction p = predict_nodes(model, bw_inter, nl, rounds);
+  std::copy(p.compute.begin(), p.compute.end(), out_d);
+  std::copy(p.comm.begin(), p.comm.end(), out_d + W);
+  std::copy(p.token_bytes.begin(), p.token_bytes.end(), out_i);
+  std::copy(p.weight_bytes.begin(), p.weight_bytes.end(), out_i + W);
+  std::copy(p.rows.begin(), p.rows.end(), out_i + 2 * W);
+  return p.step;
+}
+
+}  // extern "C"

@@ -1,0 +1,193 @@
+"""The compiled planner with a profile's topology (``ranks_per_node``): ``plan_mix`` compiled whole
+(``native/plan_mix.cpp`` with ``native/pricing_nodes.cpp``) against its slow twin, the Python
+``plan_mix`` (``MIXMOE_NATIVE=0``), the same ``Plan`` field by field, floats bit for bit; and the
+6-row pricing pieces (``native_nodes``) against ``cost_model.plan_pricing`` and
+``StepModel.prediction_W`` with the profile's nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from test_native_planner import DEEPSEEK, SEEDS, _both, _canon, _shape
+
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
+from mixmoe.placement import GPU_PROFILE, LayerShape, plan_mix
+from mixmoe.placement.cost_model import Prediction, plan_pricing, step_model
+from mixmoe.placement.native_nodes import plan_loads_nodes, prediction_nodes
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.profile_io import load_profile
+from mixmoe.simulate.routing import counts_source
+from mixmoe.simulate.workloads import DEFAULT_WORKLOADS
+
+NVLINK_IB = load_profile("h100-nvlink-ib")  # 8 ranks per node
+FOUR = dataclasses.replace(NVLINK_IB, ranks_per_node=4)
+THREE_FIXED = dataclasses.replace(  # nodes that do not divide W; the fixed costs on
+    NVLINK_IB, ranks_per_node=3, row_overhead_s=1e-8, replica_fixed_s=2e-5, step_fixed_s=1e-4
+)
+SLOW_IB = dataclasses.replace(GPU_PROFILE, ranks_per_node=2, inter_node_bandwidth=5e9,
+                              inter_node_latency=5e-5)  # fmt: skip
+_NONE = Prediction((), (), (), (), (), float("inf"))
+
+
+def _random_plan(rng: random.Random, C: torch.Tensor, E: int) -> Plan:
+    """A plan without shares: random holders (relayed or not), helpers' ranges that fit in each
+    expert's stream, kept holders keeping part of their own rows."""
+    W, N = C.shape
+    hot = sorted(rng.sample(range(N), rng.randint(0, min(N, 6))))
+    replicas, ranges, kept = [], [], []
+    for g in hot:
+        o = g // E
+        holders = sorted(rng.sample([r for r in range(W) if r != o], rng.randint(1, W - 1)))
+        replicas.append((g, tuple(holders)))
+        keep = [y for y in holders if C[y, g] > 0 and rng.random() < 0.3]
+        if keep:
+            kept.append((g, tuple((y, rng.randrange(int(C[y, g]))) for y in keep)))
+        rest = {y: int(C[y, g]) - n for y, n in kept[-1][1]} if keep else {}
+        stream = sum(int(C[s, g]) for s in range(W) if s != o and s not in holders)
+        stream += sum(rest.values()) + int(C[o, g])
+        helpers = [y for y in holders if rng.random() < 0.6]
+        entries = []
+        for y in helpers:
+            if stream < 1:
+                break
+            n = rng.randint(1, stream)  # rows > 0 (Plan's check), within the stream
+            stream -= n
+            entries.append((y, n))
+        if entries and rng.random() < 0.8:
+            ranges.append((g, tuple(entries)))
+    relay = rng.random() < 0.7
+    return Plan(tuple(hot), tuple(replicas), _NONE, _NONE, relay=relay, ranges=tuple(ranges),
+                kept=tuple(kept))  # fmt: skip
+
+
+def _hex(t: torch.Tensor) -> list[str]:
+    return [x.hex() for x in t.reshape(-1).tolist()]
+
+
+def test_pricing_pieces_equal_the_python_on_random_plans():
+    """``plan_loads_nodes`` == ``plan_pricing`` (6 rows, rounds) and ``prediction_nodes`` ==
+    ``prediction_W``: random counts (zeros, an empty rank, one hot expert), random plans with
+    ranges and kept holders, nodes that divide W and not, one node holding every rank."""
+    rng = random.Random(3)
+    profiles = [NVLINK_IB, FOUR, THREE_FIXED, SLOW_IB]
+    seen = {"ranges": 0, "kept": 0, "relay": 0}
+    for case in range(150):
+        W, E = rng.randint(2, 12), rng.choice([1, 2, 4])
+        C = torch.randint(0, 400, (W, W * E), generator=torch.Generator().manual_seed(case))
+        if case % 3 == 1:
+            C[rng.randrange(W)] = 0
+            C[:, rng.randrange(W * E)] = 0
+        elif case % 3 == 2:
+            C[:, rng.randrange(W * E)] += rng.randrange(1000, 9000)
+        profile = rng.choice(profiles)
+        plan = _random_plan(rng, C, E)
+        seen["ranges"] += bool(plan.ranges)
+        seen["kept"] += bool(plan.kept)
+        seen["relay"] += plan.relay and bool(plan.replicas)
+        want, want_rounds = plan_pricing(C, plan, E, profile)
+        got = plan_loads_nodes(C, plan, E, profile.ranks_per_node)
+        assert got is not None
+        assert (_hex(got[0]), got[1]) == (_hex(want), want_rounds), (case, W, E, plan)
+        shape = LayerShape(rng.choice([64, 1024]), 512, E, W, 2)
+        model = step_model(shape, profile, rng.random() < 0.7)
+        for rounds in {0, want_rounds}:
+            fast = prediction_nodes(model, want, rounds)
+            assert _canon(fast) == _canon(model.prediction_W(want, rounds)), (case, rounds)
+    assert min(seen.values()) >= 20, seen
+
+
+@pytest.mark.parametrize("workload", DEFAULT_WORKLOADS)
+def test_equals_the_python_plan_on_the_benchmark_workloads(monkeypatch, workload):
+    """``bench balance``'s workloads under ``h100-nvlink-ib`` (8 ranks per node) and 4 ranks per
+    node, both shapes, W = 8-128."""
+    cases = [
+        (SEEDS, 4, 8, NVLINK_IB), (SEEDS, 4, 16, FOUR), (SEEDS, 4, 64, NVLINK_IB),
+        (SEEDS, 2, 24, THREE_FIXED), (DEEPSEEK, 32, 8, NVLINK_IB), (DEEPSEEK, 8, 16, FOUR),
+        (SEEDS, 1, 128, FOUR),
+    ]  # fmt: skip
+    for i, (dims, E, W, profile) in enumerate(cases):
+        shape = _shape(dims, E, W, 3 if dims is DEEPSEEK else 2)
+        steps = counts_source(workload, W, W * E, 4096, dims[2], seed=i)
+        for counts in steps[:2]:
+            fast, slow = _both(monkeypatch, counts, shape, profile, 4)
+            assert _canon(fast) == _canon(slow), (workload, W, E, profile.name)
+
+
+def test_equals_the_python_plan_on_synthetic_routing(monkeypatch):
+    """The planner's usual inputs: 8192 tokens, top-2, uniform / zipf / hot routing, W = 8-256."""
+    for W, routing, profile in [
+        (8, "zipf:2.0", FOUR), (32, "hot:0.3", NVLINK_IB), (64, "zipf:1.2", FOUR),
+        (256, "zipf:1.2", NVLINK_IB), (256, "uniform", NVLINK_IB),
+    ]:  # fmt: skip
+        gen = torch.Generator().manual_seed(W)
+        counts = synthetic_counts(RoutingSpec.parse(routing), W, 8192, 2, 4 * W, gen)
+        fast, slow = _both(monkeypatch, counts, _shape(SEEDS, 4, W), profile, 4)
+        assert _canon(fast) == _canon(slow), (W, routing, profile.name)
+
+
+def test_equals_the_python_plan_on_random_counts(monkeypatch):
+    """Small adversarial counts (zeros, empty ranks, one hot segment, ties) and every knob of
+    plan_mix, under nodes of 1-4 ranks."""
+    rng = random.Random(11)
+    profiles = [NVLINK_IB, FOUR, THREE_FIXED, SLOW_IB, dataclasses.replace(FOUR, ranks_per_node=1)]
+    for case in range(100):
+        W, E = rng.randint(2, 12), rng.choice([1, 2, 3, 4])
+        kind = case % 4
+        C = torch.tensor([[rng.randrange(0, 300) for _ in range(W * E)] for _ in range(W)])
+        if kind == 1:  # empty ranks
+            C[rng.randrange(W)] = 0
+            C[:, rng.randrange(W * E)] = 0
+        elif kind == 2:  # one hot segment
+            C[rng.randrange(W), rng.randrange(W * E)] += rng.randrange(2000, 20000)
+        elif kind == 3:  # ties
+            C = torch.full((W, W * E), rng.choice([0, 64, 100]))
+            C[0, 0] += 640
+        shape = LayerShape(rng.choice([64, 256, 1024]), 512, E, W, 2)
+        kwargs = {
+            "overlap": rng.random() < 0.7,
+            "search_width": rng.choice([1, 2, 8]),
+            "block_size": rng.choice([1, 16, 64]),
+            "balance": rng.random() < 0.9,
+        }
+        budget = rng.choice([0, 1, 2, 4, 8])
+        profile = rng.choice(profiles)
+        fast, slow = _both(monkeypatch, C, shape, profile, budget, **kwargs)
+        assert _canon(fast) == _canon(slow), (case, W, E, budget, kwargs, profile.ranks_per_node)
+
+
+def test_ranged_fills_win_under_nodes(monkeypatch):
+    """The topology's fills are reached: plans with ranges and relayed holders on other nodes
+    (4 ranks per node), and the kept fill's plans (one node of 8: its kept holders; kept
+    holders across nodes: the pricing test's random plans). A test that cannot reach them
+    could not fail on them."""
+    seen = {"ranges": 0, "far": 0, "kept": 0}
+    cases = [(16, "zipf:2.0", FOUR), (32, "zipf:1.2", FOUR), (16, "hot:0.3", FOUR),
+             (64, "zipf:2.0", FOUR), (8, "zipf:2.0", NVLINK_IB), (8, "zipf:1.2", NVLINK_IB)]  # fmt: skip
+    for W, routing, profile in cases:
+        for seed in range(3):
+            gen = torch.Generator().manual_seed(seed)
+            counts = synthetic_counts(RoutingSpec.parse(routing), W, 8192, 2, 4 * W, gen)
+            fast, slow = _both(monkeypatch, counts, _shape(SEEDS, 4, W), profile, 4)
+            assert _canon(fast) == _canon(slow)
+            P = profile.ranks_per_node
+            seen["ranges"] += bool(fast.ranges)
+            seen["kept"] += bool(fast.kept)
+            seen["far"] += any(h // P != g // 4 // P for g, hs in fast.replicas for h in hs)
+    assert seen["ranges"] >= 3 and seen["far"] >= 3 and seen["kept"] >= 2, seen
+
+
+def test_plan_mix_runs_compiled_with_nodes(monkeypatch):
+    """With ``h100-nvlink-ib`` the planner calls the compiled whole, and it plans."""
+    calls = []
+    real = plan_mix.__globals__["planned"]
+    monkeypatch.setattr(
+        "mixmoe.placement.planner.planned", lambda *a, **k: calls.append(real(*a, **k))
+    )
+    gen = torch.Generator().manual_seed(1)
+    counts = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 16, 4096, 2, 64, gen)
+    plan_mix(counts, _shape(SEEDS, 4, 16), NVLINK_IB, 4)
+    assert len(calls) == 1 and calls[0] is not None

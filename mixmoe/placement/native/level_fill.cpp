@@ -16,6 +16,11 @@
 // mixmoe/placement/native_fill.py through ctypes; mixmoe_level_fill_out runs the former for the
 // twin tests. The shared arithmetic and the
 // cost model's Model in common.h.
+//
+// Speed (3 fills a plan at zipf:1.2, W = 64 and 1024): the per-expert and per-rank maps are FlatMaps
+// (flat_map.h: sorted vectors, std::map's order), a rank's offers sit in place (Offers), the
+// per-pass buffers are reused, and the level's points and the donor/receiver orders are sorted
+// by sort_keyed (buckets, then comparisons: the same (x, insertion) order as a stable sort).
 
 #include <algorithm>
 #include <cstdint>

@@ -16,6 +16,11 @@
 // mixmoe/placement/native_fill.py through ctypes; mixmoe_level_fill_out runs the former for the
 // twin tests. The shared arithmetic and the
 // cost model's Model in common.h.
+//
+// Speed (3 fills a plan at zipf:1.2, W = 64 and 1024): the per-expert and per-rank maps are FlatMaps
+// (flat_map.h: sorted vectors, std::map's order), a rank's offers sit in place (Offers), the
+// per-pass buffers are reused, and the level's points and the donor/receiver orders are sorted
+// by sort_keyed (buckets, then comparisons: the same (x, insertion) order as a stable sort).
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "flat_map.h"
 #include "level_fill.h"
 
 namespace {
@@ -36,6 +42,17 @@ struct Offer {  // level_fill._offer's [g, own rows allowed, own rows given at t
   int64_t g, mine, given;
 };
 
+struct Offers {  // a rank's offers: at most OFFERED, held in place (no allocation per rank)
+  Offer items[OFFERED];
+  int n = 0;
+  const Offer* begin() const { return items; }
+  const Offer* end() const { return items + n; }
+  bool empty() const { return n == 0; }
+  void clear() { n = 0; }
+  void push_back(const Offer& o) { items[n++] = o; }  // the caller stops at OFFERED
+  const Offer& operator[](int i) const { return items[i]; }
+};
+
 struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of length N
   int64_t W, E, N, slots, blk, per_node;  // per_node 0: no topology
   const int64_t* C;
@@ -44,10 +61,13 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   std::vector<std::vector<int64_t>> holders;  // per expert, ranks ascending
   std::vector<int64_t> held, owner_rows, own, others, taken, rows, local, remote;
   std::vector<double> replica, totals;
-  std::vector<std::map<int64_t, int64_t>> amounts, helped, kept;  // {g: {y: n}}, {r: {g: n}}, ...
-  std::vector<std::map<int64_t, double>> degrees;
+  std::vector<FlatMap<int64_t>> amounts, helped, kept;  // {g: {y: n}}, {r: {g: n}}, ...
+  std::vector<FlatMap<double>> degrees;
   int64_t rounds = 0;
   std::vector<char> overshot;
+  // scratch reused call after call (no allocation per call): offer's candidates, relay's degrees
+  mutable std::vector<std::pair<int64_t, int64_t>> heavy_;
+  FlatMap<double> fresh_;
 
   int64_t c(int64_t y, int64_t g) const { return C[y * N + g]; }
 
@@ -124,7 +144,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   }
 
   void keep_more(int64_t g, int64_t y, int64_t k) {
-    keep(g, y, std::min(k, c(y, g) - kept[g].at(y)));
+    keep(g, y, std::min(k, c(y, g) - kept[g].find(y)->second));  // y is a kept holder of g
   }
 
   void move(int64_t g, int64_t b, int64_t y, int64_t n) {  // RangeState.move
@@ -151,20 +171,19 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 
   // relay.relay_degrees: {rank: copies}, rounds (relay.py's module doc has the grid)
   int64_t relay_degrees(int64_t owner, const std::vector<int64_t>& hs,
-                        std::map<int64_t, double>& out) const {
+                        FlatMap<double>& out) const {
     out.clear();
     if (hs.empty()) return 0;
-    std::vector<int64_t> near;
+    std::vector<int64_t> near_node;  // with a topology: the holders on the owner's node
+    const std::vector<int64_t>& near = per_node == 0 ? hs : near_node;  // one link: all of them
     std::vector<std::vector<int64_t>> groups;  // far nodes, by lowest holder
-    if (per_node == 0) {
-      near = hs;
-    } else {
+    if (per_node != 0) {
       const int64_t home = owner / per_node;
       std::map<int64_t, size_t> slot;  // node -> its index in groups
       for (int64_t h : hs) {
         const int64_t node = h / per_node;
         if (node == home) {
-          near.push_back(h);
+          near_node.push_back(h);
           continue;
         }
         auto it = slot.find(node);
@@ -203,14 +222,18 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   }
 
   void relay(int64_t g) {  // RangeState.relay
-    std::map<int64_t, double> fresh;
-    const int64_t depth = relay_degrees(g / E, holders[g], fresh);
-    const auto& old = degrees[g];
-    std::map<int64_t, std::pair<double, double>> both;  // rank -> (new, old); absent: 0
-    for (const auto& [r, v] : fresh) both[r].first = v;
-    for (const auto& [r, v] : old) both[r].second = v;
-    for (const auto& [r, v] : both) replica[r] += v.first - v.second;
-    degrees[g] = std::move(fresh);
+    const int64_t depth = relay_degrees(g / E, holders[g], fresh_);
+    auto& old = degrees[g];
+    // every rank of either (ascending, each once): replica[r] += new - old, absent 0.0
+    auto i = fresh_.begin(), j = old.begin();
+    while (i != fresh_.end() || j != old.end()) {
+      const int64_t r = j == old.end() || (i != fresh_.end() && i->first < j->first) ? i->first
+                                                                                      : j->first;
+      const double now = i != fresh_.end() && i->first == r ? (i++)->second : 0.0;
+      const double was = j != old.end() && j->first == r ? (j++)->second : 0.0;
+      replica[r] += now - was;
+    }
+    std::swap(degrees[g], fresh_);  // fresh_ keeps the old one's buffer for the next call
     rounds = std::max(rounds, depth);
   }
 
@@ -220,8 +243,9 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   }
 
   // level_fill._offer: rank b's offers, and the rows they hold in all
-  int64_t offer(int64_t b, double token, double t, double hide, std::vector<Offer>& out) const {
-    std::vector<std::pair<int64_t, int64_t>> heavy;  // (-rows, g)
+  int64_t offer(int64_t b, double token, double t, double hide, Offers& out) const {
+    auto& heavy = heavy_;  // (-rows, g)
+    heavy.clear();
     for (int64_t g = b * E; g < (b + 1) * E; ++g)
       if (owner_rows[g] > 0) heavy.emplace_back(-owner_rows[g], g);
     for (const auto& [g, n] : helped[b])
@@ -260,35 +284,112 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 
 struct Point {
   double x, dslope, drop;
-  size_t at;  // insertion order: ties in x keep it (Python's stable sort)
 };
+
+// A point's place in the sort: its x and its insertion index
+struct Keyed {
+  double x;
+  uint32_t at;  // insertion order: ties in x keep it (Python's stable sort)
+};
+
+bool before(const Keyed& p, const Keyed& q) { return p.x != q.x ? p.x < q.x : p.at < q.at; }
+
+struct LevelScratch {  // level's buffers (and sort_ranks'), reused pass after pass
+  std::vector<Point> points;
+  std::vector<Keyed> keys, tmp;
+  std::vector<uint32_t> ends;
+};
+
+// `a` sorted by (x, at), a total order: the same order whatever the algorithm. Short lists by
+// comparisons; longer ones by buckets: n buckets evenly over [min x, max x] (a bucket's index is
+// monotone in x: rounding is monotone, so equal xs share a bucket and a larger x never lands in
+// an earlier bucket), a stable scatter, then each bucket by comparisons (points bunch: a bucket
+// of many falls back to std::sort, so the worst case is std::sort's)
+void sort_keyed(std::vector<Keyed>& a, LevelScratch& ws) {
+  const size_t n = a.size();
+  if (n < 64) {
+    std::sort(a.begin(), a.end(), before);
+    return;
+  }
+  double lo = a[0].x, hi = a[0].x;
+  for (const Keyed& e : a) lo = std::min(lo, e.x), hi = std::max(hi, e.x);
+  if (!(lo < hi)) return;  // all equal: insertion order is the order
+  const double scale = static_cast<double>(n) / (hi - lo);  // 0.0 when hi - lo overflows
+  const auto bucket = [&](double x) {  // in [0, n): the last takes the top (and any overflow)
+    const double b = (x - lo) * scale;
+    return b < static_cast<double>(n - 1) ? static_cast<size_t>(b) : n - 1;
+  };
+  std::vector<uint32_t>& ends = ws.ends;  // ends[d + 1]: bucket d's count, then its end
+  ends.assign(n + 1, 0);
+  for (const Keyed& e : a) ++ends[bucket(e.x) + 1];
+  for (size_t d = 1; d <= n; ++d) ends[d] += ends[d - 1];  // ends[d]: bucket d's start
+  ws.tmp.resize(n);
+  for (const Keyed& e : a) ws.tmp[ends[bucket(e.x)]++] = e;  // stable; ends[d]: bucket d's end
+  uint32_t start = 0;
+  for (size_t d = 0; d < n; ++d) {
+    const uint32_t end = ends[d];
+    const auto first = ws.tmp.begin() + start, last = ws.tmp.begin() + end;
+    if (end - start > 16) {
+      std::sort(first, last, before);
+    } else {
+      for (auto i = first + (end > start); i < last; ++i) {  // insertion sort
+        const Keyed v = *i;
+        auto j = i;
+        for (; j > first && before(v, *(j - 1)); --j) *j = *(j - 1);
+        *j = v;
+      }
+    }
+    start = end;
+  }
+  a.swap(ws.tmp);
+}
+
+// `ranks` (ascending) sorted by (T[r], r), or by (-T[r], r) when `descending` (-T: exact, and
+// equal totals stay equal): the rank rides along as the key's `at`
+void sort_ranks(std::vector<int64_t>& ranks, const std::vector<double>& T, bool descending,
+                LevelScratch& ws) {
+  ws.keys.clear();
+  for (int64_t r : ranks) {
+    const double x = T[static_cast<size_t>(r)];
+    ws.keys.push_back({descending ? -x : x, static_cast<uint32_t>(r)});
+  }
+  sort_keyed(ws.keys, ws);
+  for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = ws.keys[i].at;
+}
 
 // level_fill._level: the level where the rows shed above it equal the rows absorbed below it
 double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
              const std::vector<double>& save, const std::vector<double>& start, double cost,
-             double cost_sum, const std::vector<char>& fresh, double copy, size_t tensor_points) {
+             double cost_sum, const std::vector<char>& fresh, double copy, size_t tensor_points,
+             LevelScratch& ws) {
   const size_t W = T.size();
   const double jump = copy * static_cast<double>(W) / cost_sum;
-  std::vector<Point> points;
+  std::vector<Point>& points = ws.points;  // in insertion order; ws.keys: their sorted order
+  std::vector<Keyed>& keys = ws.keys;
+  points.clear();
+  keys.clear();
+  const auto push = [&](double x, double dslope, double drop) {
+    keys.push_back({x, static_cast<uint32_t>(points.size())});
+    points.push_back({x, dslope, drop});
+  };
   double d0 = 0.0;
   for (size_t r = 0; r < W; ++r) {
     if (avail[r] > 0) {
       const double drop = fresh[r] ? jump : 0.0;
-      points.push_back({T[r] - static_cast<double>(avail[r]) * save[r], -1.0 / save[r], 0.0,
-                        points.size()});
-      points.push_back({T[r], 1.0 / save[r], -drop, points.size()});
+      push(T[r] - static_cast<double>(avail[r]) * save[r], -1.0 / save[r], 0.0);
+      push(T[r], 1.0 / save[r], -drop);
       d0 += static_cast<double>(avail[r]) + drop;
     }
-    if (start[r] != INF) points.push_back({start[r], -1.0 / cost, 0.0, points.size()});
+    if (start[r] != INF) push(start[r], -1.0 / cost, 0.0);
   }
   if (points.empty()) return *std::max_element(T.begin(), T.end());
-  std::sort(points.begin(), points.end(), [](const Point& p, const Point& q) {
-    return p.x != q.x ? p.x < q.x : p.at < q.at;  // a stable sort by x
-  });
+  sort_keyed(keys, ws);  // a stable sort by x
   const size_t n = points.size();
+  const auto pt = [&](size_t i) -> const Point& { return points[keys[i].at]; };  // i-th by x
   if (n <= tensor_points) {  // the list walk
-    double d = d0, slope = 0.0, prev = points[0].x;
-    for (const Point& p : points) {
+    double d = d0, slope = 0.0, prev = pt(0).x;
+    for (size_t i = 0; i < n; ++i) {
+      const Point& p = pt(i);
       const double left = d + slope * (p.x - prev);
       if (left <= 0) break;
       d = left + p.drop;
@@ -298,35 +399,48 @@ double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
     }
     return prev + (slope < 0 ? d / -slope : 0.0);
   }
-  // level_fill._crossing_tensor: sequential cumulative sums, as torch's on the CPU
-  std::vector<double> slope(n), right(n), left(n);
-  double s = 0.0, ramp = 0.0, drops = 0.0;
-  for (size_t i = 0; i < n; ++i) {
-    s += points[i].dslope;
-    slope[i] = s;
-    if (i > 0) ramp += slope[i - 1] * (points[i].x - points[i - 1].x);
-    drops += points[i].drop;
-    right[i] = (d0 + ramp) + drops;
-    left[i] = right[i] - points[i].drop;
-  }
+  // level_fill._crossing_tensor: sequential cumulative sums, as torch's on the CPU (slope_i,
+  // right_i = (d0 + ramp_i) + drops_i, left_i = right_i - drop_i), walked once: k1, the first
+  // i with left_i <= 0, and k2, the first with right_i <= 0 (the walk stops there: the answer
+  // needs nothing after k2); the slope and right at k1 - 1 and at the last point kept
   size_t k1 = n, k2 = n;
-  for (size_t i = 0; i < n && k1 == n; ++i)
-    if (left[i] <= 0) k1 = i;
-  for (size_t i = 0; i < n && k2 == n; ++i)
-    if (right[i] <= 0) k2 = i;
+  double s = 0.0, ramp = 0.0, drops = 0.0, s_prev = 0.0, right = 0.0;
+  double s_k = 0.0, right_k = 0.0;  // at k1 - 1 once k1 is found
+  for (size_t i = 0; i < n; ++i) {
+    const Point& p = pt(i);
+    s += p.dslope;
+    if (i > 0) ramp += s_prev * (p.x - pt(i - 1).x);
+    drops += p.drop;
+    const double right_prev = right;
+    right = (d0 + ramp) + drops;
+    const double left = right - p.drop;
+    if (k1 == n && left <= 0) k1 = i, s_k = i > 0 ? s_prev : 0.0, right_k = right_prev;
+    if (right <= 0) {
+      k2 = i;
+      break;
+    }
+    s_prev = s;
+  }
+  double slope_k, right_at_k;
   size_t k;
   if (k2 == n) {
-    k = n - 1;
+    k = n - 1, slope_k = s, right_at_k = right;
   } else {
-    if (k2 < k1) return points[k2].x;
-    if (k1 == 0) return points[0].x;
-    k = k1 - 1;
+    if (k2 < k1) return pt(k2).x;
+    if (k1 == 0) return pt(0).x;
+    k = k1 - 1, slope_k = s_k, right_at_k = right_k;
   }
-  return points[k].x + (slope[k] < 0 ? right[k] / -slope[k] : 0.0);
+  return pt(k).x + (slope_k < 0 ? right_at_k / -slope_k : 0.0);
 }
 
 struct Queue {
   std::vector<int64_t> ranks;
+  size_t next = 0;
+};
+
+// matched's queue of receivers: every rank in `order` (a view: no copy)
+struct View {
+  const std::vector<int64_t>* ranks;
   size_t next = 0;
 };
 
@@ -337,15 +451,14 @@ struct Params {  // level_fill's rates and settings
 };
 
 // level_fill._matched: place each donor's shed rows; returns the pieces moved, new holders in `fresh`
-int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
+int64_t matched(Fill& f, const std::vector<Offers>& offers,
                 const std::vector<std::pair<int64_t, int64_t>>& shed, std::vector<double>& room_W,
                 const std::vector<int64_t>& order, double cost, const Params& p,
-                std::map<int64_t, std::vector<int64_t>>& fresh) {
+                std::vector<int64_t>& fresh) {
   const int64_t blk = f.blk, E = f.E;
   const double a = p.a, copy = p.copy;
   int64_t moved = 0;
-  Queue all;
-  all.ranks = order;
+  View all{&order};
   std::vector<Queue> nodes;  // by node (empty: no such queue)
   if (f.per_node) {
     nodes.resize(static_cast<size_t>((f.W + f.per_node - 1) / f.per_node));
@@ -356,9 +469,10 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
     int64_t left = left0;
     for (const Offer& of : offers[b]) {
       const int64_t g = of.g, o = g / E;
-      std::vector<int64_t> ys{o};
-      ys.insert(ys.end(), f.holders[g].begin(), f.holders[g].end());
-      for (int64_t y : ys) {  // the owner and holders: no copy to pay
+      const std::vector<int64_t>& hs = f.holders[g];  // not changed in this loop
+      // the owner (i = -1), then the holders (hs[i]): no copy to pay
+      for (int64_t i = -1; i < static_cast<int64_t>(hs.size()); ++i) {
+        const int64_t y = i < 0 ? o : hs[static_cast<size_t>(i)];
         if (left < blk) break;
         if (y == b || room_W[y] < 0.5 * blk * cost) continue;
         const int64_t rest = f.kept_rest(g, y);
@@ -381,16 +495,24 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
         left -= n;
         room_W[y] -= static_cast<double>(n) * cost;
       }
-      std::vector<Queue*> queues;  // the owner's node first (its replica crosses no slow link)
-      if (f.per_node && !nodes[o / f.per_node].ranks.empty()) queues.push_back(&nodes[o / f.per_node]);
-      queues.push_back(&all);
-      for (Queue* q : queues) {
-        while (left >= blk && q->next < q->ranks.size()) {
-          const int64_t y = q->ranks[q->next];
+      // the owner's node first (its replica crosses no slow link), then every rank: the queue
+      // (its ranks, where it is) as pointers into `nodes` or `all`
+      std::pair<const std::vector<int64_t>*, size_t*> queues[2];
+      int n_queues = 0;
+      if (f.per_node && !nodes[o / f.per_node].ranks.empty()) {
+        Queue& q = nodes[o / f.per_node];
+        queues[n_queues++] = {&q.ranks, &q.next};
+      }
+      queues[n_queues++] = {all.ranks, &all.next};
+      for (int qi = 0; qi < n_queues; ++qi) {
+        const std::vector<int64_t>& ranks = *queues[qi].first;
+        size_t& next = *queues[qi].second;
+        while (left >= blk && next < ranks.size()) {
+          const int64_t y = ranks[next];
           double room = room_W[y] - copy;
           const bool held = y == o || f.holds(g, y);
           if (held || f.held[y] >= f.slots || room < 0.5 * blk * cost) {
-            q->next += 1;
+            next += 1;
             continue;
           }
           if (f.cap(b, of) <= 0) break;
@@ -400,14 +522,14 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
           if (p.kept && over) {  // the whole blocks that fit
             own = to_int(room / a) / blk * blk;
             if (own == 0) {
-              q->next += 1;
+              next += 1;
               continue;
             }
             f.add_holder(g, y, own);
           } else {
             f.add_holder(g, y, -1);
           }
-          fresh[g].push_back(y);
+          fresh.push_back(g);  // g has a new holder: relayed after the pass
           room -= static_cast<double>(own) * a;
           if (b == o) left -= own;
           const int64_t n = std::min({left, ask(room / cost), f.cap(b, of)});
@@ -418,7 +540,7 @@ int64_t matched(Fill& f, const std::vector<std::vector<Offer>>& offers,
           }
           moved += 1;
           room_W[y] = room;
-          if (room_W[y] < 0.5 * blk * cost) q->next += 1;
+          if (room_W[y] < 0.5 * blk * cost) next += 1;
         }
       }
       if (left < blk) break;
@@ -441,12 +563,16 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
   const double cost_sum = fold_sum(cost_W);
   int64_t pieces = 0;
   bool free_copy = false;
-  std::vector<std::vector<Offer>> offers(static_cast<size_t>(W));
+  std::vector<Offers> offers(static_cast<size_t>(W));
   std::vector<int64_t> avail_W(static_cast<size_t>(W));
   std::vector<double> token_W(W), save_W(W), start_W(W), room_W(W);
   std::vector<char> fresh_W(W);
+  std::vector<double> T_W;
+  std::vector<int64_t> by_total, order, fresh;
+  std::vector<std::pair<int64_t, int64_t>> shed;
+  LevelScratch ws;
   for (int64_t pass = 0; pass < p.passes; ++pass) {
-    const std::vector<double> T_W = f.totals;
+    T_W = f.totals;  // the pass's totals (the fill changes f.totals)
     const double top = *std::max_element(T_W.begin(), T_W.end());
     const double mean = fold_sum(T_W) / static_cast<double>(W);
     if (top <= p.stop * mean) break;
@@ -475,19 +601,20 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
         const int64_t g = offers[b][0].g;
         if (g / E != b) fresh = false;
         for (int64_t r : f.holders[g])
-          if (r != b) fresh = false;
+          if (r != b) {
+            fresh = false;
+            break;
+          }
       }
       fresh_W[b] = fresh;
     }
     const double L = level(T_W, avail_W, save_W, start_W, cost, cost_sum, fresh_W, p.copy,
-                           static_cast<size_t>(p.tensor_points));
-    std::vector<int64_t> by_total;  // the donors: ranks above L, by total descending, then rank
+                           static_cast<size_t>(p.tensor_points), ws);
+    by_total.clear();  // the donors: ranks above L, by total descending, then rank
     for (int64_t r = 0; r < W; ++r)
       if (T_W[r] > L) by_total.push_back(r);
-    std::sort(by_total.begin(), by_total.end(), [&](int64_t x, int64_t y) {
-      return T_W[x] != T_W[y] ? T_W[x] > T_W[y] : x < y;
-    });
-    std::vector<std::pair<int64_t, int64_t>> shed;  // (donor, rows)
+    sort_ranks(by_total, T_W, true, ws);
+    shed.clear();  // (donor, rows)
     for (int64_t b : by_total) {
       const double x = (T_W[b] - L) / save_W[b];
       const double n = x < static_cast<double>(avail_W[b]) ? x : static_cast<double>(avail_W[b]);
@@ -497,15 +624,15 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
       const double x = L - T_W[r];
       room_W[r] = x > 0.0 ? x : 0.0;  // max(0.0, L - T)
     }
-    std::vector<int64_t> order;
+    order.clear();
     for (int64_t r = 0; r < W; ++r)
       if (start_W[r] < L) order.push_back(r);
-    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-      return T_W[x] != T_W[y] ? T_W[x] < T_W[y] : x < y;
-    });
-    std::map<int64_t, std::vector<int64_t>> fresh;
+    sort_ranks(order, T_W, false, ws);  // the receivers: by total ascending, then rank
+    fresh.clear();
     const int64_t moved = matched(f, offers, shed, room_W, order, cost, p, fresh);
-    for (const auto& kv : fresh) f.relay(kv.first);
+    std::sort(fresh.begin(), fresh.end());  // the experts with new holders, ascending, once each
+    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
+    for (int64_t g : fresh) f.relay(g);
     if (moved) f.retotal();
     pieces += moved;
     if (*std::max_element(f.totals.begin(), f.totals.end()) > (1.0 - p.min_gain) * top) {
@@ -611,7 +738,7 @@ struct Stream {
   int64_t g, o, want;  // the expert, its owner, its amounts' sum (the last cut's most)
   const std::vector<int64_t>* holders;
   size_t next_holder = 0;
-  std::map<int64_t, int64_t>::const_iterator next_kept, kept_end;
+  FlatMap<int64_t>::const_iterator next_kept, kept_end;
   std::vector<int64_t> starts{0};
 };
 
@@ -719,13 +846,13 @@ void plan_from(const Counts& k, int64_t blk, const Replicas& holders, const Expe
   f.amounts.assign(N, {});
   f.kept.assign(N, {});
   for (const auto& [g, hs] : holders) f.holders[g] = hs;
-  for (const auto& [g, e] : amounts) f.amounts[g].insert(e.begin(), e.end());
-  for (const auto& [g, e] : kept_local) f.kept[g].insert(e.begin(), e.end());
+  for (const auto& [g, e] : amounts) f.amounts[g].assign(e.begin(), e.end());
+  for (const auto& [g, e] : kept_local) f.kept[g].assign(e.begin(), e.end());
   Replicas replicas;
   plan_fields(f, replicas, ranges, kept);
 }
 
-ExpertEntries entries_of(const std::vector<std::map<int64_t, int64_t>>& per_g) {
+ExpertEntries entries_of(const std::vector<FlatMap<int64_t>>& per_g) {
   ExpertEntries out;
   for (size_t g = 0; g < per_g.size(); ++g)
     if (!per_g[g].empty())
@@ -799,7 +926,7 @@ Section ranks_section(const std::vector<std::vector<int64_t>>& per_g) {
   return s;
 }
 
-Section pairs_section(const std::vector<std::map<int64_t, int64_t>>& per_g) {
+Section pairs_section(const std::vector<FlatMap<int64_t>>& per_g) {
   Section s;
   for (size_t g = 0; g < per_g.size(); ++g)
     if (!per_g[g].empty()) {

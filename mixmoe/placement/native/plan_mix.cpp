@@ -272,12 +272,7 @@ int64_t group_ints(const ExpertEntries& x) {
 // Prediction p as ints [token_bytes, weight_bytes, rows] (3W) and reals [compute, comm] (2W),
 // its step after them.
 void put_prediction(const Prediction& p, int64_t W, int64_t* oi, double* od) {
-  std::copy(p.token_bytes.begin(), p.token_bytes.end(), oi);
-  std::copy(p.weight_bytes.begin(), p.weight_bytes.end(), oi + W);
-  std::copy(p.rows.begin(), p.rows.end(), oi + 2 * W);
-  std::copy(p.compute.begin(), p.compute.end(), od);
-  std::copy(p.comm.begin(), p.comm.end(), od + W);
-  od[2 * W] = p.step;
+  od[2 * W] = write_prediction(p, oi, od);
 }
 
 }  // namespace

@@ -339,12 +339,7 @@ double mixmoe_predict(const int64_t* model_i, const double* model_d, const doubl
   const double factor = static_cast<double>(2 * std::max(model.tbr, model.P));
   if ((top + 1.0) * factor >= 9.2e18) return std::nan("");
   const Prediction p = mixmoe_native::predict(model, loads, rounds);
-  std::copy(p.compute.begin(), p.compute.end(), out_d);
-  std::copy(p.comm.begin(), p.comm.end(), out_d + W);
-  std::copy(p.token_bytes.begin(), p.token_bytes.end(), out_i);
-  std::copy(p.weight_bytes.begin(), p.weight_bytes.end(), out_i + W);
-  std::copy(p.rows.begin(), p.rows.end(), out_i + 2 * W);
-  return p.step;
+  return write_prediction(p, out_i, out_d);
 }
 
 }  // extern "C"

@@ -3,6 +3,7 @@
 // topology (nodes of per_node consecutive ranks: plan_pricing's 6-row loads, pricing_nodes.cpp).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 
 #include "common.h"
@@ -35,6 +36,18 @@ struct Prediction {
   double step = 0.0;
 };
 Prediction predict(const Model& model, const Loads& loads, int64_t rounds);
+
+// A Prediction into a C entry's buffers: ints [token_bytes, weight_bytes, rows] (3W), reals
+// [compute, comm] (2W); returns its step.
+inline double write_prediction(const Prediction& p, int64_t* out_i, double* out_d) {
+  const size_t W = p.rows.size();
+  std::copy(p.compute.begin(), p.compute.end(), out_d);
+  std::copy(p.comm.begin(), p.comm.end(), out_d + W);
+  std::copy(p.token_bytes.begin(), p.token_bytes.end(), out_i);
+  std::copy(p.weight_bytes.begin(), p.weight_bytes.end(), out_i + W);
+  std::copy(p.rows.begin(), p.rows.end(), out_i + 2 * W);
+  return p.step;
+}
 
 // The Prediction of `loads` whose rank r costs seconds(r) = (compute, comm): _pack_lists' bytes
 // and step, shared by predict and predict_nodes.

@@ -326,12 +326,7 @@ double mixmoe_predict_nodes(const int64_t* model_i, const double* model_d, doubl
   nl.loads.replica.assign(loads_6W + 3 * W, loads_6W + 4 * W);
   nl.replica_inter.assign(loads_6W + 5 * W, loads_6W + 6 * W);
   const Prediction p = predict_nodes(model, bw_inter, nl, rounds);
-  std::copy(p.compute.begin(), p.compute.end(), out_d);
-  std::copy(p.comm.begin(), p.comm.end(), out_d + W);
-  std::copy(p.token_bytes.begin(), p.token_bytes.end(), out_i);
-  std::copy(p.weight_bytes.begin(), p.weight_bytes.end(), out_i + W);
-  std::copy(p.rows.begin(), p.rows.end(), out_i + 2 * W);
-  return p.step;
+  return write_prediction(p, out_i, out_d);
 }
 
 }  // extern "C"

@@ -287,25 +287,9 @@ int64_t mixmoe_plan_pricing(const int64_t* C, int64_t W, int64_t E, const double
   }
   base.loads.replica.assign(base_4W + 3 * W, base_4W + 4 * W);
   if (colsum_N) base.colsum.assign(colsum_N, colsum_N + W * E);
-  Replicas replicas(static_cast<size_t>(*plan++));
-  for (auto& [g, hs] : replicas) {  // [g, k, holders...]
-    g = *plan++;
-    const int64_t k = *plan++;
-    hs.assign(plan, plan + k);
-    plan += k;
-  }
-  ExpertEntries entries[2];  // ranges, kept: [g, k, (rank, rows) pairs...]
-  for (auto& list : entries) {
-    list.resize(static_cast<size_t>(*plan++));
-    for (auto& [g, pairs] : list) {
-      g = *plan++;
-      pairs.resize(static_cast<size_t>(*plan++));
-      for (auto& [y, n] : pairs) {
-        y = *plan++;
-        n = *plan++;
-      }
-    }
-  }
+  Replicas replicas;
+  ExpertEntries entries[2];  // ranges, kept
+  read_plan(plan, replicas, entries);
   if (!plan_in_range(counts, replicas, relay != 0, entries[0], entries[1])) return -1;
   Loads out;
   const int64_t rounds =

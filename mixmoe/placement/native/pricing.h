@@ -37,6 +37,31 @@ struct Prediction {
 };
 Prediction predict(const Model& model, const Loads& loads, int64_t rounds);
 
+// The C entries' plan: [n_replicas, then per hot expert (g, k, k holders); n_ranges, then per
+// expert (g, k, k (helper, rows) pairs); n_kept, likewise (holder, local rows)]
+inline const int64_t* read_plan(const int64_t* plan, Replicas& replicas,
+                                ExpertEntries (&entries)[2]) {
+  replicas.resize(static_cast<size_t>(*plan++));
+  for (auto& [g, hs] : replicas) {
+    g = *plan++;
+    const int64_t k = *plan++;
+    hs.assign(plan, plan + k);
+    plan += k;
+  }
+  for (auto& list : entries) {
+    list.resize(static_cast<size_t>(*plan++));
+    for (auto& [g, pairs] : list) {
+      g = *plan++;
+      pairs.resize(static_cast<size_t>(*plan++));
+      for (auto& [y, n] : pairs) {
+        y = *plan++;
+        n = *plan++;
+      }
+    }
+  }
+  return plan;
+}
+
 // A Prediction into a C entry's buffers: ints [token_bytes, weight_bytes, rows] (3W), reals
 // [compute, comm] (2W); returns its step.
 inline double write_prediction(const Prediction& p, int64_t* out_i, double* out_d) {

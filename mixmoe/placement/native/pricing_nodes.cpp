@@ -251,34 +251,6 @@ Prediction predict_nodes(const Model& model, double bw_inter, const NodeLoads& n
 
 }  // namespace mixmoe_native
 
-namespace {
-
-// The C entries' plan: [n_replicas, then per hot expert (g, k, k holders); n_ranges, then per
-// expert (g, k, k (helper, rows) pairs); n_kept, likewise (holder, local rows)]
-const int64_t* read_plan(const int64_t* plan, Replicas& replicas, ExpertEntries (&entries)[2]) {
-  replicas.resize(static_cast<size_t>(*plan++));
-  for (auto& [g, hs] : replicas) {
-    g = *plan++;
-    const int64_t k = *plan++;
-    hs.assign(plan, plan + k);
-    plan += k;
-  }
-  for (auto& list : entries) {
-    list.resize(static_cast<size_t>(*plan++));
-    for (auto& [g, pairs] : list) {
-      g = *plan++;
-      pairs.resize(static_cast<size_t>(*plan++));
-      for (auto& [y, n] : pairs) {
-        y = *plan++;
-        n = *plan++;
-      }
-    }
-  }
-  return plan;
-}
-
-}  // namespace
-
 extern "C" {
 
 // plan_pricing_nodes for the twin tests: C (int64 [W, N], counts the caller checked), per_node,

@@ -54,6 +54,8 @@ def _both(monkeypatch, counts, shape, profile, *args, **kwargs):
     monkeypatch.setattr("mixmoe.placement.planner.planned", spy)
     fast = plan_mix(counts, shape, profile, *args, **kwargs)
     assert ran == [True], "the compiled planner did not run"
+    # built without Plan's checks (Plan.unchecked): they pass when the plan is rebuilt
+    assert dataclasses.replace(fast) == fast
     with monkeypatch.context() as m:
         m.setenv(lib.ENV_OFF, "0")
         slow = plan_mix(counts, shape, profile, *args, **kwargs)

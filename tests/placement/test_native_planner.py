@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 
 import pytest
 import torch
@@ -186,3 +187,31 @@ def test_equals_the_python_plan_when_shadow_fills_the_budget(monkeypatch):
         if found == 3:
             break
     assert found == 3
+
+
+def test_threads_planning_at_once_get_the_sequential_plans():
+    """The compiled fill reuses one state per thread, and the Python side one set of output
+    arrays per thread (``native_planner._output``): plans made on several threads at once, of
+    different sizes (a reused state of another size), equal the plans made one after another."""
+    cases = []
+    for i, (routing, W) in enumerate([("zipf:1.2", 64), ("hot:0.3", 16), ("zipf:2.0", 40)]):
+        gen = torch.Generator().manual_seed(10 + i)
+        counts = synthetic_counts(RoutingSpec.parse(routing), W, 4096, 2, 4 * W, gen)
+        cases.append((counts, _shape(SEEDS, 4, W)))
+    alone = [_canon(plan_mix(C, shape, GPU_PROFILE, 4)) for C, shape in cases]
+    results: dict[tuple[int, int], tuple[int, str]] = {}
+
+    def plan_all(thread: int) -> None:
+        for round_ in range(12):  # each thread goes through the cases in its own order
+            k = (thread + round_) % len(cases)
+            C, shape = cases[k]
+            results[thread, round_] = (k, _canon(plan_mix(C, shape, GPU_PROFILE, 4)))
+
+    threads = [threading.Thread(target=plan_all, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 36
+    for k, text in results.values():
+        assert text == alone[k]

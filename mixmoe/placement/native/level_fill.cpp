@@ -53,6 +53,18 @@ struct Offers {  // a rank's offers: at most OFFERED, held in place (no allocati
   const Offer& operator[](int i) const { return items[i]; }
 };
 
+// `v` as n empty entries, each keeping its buffer when `v` already had n (a reused Fill: its
+// per-expert maps fill again without allocating, fill after fill)
+template <class T>
+void reset_each(std::vector<T>& v, size_t n) {
+  if (v.size() != n) {
+    v.clear();
+    v.resize(n);
+    return;
+  }
+  for (T& x : v) x.clear();
+}
+
 struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of length N
   int64_t W, E, N, slots, blk, per_node;  // per_node 0: no topology
   const int64_t* C;
@@ -555,22 +567,39 @@ double fold_sum(const std::vector<double>& xs) {  // level_fill.fold_sum: left t
   return s;
 }
 
-int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
-  const int64_t W = f.W, E = f.E;
-  const double a = p.a, t = p.t;
-  const double cost = a + t;
-  std::vector<double> cost_W(static_cast<size_t>(W), cost);
-  const double cost_sum = fold_sum(cost_W);
-  int64_t pieces = 0;
-  bool free_copy = false;
-  std::vector<Offers> offers(static_cast<size_t>(W));
-  std::vector<int64_t> avail_W(static_cast<size_t>(W));
-  std::vector<double> token_W(W), save_W(W), start_W(W), room_W(W);
-  std::vector<char> fresh_W(W);
-  std::vector<double> T_W;
-  std::vector<int64_t> by_total, order, fresh;
+struct RunBuffers {  // run's per-pass arrays, one set per thread (no allocation per fill)
+  std::vector<Offers> offers;
+  std::vector<int64_t> avail_W, by_total, order, fresh;
+  std::vector<double> cost_W, token_W, save_W, start_W, room_W, T_W;
+  std::vector<char> fresh_W;
   std::vector<std::pair<int64_t, int64_t>> shed;
   LevelScratch ws;
+};
+
+int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
+  const int64_t W = f.W, E = f.E;
+  const size_t Wz = static_cast<size_t>(W);
+  const double a = p.a, t = p.t;
+  const double cost = a + t;
+  thread_local RunBuffers buffers;
+  RunBuffers& buf = buffers;
+  buf.cost_W.assign(Wz, cost);
+  const double cost_sum = fold_sum(buf.cost_W);
+  int64_t pieces = 0;
+  bool free_copy = false;
+  // every entry below is written each pass before it is read (offers: set or cleared per rank)
+  std::vector<Offers>& offers = buf.offers;
+  offers.resize(Wz);
+  std::vector<int64_t>& avail_W = buf.avail_W;
+  avail_W.resize(Wz);
+  std::vector<double> &token_W = buf.token_W, &save_W = buf.save_W, &start_W = buf.start_W,
+                      &room_W = buf.room_W, &T_W = buf.T_W;
+  for (auto* v : {&token_W, &save_W, &start_W, &room_W}) v->resize(Wz);
+  std::vector<char>& fresh_W = buf.fresh_W;
+  fresh_W.resize(Wz);
+  std::vector<int64_t> &by_total = buf.by_total, &order = buf.order, &fresh = buf.fresh;
+  std::vector<std::pair<int64_t, int64_t>>& shed = buf.shed;
+  LevelScratch& ws = buf.ws;
   for (int64_t pass = 0; pass < p.passes; ++pass) {
     T_W = f.totals;  // the pass's totals (the fill changes f.totals)
     const double top = *std::max_element(T_W.begin(), T_W.end());
@@ -664,14 +693,14 @@ Params params(const Model& m, bool any_remote, const FillSettings& s) {
 // start holders in any order, the start loads), then level_fill. Returns the pieces moved, or
 // -2 when the start is level (no pass runs; the state is the start's: holders, loads, totals,
 // rounds, nothing else moved).
-int64_t fill_from_start(Fill& f, const int64_t* colsum, const Params& p) {
+int64_t fill_from_start(Fill& f, const int64_t* colsum, const int64_t* own, const Params& p) {
   const size_t N = static_cast<size_t>(f.N), Wz = static_cast<size_t>(f.W);
   f.held.assign(Wz, 0);
   for (auto& h : f.holders) {
     std::sort(h.begin(), h.end());
     for (int64_t y : h) f.held[y] += 1;
   }
-  f.degrees.assign(N, {});
+  reset_each(f.degrees, N);
   f.rounds = 0;
   for (size_t g = 0; g < N; ++g)  // range_state.start_relay
     if (!f.holders[g].empty())
@@ -679,8 +708,8 @@ int64_t fill_from_start(Fill& f, const int64_t* colsum, const Params& p) {
                                                     f.degrees[g]));
   f.totals.resize(Wz);
   f.retotal();  // StepModel.seconds_W's totals, bit for bit (test_placement_planner_speed.py)
-  f.amounts.assign(N, {});
-  f.kept.assign(N, {});
+  reset_each(f.amounts, N);
+  reset_each(f.kept, N);
   f.overshot.assign(Wz, 0);
   if (p.passes > 0) {  // level_fill's first test: a start within ``stop`` of its mean moves
     // nothing (the C entry's caller then builds that state in Python: cheaper than the rest)
@@ -695,12 +724,13 @@ int64_t fill_from_start(Fill& f, const int64_t* colsum, const Params& p) {
   for (size_t g = 0; g < N; ++g) {
     int64_t held_rows = 0;
     for (int64_t y : f.holders[g]) held_rows += f.c(y, static_cast<int64_t>(g));
-    f.own[g] = f.c(static_cast<int64_t>(g) / f.E, static_cast<int64_t>(g));
+    // C[o][g], o = g / E: given by the caller (the baseline read it) or read here
+    f.own[g] = own ? own[g] : f.c(static_cast<int64_t>(g) / f.E, static_cast<int64_t>(g));
     f.owner_rows[g] = colsum[g] - held_rows;
     f.others[g] = f.owner_rows[g] - f.own[g];
   }
   f.taken.assign(N, 0);
-  f.helped.assign(Wz, {});
+  reset_each(f.helped, Wz);
   return run(f, p);
 }
 
@@ -832,7 +862,7 @@ void set_start(Fill& f, const Counts& k, const Model& m, bool any_remote, int64_
   f.slots = slots;
   f.blk = blk;
   f.per_node = per_node;
-  f.holders.assign(static_cast<size_t>(k.N), {});
+  reset_each(f.holders, static_cast<size_t>(k.N));
 }
 
 // plan_fields of a state given by its holders, amounts and kept holders' local rows (entries
@@ -868,10 +898,13 @@ void fill_plan(const Counts& counts, int64_t blk, FillOut& out) {
   plan_from(counts, blk, out.replicas, out.amounts, out.kept_local, out.ranges, out.kept);
 }
 
-FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, const Model& model,
-                   const Replicas& start, bool any_remote, const Loads& start_loads,
-                   const FillSettings& settings) {
-  Fill f;
+FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum,
+                   const std::vector<int64_t>& own, const Model& model, const Replicas& start,
+                   bool any_remote, const Loads& start_loads, const FillSettings& settings) {
+  // one Fill per thread, reused fill after fill and plan after plan: its per-expert and
+  // per-rank maps keep their buffers (W = 64 zipf: ~1000 of a plan's ~1400 allocations were
+  // theirs); every field is set again below (set_start, fill_from_start)
+  thread_local Fill f;
   set_start(f, counts, model, any_remote, settings.slots, settings.blk, settings.per_node);
   for (const auto& [g, hs] : start) f.holders[g] = hs;
   f.rows = start_loads.rows;
@@ -879,7 +912,8 @@ FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, con
   f.remote = start_loads.remote;
   f.replica = start_loads.replica;
   FillOut out;
-  out.moves = fill_from_start(f, colsum.data(), params(model, any_remote, settings));
+  out.moves = fill_from_start(f, colsum.data(), own.empty() ? nullptr : own.data(),
+                              params(model, any_remote, settings));
   out.loads = Loads{std::move(f.rows), std::move(f.local), std::move(f.remote),
                     std::move(f.replica)};
   out.totals = std::move(f.totals);
@@ -992,7 +1026,7 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
     f.remote[r] = static_cast<int64_t>(loads[2 * W + r]);
   }
   f.replica.assign(loads + 3 * W, loads + 4 * W);
-  const int64_t pieces = fill_from_start(f, colsum, params(m, f.any_remote, s));
+  const int64_t pieces = fill_from_start(f, colsum, nullptr, params(m, f.any_remote, s));
   if (pieces == -2) return -2;
   Section degrees;
   std::vector<double> copies;
@@ -1096,10 +1130,10 @@ int64_t mixmoe_level_fill_out(const int64_t* C, const int64_t* colsum, const dou
     base.replica.push_back(loads[3 * W + r]);
   }
   std::vector<int64_t> sums(colsum, colsum + k.N);
-  const FillOut out = level_fill(k, sums, m, holders, ints[5] != 0, base, s);
+  const FillOut out = level_fill(k, sums, {}, m, holders, ints[5] != 0, base, s);
   FillSettings later = s;  // the plan fields left to fill_plan: the same entries (else -3)
   later.plan = false;
-  FillOut lazy = level_fill(k, sums, m, holders, ints[5] != 0, base, later);
+  FillOut lazy = level_fill(k, sums, {}, m, holders, ints[5] != 0, base, later);
   if (!lazy.ranges.empty() || !lazy.kept.empty()) return -3;
   fill_plan(k, s.blk, lazy);
   if (lazy.replicas != out.replicas || lazy.ranges != out.ranges || lazy.kept != out.kept)

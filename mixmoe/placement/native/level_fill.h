@@ -32,9 +32,10 @@ struct FillOut {
 // level_fill.level_fill(state, passes, stop, kept), and its plan_fields(). `start`: the start
 // holders; `start_loads`: plan_pricing of the start plan under relay (its first 4 rows);
 // distance: relay.nodes_of(settings.per_node), None when it is 0.
-FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum, const Model& model,
-                   const Replicas& start, bool any_remote, const Loads& start_loads,
-                   const FillSettings& settings);
+// `own`: C[g / E][g] per expert (Baseline.own), or empty (read from C here).
+FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum,
+                   const std::vector<int64_t>& own, const Model& model, const Replicas& start,
+                   bool any_remote, const Loads& start_loads, const FillSettings& settings);
 
 // out.ranges and out.kept (RangeState.plan_fields) from out.replicas, out.amounts and
 // out.kept_local, for a level_fill run with settings.plan false: the same entries it would have

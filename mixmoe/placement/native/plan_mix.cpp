@@ -122,7 +122,7 @@ class Planner {
     // with a topology every fill's plan is priced in full (fill_step)
     const FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept, s_.per_node > 0,
                           s_.per_node};
-    FillOut out = level_fill(k_, base_.colsum, m_, start, any_remote, *loads, fs);
+    FillOut out = level_fill(k_, base_.colsum, base_.own, m_, start, any_remote, *loads, fs);
     if (out.moves <= 0) return std::nullopt;  // -2: a level start; 0: nothing moved
     const double step = fill_step(out, any_remote);
     // planner._stalled: the max total (first max) at a rank the fill overshot

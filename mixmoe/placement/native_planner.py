@@ -84,9 +84,9 @@ def planned(
     at = n_rep + n_ranges + n_kept
     flat = memoryview(out_i).cast("B").cast("q")[: at + 6 * W].tolist()
     reals_out = memoryview(out_d).cast("B").cast("d")[: 4 * W + 2].tolist()
-    replicas = tuple((g, tuple(h)) for g, h in _groups(flat, 0, n_rep, 1))
-    ranges = tuple(_pairs(flat, n_rep, n_ranges))
-    kept = tuple(_pairs(flat, n_rep + n_ranges, n_kept))
+    replicas = _groups(flat, 0, n_rep, 1)
+    ranges = _groups(flat, n_rep, n_ranges, 2)
+    kept = _groups(flat, n_rep + n_ranges, n_kept, 2)
     prediction = _prediction(flat[at : at + 3 * W], reals_out[: 2 * W + 1], W)
     baseline = _prediction(flat[at + 3 * W : at + 6 * W], reals_out[2 * W + 1 :], W)
     # the twin tests rebuild every compiled plan through Plan's checks (Plan.unchecked's doc)
@@ -136,20 +136,19 @@ def _output(n_i: int, n_d: int) -> tuple[ctypes.Array, ctypes.Array, ctypes.Arra
     return have
 
 
-def _groups(flat: list[int], at: int, length: int, width: int):
-    """(g, values) of each group [g, k, values...] of ``flat[at : at + length]``, k entries of
-    ``width`` ints each."""
+def _groups(flat: list[int], at: int, length: int, width: int) -> tuple:
+    """``(g, entries)`` of each group [g, k, entries...] of ``flat[at : at + length]``, k
+    entries of ``width`` ints each: ranks (width 1) or (rank, rows) pairs (width 2), as
+    tuples. One slice per group, the pairs zipped off one iterator (~2x the generator's speed:
+    the Python side is ~1/4 of a W = 64 plan's time)."""
+    out = []
     end = at + length
     while at < end:
-        g, k = flat[at], flat[at + 1]
-        yield g, flat[at + 2 : at + 2 + width * k]
-        at += 2 + width * k
-
-
-def _pairs(flat: list[int], at: int, length: int):
-    """``_groups`` of (rank, rows) pairs as Plan.ranges / Plan.kept entries."""
-    for g, v in _groups(flat, at, length, 2):
-        yield g, tuple(zip(v[::2], v[1::2], strict=True))
+        nxt = at + 2 + width * flat[at + 1]
+        values = iter(flat[at + 2 : nxt])
+        out.append((flat[at], tuple(values) if width == 1 else tuple(zip(values, values))))
+        at = nxt
+    return tuple(out)
 
 
 def _prediction(ints: list[int], reals: list[float], W: int) -> Prediction:

@@ -925,7 +925,7 @@ FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum,
     plan_fields(f, out.replicas, out.ranges, out.kept);
   } else {
     for (int64_t g = 0; g < f.N; ++g)
-      if (!f.holders[g].empty()) out.replicas.emplace_back(g, std::move(f.holders[g]));
+      if (!f.holders[g].empty()) out.replicas.emplace_back(g, f.holders[g]);  // f keeps its buffer
   }
   return out;
 }

@@ -305,7 +305,7 @@ def test_negative_counts_and_odd_layouts_fall_back():
     C[2, 5] = 2**40  # above int32: the sign of every int64, not of its words
     check_baseline(C, 2)
     C5 = torch.randint(0, 9, (5, 10))
-    C5[4, 7] = -(2**40)  # in a row past the blocks of four rows (W % 4)
+    C5[4, 7] = -(2**40)  # in a row past the blocks of eight rows (W % 8)
     assert native.baseline(C5, 2) is None
     assert native.baseline(C5[:, :8].contiguous(), 2) is None  # N != W * E: not read
     shape = LayerShape(8, 8, 2, 4, 2)  # counts not in the validated form: the Python checks

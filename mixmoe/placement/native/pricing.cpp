@@ -100,10 +100,10 @@ inline void store(int64_t* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
 // each column's R counts to colsum[g], each row's sum to sent[k] (k < R: written, not added) and
 // ORs every count into `sign`. Every sum is an integer sum, so the order of additions is free.
 // Why this shape (measured, W = 1024 zipf:1.2): R rows per sweep load and store colsum once
-// per R counts, eight rows being faster than four; sixteen rows are much slower (the rows lie
-// N * 8 bytes apart, a multiple of 4 KiB at W a power of two: the same L1 set, 8 ways). One
-// cache line (8 columns) per step with a software prefetch 512 bytes ahead in each row keeps
-// the R streams going (~15% faster than without).
+// per R counts, eight rows being faster than four; sixteen rows are twice slower (probably the
+// L1's 8 ways: the rows lie N * 8 bytes apart, a multiple of 4 KiB at W a power of two, so
+// their lines share one set). One cache line (8 columns) per step with a software prefetch 512
+// bytes ahead in each row keeps the R streams going (~10-20% faster than without).
 template <int R>
 void add_rows(const int64_t* rows, int64_t N, int64_t* colsum, int64_t* sent, Lanes& sign) {
   constexpr int64_t ahead = 512 / sizeof(int64_t);  // prefetch distance, in columns

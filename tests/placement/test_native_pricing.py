@@ -305,7 +305,7 @@ def test_negative_counts_and_odd_layouts_fall_back():
     C[2, 5] = 2**40  # above int32: the sign of every int64, not of its words
     check_baseline(C, 2)
     C5 = torch.randint(0, 9, (5, 10))
-    C5[4, 7] = -(2**40)  # in a row past the blocks of four rows (W % 4)
+    C5[4, 7] = -(2**40)  # in a row past the blocks of eight rows (W % 8)
     assert native.baseline(C5, 2) is None
     assert native.baseline(C5[:, :8].contiguous(), 2) is None  # N != W * E: not read
     shape = LayerShape(8, 8, 2, 4, 2)  # counts not in the validated form: the Python checks
@@ -320,6 +320,33 @@ def test_negative_counts_and_odd_layouts_fall_back():
     assert native.plan_loads(C, plan, 2, base_4W.to(torch.float32), colsum_N) is None
     assert native.plan_loads(C, plan, 2, base_4W, colsum_N.to(torch.int32)) is None
     assert native.plan_loads(C, plan, 2, base_4W, colsum_N) is not None
+
+
+def test_baseline_pass_blocks_tails_and_every_negative_count():
+    """``native/pricing.cpp``'s pass over C reads eight rows at a time in steps of eight columns
+    (four two-lane vectors per row), then the last W % 8 rows one by one and the last N % 8
+    columns count by count. Every part of that split is compared with the Python: W below,
+    at and past multiples of 8 and N = W*E with and without a column tail, on counts above
+    int32; and a negative count at every position of such matrices (each row of a block and
+    of the tail, each lane of each vector, the column tail) must give None, as the Python
+    raises."""
+    gen = torch.Generator().manual_seed(26)
+    for W, E in ((7, 1), (8, 1), (9, 3), (16, 2), (17, 5), (24, 3), (31, 4), (40, 8)):
+        C = torch.randint(0, 2**40, (W, W * E), generator=gen)  # past int32: int64 lanes
+        C[torch.rand(W, W * E, generator=gen) < 0.2] = 0
+        check_baseline(C, E)
+    for W, E in ((11, 3), (17, 1), (16, 1)):  # N % 8 = 1, 1, 0; W % 8 = 3, 1, 0
+        C = torch.randint(0, 9, (W, W * E), generator=gen)
+        shape = LayerShape(8, 8, E, W, 2)
+        for s in range(W):
+            for g in range(W * E):
+                C[s, g] = -1 if (s + g) % 2 else -(2**40)  # every bit set; the low 32 bits clear
+                assert native.baseline(C, E) is None, (W, E, s, g)
+                C[s, g] = 3
+        check_baseline(C, E)
+        C[W - 1, W * E - 1] = -1
+        with pytest.raises(ValueError, match="is negative"):
+            counts_with_sums(C, shape)
 
 
 def test_plans_the_python_must_price_fall_back():

@@ -245,15 +245,17 @@ class Planner {
   std::vector<int64_t> inter_;  // inter_baseline's (with a topology)
 };
 
-// Writes groups [g, k, entries...] (`put` writes one entry); returns the ints written.
+// Writes groups by columns: their experts [g_1..g_m], their entry counts [k_1..k_m], then the
+// entries in order (`put` writes one), so that the Python reads each column with one slice;
+// returns the ints written, `m` the groups.
 template <typename Groups, typename Put>
-int64_t put_groups(const Groups& groups, int64_t* o, Put put) {
+int64_t put_groups(const Groups& groups, int64_t* o, Put put, int64_t& m) {
   int64_t* start = o;
-  for (const auto& [g, entries] : groups) {
-    *o++ = g;
-    *o++ = static_cast<int64_t>(entries.size());
-    for (const auto& e : entries) o = put(e, o);
-  }
+  m = static_cast<int64_t>(groups.size());
+  for (const auto& group : groups) *o++ = group.first;
+  for (const auto& group : groups) *o++ = static_cast<int64_t>(group.second.size());
+  for (const auto& group : groups)
+    for (const auto& e : group.second) o = put(e, o);
   return o - start;
 }
 
@@ -285,10 +287,11 @@ extern "C" {
 //          Model::from's 5 ints, then per_node (the profile's ranks_per_node; 0: one link);
 //   reals: Model::from's 7 reals, then BALANCED, FILL_STOP, SPREAD_WHEN, t_row_feat, t_model,
 //          bw_inter (StepModel.bw_inter; read when per_node > 0).
-// Outputs: out_i: the plan's replicas [g, k, holders], ranges and kept [g, k, (y, n) x k]
-// sections, then its prediction's and its baseline's [token_bytes, weight_bytes, rows] (3W each);
-// out_d: the prediction's then the baseline's [compute, comm] (2W) and step; counts: the three
-// sections' lengths and the relay flag. Returns 0; -1: a negative count, -2: counts or model
+// Outputs: out_i: the plan's replicas, ranges and kept sections (put_groups' columns: experts,
+// entry counts, then the holders, or the (y, n) pairs), then its prediction's and its
+// baseline's [token_bytes, weight_bytes, rows] (3W each); out_d: the prediction's then the
+// baseline's [compute, comm] (2W) and step; counts (7): the three sections' lengths, the relay
+// flag, the three sections' groups. Returns 0; -1: a negative count, -2: counts or model
 // terms too large for exact float arithmetic (StepModel.check_exact), -3: out_i too small; the
 // caller's Python then raises its error (nothing written is meaningful).
 int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* reals,
@@ -316,16 +319,16 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
   counts[0] = put_groups(plan.replicas, o, [](int64_t h, int64_t* p) {
     *p++ = h;
     return p;
-  });
+  }, counts[4]);
   o += counts[0];
   const auto pair = [](const std::pair<int64_t, int64_t>& e, int64_t* p) {
     *p++ = e.first;
     *p++ = e.second;
     return p;
   };
-  counts[1] = put_groups(plan.ranges, o, pair);
+  counts[1] = put_groups(plan.ranges, o, pair, counts[5]);
   o += counts[1];
-  counts[2] = put_groups(plan.kept, o, pair);
+  counts[2] = put_groups(plan.kept, o, pair, counts[6]);
   o += counts[2];
   counts[3] = plan.relay;
   put_prediction(plan.pred, W, o, out_d);

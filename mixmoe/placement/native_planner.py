@@ -62,9 +62,9 @@ def planned(
         return None
     key = (shape, profile, slots, overlap, search_width, block_size, balance, constants)
     try:
-        args = _arguments(*key)
+        args = _arguments(key)
     except TypeError:  # an unhashable profile (a subclass's field): built for this call only
-        args = _arguments.__wrapped__(*key)
+        args = _arguments.__wrapped__(key)
     if args is None:
         return None
     ints, reals = args
@@ -95,18 +95,11 @@ def planned(
 
 
 @functools.lru_cache(maxsize=64)
-def _arguments(
-    shape: LayerShape,
-    profile: HardwareProfile,
-    slots: int,
-    overlap: bool,
-    search_width: int,
-    block_size: int,
-    balance: bool,
-    constants: tuple[float, float, float, int],
-) -> tuple[ctypes.Array, ctypes.Array] | None:
-    """The C entry's ints and reals for these settings (the same every step of a run, so
-    built once: ~25 us a call at W = 64); None where the compiled planner does not run."""
+def _arguments(key: tuple) -> tuple[ctypes.Array, ctypes.Array] | None:
+    """The C entry's ints and reals for ``key``, ``planned``'s settings (shape, profile, slots,
+    overlap, search_width, block_size, balance, constants): the same every step of a run, so
+    built once (~25 us a call at W = 64); None where the compiled planner does not run."""
+    shape, profile, slots, overlap, search_width, block_size, balance, constants = key
     model = step_model(shape, profile, overlap)
     terms = native_lib.model_args(model)
     if terms is None:

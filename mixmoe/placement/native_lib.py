@@ -9,8 +9,10 @@ points:
 - the library is built on first use with the system C++ compiler (``$CXX``, else ``c++``,
   ``g++``, ``clang++``; a few seconds) into ``$MIXMOE_NATIVE_DIR`` (default
   ``~/.cache/mixmoe/native``; the temporary folder when that is not writable), named by a hash
-  of the sources, the flags, the compiler and the platform; concurrent builds (several ranks)
-  each write a temporary file and rename it (atomic), so every process loads a whole library;
+  of the sources, the flags, the compiler and the platform; one compiler process per source
+  at once, then one link; concurrent builds (the ranks of a job) take turns on a lock file
+  (the first builds, the others then load its library) and write a temporary file renamed
+  into place (atomic), so every process loads a whole library;
 - with no compiler, a failed build or ``MIXMOE_NATIVE=0``, ``function`` returns None and the
   callers run their Python: same plans, slower. The first fallback for a missing or broken
   library warns once (``RuntimeWarning``, naming the reason);
@@ -19,6 +21,7 @@ points:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -28,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from mixmoe.placement.cost_model import TOKEN_COLLECTIVES, WEIGHT_COLLECTIVES, StepModel
@@ -85,22 +89,71 @@ def _build(cxx: str) -> Path:
             continue
     else:
         raise RuntimeError(f"no writable folder for the library ({_cache_dir()}, the temp dir)")
-    fd, tmp = tempfile.mkstemp(prefix=lib.stem, suffix=".so.tmp", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cxx, *FLAGS, "-o", tmp, *map(str, sources())],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-400:]}")
-        os.replace(tmp, lib)  # atomic: a process loading it sees the whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _build_lock(folder / f"{lib.stem}.lock"):
+        if not lib.exists():  # another process may have built it while this one waited
+            _compile(cxx, lib)
     return lib
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """One builder at a time per library (the ranks of a job start together: the first builds,
+    the others wait for it instead of compiling the same files); no lock where ``fcntl`` is
+    missing (the atomic rename still keeps every library whole)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _compile(cxx: str, lib: Path) -> None:
+    """Builds ``lib``: each source to an object file at once (one compiler process per file,
+    up to the CPUs: 9.6 -> ~5 s on 2 cores), then one link; written to a temporary file and
+    renamed (atomic: a process loading it sees the whole library). RuntimeError naming the
+    compiler's message when a step fails."""
+    with tempfile.TemporaryDirectory(prefix=lib.stem, dir=lib.parent) as work:
+        objects = [Path(work) / f"{src.stem}.o" for src in sources()]
+        jobs = [
+            [cxx, *FLAGS, "-c", str(src), "-o", str(obj)]
+            for src, obj in zip(sources(), objects, strict=True)
+        ]
+        _run_all(jobs, max(1, os.cpu_count() or 1))
+        tmp = Path(work) / "lib.so"
+        _run_all([[cxx, *FLAGS, "-o", str(tmp), *map(str, objects)]], 1)
+        os.replace(tmp, lib)
+
+
+def _run_all(commands: list[list[str]], at_once: int) -> None:
+    """Runs ``commands``, ``at_once`` at a time; RuntimeError with the first failure's message
+    (the others are still waited for: no compiler left running)."""
+    failed: list[str] = []
+    pending = list(commands)
+    running: list[subprocess.Popen] = []
+    while pending or running:
+        while pending and len(running) < at_once:
+            running.append(
+                subprocess.Popen(
+                    pending.pop(0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        proc = running.pop(0)
+        try:
+            _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            err = f"timed out after {BUILD_TIMEOUT_S} s. {err}"
+        if proc.returncode != 0 and not failed:
+            failed.append(f"{proc.args[0]} failed: {err.strip()[-400:]}")
+    if failed:
+        raise RuntimeError(failed[0])
 
 
 def _load() -> ctypes.CDLL | None:

@@ -19,6 +19,7 @@ import sys
 from bisect import bisect_right
 from collections.abc import Iterator
 from itertools import accumulate
+from pathlib import Path
 
 import pytest
 import torch
@@ -391,16 +392,27 @@ def test_failed_build_warns_once_and_plans_in_python(monkeypatch, tmp_path):
 
 def test_concurrent_builds_share_one_library(tmp_path):
     """Three processes building into one empty cache at once (the ranks of a job): each loads a
-    whole library and fills; one library file is left."""
+    whole library; one process compiles (each source once, one link: the others wait on the
+    build lock), and one library file is left."""
     code = (
         "import mixmoe.placement.native_lib as n; import sys; "
         "sys.exit(0 if n.available() else (print(n.unavailable_reason()) or 1))"
     )
-    env = {**__import__("os").environ, lib.ENV_DIR: str(tmp_path)}
+    real = lib._compiler()
+    log = tmp_path / "calls.log"
+    logging_cxx = tmp_path / "logging-cxx"  # the real compiler, each call logged
+    logging_cxx.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {real} "$@"\n')
+    logging_cxx.chmod(0o755)
+    cache = tmp_path / "cache"
+    env = {**__import__("os").environ, lib.ENV_DIR: str(cache), "CXX": str(logging_cxx)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
     assert [p.wait(timeout=600) for p in procs] == [0, 0, 0]
-    assert len(list(tmp_path.glob("mixmoe_native-*.so"))) == 1
-    assert not list(tmp_path.glob("*.tmp"))
+    assert len(list(cache.glob("mixmoe_native-*.so"))) == 1
+    assert not list(cache.glob("*.tmp")) and not [p for p in cache.iterdir() if p.is_dir()]
+    calls = log.read_text().splitlines()
+    compiled = sorted(Path(c.split(" -c ")[1].split()[0]).name for c in calls if " -c " in c)
+    assert compiled == [p.name for p in lib.sources()], calls
+    assert len(calls) == len(compiled) + 1, calls  # one link
 
 
 def _hot_args() -> tuple:

@@ -1,11 +1,12 @@
-// level_fill.cpp's sorts (sort_keyed: the level's points; sort_ranks: the donors and receivers)
+// level_fill.cpp's sorts (Ascending: the level's points; sort_ranks: the donors and receivers)
 // against std::stable_sort by the double comparison (ties in x keep insertion order; -0.0 and
 // 0.0 tie), on xs no fill may meet yet: ties, -0.0 with 0.0, clumps a few ulps wide, a huge
-// range, subnormals, on both sides of RADIX_FROM and RADIX_SMALL. Built by
+// range, subnormals, on both sides of BUCKETS_FROM and RADIX_SMALL. Built by
 // tests/placement/test_native_fill.py (test_sorts_match_a_stable_sort) with -I the native
 // folder: it includes the .cpp itself, so the library exports nothing for it. Prints "ok <cases>".
 #include "level_fill.cpp"
 
+#include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <random>
@@ -24,7 +25,9 @@ std::vector<double> draw(std::mt19937_64& rng, int kind, size_t n) {
       case 1: xs[i] = static_cast<double>(rng() % 5) * 0.25 - 0.5; break;
       case 2: xs[i] = rng() % 2 ? 0.0 : -0.0; if (rng() % 4 == 0) xs[i] = v - 0.5; break;
       case 3: xs[i] = std::nextafter(0.005 * (1 + rng() % 3), 1.0) + 1e-18 * (rng() % 7); break;
-      case 4: xs[i] = (rng() % 2 ? -1 : 1) * std::ldexp(v, static_cast<int>(rng() % 2000) - 1000); break;
+      case 4:  // both signs, exponents -1000 to 999
+        xs[i] = (rng() % 2 ? -1 : 1) * std::ldexp(v, static_cast<int>(rng() % 2000) - 1000);
+        break;
       default: xs[i] = (rng() % 2 ? -1 : 1) * 4.9e-324 * static_cast<double>(rng() % 4); break;
     }
   }
@@ -47,10 +50,10 @@ int main() {
                          [&](uint32_t p, uint32_t q) { return xs[p] < xs[q]; });
         std::vector<Keyed> keys;
         for (size_t i = 0; i < n; ++i) keys.push_back(keyed(xs[i], static_cast<uint32_t>(i)));
-        sort_keyed(keys, ws);
+        Ascending by_x(keys, ws);  // as level reads it: index after index
         for (size_t i = 0; i < n; ++i)
-          if (at_of(keys[i]) != want[i]) {
-            std::printf("sort_keyed differs: n %zu kind %d at %zu\n", n, kind, i);
+          if (at_of(by_x[i]) != want[i]) {
+            std::printf("Ascending differs: n %zu kind %d at %zu\n", n, kind, i);
             return 1;
           }
         for (bool descending : {false, true}) {  // the ranks by (T, r) and (-T, r)

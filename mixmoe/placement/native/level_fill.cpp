@@ -20,7 +20,8 @@
 // Speed (3 fills a plan at zipf:1.2, W = 64 and 1024): the per-expert and per-rank maps are FlatMaps
 // (flat_map.h: sorted vectors, std::map's order), a rank's offers sit in place (Offers), the
 // per-pass buffers are reused, and the level's points and the donor/receiver orders are sorted
-// by sort_keyed (buckets, then comparisons: the same (x, insertion) order as a stable sort).
+// as 128-bit integers (Keyed: the same (x, insertion) order as a stable sort) by radix passes,
+// the level's points only as far as its walk reads them (Ascending).
 
 #include <algorithm>
 #include <cstdint>
@@ -328,9 +329,10 @@ inline uint32_t at_of(Keyed k) { return static_cast<uint32_t>(k); }
 struct LevelScratch {  // level's buffers (and sort_ranks'), reused pass after pass
   std::vector<Point> points;  // in insertion order (`at`)
   std::vector<Keyed> keys, tmp;
+  std::vector<uint32_t> ends;  // the first bucket pass's bucket ends
 };
 
-void insertion_sort(Keyed* a, size_t n) {
+void insertion_sort(Keyed* a, size_t n) {  // a[0, n) ascending (short or nearly sorted runs)
   for (size_t i = 1; i < n; ++i) {
     const Keyed v = a[i];
     size_t j = i;
@@ -339,44 +341,87 @@ void insertion_sort(Keyed* a, size_t n) {
   }
 }
 
-constexpr size_t RADIX_FROM = 256;  // sort_keyed: std::sort below (as fast there, measured)
-constexpr size_t RADIX_SMALL = 16;  // radix_sort: a bucket up to this size by insertion
+constexpr size_t BUCKETS_FROM = 64;  // Ascending: std::sort below (measured as fast there)
+constexpr int FIRST_BITS = 11;       // the first bucket pass: up to 2^11 buckets
+constexpr int LATER_BITS = 8;        // a bucket's own passes: up to 2^8 (their ends on the stack)
+constexpr size_t RADIX_SMALL = 16;   // radix_sort: a bucket up to this size by insertion
 
-// a[0, n) ascending (tmp: n scratch), a most-significant-digit radix sort on the x keys: up to
-// 2^8 buckets evenly over the range's own [lo, hi] of keys (the digit (key - lo) >> shift is
-// monotone in the key: equal keys share a bucket, a larger key never lands in an earlier one),
-// a counting scatter into tmp, copied back, then each bucket on its own: by insertion when
-// small, else by digits again over its own narrower [lo, hi] (the points bunch near the level,
-// the totals near the mean: one level of buckets leaves clumps). Each level spans at least 4
-// fewer key bits, so the depth stays under 16. Equal keys end ordered by `at` (the last step).
-void radix_sort(Keyed* a, Keyed* tmp, size_t n) {
-  if (n <= RADIX_SMALL) return insertion_sort(a, n);
+// One pass of a most-significant-digit radix sort on the x keys of a[0, n) (n >= 2; tmp: n
+// scratch): ~n buckets (at most 2^max_bits) evenly over the range's own [lo, hi] of keys (the
+// digit (key - lo) >> shift is monotone in the key: equal keys share a bucket, a larger key never
+// lands in an earlier one), a counting scatter into tmp (stable), copied back. Returns the
+// bucket count, ends[d] the end of bucket d (ends: room for 2^max_bits + 1); 0 when every key is
+// equal (a as it was).
+size_t bucket_pass(Keyed* a, Keyed* tmp, size_t n, uint32_t* ends, int max_bits) {
   uint64_t lo = key_of(a[0]), hi = lo;
   for (size_t i = 1; i < n; ++i) lo = std::min(lo, key_of(a[i])), hi = std::max(hi, key_of(a[i]));
-  if (lo == hi) return std::sort(a, a + n);  // one x: by `at`
+  if (lo == hi) return 0;
   const int span = 64 - __builtin_clzll(hi - lo);  // the bits hi - lo needs (>= 1)
-  const int bits = std::clamp(63 - __builtin_clzll(n), 4, 8);  // ~n buckets, 16 to 256
+  const int bits = std::clamp(63 - __builtin_clzll(n), 4, max_bits);  // ~n buckets, >= 16
   const int shift = span > bits ? span - bits : 0;
   const size_t buckets = static_cast<size_t>((hi - lo) >> shift) + 1;  // <= 2^bits
-  uint32_t ends[(1 << 8) + 1] = {};  // ends[d + 1]: bucket d's count, then its start, its end
+  std::fill(ends, ends + buckets + 1, 0u);  // ends[d + 1]: bucket d's count, its start, its end
   for (size_t i = 0; i < n; ++i) ++ends[((key_of(a[i]) - lo) >> shift) + 1];
   for (size_t d = 1; d <= buckets; ++d) ends[d] += ends[d - 1];  // ends[d]: bucket d's start
   for (size_t i = 0; i < n; ++i) tmp[ends[(key_of(a[i]) - lo) >> shift]++] = a[i];
   std::memcpy(a, tmp, n * sizeof(Keyed));  // ends[d]: bucket d's end (the scatter moved it)
+  return buckets;
+}
+
+// a[0, n) ascending: by insertion when small, else a bucket pass and each bucket again on its
+// own narrower [lo, hi] (the points bunch near the level, the totals near the mean: one pass
+// leaves clumps). Each pass spans at least 4 fewer key bits: the depth stays under 16.
+void radix_sort(Keyed* a, Keyed* tmp, size_t n) {
+  if (n <= RADIX_SMALL) return insertion_sort(a, n);
+  uint32_t ends[(1 << LATER_BITS) + 1];
+  const size_t buckets = bucket_pass(a, tmp, n, ends, LATER_BITS);
+  if (buckets == 0) return std::sort(a, a + n);  // one x: by `at`
   size_t start = 0;
   for (size_t d = 0; d < buckets; ++d) {
-    const size_t end = ends[d];
-    radix_sort(a + start, tmp + start, end - start);
-    start = end;
+    radix_sort(a + start, tmp + start, ends[d] - start);
+    start = ends[d];
   }
 }
 
-// `a` ascending (by (x, at): see Keyed), std::sort when short, else radix_sort
-void sort_keyed(std::vector<Keyed>& a, LevelScratch& ws) {
-  if (a.size() < RADIX_FROM) return std::sort(a.begin(), a.end());
-  ws.tmp.resize(a.size());
-  radix_sort(a.data(), ws.tmp.data(), a.size());
-}
+// `keys` ascending (by (x, at): see Keyed), sorted only as far as they are read: one bucket pass
+// over them all, then a bucket is sorted when an index in it is first read (level's walk stops
+// at the level, about half way up its points: the buckets above are never sorted). Short lists
+// by std::sort at once.
+class Ascending {
+ public:
+  Ascending(std::vector<Keyed>& keys, LevelScratch& ws)
+      : a_(keys.data()), n_(keys.size()), ws_(ws) {
+    if (n_ < BUCKETS_FROM) {
+      std::sort(keys.begin(), keys.end());
+      return;
+    }
+    if (ws.tmp.size() < n_) ws.tmp.resize(n_);  // grown only: no zeroing pass after pass
+    ws.ends.resize((size_t(1) << FIRST_BITS) + 1);
+    if (bucket_pass(a_, ws.tmp.data(), n_, ws.ends.data(), FIRST_BITS) == 0) {
+      std::sort(keys.begin(), keys.end());  // one x: by `at`
+      return;
+    }
+    ready_ = 0;  // the buckets in place, none sorted yet
+  }
+  Keyed operator[](size_t i) {  // i < n
+    while (i >= ready_) {  // sort the next bucket: a_[0, its end) is then final
+      const size_t end = ws_.ends[next_++];
+      radix_sort(a_ + ready_, ws_.tmp.data() + ready_, end - ready_);
+      ready_ = end;
+    }
+    return a_[i];
+  }
+  void sort_all() {
+    if (n_) (*this)[n_ - 1];
+  }
+
+ private:
+  Keyed* a_;
+  size_t n_;
+  LevelScratch& ws_;
+  size_t next_ = 0;  // the first bucket not sorted yet
+  size_t ready_ = static_cast<size_t>(-1);  // a_[0, ready_) final (all of it when sorted at once)
+};
 
 // `ranks` (ascending) sorted by (T[r], r), or by (-T[r], r) when `descending` (-T: exact, and
 // equal totals stay equal): the rank rides along as the key's `at`
@@ -387,7 +432,7 @@ void sort_ranks(std::vector<int64_t>& ranks, const std::vector<double>& T, bool 
     const double x = T[static_cast<size_t>(r)];
     ws.keys.push_back(keyed(descending ? -x : x, static_cast<uint32_t>(r)));
   }
-  sort_keyed(ws.keys, ws);
+  Ascending(ws.keys, ws).sort_all();
   for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = at_of(ws.keys[i]);
 }
 
@@ -417,9 +462,9 @@ double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
     if (start[r] != INF) push(start[r], -1.0 / cost, 0.0);
   }
   if (points.empty()) return *std::max_element(T.begin(), T.end());
-  sort_keyed(keys, ws);  // a stable sort by x
+  Ascending by_x(keys, ws);  // a stable sort by x, as far as the walk reads it
   const size_t n = points.size();
-  const auto pt = [&](size_t i) -> const Point& { return points[at_of(keys[i])]; };  // i-th by x
+  const auto pt = [&](size_t i) -> const Point& { return points[at_of(by_x[i])]; };  // i-th by x
   if (n <= tensor_points) {  // the list walk
     double d = d0, slope = 0.0, prev = pt(0).x;
     for (size_t i = 0; i < n; ++i) {

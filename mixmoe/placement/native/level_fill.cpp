@@ -20,11 +20,13 @@
 // Speed (3 fills a plan at zipf:1.2, W = 64 and 1024): the per-expert and per-rank maps are FlatMaps
 // (flat_map.h: sorted vectors, std::map's order), a rank's offers sit in place (Offers), the
 // per-pass buffers are reused, and the level's points and the donor/receiver orders are sorted
-// by sort_keyed (buckets, then comparisons: the same (x, insertion) order as a stable sort).
+// as 128-bit integers (Keyed: the same (x, insertion) order as a stable sort) by radix passes,
+// the level's points only as far as its walk reads them (Ascending).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <utility>
 #include <vector>
@@ -298,63 +300,128 @@ struct Point {
   double x, dslope, drop;
 };
 
-// A point's place in the sort: its x and its insertion index
-struct Keyed {
-  double x;
-  uint32_t at;  // insertion order: ties in x keep it (Python's stable sort)
-};
+// A point's (or a rank's) place in a sort as one unsigned 128-bit integer: x's order key
+// (order_key) in bits 32-95, `at` (the insertion index, or the rank) in bits 0-31. Integer
+// order on it is the order by (x, at), a total order (no two `at`s are equal): every correct
+// sort gives the one order a stable sort by x gives (ties in x keep insertion order, as
+// Python's sorted does). One integer compare (no branch on ties) and a 16-byte move, as the
+// (double, index) pair it replaces took two compares.
+using Keyed = unsigned __int128;
 
-bool before(const Keyed& p, const Keyed& q) { return p.x != q.x ? p.x < q.x : p.at < q.at; }
+// x's bits as an unsigned integer in x's order (finite x: INF never enters a sort): a positive
+// double's bits ascend with it (set the sign bit: above every negative), a negative's descend
+// (flip every bit). x + 0.0 first turns -0.0 into 0.0: equal doubles get one key, and their tie
+// falls to `at`, as the double comparison's did.
+inline uint64_t order_key(double x) {
+  const double z = x + 0.0;
+  uint64_t b;
+  std::memcpy(&b, &z, sizeof b);
+  const uint64_t negative = static_cast<uint64_t>(static_cast<int64_t>(b) >> 63);  // all 1s or 0
+  return b ^ (negative | (uint64_t(1) << 63));
+}
+
+inline Keyed keyed(double x, uint32_t at) {
+  return (static_cast<Keyed>(order_key(x)) << 32) | at;
+}
+inline uint64_t key_of(Keyed k) { return static_cast<uint64_t>(k >> 32); }  // order_key(x)
+inline uint32_t at_of(Keyed k) { return static_cast<uint32_t>(k); }
 
 struct LevelScratch {  // level's buffers (and sort_ranks'), reused pass after pass
-  std::vector<Point> points;
+  std::vector<Point> points;  // in insertion order (`at`)
   std::vector<Keyed> keys, tmp;
-  std::vector<uint32_t> ends;
+  std::vector<uint32_t> ends;  // the first bucket pass's bucket ends
 };
 
-// `a` sorted by (x, at), a total order: the same order whatever the algorithm. Short lists by
-// comparisons; longer ones by buckets: n buckets evenly over [min x, max x] (a bucket's index is
-// monotone in x: rounding is monotone, so equal xs share a bucket and a larger x never lands in
-// an earlier bucket), a stable scatter, then each bucket by comparisons (points bunch: a bucket
-// of many falls back to std::sort, so the worst case is std::sort's)
-void sort_keyed(std::vector<Keyed>& a, LevelScratch& ws) {
-  const size_t n = a.size();
-  if (n < 64) {
-    std::sort(a.begin(), a.end(), before);
-    return;
+void insertion_sort(Keyed* a, size_t n) {  // a[0, n) ascending (short or nearly sorted runs)
+  for (size_t i = 1; i < n; ++i) {
+    const Keyed v = a[i];
+    size_t j = i;
+    for (; j > 0 && v < a[j - 1]; --j) a[j] = a[j - 1];
+    a[j] = v;
   }
-  double lo = a[0].x, hi = a[0].x;
-  for (const Keyed& e : a) lo = std::min(lo, e.x), hi = std::max(hi, e.x);
-  if (!(lo < hi)) return;  // all equal: insertion order is the order
-  const double scale = static_cast<double>(n) / (hi - lo);  // 0.0 when hi - lo overflows
-  const auto bucket = [&](double x) {  // in [0, n): the last takes the top (and any overflow)
-    const double b = (x - lo) * scale;
-    return b < static_cast<double>(n - 1) ? static_cast<size_t>(b) : n - 1;
-  };
-  std::vector<uint32_t>& ends = ws.ends;  // ends[d + 1]: bucket d's count, then its end
-  ends.assign(n + 1, 0);
-  for (const Keyed& e : a) ++ends[bucket(e.x) + 1];
-  for (size_t d = 1; d <= n; ++d) ends[d] += ends[d - 1];  // ends[d]: bucket d's start
-  ws.tmp.resize(n);
-  for (const Keyed& e : a) ws.tmp[ends[bucket(e.x)]++] = e;  // stable; ends[d]: bucket d's end
-  uint32_t start = 0;
-  for (size_t d = 0; d < n; ++d) {
-    const uint32_t end = ends[d];
-    const auto first = ws.tmp.begin() + start, last = ws.tmp.begin() + end;
-    if (end - start > 16) {
-      std::sort(first, last, before);
-    } else {
-      for (auto i = first + (end > start); i < last; ++i) {  // insertion sort
-        const Keyed v = *i;
-        auto j = i;
-        for (; j > first && before(v, *(j - 1)); --j) *j = *(j - 1);
-        *j = v;
-      }
-    }
-    start = end;
-  }
-  a.swap(ws.tmp);
 }
+
+constexpr size_t BUCKETS_FROM = 64;  // Ascending: std::sort below (measured as fast there)
+constexpr int FIRST_BITS = 11;       // the first bucket pass: up to 2^11 buckets
+constexpr int LATER_BITS = 8;        // a bucket's own passes: up to 2^8 (their ends on the stack)
+constexpr size_t RADIX_SMALL = 16;   // radix_sort: a bucket up to this size by insertion
+
+// One pass of a most-significant-digit radix sort on the x keys of a[0, n) (n >= 2; tmp: n
+// scratch): ~n buckets (at most 2^max_bits) evenly over the range's own [lo, hi] of keys (the
+// digit (key - lo) >> shift is monotone in the key: equal keys share a bucket, a larger key never
+// lands in an earlier one), a counting scatter into tmp (stable), copied back. Returns the
+// bucket count, ends[d] the end of bucket d (ends: room for 2^max_bits + 1); 0 when every key is
+// equal (a as it was).
+size_t bucket_pass(Keyed* a, Keyed* tmp, size_t n, uint32_t* ends, int max_bits) {
+  uint64_t lo = key_of(a[0]), hi = lo;
+  for (size_t i = 1; i < n; ++i) lo = std::min(lo, key_of(a[i])), hi = std::max(hi, key_of(a[i]));
+  if (lo == hi) return 0;
+  const int span = 64 - __builtin_clzll(hi - lo);  // the bits hi - lo needs (>= 1)
+  const int bits = std::clamp(63 - __builtin_clzll(n), 4, max_bits);  // ~n buckets, >= 16
+  const int shift = span > bits ? span - bits : 0;
+  const size_t buckets = static_cast<size_t>((hi - lo) >> shift) + 1;  // <= 2^bits
+  std::fill(ends, ends + buckets + 1, 0u);  // ends[d + 1]: bucket d's count, its start, its end
+  for (size_t i = 0; i < n; ++i) ++ends[((key_of(a[i]) - lo) >> shift) + 1];
+  for (size_t d = 1; d <= buckets; ++d) ends[d] += ends[d - 1];  // ends[d]: bucket d's start
+  for (size_t i = 0; i < n; ++i) tmp[ends[(key_of(a[i]) - lo) >> shift]++] = a[i];
+  std::memcpy(a, tmp, n * sizeof(Keyed));  // ends[d]: bucket d's end (the scatter moved it)
+  return buckets;
+}
+
+// a[0, n) ascending: by insertion when small, else a bucket pass and each bucket again on its
+// own narrower [lo, hi] (the points bunch near the level, the totals near the mean: one pass
+// leaves clumps). Each pass spans at least 4 fewer key bits: the depth stays under 16.
+void radix_sort(Keyed* a, Keyed* tmp, size_t n) {
+  if (n <= RADIX_SMALL) return insertion_sort(a, n);
+  uint32_t ends[(1 << LATER_BITS) + 1];
+  const size_t buckets = bucket_pass(a, tmp, n, ends, LATER_BITS);
+  if (buckets == 0) return std::sort(a, a + n);  // one x: by `at`
+  size_t start = 0;
+  for (size_t d = 0; d < buckets; ++d) {
+    radix_sort(a + start, tmp + start, ends[d] - start);
+    start = ends[d];
+  }
+}
+
+// `keys` ascending (by (x, at): see Keyed), sorted only as far as they are read: one bucket pass
+// over them all, then a bucket is sorted when an index in it is first read (level's walk stops
+// at the level, about half way up its points: the buckets above are never sorted). Short lists
+// by std::sort at once.
+class Ascending {
+ public:
+  Ascending(std::vector<Keyed>& keys, LevelScratch& ws)
+      : a_(keys.data()), n_(keys.size()), ws_(ws) {
+    if (n_ < BUCKETS_FROM) {
+      std::sort(keys.begin(), keys.end());
+      return;
+    }
+    if (ws.tmp.size() < n_) ws.tmp.resize(n_);  // grown only: no zeroing pass after pass
+    ws.ends.resize((size_t(1) << FIRST_BITS) + 1);
+    if (bucket_pass(a_, ws.tmp.data(), n_, ws.ends.data(), FIRST_BITS) == 0) {
+      std::sort(keys.begin(), keys.end());  // one x: by `at`
+      return;
+    }
+    ready_ = 0;  // the buckets in place, none sorted yet
+  }
+  Keyed operator[](size_t i) {  // i < n
+    while (i >= ready_) {  // sort the next bucket: a_[0, its end) is then final
+      const size_t end = ws_.ends[next_++];
+      radix_sort(a_ + ready_, ws_.tmp.data() + ready_, end - ready_);
+      ready_ = end;
+    }
+    return a_[i];
+  }
+  void sort_all() {
+    if (n_) (*this)[n_ - 1];
+  }
+
+ private:
+  Keyed* a_;
+  size_t n_;
+  LevelScratch& ws_;
+  size_t next_ = 0;  // the first bucket not sorted yet
+  size_t ready_ = static_cast<size_t>(-1);  // a_[0, ready_) final (all of it when sorted at once)
+};
 
 // `ranks` (ascending) sorted by (T[r], r), or by (-T[r], r) when `descending` (-T: exact, and
 // equal totals stay equal): the rank rides along as the key's `at`
@@ -363,10 +430,10 @@ void sort_ranks(std::vector<int64_t>& ranks, const std::vector<double>& T, bool 
   ws.keys.clear();
   for (int64_t r : ranks) {
     const double x = T[static_cast<size_t>(r)];
-    ws.keys.push_back({descending ? -x : x, static_cast<uint32_t>(r)});
+    ws.keys.push_back(keyed(descending ? -x : x, static_cast<uint32_t>(r)));
   }
-  sort_keyed(ws.keys, ws);
-  for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = ws.keys[i].at;
+  Ascending(ws.keys, ws).sort_all();
+  for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = at_of(ws.keys[i]);
 }
 
 // level_fill._level: the level where the rows shed above it equal the rows absorbed below it
@@ -381,7 +448,7 @@ double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
   points.clear();
   keys.clear();
   const auto push = [&](double x, double dslope, double drop) {
-    keys.push_back({x, static_cast<uint32_t>(points.size())});
+    keys.push_back(keyed(x, static_cast<uint32_t>(points.size())));
     points.push_back({x, dslope, drop});
   };
   double d0 = 0.0;
@@ -395,9 +462,9 @@ double level(const std::vector<double>& T, const std::vector<int64_t>& avail,
     if (start[r] != INF) push(start[r], -1.0 / cost, 0.0);
   }
   if (points.empty()) return *std::max_element(T.begin(), T.end());
-  sort_keyed(keys, ws);  // a stable sort by x
+  Ascending by_x(keys, ws);  // a stable sort by x, as far as the walk reads it
   const size_t n = points.size();
-  const auto pt = [&](size_t i) -> const Point& { return points[keys[i].at]; };  // i-th by x
+  const auto pt = [&](size_t i) -> const Point& { return points[at_of(by_x[i])]; };  // i-th by x
   if (n <= tensor_points) {  // the list walk
     double d = d0, slope = 0.0, prev = pt(0).x;
     for (size_t i = 0; i < n; ++i) {

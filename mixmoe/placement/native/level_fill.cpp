@@ -260,7 +260,8 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   int64_t offer(int64_t b, double token, double t, double hide, Offers& out) const {
     auto& heavy = heavy_;  // (-rows, g)
     heavy.clear();
-    for (int64_t g = b * E; g < (b + 1) * E; ++g)
+    const int64_t first = b * E, end = first + E;  // b's own experts: g / E == b
+    for (int64_t g = first; g < end; ++g)
       if (owner_rows[g] > 0) heavy.emplace_back(-owner_rows[g], g);
     for (const auto& [g, n] : helped[b])
       if (n > 0) heavy.emplace_back(-n, g);
@@ -270,7 +271,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
     out.clear();
     for (size_t i = 0; i < heavy.size() && i < static_cast<size_t>(OFFERED); ++i) {
       const auto [n, g] = heavy[i];
-      if (g / E != b) {  // as a helper: all its rows of g
+      if (g < first || g >= end) {  // as a helper: all its rows of g
         out.push_back({g, 0, 0});
         avail -= n;
         continue;
@@ -732,8 +733,8 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
     if (moved) f.retotal();
     pieces += moved;
     if (*std::max_element(f.totals.begin(), f.totals.end()) > (1.0 - p.min_gain) * top) {
-      bool any_holder = false;
-      for (const auto& h : f.holders) any_holder = any_holder || !h.empty();
+      const bool any_holder = std::any_of(f.holders.begin(), f.holders.end(),
+                                          [](const std::vector<int64_t>& h) { return !h.empty(); });
       if (free_copy || !(moved || any_holder)) break;
       free_copy = true;
     }

@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <utility>
 #include <vector>
 
@@ -82,6 +81,8 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   // scratch reused call after call (no allocation per call): offer's candidates, relay's degrees
   mutable std::vector<std::pair<int64_t, int64_t>> heavy_;
   FlatMap<double> fresh_;
+  mutable std::vector<int64_t> near_;                    // relay_degrees' near holders
+  mutable std::vector<std::pair<size_t, size_t>> runs_;  // and far nodes' runs
 
   int64_t c(int64_t y, int64_t g) const { return C[y * N + g]; }
 
@@ -188,33 +189,33 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
                         FlatMap<double>& out) const {
     out.clear();
     if (hs.empty()) return 0;
-    std::vector<int64_t> near_node;  // with a topology: the holders on the owner's node
+    // with a topology: the holders on the owner's node, and each far node's holders as a run
+    // [begin, end) of hs (ascending, as holders are kept: a node's holders are consecutive and
+    // the runs come by lowest holder, relay.holder_groups' order); scratch kept per Fill
+    auto& near_node = near_;
+    auto& runs = runs_;
+    near_node.clear();
+    runs.clear();
     const std::vector<int64_t>& near = per_node == 0 ? hs : near_node;  // one link: all of them
-    std::vector<std::vector<int64_t>> groups;  // far nodes, by lowest holder
     if (per_node != 0) {
       const int64_t home = owner / per_node;
-      std::map<int64_t, size_t> slot;  // node -> its index in groups
-      for (int64_t h : hs) {
-        const int64_t node = h / per_node;
+      for (size_t i = 0; i < hs.size(); ++i) {
+        const int64_t node = hs[i] / per_node;
         if (node == home) {
-          near_node.push_back(h);
-          continue;
-        }
-        auto it = slot.find(node);
-        if (it == slot.end()) {
-          slot.emplace(node, groups.size());
-          groups.push_back({h});
+          near_node.push_back(hs[i]);
+        } else if (!runs.empty() && hs[runs.back().first] / per_node == node) {
+          runs.back().second = i + 1;  // the same far node as the holder before
         } else {
-          groups[it->second].push_back(h);
+          runs.emplace_back(i, i + 1);
         }
       }
     }
-    const int64_t k = static_cast<int64_t>(near.size()), L = static_cast<int64_t>(groups.size());
+    const int64_t k = static_cast<int64_t>(near.size()), L = static_cast<int64_t>(runs.size());
     int64_t R = 0;
     bool pair_far = false;
-    for (const auto& grp : groups) {
-      R += static_cast<int64_t>(grp.size());
-      pair_far = pair_far || grp.size() >= 2;
+    for (const auto& [b, e] : runs) {
+      R += static_cast<int64_t>(e - b);
+      pair_far = pair_far || e - b >= 2;
     }
     out[owner] = static_cast<double>((k > 0) + (R > 0));
     if (k > 0) {
@@ -222,14 +223,14 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
       for (int64_t h : near) out[h] = near_copies;
     }
     if (R == 1) {
-      out[groups[0][0]] = 1.0;
+      out[hs[runs[0].first]] = 1.0;
     } else if (R >= 2) {
-      for (const auto& grp : groups) {
-        const int64_t cg = static_cast<int64_t>(grp.size());
+      for (const auto& [b, e] : runs) {
+        const int64_t cg = static_cast<int64_t>(e - b);
         const int64_t extra = (R - cg) % cg;
         const double low = 1.0 + grid(L - 1 + (1 + (R - cg) / cg) * (cg - 1), R);
         const double high = extra ? 1.0 + grid(L - 1 + (2 + (R - cg) / cg) * (cg - 1), R) : low;
-        for (int64_t i = 0; i < cg; ++i) out[grp[i]] = i < extra ? high : low;
+        for (int64_t i = 0; i < cg; ++i) out[hs[b + static_cast<size_t>(i)]] = i < extra ? high : low;
       }
     }
     return 1 + (k >= 2 || R >= 2) + (L >= 2 && pair_far);

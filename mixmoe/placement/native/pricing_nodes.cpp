@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <map>
 #include <utility>
 #include <vector>
 
@@ -26,40 +25,47 @@ namespace {
 
 using namespace mixmoe_native;
 
-// relay.holder_groups with relay.nodes_of(P): near holders ascending, the far nodes' holders
-// (each ascending), nodes ordered by their lowest holder
-void holder_groups(int64_t owner, std::vector<int64_t> hs, int64_t P, std::vector<int64_t>& near,
-                   std::vector<std::vector<int64_t>>& groups) {
-  std::sort(hs.begin(), hs.end());  // relay sorts the holders first
-  near.clear();
-  groups.clear();
-  std::map<int64_t, size_t> slot;  // node -> its index in groups (first seen: lowest holder)
-  for (int64_t h : hs) {
-    const int64_t node = h / P;
-    if (node == owner / P) {
-      near.push_back(h);
-      continue;
+// relay.holder_groups with relay.nodes_of(P), as index runs of the sorted holders: the near
+// holders (on the owner's node) and each far node's holders. Sorted ascending, a node's holders
+// are consecutive (node = h / P grows with h), so each far group is one run, and the runs come
+// in the Python's order (first seen: by lowest holder). No allocation once the scratch grew.
+struct Groups {
+  std::vector<int64_t> hs;                      // the holders, ascending
+  std::vector<int64_t> near;                    // the near holders, ascending
+  std::vector<std::pair<size_t, size_t>> runs;  // each far node's [begin, end) in hs
+};
+
+void holder_groups(int64_t owner, const std::vector<int64_t>& holders, int64_t P, Groups& out) {
+  out.hs.assign(holders.begin(), holders.end());
+  std::sort(out.hs.begin(), out.hs.end());  // relay sorts the holders first
+  out.near.clear();
+  out.runs.clear();
+  const int64_t home = owner / P;
+  for (size_t i = 0; i < out.hs.size(); ++i) {
+    const int64_t node = out.hs[i] / P;
+    if (node == home) {
+      out.near.push_back(out.hs[i]);
+    } else if (!out.runs.empty() && out.hs[out.runs.back().first] / P == node) {
+      out.runs.back().second = i + 1;  // the same far node as the run before
+    } else {
+      out.runs.emplace_back(i, i + 1);
     }
-    auto [it, fresh] = slot.emplace(node, groups.size());
-    if (fresh) groups.emplace_back();
-    groups[it->second].push_back(h);
   }
 }
 
-// relay.relay_degrees (copies added into `replica`) and relay.relay_inter_copies (into `inter`)
-// of expert g's holders; returns relay_degrees' rounds
-int64_t relay_nodes(int64_t owner, const std::vector<int64_t>& hs, int64_t P,
+int64_t relay_nodes(int64_t owner, const std::vector<int64_t>& holders, int64_t P,
                     std::vector<double>& replica, std::vector<double>& inter) {
-  if (hs.empty()) return 0;
-  std::vector<int64_t> near;
-  std::vector<std::vector<int64_t>> groups;
-  holder_groups(owner, hs, P, near, groups);
-  const int64_t k = static_cast<int64_t>(near.size()), L = static_cast<int64_t>(groups.size());
+  if (holders.empty()) return 0;
+  thread_local Groups x;  // scratch, one per thread (the planner may run on several)
+  holder_groups(owner, holders, P, x);
+  const auto& near = x.near;
+  const auto& runs = x.runs;
+  const int64_t k = static_cast<int64_t>(near.size()), L = static_cast<int64_t>(runs.size());
   int64_t R = 0;
   bool pairs = false;  // a far node with 2 holders or more
-  for (const auto& grp : groups) {
-    R += static_cast<int64_t>(grp.size());
-    pairs = pairs || grp.size() >= 2;
+  for (const auto& [b, e] : runs) {
+    R += static_cast<int64_t>(e - b);
+    pairs = pairs || e - b >= 2;
   }
   replica[owner] += static_cast<double>((k > 0) + (R > 0));  // 1 per nonempty link class
   if (k > 0) {
@@ -68,31 +74,28 @@ int64_t relay_nodes(int64_t owner, const std::vector<int64_t>& hs, int64_t P,
   }
   if (R > 0) inter[owner] += 1.0;  // the far scatter crosses once, in all
   if (R == 1) {
-    replica[groups[0][0]] += 1.0;
-    inter[groups[0][0]] += 1.0;
+    const int64_t h = x.hs[runs[0].first];
+    replica[h] += 1.0;
+    inter[h] += 1.0;
   } else if (R >= 2) {
     const double sent = grid(L - 1, R);  // the exchange: L - 1 chunks sent across
-    for (const auto& grp : groups) {
-      const int64_t c = static_cast<int64_t>(grp.size());
+    for (const auto& [b, e] : runs) {
+      const int64_t c = static_cast<int64_t>(e - b);
       const int64_t extra = (R - c) % c;  // holders 0 .. extra - 1 receive one chunk more
       const double low = 1.0 + grid(L - 1 + (1 + (R - c) / c) * (c - 1), R);
       const double high = extra ? 1.0 + grid(L - 1 + (2 + (R - c) / c) * (c - 1), R) : low;
       const double low_in = grid(1 + (R - c) / c, R) + sent;
       const double high_in = extra ? grid(2 + (R - c) / c, R) + sent : low_in;
       for (int64_t i = 0; i < c; ++i) {
-        replica[grp[i]] += i < extra ? high : low;
-        inter[grp[i]] += i < extra ? high_in : low_in;
+        const int64_t h = x.hs[b + static_cast<size_t>(i)];
+        replica[h] += i < extra ? high : low;
+        inter[h] += i < extra ? high_in : low_in;
       }
     }
   }
   return 1 + (k >= 2 || R >= 2) + (L >= 2 && pairs);
 }
 
-// loads_tensor.range_crossing_tensor of one expert g, added into `inter`: the replica rule's
-// crossings of its stream's sources undone, then each (source, computing rank) interval of the
-// stream cut by the ranges crossing nodes counted at both ends (ranges module doc: the stream is
-// the non-owner, non-holder sources ascending, a kept holder's rest at its place, the owner's
-// own rows last; the helpers' ranges cut it from its start in order, the owner takes the rest)
 struct Scratch {  // per-rank marks of range_crossing, reset after each expert
   std::vector<int64_t> node;           // r / P, once per pricing (no division per row)
   std::vector<char> holder, is_kept;   // the expert's holders, its kept holders

@@ -28,7 +28,7 @@ using namespace mixmoe_native;
 // relay.holder_groups with relay.nodes_of(P), as index runs of the sorted holders: the near
 // holders (on the owner's node) and each far node's holders. Sorted ascending, a node's holders
 // are consecutive (node = h / P grows with h), so each far group is one run, and the runs come
-// in the Python's order (first seen: by lowest holder). No allocation once the scratch grew.
+// in the Python's order (first seen: by lowest holder). One scratch serves a pricing's experts.
 struct Groups {
   std::vector<int64_t> hs;                      // the holders, ascending
   std::vector<int64_t> near;                    // the near holders, ascending
@@ -54,10 +54,9 @@ void holder_groups(int64_t owner, const std::vector<int64_t>& holders, int64_t P
 }
 
 int64_t relay_nodes(int64_t owner, const std::vector<int64_t>& holders, int64_t P,
-                    std::vector<double>& replica, std::vector<double>& inter) {
+                    std::vector<double>& replica, std::vector<double>& inter, Groups& x) {
   if (holders.empty()) return 0;
-  thread_local Groups x;  // scratch, one per thread (the planner may run on several)
-  holder_groups(owner, holders, P, x);
+  holder_groups(owner, holders, P, x);  // x: the caller's scratch, reused expert after expert
   const auto& near = x.near;
   const auto& runs = x.runs;
   const int64_t k = static_cast<int64_t>(near.size()), L = static_cast<int64_t>(runs.size());
@@ -234,8 +233,9 @@ int64_t plan_pricing_nodes(const Counts& counts, const Baseline& base,
     out.loads.replica.assign(static_cast<size_t>(W), 0.0);
     out.replica_inter.assign(static_cast<size_t>(W), 0.0);
     rounds = 0;
+    Groups x;
     for (const auto& [g, hs] : replicas)
-      rounds = std::max(rounds, relay_nodes(g / E, hs, P, out.loads.replica, out.replica_inter));
+      rounds = std::max(rounds, relay_nodes(g / E, hs, P, out.loads.replica, out.replica_inter, x));
   }
   return rounds;
 }

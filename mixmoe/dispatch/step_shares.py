@@ -80,14 +80,21 @@ def share_fields(
     recv_WM = torch.zeros(W, len(cols), dtype=torch.int64)
     own_cols = [col_of[g] for g in range(r * E, (r + 1) * E)]
     recv_WM[:, own_cols] = recv_WE  # the replica rule's receive counts (a replica column: 0)
-    for s, g, runs in plan.shares:
-        if s != r and g in col_of:
-            recv_WM[s, col_of[g]] = dict(runs).get(r, 0)
+    # the shared segments' rows computed here, written in one indexed assignment (entries are
+    # unique by (s, g): strictly ascending); W = 1024: ~10**3 entries, ~1 us each one by one
+    here = [(s, col_of[g], dict(runs).get(r, 0)) for s, g, runs in plan.shares
+            if s != r and g in col_of]  # fmt: skip
+    if here:
+        s_K, j_K, n_K = zip(*here, strict=True)
+        recv_WM[list(s_K), list(j_K)] = torch.tensor(n_K, dtype=torch.int64)
     recv_WM[r] = 0
 
-    # -- rows crossing ranks: the replica rule's total, corrected for the shared segments
-    for s, g, runs in plan.shares if moved_by is None else moved_by:
-        before = int(C_WN[s, g]) if plan.computed_at(s, g, E) != s else 0
+    # -- rows crossing ranks: the replica rule's total, corrected for the shared segments (their
+    # counts C[s][g] read with one gather, not one tensor index each)
+    moved = plan.shares if moved_by is None else moved_by
+    counts_K = C_WN[[s for s, _, _ in moved], [g for _, g, _ in moved]].tolist() if moved else []
+    for (s, g, runs), c_sg in zip(moved, counts_K, strict=True):
+        before = c_sg if plan.computed_at(s, g, E) != s else 0
         rows_moved += sum(n for c, n in runs if c != s) - before
 
     return {

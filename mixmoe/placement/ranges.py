@@ -281,19 +281,24 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
     mine = {}  # g -> where rank's segment starts in g's stream (the experts not expanded)
     if not all(full):
         part = [i for i, f in enumerate(full) if not f]
-        cols_GW = C_WN.T[[gs[i] for i in part]]  # a copy: rows of C's transpose (fast)
+        # a copy: rows of C's transpose (fast), of the sources up to rank only (rank's segment
+        # starts after the sources below it: the rows above are never read; W = 1024: ~0.9 ms
+        # for all of them)
+        cols_GW = C_WN[: rank + 1].T[[gs[i] for i in part]]
         # the owner and the holders leave the stream, a kept holder's rest stays in it: one
         # scatter each over (row of cols_GW, rank) index lists
         out_k, out_y, kept_k, kept_y, kept_local = [], [], [], [], []
         for k, i in enumerate(part):
             g = gs[i]
-            leave = [g // E, *plan.holders(g)]
+            # the ranks below rank (rank neither owns nor holds g here: never y == rank)
+            leave = [y for y in (g // E, *plan.holders(g)) if y < rank]
             out_k += [k] * len(leave)
             out_y += leave
             for y, local in experts[i][2].items():
-                kept_k.append(k)
-                kept_y.append(y)
-                kept_local.append(local)
+                if y < rank:  # a kept holder holds g: never rank
+                    kept_k.append(k)
+                    kept_y.append(y)
+                    kept_local.append(local)
         rest = cols_GW[kept_k, kept_y] - torch.tensor(kept_local, dtype=cols_GW.dtype)
         cols_GW[out_k, out_y] = 0
         cols_GW[kept_k, kept_y] = rest

@@ -326,25 +326,45 @@ def range_shares(C_WN: torch.Tensor, plan, experts_per_rank: int, rank: int | No
         at += 1
         sources = stream_sources(col_W, o, plan.holders(g), kept)
         starts = _prefix(col_W, sources, kept)
-        for k, s in enumerate(sources):
-            lo, hi = starts[k], starts[k + 1]
-            local = kept.get(s)
-            if local is None:
-                if lo >= q:  # whole at the owner (the replica rule): no entry
-                    continue
-                out.append((s, g, _runs(lo, hi, ranges, ends, o)))
-                continue
-            runs = _runs(lo, hi, ranges, ends, o)  # never at s (``check_ranges``)
-            out.append((s, g, ((s, local), *runs) if local else runs))
-    out.sort(key=lambda e: (e[0], e[1]))
+        out += _stream_entries(g, o, sources, starts, ranges, ends, kept)
+    out.sort()  # by (s, g): unique pairs, so the runs are never compared
     return out
 
 
-def _runs(lo: int, hi: int, ranges, ends: list[int], owner: int) -> tuple[Share, ...]:
+def _stream_entries(
+    g: int, o: int, sources: list[int], starts: list[int], ranges, ends: list[int], kept: Kept
+) -> list:
+    """The share entries ``(s, g, runs)`` of every segment of g's stream (``sources`` in stream
+    order, segment k at rows [starts[k], starts[k + 1])): ``_runs`` of each, the first range
+    ending after a segment's start found by one walk (the segments ascend, so it only moves
+    forward: no search per segment; W = 1024: ~10**3 segments an expert). A segment wholly past
+    the ranges has no entry (the replica rule: at the owner) unless it is a kept holder's rest,
+    which follows the holder's local rows."""
+    out = []
+    q = ends[-1] if ends else 0
+    i = 0  # the first range ending after the segment's start (bisect_right(ends, lo))
+    for k, s in enumerate(sources):
+        lo, hi = starts[k], starts[k + 1]
+        local = kept.get(s)
+        if local is None and lo >= q:  # whole at the owner (the replica rule): no entry
+            continue
+        while i < len(ends) and ends[i] <= lo:
+            i += 1
+        runs = _runs(lo, hi, ranges, ends, o, i)
+        # a kept holder's runs are never at s (``check_ranges``): its local rows come first
+        out.append((s, g, ((s, local), *runs) if local else runs))
+    return out
+
+
+def _runs(
+    lo: int, hi: int, ranges, ends: list[int], owner: int, i: int | None = None
+) -> tuple[Share, ...]:
     """The runs of the segment at stream rows [lo, hi): the ranges' ranks where they cover it
-    (``ends``: each range's end), the owner past the last."""
+    (``ends``: each range's end), the owner past the last. ``i``: the first range ending after
+    lo (``bisect_right(ends, lo)``) when the caller knows it."""
     runs = []
-    i = bisect_right(ends, lo)  # the first range ending after lo
+    if i is None:
+        i = bisect_right(ends, lo)  # the first range ending after lo
     while lo < hi:
         if i < len(ends):
             top = min(hi, ends[i])

@@ -235,16 +235,10 @@ int64_t plan_pricing(const Counts& counts, const Baseline& base, const Replicas&
     out.remote[o] -= moved;
     out.replica[o] += static_cast<double>(hs.size());
   }
-  // ranges.range_experts: every expert with ranges or kept holders, ascending (a merge)
-  size_t i = 0, j = 0;
-  while (i < ranges.size() || j < kept.size()) {
-    const int64_t gr = i < ranges.size() ? ranges[i].first : INT64_MAX;
-    const int64_t gk = j < kept.size() ? kept[j].first : INT64_MAX;
-    const int64_t g = std::min(gr, gk);
-    const Entries* r = gr == g ? &ranges[i++].second : nullptr;
-    const Entries* k = gk == g ? &kept[j++].second : nullptr;
+  // every expert with ranges or kept holders, ascending
+  for_range_experts(ranges, kept, [&](int64_t g, const Entries* r, const Entries* k) {
     range_expert(counts, base, replicas, g, r, k, out);
-  }
+  });
   if (relay && !replicas.empty()) {  // each rank's copies in the one-link relays instead
     out.replica.assign(W, 0.0);
     rounds = 0;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "common.h"
 
@@ -39,6 +40,21 @@ Prediction predict(const Model& model, const Loads& loads, int64_t rounds);
 
 // The C entries' plan: [n_replicas, then per hot expert (g, k, k holders); n_ranges, then per
 // expert (g, k, k (helper, rows) pairs); n_kept, likewise (holder, local rows)]
+// ranges.range_experts: f(g, ranges of g or nullptr, kept of g or nullptr) for every expert
+// with ranges or kept holders, ascending g (a merge of the two lists, each ascending)
+template <typename F>
+void for_range_experts(const ExpertEntries& ranges, const ExpertEntries& kept, F f) {
+  size_t i = 0, j = 0;
+  while (i < ranges.size() || j < kept.size()) {
+    const int64_t gr = i < ranges.size() ? ranges[i].first : INT64_MAX;
+    const int64_t gk = j < kept.size() ? kept[j].first : INT64_MAX;
+    const int64_t g = std::min(gr, gk);
+    const Entries* r = gr == g ? &ranges[i++].second : nullptr;
+    const Entries* k = gk == g ? &kept[j++].second : nullptr;
+    f(g, r, k);
+  }
+}
+
 inline const int64_t* read_plan(const int64_t* plan, Replicas& replicas,
                                 ExpertEntries (&entries)[2]) {
   replicas.resize(static_cast<size_t>(*plan++));

@@ -219,15 +219,9 @@ int64_t plan_pricing_nodes(const Counts& counts, const Baseline& base,
       x.is_kept.assign(static_cast<size_t>(W), 0);
       x.rest.assign(static_cast<size_t>(W), 0);
     }
-    size_t i = 0, j = 0;
-    while (i < ranges.size() || j < kept.size()) {
-      const int64_t gr = i < ranges.size() ? ranges[i].first : INT64_MAX;
-      const int64_t gk = j < kept.size() ? kept[j].first : INT64_MAX;
-      const int64_t g = std::min(gr, gk);
-      const Entries* r = gr == g ? &ranges[i++].second : nullptr;
-      const Entries* k = gk == g ? &kept[j++].second : nullptr;
+    for_range_experts(ranges, kept, [&](int64_t g, const Entries* r, const Entries* k) {
       range_crossing(counts, g, holders_of(replicas, g), r, k, x, out.remote_inter);
-    }
+    });
   }
   if (relay && !replicas.empty()) {  // every rank's copies in the relays, split by node
     out.loads.replica.assign(static_cast<size_t>(W), 0.0);

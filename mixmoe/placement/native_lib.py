@@ -115,9 +115,9 @@ def _build_lock(path: Path) -> Iterator[None]:
 
 def _compile(cxx: str, lib: Path) -> None:
     """Builds ``lib``: each source to an object file at once (one compiler process per file,
-    up to the CPUs: 9.6 -> ~5 s on 2 cores), then one link; written to a temporary file and
-    renamed (atomic: a process loading it sees the whole library). RuntimeError naming the
-    compiler's message when a step fails."""
+    up to the CPUs; the files take 0.7-3.3 s each on this project's 2-core VM), then one link;
+    written to a temporary file and renamed (atomic: a process loading it sees the whole
+    library). RuntimeError naming the compiler's message when a step fails."""
     with tempfile.TemporaryDirectory(prefix=lib.stem, dir=lib.parent) as work:
         objects = [Path(work) / f"{src.stem}.o" for src in sources()]
         jobs = [
@@ -133,7 +133,7 @@ def _compile(cxx: str, lib: Path) -> None:
 def _run_all(commands: list[list[str]], at_once: int) -> None:
     """Runs ``commands``, ``at_once`` at a time; RuntimeError with the first failure's message
     (the others are still waited for: no compiler left running)."""
-    failed: list[str] = []
+    failed: str | None = None
     pending = list(commands)
     running: list[subprocess.Popen] = []
     while pending or running:
@@ -150,10 +150,10 @@ def _run_all(commands: list[list[str]], at_once: int) -> None:
             proc.kill()
             _, err = proc.communicate()
             err = f"timed out after {BUILD_TIMEOUT_S} s. {err}"
-        if proc.returncode != 0 and not failed:
-            failed.append(f"{proc.args[0]} failed: {err.strip()[-400:]}")
-    if failed:
-        raise RuntimeError(failed[0])
+        if proc.returncode != 0 and failed is None:
+            failed = f"{proc.args[0]} failed: {err.strip()[-400:]}"
+    if failed is not None:
+        raise RuntimeError(failed)
 
 
 def _load() -> ctypes.CDLL | None:

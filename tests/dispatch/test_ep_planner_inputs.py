@@ -128,3 +128,37 @@ def test_the_handshake_runs_once_before_the_first_count_exchange() -> None:
         assert gathered == [6, 2 + 4]  # the handshake's 6 fields; fingerprint, version, counts
         layer(x)
     assert gathered == [6, 6, 6]
+
+
+class _ThreeRanks(LocalCommunicator):
+    """A world of three for ``_plan`` alone (it runs no collective)."""
+
+    world_size = 3
+
+
+def test_plans_are_checked_when_hooked_or_asked_never_by_default() -> None:
+    # W = 3, E = 1: expert 0's stream is rank 2's 40 rows, then its owner's 20; a range of 20
+    # rows cuts rank 2's segment inside a 16-row block (check_ranges' error)
+    from mixmoe.placement.plan import Plan
+    from mixmoe.placement.planner import plan_none
+
+    cfg = MoEConfig(model_dim=8, hidden_dim=12, num_experts=3, block_size=16)
+    disp = ExpertParallelDispatcher(_ThreeRanks(), cfg, "mix")
+    C = torch.tensor([[20, 0, 0], [8, 0, 0], [40, 0, 0]])
+    shape = LayerShape(8, 12, 1, 3, 4)
+    base = plan_none(C, shape, CPU_PROFILE).prediction
+    bad = Plan((0,), ((0, (1,)),), base, base, ranges=((0, ((1, 20),)),))
+    disp.spec = dataclasses.replace(disp.spec, planner=lambda *args: bad)
+    # the built-in planners' plans are trusted (their tests check them): no check by default
+    assert disp._plan(C, torch.float32, torch.device("cpu")) is bad
+    disp.check_plans = True
+    with pytest.raises(ValueError, match="cut source 2's segment 20 rows in"):
+        disp._plan(C, torch.float32, torch.device("cpu"))
+    disp.check_plans = False
+    disp.plan_hook = lambda C_WN, plan: bad  # a hook's plan: always checked
+    disp.spec = dataclasses.replace(
+        disp.spec, planner=lambda C, *args: plan_none(C, shape, CPU_PROFILE)
+    )
+    with pytest.raises(ValueError, match="cut source 2's segment 20 rows in"):
+        disp._plan(C, torch.float32, torch.device("cpu"))
+    disp.close()

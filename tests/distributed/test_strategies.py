@@ -29,6 +29,7 @@ pytestmark = pytest.mark.dist
 def _run_case(comm, case: dict) -> dict:
     layer = make_layer(case)
     parallelize_moe(layer, comm, case["strategy"], profile=case["profile"])
+    layer.dispatcher.check_plans = True  # every built-in plan checked against C (default off)
     x, dy = rank_inputs(case, comm.rank)
     x.requires_grad_(True)
     y, aux = layer(x)

@@ -649,6 +649,10 @@ def plan_pricing(
         compiled = _compiled_plan_loads(C_WN, plan, E, base_4W, colsum_N)
         if compiled is not None:
             return compiled
+    if distance is not None and not shares:  # nodes of consecutive ranks: compiled too
+        compiled = _compiled_nodes_loads(C_WN, plan, E, distance)
+        if compiled is not None:
+            return compiled
     if distance is None and not shares and C_WN.shape[0] > LIST_PRICING_W:
         return _plan_pricing_tensor(C_WN, plan, E, base_4W, relay, rounds, colsum_N)
     replicas = [(g, h) for g, h in ((g, tuple(h)) for g, h in plan.replicas) if h]
@@ -735,6 +739,21 @@ def _compiled_plan_loads(
     return native_pricing.plan_loads(C_WN, plan, E, base_4W, colsum_N)
 
 
+def _compiled_nodes_loads(
+    C_WN: torch.Tensor, plan: object, E: int, distance: object
+) -> tuple[torch.Tensor, int] | None:
+    """``plan_pricing`` with a topology of ``ranks_per_node`` consecutive ranks a node
+    (``relay.nodes_of``'s form), compiled (``native_nodes.plan_loads_nodes``: the same 6 rows
+    and rounds; h100-nvlink-ib, zipf:1.2: ``plan_none`` W = 1024 ~9.7 ms in the tensor code);
+    None: run the Python."""
+    from mixmoe.placement import native_nodes  # imported here: it imports this module
+
+    per_node = getattr(distance, "ranks_per_node", None)
+    if type(per_node) is not int or per_node < 1:
+        return None
+    return native_nodes.plan_loads_nodes(C_WN, plan, E, per_node)
+
+
 def _plan_pricing_tensor(
     C_WN: torch.Tensor,
     plan: object,
@@ -806,6 +825,28 @@ def predict_plan(
     return model.prediction_W(loads_4W, rounds)
 
 
+def prediction_of(model: StepModel, loads: torch.Tensor, rounds: int | None = None) -> Prediction:
+    """``model.prediction_W(loads, rounds)``, compiled where it runs: one link (4 rows,
+    ``native_pricing.prediction``) or nodes (6 rows with int rounds, byte counts within int64:
+    ``native_nodes.prediction_nodes``), the same Prediction field for field (their twin tests);
+    else the tensor code."""
+    from mixmoe.placement import native_nodes, native_pricing  # they import this module
+
+    if loads.dtype == torch.float64 and loads.dim() == 2:
+        if loads.shape[0] == 4:
+            out = native_pricing.prediction(model, loads, rounds)
+        elif loads.shape[0] == 6 and rounds is not None and model.bw_inter is not None:
+            # pack's int64 bound (past it the Python packs unbounded ints)
+            top = float(loads[2:4].max()) if loads.shape[1] else 0.0
+            fits = (top + 1) * 2 * max(model.token_bytes_per_row, model.params_bytes) < 2**62
+            out = native_nodes.prediction_nodes(model, loads, rounds) if fits else None
+        else:
+            out = None
+        if out is not None:
+            return out
+    return model.prediction_W(loads, rounds)
+
+
 def reprice(C_WN: torch.Tensor, plan, model: StepModel, profile: HardwareProfile):
     """``plan`` (a ``Plan``) with its prediction and baseline priced by ``plan_pricing`` under
     ``profile`` (its topology included): the planners' prices when the profile has nodes."""
@@ -813,8 +854,8 @@ def reprice(C_WN: torch.Tensor, plan, model: StepModel, profile: HardwareProfile
     none = dataclasses.replace(
         plan, hot=(), replicas=(), shares=(), ranges=(), kept=(), relay=False
     )
-    baseline = model.prediction_W(*plan_pricing(C_WN, none, E, profile))
+    baseline = prediction_of(model, *plan_pricing(C_WN, none, E, profile))
     if not plan.hot and not plan.shares:
         return dataclasses.replace(plan, prediction=baseline, baseline=baseline)
-    prediction = model.prediction_W(*plan_pricing(C_WN, plan, E, profile))
+    prediction = prediction_of(model, *plan_pricing(C_WN, plan, E, profile))
     return dataclasses.replace(plan, prediction=prediction, baseline=baseline)

@@ -6,11 +6,13 @@ Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN; loads_6W: f
 nodes, as ``cost_model.plan_pricing`` returns them when the profile has ``ranks_per_node``.
 
 The compiled planner (``native/plan_mix.cpp``) prices every candidate and fill with these
-functions when the profile has nodes; here they are for the twin tests
-(``tests/placement/test_native_planner_nodes.py``: the same loads and the same Prediction as
-``plan_pricing`` and ``StepModel.prediction_W``, floats bit for bit). Each returns None where the
-compiled part cannot run (the library unavailable or off, counts not int64 [W, W*E] contiguous,
-a model whose terms are not Python ints and floats).
+functions when the profile has nodes; ``cost_model.plan_pricing`` prices the other planners'
+plans (``plan_none``, ``plan_shadow``, ``reprice``, the simulator's) with ``plan_loads_nodes``.
+The twin tests (``tests/placement/test_native_planner_nodes.py``) check the same loads and the
+same Prediction as ``plan_pricing``'s Python and ``StepModel.prediction_W``, floats bit for bit.
+Each returns None where the compiled part cannot run (the library unavailable or off, counts
+not int64 [W, W*E] contiguous, a plan that is not a ``Plan`` or names its owner as a holder, a
+model whose terms are not Python ints and floats): the caller's Python runs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mixmoe.placement import native_lib
 from mixmoe.placement.cost_model import Prediction, StepModel
 from mixmoe.placement.native_lib import F64, I64
 from mixmoe.placement.native_lib import P as _P
+from mixmoe.placement.plan import Plan
 
 __all__ = ["plan_loads_nodes", "prediction_nodes"]
 
@@ -31,13 +34,19 @@ def plan_loads_nodes(
     C_WN: torch.Tensor, plan: object, E: int, per_node: int
 ) -> tuple[torch.Tensor, int] | None:
     """``plan_pricing(C_WN, plan, E, profile)`` for a profile of ``per_node`` ranks per node and
-    a plan without share entries (experts ascending, ranks in range, relayed holders distinct
-    and not the owner): (loads_6W, rounds). None: see the module doc, or a negative count."""
+    a ``Plan`` without share entries: (loads_6W, rounds). None: see the module doc, or a
+    negative count, or experts or ranks out of range (the Python raises its error)."""
     fn = native_lib.function("mixmoe_plan_pricing_nodes", I64, [_P, I64, I64, I64, _P, I64, _P])
-    W = C_WN.shape[0]
-    if fn is None or C_WN.dtype != torch.int64 or not C_WN.is_contiguous():
+    if fn is None or not isinstance(C_WN, torch.Tensor) or C_WN.dim() != 2:
         return None
-    if C_WN.dim() != 2 or C_WN.shape[1] != W * E or getattr(plan, "shares", ()):
+    W = C_WN.shape[0]
+    if C_WN.dtype != torch.int64 or not C_WN.is_contiguous() or C_WN.device.type != "cpu":
+        return None
+    if C_WN.shape[1] != W * E or not isinstance(plan, Plan) or plan.shares:
+        return None
+    # Plan's checks: experts and holders strictly ascending; the C++ checks the ranges
+    # (plan_in_range); an owner among its expert's holders is left to the Python
+    if any(g // E in holders for g, holders in plan.replicas):
         return None
     flat = [len(plan.replicas)]
     for g, holders in plan.replicas:  # [g, k, holders...]

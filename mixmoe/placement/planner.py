@@ -29,6 +29,7 @@ from mixmoe.placement.cost_model import (
     Prediction,
     StepModel,
     plan_pricing,
+    prediction_of,
     reprice,
     step_model,
 )
@@ -79,10 +80,11 @@ def plan_none(
         C_WN, *sums = counts_with_sums(counts_WN, shape)
         loads_4W, colsum_N, _ = baseline_loads(C_WN, shape.experts_per_rank, sums)
     model.check_exact(max(2 * int(colsum_N.sum()), shape.world_size * shape.num_experts))
+    rounds = None
     if node_distance(profile) is not None:  # topology: inter-node rows at their own link
         none = Plan((), (), _NO_PREDICTION, _NO_PREDICTION)
-        loads_4W, _ = plan_pricing(C_WN, none, shape.experts_per_rank, profile)
-    baseline = model.prediction_W(loads_4W)
+        loads_4W, rounds = plan_pricing(C_WN, none, shape.experts_per_rank, profile)
+    baseline = prediction_of(model, loads_4W, rounds)
     return Plan((), (), baseline, baseline)
 
 

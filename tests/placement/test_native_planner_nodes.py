@@ -69,10 +69,11 @@ def _hex(t: torch.Tensor) -> list[str]:
     return [x.hex() for x in t.reshape(-1).tolist()]
 
 
-def test_pricing_pieces_equal_the_python_on_random_plans():
-    """``plan_loads_nodes`` == ``plan_pricing`` (6 rows, rounds) and ``prediction_nodes`` ==
-    ``prediction_W``: random counts (zeros, an empty rank, one hot expert), random plans with
-    ranges and kept holders, nodes that divide W and not, one node holding every rank."""
+def test_pricing_pieces_equal_the_python_on_random_plans(monkeypatch):
+    """``plan_loads_nodes`` == ``plan_pricing``'s Python (6 rows, rounds) and
+    ``prediction_nodes`` == ``prediction_W``: random counts (zeros, an empty rank, one hot
+    expert), random plans with ranges and kept holders, nodes that divide W and not, one node
+    holding every rank."""
     rng = random.Random(3)
     profiles = [NVLINK_IB, FOUR, THREE_FIXED, SLOW_IB]
     seen = {"ranges": 0, "kept": 0, "relay": 0}
@@ -89,7 +90,9 @@ def test_pricing_pieces_equal_the_python_on_random_plans():
         seen["ranges"] += bool(plan.ranges)
         seen["kept"] += bool(plan.kept)
         seen["relay"] += plan.relay and bool(plan.replicas)
-        want, want_rounds = plan_pricing(C, plan, E, profile)
+        with monkeypatch.context() as python:  # plan_pricing's Python (it runs compiled too)
+            python.setenv("MIXMOE_NATIVE", "0")
+            want, want_rounds = plan_pricing(C, plan, E, profile)
         got = plan_loads_nodes(C, plan, E, profile.ranks_per_node)
         assert got is not None
         assert (_hex(got[0]), got[1]) == (_hex(want), want_rounds), (case, W, E, plan)
@@ -174,3 +177,35 @@ def test_plan_mix_runs_compiled_with_nodes(monkeypatch):
     counts = synthetic_counts(RoutingSpec.parse("zipf:1.2"), 16, 4096, 2, 64, gen)
     plan_mix(counts, _shape(SEEDS, 4, 16), NVLINK_IB, 4)
     assert len(calls) == 1 and calls[0] is not None
+
+
+def test_the_other_planners_price_compiled_as_in_python(monkeypatch):
+    """``plan_none``, ``plan_shadow`` and ``plan_pricing`` (its compiled 6-row path, and its
+    Python where the compiled part declines: an owner among its holders, experts past N) equal
+    their Python (``MIXMOE_NATIVE=0``) under nodes, floats bit for bit."""
+    from mixmoe.placement import plan_none, plan_shadow
+
+    rng = random.Random(5)
+    for case in range(24):
+        W, E = rng.choice([2, 5, 9, 16, 40]), rng.choice([1, 2, 4])
+        C = torch.randint(0, 300, (W, W * E), generator=torch.Generator().manual_seed(case))
+        C[:, rng.randrange(W * E)] += rng.randrange(2000, 9000)  # a hot expert: shadowed
+        profile = rng.choice([NVLINK_IB, FOUR, THREE_FIXED, SLOW_IB])
+        shape = LayerShape(1024, 4096, E, W, 2)
+        owner_held = Plan((0,), ((0, (0, W - 1)),), _NONE, _NONE)  # the Python's path
+        out_of_range = Plan((W * E,), ((W * E, (0,)),), _NONE, _NONE)  # the Python's error
+        fast = [plan_none(C, shape, profile), plan_shadow(C, shape, profile),
+                plan_pricing(C, owner_held, E, profile)]  # fmt: skip
+        with pytest.raises(IndexError):
+            plan_pricing(C, out_of_range, E, profile)
+        monkeypatch.setenv("MIXMOE_NATIVE", "0")
+        slow = [plan_none(C, shape, profile), plan_shadow(C, shape, profile),
+                plan_pricing(C, owner_held, E, profile)]  # fmt: skip
+        with pytest.raises(IndexError):
+            plan_pricing(C, out_of_range, E, profile)
+        monkeypatch.delenv("MIXMOE_NATIVE")
+        for a, b in zip(fast[:2], slow[:2], strict=True):
+            assert _canon(a.prediction) == _canon(b.prediction), case
+            assert _canon(a.baseline) == _canon(b.baseline), case
+            assert (a.hot, a.replicas) == (b.hot, b.replicas), case
+        assert (_hex(fast[2][0]), fast[2][1]) == (_hex(slow[2][0]), slow[2][1]), case

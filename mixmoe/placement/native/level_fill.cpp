@@ -298,6 +298,14 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   }
 };
 
+// The thread's one Fill: the fills' state (level_fill), then the winner's plan fields
+// (plan_from); each sets every field it reads, and its per-expert vectors keep their buffers
+// (W = 1024: three vectors of 4096 maps, ~100 KB each: fresh pages every plan when allocated)
+Fill& thread_fill() {
+  thread_local Fill f;
+  return f;
+}
+
 struct Point {
   double x, dslope, drop;
 };
@@ -854,7 +862,13 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
   ranges.clear();
   kept.clear();
   const int64_t blk = f.blk, W = f.W;
-  std::vector<Stream> streams;  // the experts with a positive amount: their ranges to cut
+  // the experts with a positive amount: their ranges to cut. The streams, their starts, the
+  // active list and the chunk are kept per thread: their buffers serve plan after plan (W =
+  // 1024: ~10**2 streams of ~600 starts each, grown by push_back, and a 60 KB chunk a plan)
+  thread_local std::vector<Stream> pool;
+  thread_local std::vector<Stream*> active;
+  thread_local std::vector<int64_t> chunk;
+  size_t n_streams = 0;
   for (int64_t g = 0; g < f.N; ++g) {
     if (!f.holders[g].empty()) replicas.emplace_back(g, f.holders[g]);
     const auto& kg = f.kept[g];  // {y: local rows}, each below C[y][g]
@@ -865,17 +879,22 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
     }
     int64_t want = 0;
     for (const auto& [y, n] : f.amounts[g]) want += n > 0 ? n : 0;
-    if (want > 0)
-      streams.push_back(Stream{g, g / f.E, want, &f.holders[g], 0, kg.begin(), kg.end(), {0}});
+    if (want > 0) {
+      if (n_streams == pool.size()) pool.emplace_back();
+      Stream& st = pool[n_streams++];
+      st.g = g, st.o = g / f.E, st.want = want, st.holders = &f.holders[g];
+      st.next_holder = 0, st.next_kept = kg.begin(), st.kept_end = kg.end();
+      st.starts.assign(1, 0);  // keeps its buffer
+    }
   }
   // the stream: sources with rows, neither the owner nor a holder (a kept holder stays, its
   // rest C[y][g] - local blocks), ascending; the owner last. C's rows ROWS at a time: the
   // active experts' elements gathered row by row into chunk (chunk[a * ROWS + s - s0]: C[s][g]
   // of active expert a), then each expert walks its part, and stops once past its amounts
   constexpr int64_t ROWS = 64;
-  std::vector<Stream*> active;
-  for (Stream& st : streams) active.push_back(&st);
-  std::vector<int64_t> chunk(active.size() * ROWS);
+  active.clear();
+  for (size_t i = 0; i < n_streams; ++i) active.push_back(&pool[i]);
+  if (chunk.size() < active.size() * ROWS) chunk.resize(active.size() * ROWS);
   for (int64_t s0 = 0; s0 < W && !active.empty(); s0 += ROWS) {
     const int64_t s1 = std::min(W, s0 + ROWS);
     for (int64_t s = s0; s < s1; ++s) {
@@ -909,7 +928,8 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
     if (own) st->starts.push_back(st->starts.back() + own);
   }
   Entries amounts;
-  for (const Stream& st : streams) {
+  for (size_t i = 0; i < n_streams; ++i) {
+    const Stream& st = pool[i];
     amounts.clear();
     for (const auto& [y, n] : f.amounts[st.g])  // ascending helper rank
       if (n > 0) amounts.emplace_back(y, n);
@@ -938,12 +958,12 @@ void set_start(Fill& f, const Counts& k, const Model& m, bool any_remote, int64_
 // by ascending g and rank): ranges and kept (replicas: the holders as they are)
 void plan_from(const Counts& k, int64_t blk, const Replicas& holders, const ExpertEntries& amounts,
                const ExpertEntries& kept_local, ExpertEntries& ranges, ExpertEntries& kept) {
-  Fill f;
+  Fill& f = thread_fill();  // the fills' state, done with: its per-expert buffers reused
   f.W = k.W, f.E = k.E, f.N = k.N, f.blk = blk, f.C = k.C;
   const size_t N = static_cast<size_t>(k.N);
-  f.holders.assign(N, {});
-  f.amounts.assign(N, {});
-  f.kept.assign(N, {});
+  reset_each(f.holders, N);
+  reset_each(f.amounts, N);
+  reset_each(f.kept, N);
   for (const auto& [g, hs] : holders) f.holders[g] = hs;
   for (const auto& [g, e] : amounts) f.amounts[g].assign(e.begin(), e.end());
   for (const auto& [g, e] : kept_local) f.kept[g].assign(e.begin(), e.end());
@@ -973,7 +993,7 @@ FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum,
   // one Fill per thread, reused fill after fill and plan after plan: its per-expert and
   // per-rank maps keep their buffers (W = 64 zipf: ~1000 of a plan's ~1400 allocations were
   // theirs); every field is set again below (set_start, fill_from_start)
-  thread_local Fill f;
+  Fill& f = thread_fill();
   set_start(f, counts, model, any_remote, settings.slots, settings.blk, settings.per_node);
   for (const auto& [g, hs] : start) f.holders[g] = hs;
   f.rows = start_loads.rows;

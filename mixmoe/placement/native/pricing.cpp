@@ -141,8 +141,10 @@ void add_rows(const int64_t* rows, int64_t N, int64_t* colsum, int64_t* sent, La
   sign |= bits;
 }
 
-// Python raises (ValueError, IndexError) or wraps a negative index where the compiled part would
-// read out of bounds: such plans go back to the Python (the entry returns -1).
+}  // namespace
+
+namespace mixmoe_native {
+
 bool plan_in_range(const Counts& counts, const Replicas& replicas, bool relay,
                    const ExpertEntries& ranges, const ExpertEntries& kept) {
   const int64_t W = counts.W, N = counts.N;
@@ -170,10 +172,6 @@ bool plan_in_range(const Counts& counts, const Replicas& replicas, bool relay,
   }
   return true;
 }
-
-}  // namespace
-
-namespace mixmoe_native {
 
 bool baseline(const Counts& counts, Baseline& out) {
   const int64_t W = counts.W, E = counts.E, N = counts.N;

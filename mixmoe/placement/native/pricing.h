@@ -38,6 +38,13 @@ struct Prediction {
 };
 Prediction predict(const Model& model, const Loads& loads, int64_t rounds);
 
+// Whether a plan's experts ascend below N (replicas, ranges, kept: each list), its ranks lie in
+// [0, W), and, relayed, its holders ascend and exclude the owner: the pricings read out of
+// bounds otherwise, where the Python raises (ValueError, IndexError) or wraps a negative index
+// (their entries then return -1 and the Python runs).
+bool plan_in_range(const Counts& counts, const Replicas& replicas, bool relay,
+                   const ExpertEntries& ranges, const ExpertEntries& kept);
+
 // The C entries' plan: [n_replicas, then per hot expert (g, k, k holders); n_ranges, then per
 // expert (g, k, k (helper, rows) pairs); n_kept, likewise (holder, local rows)]
 // ranges.range_experts: f(g, ranges of g or nullptr, kept of g or nullptr) for every expert

@@ -250,10 +250,10 @@ Prediction predict_nodes(const Model& model, double bw_inter, const NodeLoads& n
 
 extern "C" {
 
-// plan_pricing_nodes for the twin tests: C (int64 [W, N], counts the caller checked), per_node,
+// plan_pricing_nodes (cost_model.plan_pricing with nodes, native_nodes.plan_loads_nodes): C (int64 [W, N], counts the caller checked), per_node,
 // the plan (read_plan's layout; experts ascending, ranks in range, relayed holders distinct and
-// not the owner: the caller checks), relay -> out_6W (float64 [6, W]: plan_pricing's loads);
-// returns the rounds, -1 when a count is negative.
+// not the owner, plan_in_range: else -1), relay -> out_6W (float64 [6, W]: plan_pricing's
+// loads); returns the rounds, -1 when a count is negative or the plan out of range.
 int64_t mixmoe_plan_pricing_nodes(const int64_t* C, int64_t W, int64_t E, int64_t per_node,
                                   const int64_t* plan, int64_t relay, double* out_6W) {
   const Counts counts{W, E, W * E, C};
@@ -262,6 +262,7 @@ int64_t mixmoe_plan_pricing_nodes(const int64_t* C, int64_t W, int64_t E, int64_
   Replicas replicas;
   ExpertEntries entries[2];
   read_plan(plan, replicas, entries);
+  if (!plan_in_range(counts, replicas, relay != 0, entries[0], entries[1])) return -1;
   NodeLoads out;
   const std::vector<int64_t> inter = inter_baseline(counts, base, per_node);
   const int64_t rounds = plan_pricing_nodes(counts, base, inter, per_node, replicas, relay != 0,

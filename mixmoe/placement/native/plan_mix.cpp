@@ -54,6 +54,7 @@ struct Filled {  // a fill that moved rows, with what plan_mix reads of it
   FillOut out;
   double step;   // planner._fill_step
   bool stalled;  // planner._stalled
+  std::optional<Prediction> priced;  // with a topology: its plan's price (fill_step's)
 };
 
 double fold_sum(const std::vector<double>& xs) {  // Python's left-to-right sum (level_fill.fold_sum)
@@ -124,20 +125,23 @@ class Planner {
                           s_.per_node};
     FillOut out = level_fill(k_, base_.colsum, base_.own, m_, start, any_remote, *loads, fs);
     if (out.moves <= 0) return std::nullopt;  // -2: a level start; 0: nothing moved
-    const double step = fill_step(out, any_remote);
+    std::optional<Prediction> price_of;
+    const double step = fill_step(out, any_remote, price_of);
     // planner._stalled: the max total (first max) at a rank the fill overshot
     const auto top = std::max_element(out.totals.begin(), out.totals.end()) - out.totals.begin();
     const bool stalled = out.overshot[static_cast<size_t>(top)] != 0;
-    return Filled{std::move(out), step, stalled};
+    return Filled{std::move(out), step, stalled, std::move(price_of)};
   }
 
-  // planner._fill_step: with a topology the step of the fill's plan priced in full; on one link
+  // planner._fill_step: with a topology the step of the fill's plan priced in full (its
+  // Prediction kept in `priced`: the winner's plan is priced so again at the end); on one link
   // the fill's max total when its remote flag is the one it ran with, else every rank's seconds
   // under the flag of its loads
-  double fill_step(const FillOut& out, bool any_remote) const {
+  double fill_step(const FillOut& out, bool any_remote, std::optional<Prediction>& priced) const {
     if (s_.per_node > 0) {
       Loads loads;
-      return price(out.replicas, true, out.ranges, out.kept, loads).step;
+      priced = price(out.replicas, true, out.ranges, out.kept, loads);
+      return priced->step;
     }
     const bool now = any_nonzero(out.loads.remote);
     if (now == any_remote) return max_of(out.totals);
@@ -230,9 +234,15 @@ class Planner {
     if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
       consider(water_fill({}, nullptr, true), false);  // the kept fill
     if (!won) return best;
-    if (s_.per_node == 0) fill_plan(k_, s_.blk, won->out);  // with a topology: filled already
-    Candidate plan = priced(std::move(won->out.replicas), true, std::move(won->out.ranges),
-                            std::move(won->out.kept));
+    Candidate plan;
+    if (s_.per_node == 0) {
+      fill_plan(k_, s_.blk, won->out);
+      plan = priced(std::move(won->out.replicas), true, std::move(won->out.ranges),
+                    std::move(won->out.kept));
+    } else {  // filled and priced already (fill_step: the same pricing of the same plan)
+      plan = Candidate{std::move(won->out.replicas), true, std::move(won->out.ranges),
+                       std::move(won->out.kept), std::move(*won->priced)};
+    }
     if (!(plan.pred.step < best.pred.step)) return best;  // the guarantee holds on the price
     return plan;
   }

@@ -34,6 +34,8 @@ inline int64_t to_int(double v) {
 
 // Python's (n * k) / d with ints n, k and a float d: the exact product, rounded once.
 inline double mul_div(int64_t n, int64_t k, double d) {
+  int64_t p;  // the product in int64 when it fits: the same nearest double, without the
+  if (!__builtin_mul_overflow(n, k, &p)) return static_cast<double>(p) / d;  // 128-bit convert
   return static_cast<double>(static_cast<__int128>(n) * k) / d;
 }
 

@@ -98,7 +98,17 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
     p[2] = oth > tk ? oth - tk : tk - oth;
   }
 
+  // the ranks whose loads changed since the totals were last computed (retotal_touched)
+  std::vector<char> dirty_;
+  std::vector<int64_t> touched_;
+  int64_t totals_rounds_ = -1;  // the rounds the totals were computed with
+
+  void touch(int64_t r) {
+    if (!dirty_[r]) dirty_[r] = 1, touched_.push_back(r);
+  }
+
   void add(int64_t r, const int64_t p[3], int64_t sign) {
+    touch(r);
     rows[r] += sign * p[0];
     local[r] += sign * p[1];
     remote[r] += sign * p[2];
@@ -129,6 +139,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
         int64_t& n = am[r];
         const int64_t d = std::min(excess, n);
         n -= d;
+        touch(r);
         rows[r] -= d;
         remote[r] -= d;
         helped[r][g] -= d;
@@ -174,6 +185,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
         taken[g] -= d;
       } else {
         am[r] += d;
+        touch(r);
         rows[r] += d;
         remote[r] += d;
         helped[r][g] += d;
@@ -246,15 +258,30 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
                                                                                       : j->first;
       const double now = i != fresh_.end() && i->first == r ? (i++)->second : 0.0;
       const double was = j != old.end() && j->first == r ? (j++)->second : 0.0;
+      touch(r);
       replica[r] += now - was;
     }
     std::swap(degrees[g], fresh_);  // fresh_ keeps the old one's buffer for the next call
     rounds = std::max(rounds, depth);
   }
 
-  void retotal() {
+  void retotal() {  // every rank's total (sizes the marks of retotal_touched)
     for (int64_t r = 0; r < W; ++r)
       totals[r] = m.total(rows[r], local[r], remote[r], replica[r], any_remote, rounds);
+    dirty_.assign(static_cast<size_t>(W), 0);
+    touched_.clear();
+    totals_rounds_ = rounds;
+  }
+
+  // retotal after a pass: the same totals, computed again only at the ranks whose loads the
+  // pass touched (the rounds, shared by every rank, unchanged; else all of them)
+  void retotal_touched() {
+    if (rounds != totals_rounds_) return retotal();
+    for (int64_t r : touched_) {
+      totals[r] = m.total(rows[r], local[r], remote[r], replica[r], any_remote, rounds);
+      dirty_[r] = 0;
+    }
+    touched_.clear();
   }
 
   // level_fill._offer: rank b's offers, and the rows they hold in all
@@ -739,7 +766,7 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
     std::sort(fresh.begin(), fresh.end());  // the experts with new holders, ascending, once each
     fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
     for (int64_t g : fresh) f.relay(g);
-    if (moved) f.retotal();
+    if (moved) f.retotal_touched();
     pieces += moved;
     if (*std::max_element(f.totals.begin(), f.totals.end()) > (1.0 - p.min_gain) * top) {
       const bool any_holder = std::any_of(f.holders.begin(), f.holders.end(),

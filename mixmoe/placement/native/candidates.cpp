@@ -93,6 +93,7 @@ Replicas spread_in_order(const Counts& counts, const std::vector<int64_t>& colsu
     const size_t take = k <= 0 ? 0 : std::min(free.size(), static_cast<size_t>(k));
     std::partial_sort(free.begin(), free.begin() + take, free.end());
     std::vector<int64_t> holders;
+    holders.reserve(take);
     for (size_t i = 0; i < take; ++i) holders.push_back(free[i].second);
     if (holders.empty()) continue;
     std::sort(holders.begin(), holders.end());

@@ -80,6 +80,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   std::vector<char> overshot;
   // scratch reused call after call (no allocation per call): offer's candidates, relay's degrees
   mutable std::vector<std::pair<int64_t, int64_t>> heavy_;
+  std::vector<std::pair<int64_t, int64_t>> order_;  // keep's amounts by size
   FlatMap<double> fresh_;
   mutable std::vector<int64_t> near_;                    // relay_degrees' near holders
   mutable std::vector<std::pair<size_t, size_t>> runs_;  // and far nodes' runs
@@ -131,7 +132,8 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
     int64_t excess = taken[g] - others[g] - own[g];
     if (excess > 0) {  // off the largest amounts first, ties by rank
       auto& am = amounts[g];
-      std::vector<std::pair<int64_t, int64_t>> order;  // (-n, r)
+      auto& order = order_;  // (-n, r)
+      order.clear();
       for (const auto& [r, n] : am)
         if (n != 0) order.emplace_back(-n, r);
       std::sort(order.begin(), order.end());
@@ -846,6 +848,7 @@ Entries cut(const std::vector<int64_t>& starts, const Entries& amounts, int64_t 
   const int64_t end = starts.back();
   const size_t last = starts.size() - 1;
   Entries out;
+  out.reserve(amounts.size());  // one range at most per amount
   int64_t at = 0, want = 0;
   for (const auto& [y, n] : amounts) {
     want += n;
@@ -1000,6 +1003,8 @@ void plan_from(const Counts& k, int64_t blk, const Replicas& holders, const Expe
 
 ExpertEntries entries_of(const std::vector<FlatMap<int64_t>>& per_g) {
   ExpertEntries out;
+  out.reserve(static_cast<size_t>(
+      std::count_if(per_g.begin(), per_g.end(), [](const auto& m) { return !m.empty(); })));
   for (size_t g = 0; g < per_g.size(); ++g)
     if (!per_g[g].empty())
       out.emplace_back(static_cast<int64_t>(g), Entries(per_g[g].begin(), per_g[g].end()));

@@ -183,6 +183,7 @@ class Planner {
       Replicas shadow;
       for (int64_t g : hot) {
         std::vector<int64_t> everyone;  // every rank but the owner
+        everyone.reserve(static_cast<size_t>(W - 1));
         for (int64_t r = 0; r < W; ++r)
           if (r != g / E) everyone.push_back(r);
         shadow.emplace_back(g, std::move(everyone));

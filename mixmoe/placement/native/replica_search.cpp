@@ -165,6 +165,11 @@ struct Search {  // _ListMixSearch's state
     if (seg_at[o] < 0) {
       seg_at[o] = static_cast<int64_t>(sources.size());
       auto& seg = sources.emplace_back(static_cast<size_t>(E));
+      for (int64_t i = 0; i < E; ++i) {  // sized first: one allocation a source list
+        int64_t n = 0;
+        for (int64_t s = 0; s < cn.W; ++s) n += s != o && cn.C[s * cn.N + o * E + i] > 0;
+        seg[i].reserve(static_cast<size_t>(n));
+      }
       for (int64_t s = 0; s < cn.W; ++s) {
         if (s == o) continue;  // the owner computes its own rows wherever g is replicated
         const int64_t* row = cn.C + s * cn.N + o * E;  // C[s][o*E .. o*E + E)
@@ -270,6 +275,7 @@ struct Search {  // _ListMixSearch's state
     total_remote -= m_g;
     close(g);
     std::vector<int64_t> holders;
+    holders.reserve(src.size());
     for (const auto& sc : src) holders.push_back(sc.first);
     accepted.emplace_back(g, std::move(holders));
     return true;

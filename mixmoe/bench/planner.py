@@ -12,6 +12,10 @@ median of ``repeats`` calls after one untimed call (today's planner: ``old_repea
 skipped above ``old_max_world`` ranks). The predicted steps come from the cost model: mix = the
 plan's prediction, a2a = ``plan_none`` (no overlap, as the a2a strategy runs). Target (issue 15):
 planner <= max(2% of the predicted mix step, 0.25 ms) for W <= 64, <= 5 ms above.
+
+Beside the plan, the other half of what the layer's planning thread does each step:
+``bookkeeping_ms``, one rank's ``build_step_plan`` of the plan (rank W // 3; the median of
+``repeats`` calls), and ``host_ms``, the two together (the thread's span, ``moe.plan``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from mixmoe.bench.timing import median
+from mixmoe.dispatch.step_plan import build_step_plan
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import (
     CPU_PROFILE,
@@ -141,6 +146,9 @@ def run_case(
             ),
             cfg.repeats,
         )
+        # the step's bookkeeping of that plan on one rank (the thread's other half)
+        rank = W // 3
+        keeping_ms, _ = _time_ms(lambda: build_step_plan(counts_WN, new, rank, N // W), cfg.repeats)
         old_ms, old = None, None
         if W <= cfg.old_max_world:
             old_ms, old = _time_ms(
@@ -160,6 +168,8 @@ def run_case(
         "planner_over_step": new_ms / step_ms if step_ms else None,
         "target_ms": target_ms(W, step_ms),
         "meets_target": new_ms <= target_ms(W, step_ms),
+        "bookkeeping_ms": keeping_ms,
+        "host_ms": new_ms + keeping_ms,
         "a2a_step_ms": a2a_ms,
         "mix_over_a2a": step_ms / a2a_ms if a2a_ms else None,
         "hot": len(new.hot),

@@ -48,9 +48,7 @@ def step_fields(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int
     packed = _pack(plan)
     if packed is None:
         return None
-    # room for the fields (module doc) with up to 8 replicas a rank and a run per expert and
-    # range entry; a larger plan's first call reports what it needs (SHORT) and runs again
-    cap = HEADER + 2 * W + W * (E + 8) + 3 * N + 2 * len(packed) + 64
+    cap = _capacity(W, E, len(packed))
     while True:
         out = (I64 * cap)()
         got = fn(C_WN.data_ptr(), W, E, rank, packed.buffer_info()[0], len(packed), out, cap)
@@ -62,18 +60,31 @@ def step_fields(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int
     return _unpack(memoryview(out).cast("B").cast("q")[:got], W, E)
 
 
+def _capacity(W: int, E: int, packed: int) -> int:
+    """Ints of the first output buffer: the fields (module doc) with up to 8 replicas a rank
+    and a run per expert and plan int; a larger plan's first call reports what it needs
+    (SHORT) and runs again."""
+    return HEADER + 2 * W + W * (E + 8) + 3 * W * E + 2 * packed + 64
+
+
 def _pack(plan: Plan) -> array | None:
     """The plan as the C entry reads it: the counts of replicas, shares, ranges and kept
     entries, then each replica (g, k, holders), share (s, g, k, (rank, rows) * k), range and
     kept entry (g, k, (rank, rows) * k); None when an int does not fit int64 (the Python's)."""
     ints = [len(plan.replicas), len(plan.shares), len(plan.ranges), len(plan.kept)]
+    add, extend = ints.append, ints.extend  # (W = 1024: ~2000 ints, ~0.1 ms)
     for g, holders in plan.replicas:
-        ints += (g, len(holders), *holders)
+        add(g)
+        add(len(holders))
+        extend(holders)
     for s, g, runs in plan.shares:
-        ints += (s, g, len(runs), *chain.from_iterable(runs))
+        extend((s, g, len(runs)))
+        extend(chain.from_iterable(runs))
     for entries in (plan.ranges, plan.kept):
         for g, pairs in entries:
-            ints += (g, len(pairs), *chain.from_iterable(pairs))
+            add(g)
+            add(len(pairs))
+            extend(chain.from_iterable(pairs))
     try:
         return array("q", ints)
     except (OverflowError, TypeError):

@@ -431,7 +431,8 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, Fields& out) {
       for (int64_t j = 0; j < en->n; ++j)
         if (!walk(g, runs[j].rank, runs[j].rows)) return false;
     } else if (row_r[g] != 0) {  // one run where the replica rule computes it
-      if (!walk(g, plan.computed_at(r, g), row_r[g])) return false;
+      // (Plan.computed_at(r, g): here when r owns g or holds its replica, else at the owner)
+      if (!walk(g, g / E == r || slot_N[g] >= 0 ? r : g / E, row_r[g])) return false;
     }
   }
   int64_t own_sum = 0, own_c_sum = 0;

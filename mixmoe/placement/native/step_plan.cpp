@@ -31,6 +31,7 @@ namespace {
 constexpr int64_t HEADER = 8;     // the output's header (mixmoe_step_plan's doc)
 constexpr int64_t FALLBACK = -2;  // run the Python (the file's doc)
 constexpr int64_t SHORT = -1;     // the output buffer is too small: out[0] says how many ints
+constexpr int64_t CHUNK = 512;    // ints of a row of C summed at a time (4 KiB: in L1)
 
 struct Pairs {  // n (rank, rows) pairs at p[2i], p[2i + 1]: one entry's runs, ranges or kept
   const int64_t* p = nullptr;
@@ -219,15 +220,20 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
   out.full_FW.resize(F * W);
   for (int64_t s = 0; s < W; ++s) {
     const int64_t* row = C + s * N;
-    out.total += row_sum(row, N);
+    if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
+    // the row a chunk at a time: summed, then the gathers of the experts in the chunk read it
+    // from L1 (W = 1024, ~110 ranged experts: ~0.15 ms less than after the whole row)
+    int64_t k = 0, f = 0;  // the next ranged and full expert (both ascending)
+    for (int64_t lo = 0; lo < N; lo += CHUNK) {
+      const int64_t hi = std::min(N, lo + CHUNK);
+      out.total += row_sum(row + lo, hi - lo);
+      for (; k < G && ranged_g[k] < hi; ++k) out.col_G[k] += row[ranged_g[k]];
+      for (; f < F && full_g[f] < hi; ++f) out.full_FW[f * W + s] = row[full_g[f]];
+    }
     for (int64_t e = 0; e < E; ++e) {
       out.diag += row[s * E + e];  // s's own experts
       out.own_WE[s * E + e] = row[r * E + e];
     }
-    // the gathers read the row just summed (in cache): G + F loads a row
-    if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
-    for (int64_t k = 0; k < G; ++k) out.col_G[k] += row[ranged_g[k]];
-    for (int64_t f = 0; f < F; ++f) out.full_FW[f * W + s] = row[full_g[f]];
   }
   return out;
 }

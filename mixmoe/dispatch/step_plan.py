@@ -65,8 +65,9 @@ def build_step_plan(
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
     plan. The replicas travel as the plan says (``plan.relay``: its relay route,
     ``placement.relay``: scatter + all-gather, split by node with ``distance``; else the owner's
-    flat fan-out), as the cost model priced them. Compiled (``step_native``: one pass over C,
-    W = 1024: ~3-4x less time) where it runs, else ``step_plan_python``: the same StepPlan."""
+    flat fan-out), as the cost model priced them. Compiled (``step_native``: one pass over C's
+    rows, the plan's entries in C++) where it runs, else ``step_plan_python``: the same
+    StepPlan (``tests/dispatch/test_step_native.py``)."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     fields = step_fields(C_WN, plan, r, E)
     if fields is None:

@@ -14,7 +14,7 @@
 // then a segment's runs; the receive buffer source-major, then column; the stream of an expert
 // its sources ascending, the owner last. C is read in one pass over its rows (the only read of
 // all of it: the total rows), gathering on the way every column the rest needs (W = 1024: 32 MiB,
-// ~1.5 ms, the bulk of the call).
+// the bulk of the call: docs/results/step-bookkeeping.md).
 //
 // Where the Python raises (Plan.expanded's checks of the range entries it builds, a KeyError for
 // a run at r of an expert r neither owns nor holds) or reads an index out of range (a hand-made
@@ -222,7 +222,7 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
     const int64_t* row = C + s * N;
     if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
     // the row a chunk at a time: summed, then the gathers of the experts in the chunk read it
-    // from L1 (W = 1024, ~110 ranged experts: ~0.15 ms less than after the whole row)
+    // from L1 (after the whole row they would read it from L2)
     int64_t k = 0, f = 0;  // the next ranged and full expert (both ascending)
     for (int64_t lo = 0; lo < N; lo += CHUNK) {
       const int64_t hi = std::min(N, lo + CHUNK);

@@ -10,8 +10,9 @@ file's doc; ``tests/dispatch/test_step_native.py`` compares them with the Python
 ``step_plan.step_plan_python``, the slow twin). One C call: it reads C in one pass over its rows
 (the total rows moved needs all of it), where the Python's tensor ops and loops read it several
 times and walk the plan's entries one by one. None: the Python runs instead (the library
-unavailable or off, ``MIXMOE_NATIVE=0``; C not a contiguous int64 CPU tensor [W, W*E]; a plan
-the Python would reject or reads out of range, which the C++ reports).
+unavailable or off, ``MIXMOE_NATIVE=0``; C not a contiguous int64 CPU tensor [W, W*E]; a rank
+or E not a Python int; a plan the Python would reject or reads out of range, which the C++
+reports).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def step_fields(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int
     if fn is None or C_WN.dtype != torch.int64 or C_WN.device.type != "cpu":
         return None
     E = experts_per_rank
+    if not isinstance(rank, int) or not isinstance(E, int):  # (ctypes takes Python ints)
+        return None
     if C_WN.dim() != 2 or not C_WN.is_contiguous() or C_WN.shape[1] != C_WN.shape[0] * E:
         return None
     W, N = C_WN.shape

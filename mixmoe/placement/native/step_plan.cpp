@@ -116,9 +116,9 @@ struct Plan {
     if (len < 4) return false;
     const int64_t n_hot = p[0], n_shares = p[1], n_ranges = p[2], n_kept = p[3];
     int64_t at = 4;
-    auto take = [&](int64_t k) {  // k ints at p[at]: false when past the end
-      if (k < 0 || at + k > len) return false;
-      at += k;
+    auto take = [&](int64_t k, int64_t size = 1) {  // k items of `size` ints at p[at]
+      if (k < 0 || k > (len - at) / size) return false;  // past the end (no overflow)
+      at += k * size;
       return true;
     };
     auto rank_ok = [&](int64_t y) { return 0 <= y && y < W; };
@@ -135,7 +135,7 @@ struct Plan {
     for (int64_t i = 0; i < n_shares; ++i) {
       if (!take(3)) return false;
       const int64_t s = p[at - 3], g = p[at - 2], k = p[at - 1];
-      if (!take(2 * k) || !rank_ok(s) || g < 0 || g >= N) return false;
+      if (!take(k, 2) || !rank_ok(s) || g < 0 || g >= N) return false;
       const Pairs runs{p + at - 2 * k, k};
       const std::vector<Entry>& items = shares.items;
       if (!items.empty() &&  // strictly ascending by (s, g), as Plan checks
@@ -153,7 +153,7 @@ struct Plan {
       for (int64_t i = 0, n = part ? n_kept : n_ranges; i < n; ++i) {
         if (!take(2)) return false;
         const int64_t g = p[at - 2], k = p[at - 1];
-        if (!take(2 * k) || g < 0 || g >= N) return false;
+        if (!take(k, 2) || g < 0 || g >= N) return false;
         const Pairs pairs{p + at - 2 * k, k};
         // Plan's checks: entries, distinct ranks; ranges' rows > 0, kept's local rows >= 0
         if (k == 0) return false;

@@ -141,16 +141,22 @@ class RelayPlan:
         }
         rounds = []
         for k in range(num_rounds):
-            msgs = [(s, q, g, j, n) for g, m in routes if k < len(m) for s, q, j, n in m[k]]
-            sends = sorted((q, g, j, n) for s, q, g, j, n in msgs if s == r)
-            recvs = sorted((s, g, j, n) for s, q, g, j, n in msgs if q == r)  # all_to_all order
+            sends, recvs = [], []  # this rank's messages of round k (it sends, it receives)
+            for g, m in routes:
+                for s, q, j, n in m[k] if k < len(m) else ():
+                    if s == r:
+                        sends.append((q, g, j, n))
+                    if q == r:
+                        recvs.append((s, g, j, n))
+            sends.sort()
+            recvs.sort()  # all_to_all order
             in_splits, out_splits = [0] * W, [0] * W
             send = []
             for q, g, j, n in sends:
                 in_splits[q] += 1
                 # a sender holds what it sends: that very piece, or the whole row to cut it from
-                b, i = where[(g, j, n)] if (g, j, n) in where else where[(g, 0, 1)]
-                send.append((b, i, j, n))
+                at = where.get((g, j, n))
+                send.append((*(at if at is not None else where[(g, 0, 1)]), j, n))
             for i, (s, g, j, n) in enumerate(recvs):
                 out_splits[s] += 1
                 where[(g, j, n)] = (k + 1, i)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mixmoe.dispatch.replicas import RelayPlan
+from mixmoe.dispatch.step_native import step_fields
 from mixmoe.dispatch.step_shares import SourceRuns, share_fields
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.ranges import range_rows_moved
@@ -62,11 +63,31 @@ def build_step_plan(
     distance: Callable[[int, int], int] | None = None,
 ) -> StepPlan:
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
-    plan; vectorised over ranks and experts (only the replicas, at most a few per rank, and the
+    plan. The replicas travel as the plan says (``plan.relay``: its relay route,
+    ``placement.relay``: scatter + all-gather, split by node with ``distance``; else the owner's
+    flat fan-out), as the cost model priced them. Compiled (``step_native``: one pass over C's
+    rows, the plan's entries in C++) where it runs, else ``step_plan_python``: the same
+    StepPlan (``tests/dispatch/test_step_native.py``)."""
+    W, E, r = C_WN.shape[0], experts_per_rank, rank
+    fields = step_fields(C_WN, plan, r, E)
+    if fields is None:
+        return step_plan_python(C_WN, plan, r, E, distance)
+    fetch = RelayPlan.build(plan.replicas, r, W, E, distance, relay=plan.relay)
+    assert fetch.recv_experts == fields["rep_experts"], "replica slot order must match the fetch"
+    return StepPlan(own_experts=tuple(range(r * E, (r + 1) * E)), fetch=fetch, **fields)
+
+
+def step_plan_python(
+    C_WN: torch.Tensor,
+    plan: Plan,
+    rank: int,
+    experts_per_rank: int,
+    distance: Callable[[int, int], int] | None = None,
+) -> StepPlan:
+    """``build_step_plan`` in Python (the fallback, and the slow twin of ``step_native``):
+    vectorised over ranks and experts (only the replicas, at most a few per rank, and the
     share entries are visited one by one; a plan's ranges are expanded into share entries
-    first: ``Plan.expanded``). The replicas travel as the plan says (``plan.relay``:
-    its relay route, ``placement.relay``: scatter + all-gather, split by node with
-    ``distance``; else the owner's flat fan-out), as the cost model priced them."""
+    first: ``Plan.expanded``)."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     N = W * E
     # ranges (the planner's compact form) as the share entries this rank reads; the rows they

@@ -1,6 +1,7 @@
 """The expert-parallel step bookkeeping (``dispatch/step_plan.py``, vectorised over ranks and
 experts) against a per-segment loop twin written from the plan's definition: segment (s, g) is
-computed at s if s owns g or holds a replica of g, else at the owner g // E."""
+computed at s if s owns g or holds a replica of g, else at the owner g // E. ``build_step_plan``
+runs compiled (``step_native``); the Python (``step_plan_python``) must give the same StepPlan."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from mixmoe.dispatch.step_plan import build_step_plan
+from mixmoe.dispatch.step_plan import build_step_plan, step_plan_python
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.planner import plan_none, plan_shadow
 from mixmoe.placement.profile import HardwareProfile
@@ -64,6 +65,7 @@ def test_step_plan_equals_the_loop_twin(W, E, planner, seed):
     C = C_WN.tolist()
     for r in range(W):
         step = build_step_plan(C_WN, plan, r, E)
+        assert step_plan_python(C_WN, plan, r, E) == step
         want = loop_twin(C, plan, r, E)
         got = {k: getattr(step, k) for k in want}
         assert got == want, f"rank {r}: {got} != {want}"

@@ -1,6 +1,8 @@
 """The step bookkeeping of plans with share entries (``dispatch/step_shares.py`` through
 ``build_step_plan``) against a loop twin written from the plan's definition: every segment's
-rows at each rank (``Plan.segment_runs``), summed the obvious way."""
+rows at each rank (``Plan.segment_runs``), summed the obvious way. ``build_step_plan`` runs
+compiled (``step_native``); the Python (``step_plan_python``, both its runs paths) must give
+the same StepPlan."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 
 import mixmoe.dispatch.step_shares as step_shares
 import mixmoe.placement.ranges as ranges_module
-from mixmoe.dispatch.step_plan import build_step_plan
+from mixmoe.dispatch.step_plan import build_step_plan, step_plan_python
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import plan_none
@@ -112,6 +114,7 @@ def test_share_bookkeeping_equals_the_loop_twin(W, E, seed, runs_path):
     plan.check_shares(C, E, B)
     for r in range(W):
         step = build_step_plan(C_WN, plan, r, E)
+        assert step_plan_python(C_WN, plan, r, E) == step
         want = loop_twin(C, plan, r, E)
         runs = step.runs
         got = {
@@ -198,4 +201,5 @@ def test_ranges_plan_bookkeeping_equals_its_full_expansion(seed: int, runs_path)
     for r in range(W):
         mine = range_shares(C_WN, plan, E, r)
         assert set(mine) <= set(full.shares)  # a subset of the entries, the same runs
-        assert build_step_plan(C_WN, plan, r, E) == build_step_plan(C_WN, full, r, E), r
+        step = build_step_plan(C_WN, plan, r, E)
+        assert step == build_step_plan(C_WN, full, r, E) == step_plan_python(C_WN, plan, r, E), r

@@ -397,9 +397,10 @@ class ExpertParallelDispatcher:
             # helper entries: segments, ranges, experts with kept holders
             "shares": len(plan.shares) + len(plan.ranges) + len(plan.kept),
         }
-        meta = StepMeta(
-            layout, step, plan, routing.weights_TK, moving, counts_N, stats, C.sum(dim=0)
-        )
+        # every rank's rows of each expert: summed on the planning thread's pass over C when
+        # the bookkeeping ran compiled (W = 1024: C.sum(dim=0) here takes ~3.4 ms)
+        global_N = C.sum(dim=0) if step.expert_rows_N is None else step.expert_rows_N
+        meta = StepMeta(layout, step, plan, routing.weights_TK, moving, counts_N, stats, global_N)
         rows = DispatchedRows(x_TD, replicas, receive, local_done_TD)
         return rows, ExpertLayout(work), meta
 

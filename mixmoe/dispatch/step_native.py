@@ -32,12 +32,13 @@ __all__ = ["step_fields"]
 
 HEADER = 8  # native/step_plan.cpp's HEADER
 SHORT, FALLBACK = -1, -2  # its return codes: a larger buffer; the Python
-_ARGTYPES = [_P, I64, I64, I64, _P, I64, _P, I64]
+_ARGTYPES = [_P, I64, I64, I64, _P, I64, _P, I64, _P]
 
 
 def step_fields(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int) -> dict | None:
     """``StepPlan``'s fields but ``own_experts`` and ``fetch`` (``rep_experts`` included, in
-    replica-slot order) for ``rank``, as ``build_step_plan`` computes them; None when the
+    replica-slot order) for ``rank``, as ``build_step_plan`` computes them, and
+    ``expert_rows_N``: ``C_WN.sum(dim=0)``, summed on the same pass over C; None when the
     compiled part cannot run here or for these arguments (module doc)."""
     fn = native_lib.function("mixmoe_step_plan", I64, _ARGTYPES)
     if fn is None or C_WN.dtype != torch.int64 or C_WN.device.type != "cpu":
@@ -52,15 +53,19 @@ def step_fields(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int
     if packed is None:
         return None
     cap = _capacity(W, E, len(packed))
+    rows_N = torch.empty(N, dtype=torch.int64)
     while True:
         out = (I64 * cap)()
-        got = fn(C_WN.data_ptr(), W, E, rank, packed.buffer_info()[0], len(packed), out, cap)
+        got = fn(C_WN.data_ptr(), W, E, rank, packed.buffer_info()[0], len(packed), out, cap,
+                 rows_N.data_ptr())  # fmt: skip
         if got != SHORT:
             break
         cap = out[0]
     if got == FALLBACK:
         return None
-    return _unpack(memoryview(out).cast("B").cast("q")[:got], W, E)
+    fields = _unpack(memoryview(out).cast("B").cast("q")[:got], W, E)
+    fields["expert_rows_N"] = rows_N
+    return fields
 
 
 def _capacity(W: int, E: int, packed: int) -> int:

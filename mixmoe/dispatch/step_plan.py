@@ -36,6 +36,9 @@ class StepPlan:
     runs:         this rank's rows cut by the plan's share entries (``step_shares.SourceRuns``),
                   or None: the replica rule alone (own rows here, replicated rows here, the rest
                   at their owner), the fast path.
+    expert_rows_N: C summed over ranks (int64 [N]: every rank's rows of each expert), read off
+                  the compiled bookkeeping's pass over C, or None (the Python's: the caller sums
+                  C itself). Not compared: a function of C alone.
     """
 
     own_experts: tuple[int, ...]
@@ -49,6 +52,7 @@ class StepPlan:
     rows_moved: int
     recv_replica: list[bool] = field(default_factory=list)
     runs: SourceRuns | None = None
+    expert_rows_N: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def owned_rows_stay(self) -> bool:
         """Whether every row this rank routes to its own experts is computed here."""

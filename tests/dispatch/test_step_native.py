@@ -38,6 +38,9 @@ def _same(C_WN: torch.Tensor, plan: Plan, r: int, E: int) -> None:
     got, want = build_step_plan(C_WN, plan, r, E), step_plan_python(C_WN, plan, r, E)
     assert got == want, (r, plan)
     assert repr(got) == repr(want), (r, plan)
+    # the group's rows of each expert, off the same pass (the layer's StepMeta reads them)
+    assert want.expert_rows_N is None
+    assert torch.equal(got.expert_rows_N, C_WN.sum(dim=0)), (r, plan)
 
 
 def _same_or_same_error(C_WN: torch.Tensor, plan: Plan, r: int, E: int) -> str | None:
@@ -299,7 +302,7 @@ def test_fallbacks_give_the_same_plan(monkeypatch) -> None:
     real = lib.function("mixmoe_step_plan", native.I64, native._ARGTYPES)
 
     def counted(*args):
-        calls.append(args[-1])
+        calls.append(args[7])  # cap: the buffer's ints
         return real(*args)
 
     monkeypatch.setattr(native, "_capacity", lambda *args: 3)

@@ -145,6 +145,14 @@ void add_rows(const int64_t* rows, int64_t N, int64_t* colsum, int64_t* sent, La
 
 namespace mixmoe_native {
 
+bool add_row_block(const int64_t* rows, int64_t n, int64_t N, int64_t* colsum, int64_t* sent) {
+  Lanes sign = {};  // the OR of every count: negative iff some count is
+  int64_t s = 0;
+  for (; s + 8 <= n; s += 8) add_rows<8>(rows + s * N, N, colsum, sent + s, sign);
+  for (; s < n; ++s) add_rows<1>(rows + s * N, N, colsum, sent + s, sign);
+  return (sign[0] | sign[1]) >= 0;
+}
+
 bool plan_in_range(const Counts& counts, const Replicas& replicas, bool relay,
                    const ExpertEntries& ranges, const ExpertEntries& kept) {
   const int64_t W = counts.W, N = counts.N;
@@ -187,10 +195,7 @@ bool baseline(const Counts& counts, Baseline& out) {
   // one pass over C in memory order, eight rows at a time, then the last W % 8 one by one
   // (measured at [1024, 4096] on a 2-core EPYC VM: ~1.4 ms, a plain sum of C ~1.3 ms; four
   // scalar rows at a time took ~2.3 ms)
-  Lanes sign = {};  // the OR of every count: negative iff some count is
-  int64_t s = 0;
-  for (; s + 8 <= W; s += 8) add_rows<8>(counts.C + s * N, N, colsum, &sent[s], sign);
-  for (; s < W; ++s) add_rows<1>(counts.C + s * N, N, colsum, &sent[s], sign);
+  const bool negative = !add_row_block(counts.C, W, N, colsum, sent.data());
   for (int64_t r = 0; r < W; ++r) {
     int64_t local = 0;
     for (int64_t g = r * E; g < (r + 1) * E; ++g) {  // r's own experts: C[r][g] stays at r
@@ -200,7 +205,7 @@ bool baseline(const Counts& counts, Baseline& out) {
     loads.local[r] = local;
     loads.remote[r] = sent[r] - local;  // what r sends away; what it receives is added below
   }
-  if ((sign[0] | sign[1]) < 0) return false;
+  if (negative) return false;
   for (int64_t r = 0; r < W; ++r) {
     int64_t rows = 0;
     for (int64_t g = r * E; g < (r + 1) * E; ++g) rows += colsum[g];

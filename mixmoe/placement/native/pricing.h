@@ -22,6 +22,11 @@ struct Baseline {
 // unspecified) when a count is negative (the caller's Python raises its error).
 bool baseline(const Counts& counts, Baseline& out);
 
+// The pass over n consecutive rows of C (`rows`: the first one's N counts) that baseline makes,
+// eight rows at a time: adds each column's counts to colsum[g], writes each row's sum to
+// sent[k] (k < n); false when some count is negative (the sums are then still the sums).
+bool add_row_block(const int64_t* rows, int64_t n, int64_t N, int64_t* colsum, int64_t* sent);
+
 // cost_model.plan_pricing(C, plan, E, None) of a plan without share entries: its loads (out) and
 // the weight rounds it returns. `replicas`: Plan.replicas (holders non-empty); `relay`:
 // Plan.relay; `ranges`, `kept`: Plan.ranges and Plan.kept (mixmoe.placement.ranges).

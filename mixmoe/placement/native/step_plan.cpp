@@ -26,12 +26,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "pricing.h"
+
 namespace {
 
 constexpr int64_t HEADER = 8;     // the output's header (mixmoe_step_plan's doc)
 constexpr int64_t FALLBACK = -2;  // run the Python (the file's doc)
 constexpr int64_t SHORT = -1;     // the output buffer is too small: out[0] says how many ints
-constexpr int64_t CHUNK = 512;    // ints of a row of C summed at a time (4 KiB: in L1)
 
 struct Pairs {  // n (rank, rows) pairs at p[2i], p[2i + 1]: one entry's runs, ranges or kept
   const int64_t* p = nullptr;
@@ -196,21 +197,13 @@ struct Pass {
   std::vector<int64_t> full_FW;   // the full experts' columns, F x W
 };
 
-int64_t row_sum(const int64_t* row, int64_t n) {
-  int64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, i = 0;
-  for (; i + 4 <= n; i += 4) {  // four sums: independent adds (the pass is memory-bound)
-    a0 += row[i];
-    a1 += row[i + 1];
-    a2 += row[i + 2];
-    a3 += row[i + 3];
-  }
-  for (; i < n; ++i) a0 += row[i];
-  return (a0 + a1) + (a2 + a3);
-}
-
-// `ranged_g`: the ranged experts' ids (ascending); `full_g`: those whose columns are kept whole.
+// `ranged_g`: the ranged experts' ids (ascending); `full_g`: those whose columns are kept whole;
+// `colsum_N`: N int64 that get C's column sums (zeros in; null: summed in a scratch). Eight
+// rows at a time: their sums and columns by baseline's pass (pricing.h's add_row_block), then
+// each row's gathers from those rows, just read (W = 1024: the block's 256 KiB are in L2).
 Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
-                 const std::vector<int64_t>& ranged_g, const std::vector<int64_t>& full_g) {
+                 const std::vector<int64_t>& ranged_g, const std::vector<int64_t>& full_g,
+                 int64_t* colsum_N) {
   const int64_t N = W * E, G = static_cast<int64_t>(ranged_g.size());
   const int64_t F = static_cast<int64_t>(full_g.size());
   Pass out;
@@ -218,21 +211,26 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
   out.col_G.assign(G, 0);
   out.below_G.assign(G, 0);
   out.full_FW.resize(F * W);
-  for (int64_t s = 0; s < W; ++s) {
-    const int64_t* row = C + s * N;
-    if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
-    // the row a chunk at a time: summed, then the gathers of the experts in the chunk read it
-    // from L1 (after the whole row they would read it from L2)
-    int64_t k = 0, f = 0;  // the next ranged and full expert (both ascending)
-    for (int64_t lo = 0; lo < N; lo += CHUNK) {
-      const int64_t hi = std::min(N, lo + CHUNK);
-      out.total += row_sum(row + lo, hi - lo);
-      for (; k < G && ranged_g[k] < hi; ++k) out.col_G[k] += row[ranged_g[k]];
-      for (; f < F && full_g[f] < hi; ++f) out.full_FW[f * W + s] = row[full_g[f]];
-    }
-    for (int64_t e = 0; e < E; ++e) {
-      out.diag += row[s * E + e];  // s's own experts
-      out.own_WE[s * E + e] = row[r * E + e];
+  std::vector<int64_t> scratch;
+  if (colsum_N == nullptr) {
+    scratch.assign(N, 0);
+    colsum_N = scratch.data();
+  }
+  constexpr int64_t BLOCK = 8;
+  int64_t sent[BLOCK];  // the block's row sums
+  for (int64_t s0 = 0; s0 < W; s0 += BLOCK) {
+    const int64_t n = std::min(BLOCK, W - s0);
+    mixmoe_native::add_row_block(C + s0 * N, n, N, colsum_N, sent);  // signs: r's row, below
+    for (int64_t k = 0; k < n; ++k) out.total += sent[k];
+    for (int64_t s = s0; s < s0 + n; ++s) {
+      const int64_t* row = C + s * N;
+      if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
+      for (int64_t k = 0; k < G; ++k) out.col_G[k] += row[ranged_g[k]];
+      for (int64_t f = 0; f < F; ++f) out.full_FW[f * W + s] = row[full_g[f]];
+      for (int64_t e = 0; e < E; ++e) {
+        out.diag += row[s * E + e];  // s's own experts
+        out.own_WE[s * E + e] = row[r * E + e];
+      }
     }
   }
   return out;
@@ -348,7 +346,8 @@ struct Fields {
 };
 
 // build_step_plan's fields for rank r; false: run the Python.
-bool step_fields(const int64_t* C, const Plan& plan, int64_t r, Fields& out) {
+bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_N,
+                 Fields& out) {
   const int64_t W = plan.W, E = plan.E, N = plan.N;
   auto c = [&](int64_t s, int64_t g) { return C[s * N + g]; };
   const int64_t* row_r = C + r * N;
@@ -369,7 +368,7 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, Fields& out) {
     full.push_back(x.g / E == r || plan.holds(x.g, r));
     if (full.back()) full_g.push_back(x.g);
   }
-  const Pass pass = read_counts(C, W, E, r, ranged_g, full_g);
+  const Pass pass = read_counts(C, W, E, r, ranged_g, full_g, colsum_N);
 
   // the replica rule (build_step_plan's vectorised part): a segment (s, g) stays at s when s
   // owns g or holds its replica; r receives its own experts' rows from the other sources
@@ -497,10 +496,12 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, Fields& out) {
 // shares, per column its slot [M] and
 // whether it is a replica [M], run_len [R], run_key [R], own_c [E], rep_c [H]; without, the
 // sent experts [R]. Returns the ints written, SHORT (out[0]: the ints needed, when cap >= 1) or
-// FALLBACK (the caller runs the Python).
+// FALLBACK (the caller runs the Python). `colsum_N`: null, or N int64 that get C's column sums
+// (the rows routed to each expert over the group; read off the same pass; meaningful only when
+// the entry returns the fields).
 extern "C" int64_t mixmoe_step_plan(const int64_t* C, int64_t W, int64_t E, int64_t r,
                                     const int64_t* packed, int64_t packed_len, int64_t* out,
-                                    int64_t cap) {
+                                    int64_t cap, int64_t* colsum_N) {
   if (W < 1 || E < 1 || r < 0 || r >= W) return FALLBACK;
   Plan plan;
   plan.W = W;
@@ -508,7 +509,8 @@ extern "C" int64_t mixmoe_step_plan(const int64_t* C, int64_t W, int64_t E, int6
   plan.N = W * E;
   if (!plan.parse(packed, packed_len)) return FALLBACK;
   Fields f;
-  if (!step_fields(C, plan, r, f)) return FALLBACK;
+  if (colsum_N) std::fill(colsum_N, colsum_N + plan.N, 0);
+  if (!step_fields(C, plan, r, colsum_N, f)) return FALLBACK;
   const std::vector<int64_t>* parts[] = {&f.rep, &f.in_splits, &f.out_splits, &f.recv_counts,
                                          &f.col_slot,  &f.col_replica, &f.run_len,
                                          &f.run_key,   &f.own_c,      &f.rep_c,

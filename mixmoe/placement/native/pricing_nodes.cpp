@@ -191,19 +191,25 @@ std::vector<int64_t> inter_baseline(const Counts& counts, const Baseline& base, 
   std::vector<int64_t> inter(static_cast<size_t>(W), 0);
   if (P >= W) return inter;
   const Loads& l = base.loads;
-  for (int64_t s = 0; s < W; ++s) {  // sent across: s's row sum less its own node's experts
-    const int64_t sent = l.remote[s] - (l.rows[s] - l.local[s]) + l.local[s];
-    const int64_t lo = s / P * P * E, hi = std::min(N, (s / P + 1) * P * E);
-    int64_t home = 0;
-    for (int64_t g = lo; g < hi; ++g) home += counts.c(s, g);
-    inter[s] += sent - home;
+  // sent across: s's row sum less its own node's experts; received across: g's column sum
+  // less its owner's node's rows. Both "home" sums lie in C's diagonal blocks (a node's rows x
+  // that node's experts), read here block by block in memory order: P * E contiguous counts a
+  // row (a column read down the node's rows instead would touch a cache line per count: all
+  // of C's lines at W = 64, where C is often no longer in cache)
+  for (int64_t lo = 0; lo < W; lo += P) {
+    const int64_t hi = std::min(W, lo + P);
+    const int64_t g_lo = lo * E, g_hi = std::min(N, hi * E);  // the node's experts
+    for (int64_t s = lo; s < hi; ++s) {
+      const int64_t* row = counts.C + s * N;
+      int64_t home = 0;
+      for (int64_t g = g_lo; g < g_hi; ++g) {
+        home += row[g];
+        inter[g / E] -= row[g];  // g's owner: this node's rows of g never cross
+      }
+      inter[s] += l.remote[s] - (l.rows[s] - l.local[s]) + l.local[s] - home;
+    }
   }
-  for (int64_t g = 0; g < N; ++g) {  // received across: g's column sum less its owner's node's
-    const int64_t o = g / E, lo = o / P * P, hi = std::min(W, lo + P);
-    int64_t home = 0;
-    for (int64_t s = lo; s < hi; ++s) home += counts.c(s, g);
-    inter[o] += base.colsum[g] - home;
-  }
+  for (int64_t g = 0; g < N; ++g) inter[g / E] += base.colsum[g];
   return inter;
 }
 

@@ -301,24 +301,31 @@ def relay_messages_at(
         if rank == owner:
             out[0] += [(owner, h, p, R) for p, h in enumerate(far)]
         elif rank in far:
-            out[0].append((owner, rank, far.index(rank), R))
+            mine = far.index(rank)  # rank's chunk
+            out[0].append((owner, rank, mine, R))
             starts = [0]
             for grp in groups[:-1]:
                 starts.append(starts[-1] + len(grp))
             home = next(n for n, grp in enumerate(groups) if rank in grp)
-            # the exchange (round 1): every chunk crosses once to each other far node; each
-            # far holder's chunks (to pass on inside its node): its own, and those it receives
-            held = {h: [p] for p, h in enumerate(far)}
-            for p, sender in enumerate(far):
-                for grp, start in zip(groups, starts, strict=True):
-                    if not start <= p < start + len(grp):
-                        q = _exchange_receiver(p, start, grp)
-                        if rank in (sender, q):
-                            out[1].append((sender, q, p, R))
-                        if q in groups[home]:
-                            held[q].append(p)
+            grp, at = groups[home], starts[home]  # rank's node: its holders' chunks from `at`
+            c = len(grp)
+
+            def received(i: int) -> list[int]:
+                # the chunks the node's i-th holder receives in the exchange: those p, not the
+                # node's own, whose index t among them is i mod c (``_exchange_receiver``)
+                return [t if t < at else t + c for t in range(i, R - c, c)]
+
+            # the exchange (round 1): every chunk crosses once to each other far node (rank's
+            # own to one holder of each), and each of rank's received chunks comes from its
+            # holder; O(L + R / c) messages here where every rank's are O(R * L)
+            for other, start in zip(groups, starts, strict=True):
+                if start != at:
+                    out[1].append((rank, _exchange_receiver(mine, start, other), mine, R))
+            i_rank = grp.index(rank)
+            out[1] += [(far[p], rank, p, R) for p in received(i_rank)]
+            # each far holder passes on inside its node its own chunk and those it received
+            held = {b: [at + i, *received(i)] for i, b in enumerate(grp)}
             last = out[2] if L >= 2 else out[1]
-            grp = groups[home]
             last += [(rank, b, p, R) for p in held[rank] for b in grp if b != rank]
             last += [(a, rank, p, R) for a in grp if a != rank for p in held[a]]
     return tuple(tuple(sorted(rnd)) for rnd in out[:rounds])

@@ -132,7 +132,7 @@ def test_relay_degrees_equal_the_count_of_the_executed_messages(H: int) -> None:
             assert relay_inter_copies(41, holders, distance) == inter
 
 
-@pytest.mark.parametrize("W,per_node", [(5, 0), (9, 0), (8, 2), (16, 4), (12, 3), (24, 8)])
+@pytest.mark.parametrize("W,per_node", [(5, 0), (9, 0), (8, 2), (16, 4), (12, 3), (24, 8), (30, 4)])
 def test_one_ranks_messages_are_the_whole_routes_filtered(W: int, per_node: int) -> None:
     """``relay_messages_at`` (one rank's messages, built directly) equals the whole route's
     messages that rank sends or receives, round by round, for every rank (owner, near and far

@@ -41,6 +41,7 @@ from mixmoe.placement import (
 )
 from mixmoe.placement.planner import SEARCH_WIDTH
 from mixmoe.placement.profile_io import load_profile
+from mixmoe.placement.relay import node_distance
 from mixmoe.reference.planner import plan_mix_rescan
 from mixmoe.validation import DTYPE_NAMES, check_choice, check_int, torch_dtype
 
@@ -146,9 +147,12 @@ def run_case(
             ),
             cfg.repeats,
         )
-        # the step's bookkeeping of that plan on one rank (the thread's other half)
-        rank = W // 3
-        keeping_ms, _ = _time_ms(lambda: build_step_plan(counts_WN, new, rank, N // W), cfg.repeats)
+        # the step's bookkeeping of that plan on one rank (the thread's other half), the relay
+        # split by node as the layer splits it
+        rank, distance = W // 3, node_distance(profile)
+        keeping_ms, _ = _time_ms(
+            lambda: build_step_plan(counts_WN, new, rank, N // W, distance), cfg.repeats
+        )
         old_ms, old = None, None
         if W <= cfg.old_max_world:
             old_ms, old = _time_ms(

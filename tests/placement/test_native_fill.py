@@ -78,6 +78,24 @@ def test_sorts_match_a_stable_sort(tmp_path):
     assert (ran.returncode, ran.stdout) == (0, "ok 252\n"), ran.stdout
 
 
+def test_touched_totals_are_every_total(tmp_path):
+    """After each pass a fill computes the totals of the ranks the pass touched only
+    (``Fill::retotal_touched``); ``native_fill_totals.cpp`` checks them against every rank's
+    total computed afresh, pass after pass, over 800 fills of random counts (one link and
+    nodes, plain and kept fills: keeps that take rows back off helpers included). A driver
+    that includes ``level_fill.cpp`` with its check compiled in."""
+    cxx = lib._compiler()
+    assert cxx is not None
+    driver = Path(__file__).with_name("native_fill_totals.cpp")
+    exe = tmp_path / "totals"
+    flags = ["-O1", "-std=c++17", "-ffp-contract=off", f"-I{lib.FOLDER}"]
+    subprocess.run([cxx, *flags, str(driver), "-o", str(exe)], check=True, capture_output=True)
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stdout
+    word, fills, passes, excess = ran.stdout.split()
+    assert (word, int(fills)) == ("ok", 800) and int(passes) > 1000 and int(excess) > 10
+
+
 def _compare(args: tuple, passes: int, stop: float, kept: bool) -> RangeState:
     """Both fills from the same arguments; every field equal, and the plan fields (read first,
     as plan_mix reads them, and again after the other fields); with one link, the C++

@@ -66,6 +66,10 @@ void reset_each(std::vector<T>& v, size_t n) {
   for (T& x : v) x.clear();
 }
 
+#ifdef MIXMOE_CHECK_TOUCHED  // tests/placement/native_fill_totals.cpp's counters
+int64_t touched_checks = 0, touched_misses = 0, excess_keeps = 0;
+#endif
+
 struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of length N
   int64_t W, E, N, slots, blk, per_node;  // per_node 0: no topology
   const int64_t* C;
@@ -130,6 +134,9 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
       if (it->second >= cy) kg.erase(it);  // all local: an ordinary holder
     }
     int64_t excess = taken[g] - others[g] - own[g];
+#ifdef MIXMOE_CHECK_TOUCHED
+    excess_keeps += excess > 0;
+#endif
     if (excess > 0) {  // off the largest amounts first, ties by rank
       auto& am = amounts[g];
       auto& order = order_;  // (-n, r)
@@ -284,6 +291,12 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
       dirty_[r] = 0;
     }
     touched_.clear();
+#ifdef MIXMOE_CHECK_TOUCHED  // the driver native_fill_totals.cpp: as if every total were new
+    ++touched_checks;
+    for (int64_t r = 0; r < W; ++r)
+      touched_misses += totals[r] != m.total(rows[r], local[r], remote[r], replica[r], any_remote,
+                                             rounds);
+#endif
   }
 
   // level_fill._offer: rank b's offers, and the rows they hold in all

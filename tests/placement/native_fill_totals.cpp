@@ -1,0 +1,66 @@
+// level_fill.cpp's totals after each pass (Fill::retotal_touched: only the ranks the pass
+// touched get theirs again) against every rank's total computed afresh, over fills of random
+// counts: one link and nodes, plain and kept fills (whose keeps take rows back off helpers:
+// Fill::keep's excess), blocks of 16 and 64 rows. Built by tests/placement/test_native_fill.py
+// (test_touched_totals_are_every_total) with -DMIXMOE_CHECK_TOUCHED and -I the native folder: it
+// includes the .cpp itself. Prints "ok <fills> <passes checked> <excess keeps>", or the first
+// fill whose totals differ.
+#define MIXMOE_CHECK_TOUCHED
+#include "level_fill.cpp"
+
+#include <cstdio>
+#include <random>
+
+int main() {
+  using namespace mixmoe_native;
+  std::mt19937_64 rng(26);
+  int fills = 0;
+  for (int rep = 0; rep < 400; ++rep) {
+    const int64_t W = 2 + static_cast<int64_t>(rng() % 40), E = int64_t{1} << (rng() % 3);
+    const int64_t N = W * E;
+    // zipf-like popularity: a few hot experts, many cold ones, some ranks routing nothing
+    std::vector<int64_t> C(static_cast<size_t>(W * N));
+    for (int64_t s = 0; s < W; ++s) {
+      if (rng() % 9 == 0) continue;
+      for (int64_t g = 0; g < N; ++g) {
+        const int64_t rank = static_cast<int64_t>((g * 7919 + rep) % N) + 1;
+        C[s * N + g] = static_cast<int64_t>(rng() % static_cast<uint64_t>(4000 / rank + 2));
+      }
+    }
+    const Counts counts{W, E, N, C.data()};
+    std::vector<int64_t> colsum(N, 0), own(N, 0), sent(W, 0);
+    Loads loads{std::vector<int64_t>(W, 0), std::vector<int64_t>(W, 0),
+                std::vector<int64_t>(W, 0), std::vector<double>(W, 0.0)};
+    for (int64_t s = 0; s < W; ++s)
+      for (int64_t g = 0; g < N; ++g) colsum[g] += C[s * N + g], sent[s] += C[s * N + g];
+    for (int64_t r = 0; r < W; ++r) {  // cost_model.baseline_loads
+      for (int64_t g = r * E; g < (r + 1) * E; ++g) {
+        own[g] = C[r * N + g];
+        loads.rows[r] += colsum[g];
+        loads.local[r] += own[g];
+      }
+      loads.remote[r] = (sent[r] - loads.local[r]) + (loads.rows[r] - loads.local[r]);
+    }
+    // fpr, tbr, P, weight collectives, overlap; gf, bw, row_s, fixed_s, rep_s, token0, lat
+    const int64_t ints[5] = {50331648, 4096, 16787456, 2, static_cast<int64_t>(rng() % 2)};
+    const double reals[7] = {5.934e14, 3.15e11, rng() % 2 ? 1e-8 : 0.0, 0.0,
+                             rng() % 2 ? 2e-5 : 0.0, 1.2e-4, 3e-5};
+    const Model model = Model::from(ints, reals);
+    bool any_remote = false;
+    for (int64_t x : loads.remote) any_remote = any_remote || x != 0;
+    for (bool kept : {false, true}) {
+      const int64_t per_node = rng() % 3 == 0 ? 1 + static_cast<int64_t>(rng() % 4) : 0;
+      const FillSettings settings{8, rng() % 2 ? 16 : 64, 12, 1.02, kept, true, per_node};
+      level_fill(counts, colsum, own, model, {}, any_remote, loads, settings);
+      ++fills;
+      if (touched_misses) {
+        std::printf("totals differ: rep %d W %lld E %lld kept %d\n", rep,
+                    static_cast<long long>(W), static_cast<long long>(E), kept);
+        return 1;
+      }
+    }
+  }
+  std::printf("ok %d %lld %lld\n", fills, static_cast<long long>(touched_checks),
+              static_cast<long long>(excess_keeps));
+  return 0;
+}

@@ -182,15 +182,16 @@ def test_plan_mix_runs_compiled_with_nodes(monkeypatch):
 def test_the_other_planners_price_compiled_as_in_python(monkeypatch):
     """``plan_none``, ``plan_shadow`` and ``plan_pricing`` (its compiled 6-row path, and its
     Python where the compiled part declines: an owner among its holders, experts past N) equal
-    their Python (``MIXMOE_NATIVE=0``) under nodes, floats bit for bit."""
+    their Python (``MIXMOE_NATIVE=0``) under nodes and on one link, floats bit for bit."""
     from mixmoe.placement import plan_none, plan_shadow
 
     rng = random.Random(5)
-    for case in range(24):
+    for case in range(30):
         W, E = rng.choice([2, 5, 9, 16, 40]), rng.choice([1, 2, 4])
         C = torch.randint(0, 300, (W, W * E), generator=torch.Generator().manual_seed(case))
         C[:, rng.randrange(W * E)] += rng.randrange(2000, 9000)  # a hot expert: shadowed
-        profile = rng.choice([NVLINK_IB, FOUR, THREE_FIXED, SLOW_IB])
+        # nodes, and one link (the compiled 4-row prediction, ``cost_model.prediction_of``)
+        profile = rng.choice([NVLINK_IB, FOUR, THREE_FIXED, SLOW_IB, GPU_PROFILE])
         shape = LayerShape(1024, 4096, E, W, 2)
         owner_held = Plan((0,), ((0, (0, W - 1)),), _NONE, _NONE)  # the Python's path
         out_of_range = Plan((W * E,), ((W * E, (0,)),), _NONE, _NONE)  # the Python's error

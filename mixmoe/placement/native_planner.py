@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 from itertools import islice
 
@@ -28,6 +29,7 @@ from mixmoe.placement import native_lib
 from mixmoe.placement.cost_model import LayerShape, Prediction, step_model
 from mixmoe.placement.counts import counts_tensor_unsigned
 from mixmoe.placement.native_lib import P as _P
+from mixmoe.placement.native_pricing import unpackers
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
@@ -37,6 +39,7 @@ __all__ = ["planned"]
 
 _ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P]
 
+_DOUBLE = struct.Struct("d")  # the step after a prediction's reals
 _OUTPUT = threading.local()  # this thread's output arrays, reused call after call
 
 
@@ -83,13 +86,12 @@ def planned(
         raise RuntimeError(f"native plan_mix: status {status}")
     n_rep, n_ranges, n_kept, relay, m_rep, m_ranges, m_kept = counts
     at = n_rep + n_ranges + n_kept
-    flat = memoryview(out_i).cast("B").cast("q")[: at + 6 * W].tolist()
-    reals_out = memoryview(out_d).cast("B").cast("d")[: 4 * W + 2].tolist()
+    flat = memoryview(out_i).cast("B").cast("q")[:at].tolist()
     replicas = _groups(flat, 0, n_rep, m_rep, 1)
     ranges = _groups(flat, n_rep, n_ranges, m_ranges, 2)
     kept = _groups(flat, n_rep + n_ranges, n_kept, m_kept, 2)
-    prediction = _prediction(flat[at : at + 3 * W], reals_out[: 2 * W + 1], W)
-    baseline = _prediction(flat[at + 3 * W : at + 6 * W], reals_out[2 * W + 1 :], W)
+    prediction = _prediction(out_i, 8 * at, out_d, 0, W)
+    baseline = _prediction(out_i, 8 * (at + 3 * W), out_d, 8 * (2 * W + 1), W)
     # the twin tests rebuild every compiled plan through Plan's checks (Plan.unchecked's doc)
     return Plan.unchecked(replicas, prediction, baseline, bool(relay), ranges, kept)
 
@@ -142,13 +144,16 @@ def _groups(flat: list[int], at: int, length: int, m: int, width: int) -> tuple:
     return tuple(zip(experts, [tuple(islice(entries, k)) for k in sizes], strict=True))
 
 
-def _prediction(ints: list[int], reals: list[float], W: int) -> Prediction:
-    """A Prediction from [token_bytes, weight_bytes, rows] and [compute, comm, step]."""
+def _prediction(out_i: ctypes.Array, i: int, out_d: ctypes.Array, d: int, W: int) -> Prediction:
+    """A Prediction from [token_bytes, weight_bytes, rows] at byte ``i`` of ``out_i`` and
+    [compute, comm, step] at byte ``d`` of ``out_d``: each field's tuple unpacked straight
+    from the buffer (no list in between: a W = 1024 plan carries ~10**4 of these numbers)."""
+    doubles, int64s = unpackers(W)
     return Prediction(
-        compute_s=tuple(reals[:W]),
-        comm_s=tuple(reals[W : 2 * W]),
-        token_bytes=tuple(ints[:W]),
-        weight_bytes=tuple(ints[W : 2 * W]),
-        rows=tuple(ints[2 * W :]),
-        step_s=reals[2 * W],
+        compute_s=doubles.unpack_from(out_d, d),
+        comm_s=doubles.unpack_from(out_d, d + 8 * W),
+        token_bytes=int64s.unpack_from(out_i, i),
+        weight_bytes=int64s.unpack_from(out_i, i + 8 * W),
+        rows=int64s.unpack_from(out_i, i + 16 * W),
+        step_s=_DOUBLE.unpack_from(out_d, d + 16 * W)[0],
     )

@@ -141,7 +141,7 @@ def _flat_plan(plan: object) -> array:
 
 
 @functools.lru_cache(maxsize=16)
-def _unpackers(W: int) -> tuple[struct.Struct, struct.Struct]:
+def unpackers(W: int) -> tuple[struct.Struct, struct.Struct]:
     """W doubles and W int64s as tuples, straight from a buffer (no list in between)."""
     return struct.Struct(f"{W}d"), struct.Struct(f"{W}q")
 
@@ -173,7 +173,7 @@ def prediction(model: StepModel, loads_4W: torch.Tensor, rounds: int | None) -> 
               out_d.buffer_info()[0], out_i.buffer_info()[0])  # fmt: skip
     if step != step:  # NaN: byte counts past int64
         return None
-    doubles, int64s = _unpackers(W)
+    doubles, int64s = unpackers(W)
     return Prediction(
         compute_s=doubles.unpack_from(out_d, 0),
         comm_s=doubles.unpack_from(out_d, 8 * W),

@@ -62,19 +62,25 @@ def test_compiled_fill_is_built_here():
     assert int(points) == TENSOR_POINTS and float(gain) == MIN_GAIN
 
 
+def _driver(tmp_path: Path, name: str) -> subprocess.CompletedProcess:
+    """The C++ driver ``name`` beside this file (it includes ``level_fill.cpp``), built with the
+    library's compiler and run (its output as text)."""
+    cxx = lib._compiler()
+    assert cxx is not None
+    exe = tmp_path / Path(name).stem
+    flags = ["-O1", "-std=c++17", "-ffp-contract=off", f"-I{lib.FOLDER}"]
+    source = str(Path(__file__).with_name(name))
+    subprocess.run([cxx, *flags, source, "-o", str(exe)], check=True, capture_output=True)
+    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+
+
 def test_sorts_match_a_stable_sort(tmp_path):
     """The fill's sorts (``native_fill_sorts.cpp``: the level's points by (x, insertion), the
     donors by (-T, rank), the receivers by (T, rank)) give a stable sort's order on adversarial
     xs the fills rarely meet: ties, -0.0 with 0.0, clumps a few ulps wide, a huge range,
     subnormals, short lists and radix-sorted ones. A driver that includes ``level_fill.cpp``,
     built with the library's compiler."""
-    cxx = lib._compiler()
-    assert cxx is not None
-    driver = Path(__file__).with_name("native_fill_sorts.cpp")
-    exe = tmp_path / "sorts"
-    flags = ["-O1", "-std=c++17", "-ffp-contract=off", f"-I{lib.FOLDER}"]
-    subprocess.run([cxx, *flags, str(driver), "-o", str(exe)], check=True, capture_output=True)
-    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    ran = _driver(tmp_path, "native_fill_sorts.cpp")
     assert (ran.returncode, ran.stdout) == (0, "ok 252\n"), ran.stdout
 
 
@@ -84,13 +90,7 @@ def test_touched_totals_are_every_total(tmp_path):
     total computed afresh, pass after pass, over 800 fills of random counts (one link and
     nodes, plain and kept fills: keeps that take rows back off helpers included). A driver
     that includes ``level_fill.cpp`` with its check compiled in."""
-    cxx = lib._compiler()
-    assert cxx is not None
-    driver = Path(__file__).with_name("native_fill_totals.cpp")
-    exe = tmp_path / "totals"
-    flags = ["-O1", "-std=c++17", "-ffp-contract=off", f"-I{lib.FOLDER}"]
-    subprocess.run([cxx, *flags, str(driver), "-o", str(exe)], check=True, capture_output=True)
-    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    ran = _driver(tmp_path, "native_fill_totals.cpp")
     assert ran.returncode == 0, ran.stdout
     word, fills, passes, excess = ran.stdout.split()
     assert (word, int(fills)) == ("ok", 800) and int(passes) > 1000 and int(excess) > 10

@@ -216,14 +216,15 @@ class ExpertParallelDispatcher:
             dtype=torch.int64,
             counts=counts_N,  # this rank's row of C, for the simulator (converted at flush)
         ):
-            every = count_matrix_to_host(self.comm.all_gather_rows(torch.cat([header, counts_N])))
-        fingerprints_W = every[:, 0]
+            gathered = self.comm.all_gather_rows(torch.cat([header, counts_N]))
+            C_WN, headers_WH = count_matrix_to_host(gathered, _HEADER)
+        fingerprints_W = headers_WH[:, 0]
         if bool((fingerprints_W != fingerprints_W[0]).any()):
             raise ValueError(
                 "MoE config fingerprints differ across ranks in the count exchange "
                 f"({fingerprints_W.tolist()}); use the same MoEConfig and strategy everywhere"
             )
-        return every[:, _HEADER:].contiguous(), every[:, 1].tolist()
+        return C_WN, headers_WH[:, 1].tolist()
 
     def invalidate_replicas(self) -> None:
         """Forget cached replicas (needed only after writing expert weights through ``.data``).

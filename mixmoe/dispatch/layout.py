@@ -24,9 +24,7 @@ def counts_to_host(counts: torch.Tensor) -> list[int]:
     return counts.tolist()
 
 
-def count_matrix_to_host(
-    rows_WX: torch.Tensor, header: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def count_matrix_to_host(rows_WX: torch.Tensor, header: int) -> tuple[torch.Tensor, torch.Tensor]:
     """THE host synchronisation of an expert-parallel layer's forward: the all-gathered rows
     ``[header ints | counts]`` come to the CPU once, as ``C_WN`` (a contiguous int64 tensor:
     the planners read it as one block) and the headers ``[W, header]`` (int64). No Python lists

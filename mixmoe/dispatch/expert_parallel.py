@@ -59,6 +59,8 @@ from mixmoe.dispatch.strategies import STRATEGY_SPECS, config_fingerprint, strat
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.ops.rows import combine_rows
 from mixmoe.placement.cost_model import LayerShape
+from mixmoe.placement.counts import CountSums
+from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile, default_profile
 from mixmoe.placement.relay import node_distance
@@ -69,6 +71,15 @@ from mixmoe.types import Routing
 __all__ = ["STRATEGY_SPECS", "ExpertParallelDispatcher", "StepMeta", "config_fingerprint"]
 
 _HEADER = 2  # fingerprint, weights version
+
+
+def _check_sums(C: torch.Tensor, sums: CountSums) -> None:
+    """``check_plans``' check of the sums the plan is given: C's, exactly."""
+    if not (torch.equal(sums.colsum_N, C.sum(0)) and torch.equal(sums.rowsum_W, C.sum(1))):
+        raise RuntimeError(
+            "the count sums handed to the planner are not the count matrix's column and row "
+            "sums: a bug in the count exchange (dispatch.layout.count_matrix_to_host)"
+        )
 
 
 @dataclass(frozen=True)
@@ -201,9 +212,10 @@ class ExpertParallelDispatcher:
 
     def exchange_counts(
         self, counts_N: torch.Tensor, version: int
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, list[int], CountSums | None]:
         """THE host sync: all_gather [fingerprint, version, counts] and bring C to the host.
-        Returns ``C_WN`` (int64 CPU tensor) and every rank's weights version."""
+        Returns ``C_WN`` (int64 CPU tensor), every rank's weights version and C's
+        ``CountSums`` when they were reduced on the device (else None)."""
         header = torch.tensor(
             [self.fingerprint, version], dtype=torch.int64, device=counts_N.device
         )
@@ -217,14 +229,14 @@ class ExpertParallelDispatcher:
             counts=counts_N,  # this rank's row of C, for the simulator (converted at flush)
         ):
             gathered = self.comm.all_gather_rows(torch.cat([header, counts_N]))
-            C_WN, headers_WH = count_matrix_to_host(gathered, _HEADER)
+            C_WN, headers_WH, sums = count_matrix_to_host(gathered, _HEADER)
         fingerprints_W = headers_WH[:, 0]
         if bool((fingerprints_W != fingerprints_W[0]).any()):
             raise ValueError(
                 "MoE config fingerprints differ across ranks in the count exchange "
                 f"({fingerprints_W.tolist()}); use the same MoEConfig and strategy everywhere"
             )
-        return C_WN, headers_WH[:, 1].tolist()
+        return C_WN, headers_WH[:, 1].tolist(), sums
 
     def invalidate_replicas(self) -> None:
         """Forget cached replicas (needed only after writing expert weights through ``.data``).
@@ -232,7 +244,13 @@ class ExpertParallelDispatcher:
         self.replica_cache.invalidate()
 
     # -- planning ------------------------------------------------------------------------------
-    def _plan(self, C: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Plan:
+    def _plan(
+        self,
+        C: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+        sums: CountSums | None = None,
+    ) -> Plan:
         cfg = self.config
         shape = LayerShape(
             model_dim=cfg.model_dim,
@@ -243,8 +261,10 @@ class ExpertParallelDispatcher:
             gemms_per_expert=3 if cfg.activation == "swiglu" else 2,
         )
         profile = self.profile or default_profile(device.type)
-        plan = self.spec.planner(C, shape, profile, cfg)
         checked = self.check_plans
+        if checked and sums is not None:
+            _check_sums(C, sums)
+        plan = self.spec.planner(C, shape, profile, cfg, sums=sums)
         if self.plan_hook is not None:
             plan, checked = self.plan_hook(C, plan), True
         if checked and (plan.shares or plan.ranges or plan.kept):
@@ -252,21 +272,36 @@ class ExpertParallelDispatcher:
         return plan
 
     def _plan_step(
-        self, C: torch.Tensor, dtype: torch.dtype, device: torch.device
+        self,
+        C: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+        sums: CountSums | None = None,
     ) -> tuple[Plan, StepPlan]:
-        """The plan and this rank's bookkeeping: host work only, from C alone (any thread)."""
+        """The plan and this rank's bookkeeping: host work only, from C alone (any thread).
+        ``sums``: C's ``CountSums`` from the device, else summed here in one compiled pass
+        that the plan and the bookkeeping share (None where it cannot run: each sums C)."""
         with trace_span("moe.plan", kind="host"):
-            plan = self._plan(C, dtype, device)
-            step = build_step_plan(C, plan, self.comm.rank, self.experts_per_rank, self._distance)
+            E = self.experts_per_rank
+            if sums is None:
+                sums = count_sums(C, E)
+            plan = self._plan(C, dtype, device, sums)
+            step = build_step_plan(C, plan, self.comm.rank, E, self._distance, sums)
             return plan, step
 
-    def _submit_plan(self, C: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Future:
+    def _submit_plan(
+        self,
+        C: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+        sums: CountSums | None = None,
+    ) -> Future:
         """Start ``_plan_step`` on the planning thread (one worker: steps plan in order). It runs
         in a copy of this context, so an active trace recorder records its span."""
         if self._planner_thread is None:
             self._planner_thread = ThreadPoolExecutor(1, thread_name_prefix="mixmoe-plan")
         context = contextvars.copy_context()
-        return self._planner_thread.submit(context.run, self._plan_step, C, dtype, device)
+        return self._planner_thread.submit(context.run, self._plan_step, C, dtype, device, sums)
 
     def _exchange(self, name: str, x_RD: torch.Tensor, out_splits, in_splits, moving: bool):
         """Token all_to_all: async under overlap (returns a pending handle), else synchronous;
@@ -331,7 +366,7 @@ class ExpertParallelDispatcher:
         counts_N = expert_counts(routing.ids_TK, N)
         if version is None:
             version = weights_version(weights)
-        C, versions = self.exchange_counts(counts_N, version)
+        C, versions, sums = self.exchange_counts(counts_N, version)
 
         # 2. plan: the same on every rank. Under an async plan, this rank's rows for its own
         # experts are sorted and computed while the plan is made, if the last plan kept them
@@ -340,7 +375,7 @@ class ExpertParallelDispatcher:
         B = self.config.block_size
         local_done_TD = None
         if self.plans_async(x_TD.device) and self._owned_rows_stayed:
-            planned = self._submit_plan(C, x_TD.dtype, x_TD.device)
+            planned = self._submit_plan(C, x_TD.dtype, x_TD.device, sums)
             try:
                 own = build_own_layout(routing, counts_r, r, E, B)
                 if self._compute_own is None:
@@ -354,7 +389,7 @@ class ExpertParallelDispatcher:
                 # deterministic), so every rank raises it before any further collective
                 plan, step = planned.result()
         else:
-            plan, step = self._plan_step(C, x_TD.dtype, x_TD.device)
+            plan, step = self._plan_step(C, x_TD.dtype, x_TD.device, sums)
             own = None
         self._owned_rows_stayed = step.owned_rows_stay()
         if not self._owned_rows_stayed:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mixmoe.placement.counts import CountSums
 from mixmoe.schedule.blocks import BlockSchedule, build_block_schedule, slot_ends
 from mixmoe.schedule.sort import num_blocks, sort_by_expert
 
@@ -24,25 +25,34 @@ def counts_to_host(counts: torch.Tensor) -> list[int]:
     return counts.tolist()
 
 
-def count_matrix_to_host(rows_WX: torch.Tensor, header: int) -> tuple[torch.Tensor, torch.Tensor]:
+def count_matrix_to_host(
+    rows_WX: torch.Tensor, header: int
+) -> tuple[torch.Tensor, torch.Tensor, CountSums | None]:
     """THE host synchronisation of an expert-parallel layer's forward: the all-gathered rows
     ``[header ints | counts]`` come to the CPU once, as ``C_WN`` (a contiguous int64 tensor:
-    the planners read it as one block) and the headers ``[W, header]`` (int64). No Python lists
-    (at W = 1024 ranks and N = 4096 experts a list copy alone costs ~75 ms). On an accelerator
-    the rows are split on the device and land in pinned memory from torch's caching host
-    allocator, so the host neither copies C nor faults in fresh pages for it (a fresh 32 MiB
-    pageable tensor: ~16 ms of page faults on this repo's CPU VM, the split on the host ~19 ms
-    more); on the CPU the split is the one copy."""
+    the planners read it as one block), the headers ``[W, header]`` (int64) and, from an
+    accelerator, C's ``CountSums`` (None on the CPU: the planning thread sums C once,
+    ``native_pricing.count_sums``). No Python lists (at W = 1024 ranks and N = 4096 experts a
+    list copy alone costs ~75 ms). On an accelerator C is split and summed on the device and
+    lands in pinned memory from torch's caching host allocator, so the host neither copies nor
+    sums C nor faults in fresh pages for it (a fresh 32 MiB pageable tensor: ~16 ms of page
+    faults on this repo's CPU VM, the split on the host ~19 ms more, the sums' pass ~1.4 ms);
+    on the CPU the split is the one copy."""
     W, X = rows_WX.shape
-    n = W * (X - header)
+    N = X - header
     if rows_WX.device.type == "cpu":
         every = rows_WX.to(torch.int64)
-        return every[:, header:].contiguous(), every[:, :header]
-    # counts first, then the headers: one flat device tensor, one transfer
-    packed = torch.cat([rows_WX[:, header:].reshape(-1), rows_WX[:, :header].reshape(-1)])
+        return every[:, header:].contiguous(), every[:, :header], None
+    every = rows_WX.to(torch.int64)
+    C_WN = every[:, header:]
+    # counts, headers, column sums, row sums: one flat device tensor, one transfer
+    parts = [C_WN.reshape(-1), every[:, :header].reshape(-1), C_WN.sum(0), C_WN.sum(1)]
+    packed = torch.cat(parts)
     host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=packed.is_cuda)
     host.copy_(packed)  # synchronous: the sync
-    return host[:n].view(W, X - header), host[n:].view(W, header)
+    at = (0, W * N, W * N + W * header, W * N + W * header + N, W * N + W * header + N + W)
+    C_host, headers, colsum_N, rowsum_W = (host[a:b] for a, b in zip(at, at[1:], strict=False))
+    return C_host.view(W, N), headers.view(W, header), CountSums(colsum_N, rowsum_W)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import torch
 
 from mixmoe.dispatch.step_shares import SourceRuns
 from mixmoe.placement import native_lib
+from mixmoe.placement.counts import CountSums, sums_pointers
 from mixmoe.placement.native_lib import I64
 from mixmoe.placement.native_lib import P as _P
 from mixmoe.placement.plan import Plan
@@ -32,13 +33,20 @@ __all__ = ["step_fields"]
 
 HEADER = 8  # native/step_plan.cpp's HEADER
 SHORT, FALLBACK = -1, -2  # its return codes: a larger buffer; the Python
-_ARGTYPES = [_P, I64, I64, I64, _P, I64, _P, I64, _P]
+_ARGTYPES = [_P, I64, I64, I64, _P, I64, _P, I64, _P, I64]
 
 
-def step_fields(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int) -> dict | None:
+def step_fields(
+    C_WN: torch.Tensor,
+    plan: Plan,
+    rank: int,
+    experts_per_rank: int,
+    sums: CountSums | None = None,
+) -> dict | None:
     """``StepPlan``'s fields but ``own_experts`` and ``fetch`` (``rep_experts`` included, in
     replica-slot order) for ``rank``, as ``build_step_plan`` computes them, and
-    ``expert_rows_N``: ``C_WN.sum(dim=0)``, summed on the same pass over C; None when the
+    ``expert_rows_N``: ``C_WN.sum(dim=0)``, summed on the same pass over C, or ``sums``'
+    (C's ``CountSums``: then no pass sums C, its rows are only gathered from); None when the
     compiled part cannot run here or for these arguments (module doc)."""
     fn = native_lib.function("mixmoe_step_plan", I64, _ARGTYPES)
     if fn is None or C_WN.dtype != torch.int64 or C_WN.device.type != "cpu":
@@ -53,11 +61,15 @@ def step_fields(C_WN: torch.Tensor, plan: Plan, rank: int, experts_per_rank: int
     if packed is None:
         return None
     cap = _capacity(W, E, len(packed))
-    rows_N = torch.empty(N, dtype=torch.int64)
+    if sums is None:
+        rows_N = torch.empty(N, dtype=torch.int64)
+    else:
+        sums_pointers(sums, W, N)  # checked: types and shapes
+        rows_N = sums.colsum_N
     while True:
         out = (I64 * cap)()
         got = fn(C_WN.data_ptr(), W, E, rank, packed.buffer_info()[0], len(packed), out, cap,
-                 rows_N.data_ptr())  # fmt: skip
+                 rows_N.data_ptr(), int(sums is not None))  # fmt: skip
         if got != SHORT:
             break
         cap = out[0]

@@ -16,6 +16,7 @@ import torch
 from mixmoe.dispatch.replicas import RelayPlan
 from mixmoe.dispatch.step_native import step_fields
 from mixmoe.dispatch.step_shares import SourceRuns, share_fields
+from mixmoe.placement.counts import CountSums
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.ranges import range_rows_moved
 
@@ -65,15 +66,16 @@ def build_step_plan(
     rank: int,
     experts_per_rank: int,
     distance: Callable[[int, int], int] | None = None,
+    sums: CountSums | None = None,
 ) -> StepPlan:
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
-    plan. The replicas travel as the plan says (``plan.relay``: its relay route,
+    plan (``sums``: C's ``CountSums`` where known: the compiled part then sums no column). The replicas travel as the plan says (``plan.relay``: its relay route,
     ``placement.relay``: scatter + all-gather, split by node with ``distance``; else the owner's
     flat fan-out), as the cost model priced them. Compiled (``step_native``: one pass over C's
     rows, the plan's entries in C++) where it runs, else ``step_plan_python``: the same
     StepPlan (``tests/dispatch/test_step_native.py``)."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
-    fields = step_fields(C_WN, plan, r, E)
+    fields = step_fields(C_WN, plan, r, E, sums)
     if fields is None:
         return step_plan_python(C_WN, plan, r, E, distance)
     fetch = RelayPlan.build(plan.replicas, r, W, E, distance, relay=plan.relay)

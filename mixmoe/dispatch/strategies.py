@@ -12,20 +12,36 @@ Legend: W ranks, N experts, C the count matrix [W, N].
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from mixmoe.config import MoEConfig
 from mixmoe.placement.cost_model import LayerShape
+from mixmoe.placement.counts import CountSums
 from mixmoe.placement.planner import Plan, plan_mix, plan_none, plan_shadow
 from mixmoe.placement.profile import HardwareProfile
 
-Planner = Callable[[list[list[int]], LayerShape, HardwareProfile, MoEConfig], Plan]
+
+class Planner(Protocol):
+    """A strategy's planner: deterministic, a function of its arguments alone. ``sums``: C's
+    ``CountSums`` where the layer has them (else None: the planner sums C itself)."""
+
+    def __call__(
+        self,
+        C_WN: torch.Tensor,
+        shape: LayerShape,
+        profile: HardwareProfile,
+        config: MoEConfig,
+        sums: CountSums | None = None,
+    ) -> Plan: ...
 
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """name; planner(C, shape, profile, config) -> Plan (deterministic: the same on every rank);
+    """name; planner(C, shape, profile, config, sums=None) -> Plan (deterministic: the same on
+    every rank; ``sums``: C's ``CountSums`` where the layer has them);
     overlap: local blocks computed while the token all_to_all is in flight;
     cache_replicas: reuse fetched replicas while their owners' weights are unchanged;
     plan_async: the plan may run on a background thread while the own rows are computed (when
@@ -39,20 +55,29 @@ class StrategySpec:
 
 
 STRATEGY_SPECS: dict[str, StrategySpec] = {
-    "a2a": StrategySpec("a2a", lambda C, shape, prof, cfg: plan_none(C, shape, prof), False, False),
+    "a2a": StrategySpec(
+        "a2a",
+        lambda C, shape, prof, cfg, sums=None: plan_none(C, shape, prof, sums=sums),
+        False,
+        False,
+    ),
     "shadow": StrategySpec(
-        "shadow", lambda C, shape, prof, cfg: plan_shadow(C, shape, prof), False, False
+        "shadow",
+        lambda C, shape, prof, cfg, sums=None: plan_shadow(C, shape, prof, sums=sums),
+        False,
+        False,
     ),
     "mix": StrategySpec(
         "mix",
         # share entries cut at the layer's blocks, so that no block straddles two ranks
-        lambda C, shape, prof, cfg: plan_mix(
+        lambda C, shape, prof, cfg, sums=None: plan_mix(
             C,
             shape,
             prof,
             cfg.max_replicas,
             block_size=cfg.block_size,
             balance=getattr(cfg, "plan_helpers", True),
+            sums=sums,
         ),
         True,
         True,
@@ -66,7 +91,10 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
 # it without a dispatcher, so it is not in STRATEGY_SPECS; the calibration and the simulator
 # price it through ``planning_spec``.
 LOCAL_SPEC = StrategySpec(
-    "local", lambda C, shape, prof, cfg: plan_none(C, shape, prof), False, False
+    "local",
+    lambda C, shape, prof, cfg, sums=None: plan_none(C, shape, prof, sums=sums),
+    False,
+    False,
 )
 
 

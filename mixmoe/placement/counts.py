@@ -11,6 +11,7 @@ the first thing every planner does with C, and the only pass over the whole [W, 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +19,59 @@ import torch
 if TYPE_CHECKING:
     from mixmoe.placement.cost_model import LayerShape
 
-__all__ = ["baseline_loads", "counts_as_lists", "counts_as_tensor", "counts_with_sums"]
+__all__ = [
+    "CountSums",
+    "baseline_loads",
+    "counts_as_lists",
+    "counts_as_tensor",
+    "counts_with_sums",
+    "sums_pointers",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class CountSums:
+    """C's column sums (``colsum_N``: the rows every rank routes to each expert) and row sums
+    (``rowsum_W``: the rows each rank routes), int64 CPU tensors, computed where C is: the
+    layer reduces the gathered counts on the device before its one host transfer
+    (``dispatch.layout.count_matrix_to_host``), or one compiled pass over C on the host
+    (``native_pricing.count_sums``) serves the plan and the step's bookkeeping alike.
+
+    Given to a planner (``plan_mix``, ``plan_shadow``, ``plan_none``: ``sums=``) they replace
+    its own pass over C, ~1.4 ms at [1024, 4096]. Only their shapes, signs and equal totals are
+    checked, so they must be C's: the dispatcher checks them against C when
+    ``check_plans`` is set, and the planners' Python paths ignore them (they sum C)."""
+
+    colsum_N: torch.Tensor
+    rowsum_W: torch.Tensor
+
+
+BAD_SUMS = -4  # the compiled entries' status for sums that cannot be C's
+
+
+def raise_bad_sums() -> None:
+    """The error of a compiled entry that returned ``BAD_SUMS``."""
+    raise ValueError(
+        "sums are not C's column and row sums (a sum is negative or the two totals differ); "
+        "pass CountSums(C_WN.sum(0), C_WN.sum(1)) or leave sums=None"
+    )
+
+
+def sums_pointers(sums: object, W: int, N: int) -> tuple[int, int]:
+    """The data pointers of ``sums`` (a ``CountSums`` for C [W, N]) for a compiled entry, after
+    checking their types and shapes (TypeError / ValueError naming the field and the fix)."""
+    if not isinstance(sums, CountSums):
+        raise TypeError(f"sums must be a CountSums (C's column and row sums), got {sums!r}")
+    for name, x, n in (("colsum_N", sums.colsum_N, N), ("rowsum_W", sums.rowsum_W, W)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int64 or x.device.type != "cpu":
+            got = f"{x.dtype} on {x.device}" if isinstance(x, torch.Tensor) else repr(x)
+            raise TypeError(f"sums.{name} must be an int64 CPU tensor, got {got}")
+        if tuple(x.shape) != (n,) or not x.is_contiguous():
+            raise ValueError(
+                f"sums.{name} must be a contiguous tensor of shape ({n},), got "
+                f"{tuple(x.shape)}; pass C's sums (C_WN.sum({0 if n == N else 1}))"
+            )
+    return sums.colsum_N.data_ptr(), sums.rowsum_W.data_ptr()
 
 
 def counts_as_lists(counts_WN: object, shape: LayerShape) -> list[list[int]]:

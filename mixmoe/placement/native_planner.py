@@ -27,7 +27,13 @@ import torch
 
 from mixmoe.placement import native_lib
 from mixmoe.placement.cost_model import LayerShape, Prediction, step_model
-from mixmoe.placement.counts import counts_tensor_unsigned
+from mixmoe.placement.counts import (
+    BAD_SUMS,
+    CountSums,
+    counts_tensor_unsigned,
+    raise_bad_sums,
+    sums_pointers,
+)
 from mixmoe.placement.native_lib import P as _P
 from mixmoe.placement.native_pricing import unpackers
 from mixmoe.placement.plan import Plan
@@ -37,7 +43,7 @@ from mixmoe.placement.shadow import shadow_terms
 
 __all__ = ["planned"]
 
-_ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P]
+_ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P, _P, _P]
 
 _DOUBLE = struct.Struct("d")  # the step after a prediction's reals
 _OUTPUT = threading.local()  # this thread's output arrays, reused call after call
@@ -53,11 +59,13 @@ def planned(
     block_size: int,
     balance: bool,
     constants: tuple[float, float, float, int],
+    sums: CountSums | None = None,
 ) -> Plan | None:
     """``plan_mix(counts_WN, shape, profile, max_replicas, overlap, search_width=...,
-    block_size=..., balance=..., fill="level")``, compiled; ``slots``: its
+    block_size=..., balance=..., fill="level", sums=...)``, compiled; ``slots``: its
     ``replica_slots``; ``constants``: the planner's (BALANCED, FILL_STOP, SPREAD_WHEN,
-    LEVEL_PASSES). None where the compiled planner does not run (module doc)."""
+    LEVEL_PASSES); ``sums``: C's ``CountSums`` (no pass over C) or None. None where the
+    compiled planner does not run (module doc)."""
     if not isinstance(counts_WN, torch.Tensor):
         return None
     fn = native_lib.function("mixmoe_plan_mix", ctypes.c_int64, _ARGTYPES)
@@ -73,13 +81,16 @@ def planned(
     ints, reals = args
     C_WN = counts_tensor_unsigned(counts_WN, shape)  # the checks but the signs (the C++'s)
     W, N = shape.world_size, shape.num_experts
+    colsum, rowsum = (None, None) if sums is None else sums_pointers(sums, W, N)
     # each rank holds at most `slots` replicas: holders, ranges and kept entries are bounded
     # by W * slots, their groups by N each
     out_i, out_d, counts = _output(6 * N + 5 * W * slots + 6 * W + 16, 4 * W + 2)
     status = fn(
         C_WN.data_ptr(), ints, reals, ctypes.addressof(out_i), len(out_i),
-        ctypes.addressof(out_d), counts,
+        ctypes.addressof(out_d), counts, colsum, rowsum,
     )  # fmt: skip
+    if status == BAD_SUMS:
+        raise_bad_sums()
     if status in (-1, -2):  # negative or too large counts: the Python raises its error
         return None
     if status != 0:  # cannot happen with the capacity above (the C++ counts before writing)

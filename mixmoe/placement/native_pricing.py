@@ -28,10 +28,11 @@ import torch
 
 from mixmoe.placement import native_lib
 from mixmoe.placement.cost_model import LayerShape, Prediction, StepModel
+from mixmoe.placement.counts import BAD_SUMS, CountSums, raise_bad_sums, sums_pointers
 from mixmoe.placement.native_lib import F64, I64
 from mixmoe.placement.native_lib import P as _P
 
-__all__ = ["baseline", "counted_baseline", "plan_loads", "prediction"]
+__all__ = ["baseline", "count_sums", "counted_baseline", "plan_loads", "prediction"]
 
 SOURCE = native_lib.FOLDER / "pricing.cpp"
 _F64, _I64 = torch.float64, torch.int64
@@ -48,32 +49,49 @@ def _counts_ok(C_WN: torch.Tensor, E: int) -> bool:
 
 
 def baseline(
-    C_WN: torch.Tensor, experts_per_rank: int
+    C_WN: torch.Tensor, experts_per_rank: int, sums: CountSums | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``counts.baseline_loads(C_WN, E)`` (loads_4W, colsum_N, own_N) and ``counts_with_sums``'
-    row sums (rowsum_W, int64) in one pass over C, its sign check included. None: the compiled
-    part cannot run (module doc), or a count is negative (the caller's Python raises its
-    error)."""
-    fn = native_lib.function("mixmoe_baseline", I64, [_P, I64, I64, _P, _P, _P, _P])
+    row sums (rowsum_W, int64) in one pass over C, its sign check included. ``sums``: C's
+    ``CountSums``, used instead of the pass (returned as they are; ValueError when a sum is
+    negative or the totals differ). None: the compiled part cannot run (module doc), or a
+    count is negative (the caller's Python raises its error)."""
+    fn = native_lib.function("mixmoe_baseline", I64, [_P, I64, I64, _P, _P, _P, _P, I64])
     if fn is None or not _counts_ok(C_WN, experts_per_rank):
         return None
     W, N = C_WN.shape
     loads_4W = torch.empty(4, W, dtype=_F64)
-    colsum_N, own_N = torch.empty(N, dtype=_I64), torch.empty(N, dtype=_I64)
-    rowsum_W = torch.empty(W, dtype=_I64)
+    own_N = torch.empty(N, dtype=_I64)
+    if sums is None:
+        colsum_N, rowsum_W = torch.empty(N, dtype=_I64), torch.empty(W, dtype=_I64)
+    else:
+        sums_pointers(sums, W, N)  # checked: types and shapes
+        colsum_N, rowsum_W = sums.colsum_N, sums.rowsum_W
     args = (C_WN.data_ptr(), W, experts_per_rank, loads_4W.data_ptr(), colsum_N.data_ptr())
-    if fn(*args, own_N.data_ptr(), rowsum_W.data_ptr()) < 0:
+    status = fn(*args, own_N.data_ptr(), rowsum_W.data_ptr(), int(sums is not None))
+    if status == BAD_SUMS:
+        raise_bad_sums()
+    if status < 0:
         return None
     return loads_4W, colsum_N, own_N, rowsum_W
 
 
-def counted_baseline(counts_WN: object, shape: LayerShape) -> tuple[tuple, tuple] | None:
+def count_sums(C_WN: torch.Tensor, experts_per_rank: int) -> CountSums | None:
+    """C's ``CountSums`` from one compiled pass over it (the sign check included): computed
+    once, they serve the plan and the step's bookkeeping. None where ``baseline`` is."""
+    out = baseline(C_WN, experts_per_rank)
+    return None if out is None else CountSums(out[1], out[3])
+
+
+def counted_baseline(
+    counts_WN: object, shape: LayerShape, sums: CountSums | None = None
+) -> tuple[tuple, tuple] | None:
     """(``counts_with_sums(counts_WN, shape)``, ``baseline_loads(C_WN, E, sums)``) from one
-    compiled pass over C: ((C_WN, colsum_N, rowsum_W), (loads_4W, colsum_N, own_N)), the same
-    tensors' values. Only for counts already in the validated form (an int64 CPU tensor
-    [W, N], contiguous: ``counts_with_sums`` would return it as it is); None otherwise, or
-    when a count is negative or the compiled part cannot run: the caller's Python validates
-    (and raises)."""
+    compiled pass over C (none with ``sums``, C's ``CountSums``): ((C_WN, colsum_N, rowsum_W),
+    (loads_4W, colsum_N, own_N)), the same tensors' values. Only for counts already in the
+    validated form (an int64 CPU tensor [W, N], contiguous: ``counts_with_sums`` would return
+    it as it is); None otherwise, or when a count is negative or the compiled part cannot run:
+    the caller's Python validates (and raises)."""
     W, N = shape.world_size, shape.num_experts
     if (
         not isinstance(counts_WN, torch.Tensor)
@@ -82,7 +100,7 @@ def counted_baseline(counts_WN: object, shape: LayerShape) -> tuple[tuple, tuple
         or tuple(counts_WN.shape) != (W, N)
     ):
         return None
-    out = baseline(counts_WN, shape.experts_per_rank)
+    out = baseline(counts_WN, shape.experts_per_rank, sums)
     if out is None:
         return None
     loads_4W, colsum_N, own_N, rowsum_W = out

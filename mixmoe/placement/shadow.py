@@ -12,7 +12,7 @@ import torch
 
 from mixmoe.placement import native_candidates
 from mixmoe.placement.cost_model import LayerShape, prediction_of, reprice, step_model
-from mixmoe.placement.counts import baseline_loads, counts_with_sums
+from mixmoe.placement.counts import CountSums, baseline_loads, counts_with_sums
 from mixmoe.placement.native_pricing import counted_baseline
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
@@ -28,6 +28,7 @@ def plan_shadow(
     *,
     overlap: bool = False,
     counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sums: CountSums | None = None,
 ) -> Plan:
     """FasterMoE's shadowing rule (He et al., "FasterMoE: Modeling and Optimizing Training of
     Large-Scale Dynamic Pre-Trained Models", PPoPP'22, Sec. 4 "Dynamic Shadowing"; the authors'
@@ -54,13 +55,15 @@ def plan_shadow(
     with it when E = 1 and shadowed rows are negligible next to B_k. Latency terms are not part
     of FasterMoE's estimate and are left out of the decision; ``prediction`` (full cost model,
     ``overlap`` default False) is reported for comparison. ``counted``:
-    ``counts_with_sums(counts_WN, shape)`` when the caller has it (checked and summed once).
+    ``counts_with_sums(counts_WN, shape)`` when the caller has it (checked and summed once);
+    ``sums``: C's ``CountSums`` (the compiled baseline then reads no more of C than each rank's
+    own experts' columns).
     """
     model = step_model(shape, profile, overlap)
     W, E = shape.world_size, shape.experts_per_rank
     # one compiled pass over C where it runs (plan_none's; W = 1024: the Python's validation
     # and sums take ~3.6 ms), else the Python's
-    both = counted_baseline(counts_WN, shape) if counted is None else None
+    both = counted_baseline(counts_WN, shape, sums) if counted is None else None
     if both is not None:
         (C_WN, *_), (loads_4W, load_N, own_N) = both
     else:

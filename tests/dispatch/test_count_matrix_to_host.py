@@ -1,6 +1,7 @@
 """``layout.count_matrix_to_host``, the layer's one host sync: the all-gathered rows
 ``[header | counts]`` split into a contiguous int64 ``C_WN`` (the planners read it as one block)
-and the headers, on the CPU and, where CUDA is, from the device into pinned memory."""
+and the headers, on the CPU and, where CUDA is, from the device into pinned memory with C's
+column and row sums reduced there (``CountSums``)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def _check(rows_WX: torch.Tensor, H: int, C_WN: torch.Tensor, headers_WH: torch.
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_split_on_the_cpu(W, N, H, dtype) -> None:
     rows = _rows(W, N, H, dtype)
-    C_WN, headers_WH = count_matrix_to_host(rows, H)
+    C_WN, headers_WH, sums = count_matrix_to_host(rows, H)
     _check(rows, H, C_WN, headers_WH)
+    assert sums is None  # the planning thread sums C on the host (native_pricing.count_sums)
 
 
 @pytest.mark.gpu
@@ -37,8 +39,12 @@ def test_split_on_the_cpu(W, N, H, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_split_on_the_device_lands_in_pinned_memory(dtype) -> None:
     rows = _rows(6, 24, 2, dtype).cuda()
-    C_WN, headers_WH = count_matrix_to_host(rows, 2)
+    C_WN, headers_WH, sums = count_matrix_to_host(rows, 2)
     _check(rows, 2, C_WN, headers_WH)
+    want = rows.cpu().to(torch.int64)[:, 2:]
+    torch.testing.assert_close(sums.colsum_N, want.sum(0), rtol=0, atol=0)
+    torch.testing.assert_close(sums.rowsum_W, want.sum(1), rtol=0, atol=0)
+    assert sums.colsum_N.is_contiguous() and sums.rowsum_W.is_contiguous()
     assert C_WN.is_pinned() and headers_WH.is_pinned()
     rows.zero_()  # the host copy is complete when the call returns
     torch.cuda.synchronize()

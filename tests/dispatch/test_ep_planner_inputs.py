@@ -30,9 +30,9 @@ def _planned(
     spec = layer.dispatcher.spec
     seen = []
 
-    def planner(C, shape, prof, config):
+    def planner(C, shape, prof, config, sums=None):
         seen.append((shape, prof))
-        return spec.planner(C, shape, prof, config)
+        return spec.planner(C, shape, prof, config, sums=sums)
 
     layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
     x = torch.randn(9, 8, dtype=dtype, generator=torch.Generator().manual_seed(1))
@@ -148,7 +148,7 @@ def test_plans_are_checked_when_hooked_or_asked_never_by_default() -> None:
     shape = LayerShape(8, 12, 1, 3, 4)
     base = plan_none(C, shape, CPU_PROFILE).prediction
     bad = Plan((0,), ((0, (1,)),), base, base, ranges=((0, ((1, 20),)),))
-    disp.spec = dataclasses.replace(disp.spec, planner=lambda *args: bad)
+    disp.spec = dataclasses.replace(disp.spec, planner=lambda *args, **kw: bad)
     # the built-in planners' plans are trusted (their tests check them): no check by default
     assert disp._plan(C, torch.float32, torch.device("cpu")) is bad
     disp.check_plans = True
@@ -157,8 +157,41 @@ def test_plans_are_checked_when_hooked_or_asked_never_by_default() -> None:
     disp.check_plans = False
     disp.plan_hook = lambda C_WN, plan: bad  # a hook's plan: always checked
     disp.spec = dataclasses.replace(
-        disp.spec, planner=lambda C, *args: plan_none(C, shape, CPU_PROFILE)
+        disp.spec, planner=lambda C, *args, **kw: plan_none(C, shape, CPU_PROFILE)
     )
     with pytest.raises(ValueError, match="cut source 2's segment 20 rows in"):
         disp._plan(C, torch.float32, torch.device("cpu"))
+    disp.close()
+
+
+def test_the_sums_a_plan_is_given_are_checked_when_plans_are() -> None:
+    # the planner gets C's CountSums (from the device, or one compiled pass on the planning
+    # thread); check_plans compares them with C's own sums
+    from mixmoe.placement.counts import CountSums
+
+    cfg = MoEConfig(model_dim=8, hidden_dim=12, num_experts=3, block_size=16)
+    disp = ExpertParallelDispatcher(_ThreeRanks(), cfg, "mix")
+    C = torch.tensor([[20, 0, 5], [8, 1, 0], [40, 0, 2]])
+    given = []
+    planner = disp.spec.planner
+
+    def spy(C_WN, shape, profile, config, sums=None):
+        given.append(sums)
+        return planner(C_WN, shape, profile, config, sums=sums)
+
+    disp.spec = dataclasses.replace(disp.spec, planner=spy)
+    right = CountSums(C.sum(0), C.sum(1))
+    want = disp._plan(C, torch.float32, torch.device("cpu"))
+    assert repr(disp._plan(C, torch.float32, torch.device("cpu"), right)) == repr(want)
+    assert given == [None, right]
+    plan, step = disp._plan_step(C, torch.float32, torch.device("cpu"))  # summed once, shared
+    assert repr(plan) == repr(want)
+    torch.testing.assert_close(given[-1].colsum_N, C.sum(0), rtol=0, atol=0)
+    torch.testing.assert_close(given[-1].rowsum_W, C.sum(1), rtol=0, atol=0)
+    torch.testing.assert_close(step.expert_rows_N, C.sum(0), rtol=0, atol=0)
+    wrong = CountSums(C.sum(0).flip(0).contiguous(), C.sum(1))  # same totals: not caught in C++
+    disp.check_plans = True
+    with pytest.raises(RuntimeError, match="not the count matrix's column and row sums"):
+        disp._plan(C, torch.float32, torch.device("cpu"), wrong)
+    assert repr(disp._plan(C, torch.float32, torch.device("cpu"), right)) == repr(want)
     disp.close()

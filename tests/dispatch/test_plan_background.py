@@ -40,11 +40,11 @@ def test_plan_span_overlaps_the_own_rows_compute(monkeypatch) -> None:
     spec = layer.dispatcher.spec
     planner_threads = []
 
-    def planner(C, shape, profile, config):
+    def planner(C, shape, profile, config, sums=None):
         planner_threads.append(threading.current_thread().name)
         plan_started.set()
         assert own_done.wait(WAIT_S), "the own rows were not computed while the plan ran"
-        return spec.planner(C, shape, profile, config)
+        return spec.planner(C, shape, profile, config, sums=sums)
 
     real_run_work = expert_parallel.run_work
 
@@ -84,7 +84,7 @@ def test_a_planner_error_reaches_the_caller_and_the_next_step_plans_again() -> N
         want = layer(x)[0]
     spec = layer.dispatcher.spec
 
-    def planner(C, shape, profile, config):
+    def planner(C, shape, profile, config, sums=None):
         raise PlanError(f"no plan for counts {C.tolist()}")
 
     layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)

@@ -20,6 +20,7 @@ import mixmoe.placement.native_lib as lib
 from mixmoe.dispatch.step_plan import build_step_plan, step_plan_python
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape
+from mixmoe.placement.counts import CountSums
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import plan_mix, plan_none, plan_shadow
 from mixmoe.placement.ranges import cut_ranges, stream_sources
@@ -41,6 +42,12 @@ def _same(C_WN: torch.Tensor, plan: Plan, r: int, E: int) -> None:
     # the group's rows of each expert, off the same pass (the layer's StepMeta reads them)
     assert want.expert_rows_N is None
     assert torch.equal(got.expert_rows_N, C_WN.sum(dim=0)), (r, plan)
+    # C's sums given (the layer's CountSums): no pass sums C, the same StepPlan
+    sums = CountSums(C_WN.sum(0), C_WN.sum(1))
+    assert native.step_fields(C_WN, plan, r, E, sums) is not None, (r, plan)
+    given = build_step_plan(C_WN, plan, r, E, sums=sums)
+    assert given == want and repr(given) == repr(want), (r, plan)
+    assert given.expert_rows_N is sums.colsum_N
 
 
 def _same_or_same_error(C_WN: torch.Tensor, plan: Plan, r: int, E: int) -> str | None:

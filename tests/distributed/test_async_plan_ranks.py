@@ -88,10 +88,10 @@ class PlannerFailure(ValueError):
 
 
 def _failing_planner(spec, bad_ranks: tuple[int, ...], rank: int):
-    def planner(C, shape, profile, config):
+    def planner(C, shape, profile, config, sums=None):
         if rank in bad_ranks:
             raise PlannerFailure(f"planner failed on rank {rank} for counts {C.tolist()}")
-        return spec.planner(C, shape, profile, config)
+        return spec.planner(C, shape, profile, config, sums=sums)
 
     return planner
 

@@ -29,7 +29,8 @@ def _worker(comm) -> dict:
     layer = parallelize_moe(make_layer(CASE), comm, "mix", profile=REPLICATE)
     disp = layer.dispatcher
     counts = torch.tensor([3 + r, 0, 7 * r, 1], dtype=torch.int64)
-    C, versions = disp.exchange_counts(counts, 10 + 5 * r)
+    C, versions, sums = disp.exchange_counts(counts, 10 + 5 * r)
+    assert sums is None  # on the CPU the planning thread sums C (on a device: the device)
     x, _ = rank_inputs(CASE, r)
     y_before, _ = layer(x)
     with torch.no_grad():  # in-place writes that leave the values: only rank 1's version moves

@@ -19,6 +19,7 @@ import mixmoe.placement.native_lib as lib
 import mixmoe.placement.native_planner as native_planner
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape, plan_mix
+from mixmoe.placement.counts import CountSums
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.simulate.routing import counts_source
 from mixmoe.simulate.workloads import DEFAULT_WORKLOADS
@@ -55,6 +56,11 @@ def _both(monkeypatch, counts, shape, profile, *args, **kwargs):
     monkeypatch.setattr("mixmoe.placement.planner.planned", spy)
     fast = plan_mix(counts, shape, profile, *args, **kwargs)
     assert ran == [True], "the compiled planner did not run"
+    if isinstance(counts, torch.Tensor) and "sums" not in kwargs:  # C's sums given: no pass
+        C = counts.to(torch.int64)
+        sums = CountSums(C.sum(0), C.sum(1))
+        assert repr(plan_mix(counts, shape, profile, *args, sums=sums, **kwargs)) == repr(fast)
+        assert ran == [True, True]
     # built without Plan's checks (Plan.unchecked): they pass when the plan is rebuilt
     assert dataclasses.replace(fast) == fast
     with monkeypatch.context() as m:

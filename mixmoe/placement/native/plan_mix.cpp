@@ -304,15 +304,23 @@ extern "C" {
 // baseline's [compute, comm] (2W) and step; counts (7): the three sections' lengths, the relay
 // flag, the three sections' groups. Returns 0; -1: a negative count, -2: counts or model
 // terms too large for exact float arithmetic (StepModel.check_exact), -3: out_i too small; the
-// caller's Python then raises its error (nothing written is meaningful).
+// caller's Python then raises its error (nothing written is meaningful). `colsum_N`,
+// `rowsum_W`: null (C's sums and signs from one pass over it), or C's column and row sums
+// (CountSums: the pass is skipped, C's signs taken as checked; -4 when a sum is negative or
+// the totals differ).
 int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* reals,
-                        int64_t* out_i, int64_t cap_i, double* out_d, int64_t* counts) {
+                        int64_t* out_i, int64_t cap_i, double* out_d, int64_t* counts,
+                        const int64_t* colsum_N, const int64_t* rowsum_W) {
   const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
   const Model m = Model::from(ints + 7, reals);
   const Settings s{ints[2], ints[3],  ints[4],  ints[5],  ints[6] != 0, reals[7], reals[8],
                    reals[9], reals[10], reals[11], ints[12],     reals[12]};
   Baseline base;
-  if (!baseline(k, base)) return -1;
+  if (colsum_N != nullptr && rowsum_W != nullptr) {
+    if (!baseline_from_sums(k, colsum_N, rowsum_W, base)) return -4;
+  } else if (!baseline(k, base)) {
+    return -1;
+  }
   __int128 rows = 0;  // StepModel.check_exact(max(2 * sum(colsum), W * N)), as plan_replicas runs it
   for (int64_t x : base.colsum) rows += x;
   const __int128 limit = static_cast<__int128>(1) << 53;

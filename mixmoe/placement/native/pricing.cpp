@@ -181,38 +181,60 @@ bool plan_in_range(const Counts& counts, const Replicas& replicas, bool relay,
   return true;
 }
 
-bool baseline(const Counts& counts, Baseline& out) {
-  const int64_t W = counts.W, E = counts.E, N = counts.N;
+namespace {
+
+// baseline's loads from C's row sums `sent` and out.colsum (filled): each rank's own experts'
+// rows read from C (its E columns of its own row), the rows it computes, the rows it exchanges
+void loads_from_sums(const Counts& counts, const int64_t* sent, Baseline& out) {
+  const int64_t W = counts.W, E = counts.E;
   Loads& loads = out.loads;
   loads.rows.assign(W, 0);
   loads.local.assign(W, 0);
   loads.remote.assign(W, 0);
   loads.replica.assign(W, 0.0);
-  out.colsum.assign(N, 0);
-  out.own.assign(N, 0);
-  int64_t* colsum = out.colsum.data();
-  std::vector<int64_t> sent(W);  // row sums: what each source routes, anywhere
-  // one pass over C in memory order, eight rows at a time, then the last W % 8 one by one
-  // (measured at [1024, 4096] on a 2-core EPYC VM: ~1.4 ms, a plain sum of C ~1.3 ms; four
-  // scalar rows at a time took ~2.3 ms)
-  const bool negative = !add_row_block(counts.C, W, N, colsum, sent.data());
+  out.own.assign(counts.N, 0);
   for (int64_t r = 0; r < W; ++r) {
-    int64_t local = 0;
+    int64_t local = 0, rows = 0;
     for (int64_t g = r * E; g < (r + 1) * E; ++g) {  // r's own experts: C[r][g] stays at r
       out.own[g] = counts.c(r, g);
       local += out.own[g];
+      rows += out.colsum[g];
     }
     loads.local[r] = local;
-    loads.remote[r] = sent[r] - local;  // what r sends away; what it receives is added below
-  }
-  if (negative) return false;
-  for (int64_t r = 0; r < W; ++r) {
-    int64_t rows = 0;
-    for (int64_t g = r * E; g < (r + 1) * E; ++g) rows += colsum[g];
     loads.rows[r] = rows;
-    // baseline_loads: (sent - local) + (rows - local)
-    loads.remote[r] = loads.remote[r] + (rows - loads.local[r]);
+    // baseline_loads: (sent - local) + (rows - local): what r sends away, what it receives
+    loads.remote[r] = (sent[r] - local) + (rows - local);
   }
+}
+
+}  // namespace
+
+bool baseline(const Counts& counts, Baseline& out) {
+  out.colsum.assign(counts.N, 0);
+  std::vector<int64_t> sent(counts.W);  // row sums: what each source routes, anywhere
+  // one pass over C in memory order, eight rows at a time, then the last W % 8 one by one
+  // (measured at [1024, 4096] on a 2-core EPYC VM: ~1.4 ms, a plain sum of C ~1.3 ms; four
+  // scalar rows at a time took ~2.3 ms)
+  if (!add_row_block(counts.C, counts.W, counts.N, out.colsum.data(), sent.data())) return false;
+  loads_from_sums(counts, sent.data(), out);
+  return true;
+}
+
+bool baseline_from_sums(const Counts& counts, const int64_t* colsum, const int64_t* rowsum,
+                        Baseline& out) {
+  const int64_t W = counts.W, N = counts.N;
+  int64_t by_column = 0, by_row = 0;
+  for (int64_t g = 0; g < N; ++g) {
+    if (colsum[g] < 0) return false;
+    by_column += colsum[g];
+  }
+  for (int64_t r = 0; r < W; ++r) {
+    if (rowsum[r] < 0) return false;
+    by_row += rowsum[r];
+  }
+  if (by_column != by_row) return false;
+  out.colsum.assign(colsum, colsum + N);
+  loads_from_sums(counts, rowsum, out);
   return true;
 }
 
@@ -275,18 +297,25 @@ extern "C" {
 
 // baseline: C (int64 [W, N]) -> loads (float64 [4, W]: baseline_loads' loads_4W), colsum (int64
 // [N]), own (int64 [N]) and, unless null, rowsum (int64 [W]: counts_with_sums' row sums). Returns
-// 0, or -1 when a count is negative (nothing written is meaningful then).
+// 0, or -1 when a count is negative (nothing written is meaningful then). `given` != 0: colsum
+// and rowsum are inputs, C's sums (CountSums; baseline_from_sums: no pass over C), left as
+// they are; -4 when a sum is negative or the totals differ.
 int64_t mixmoe_baseline(const int64_t* C, int64_t W, int64_t E, double* loads_4W,
-                        int64_t* colsum_N, int64_t* own_N, int64_t* rowsum_W) {
+                        int64_t* colsum_N, int64_t* own_N, int64_t* rowsum_W, int64_t given) {
   const Counts counts{W, E, W * E, C};
   Baseline base;
-  if (!mixmoe_native::baseline(counts, base)) return -1;
+  if (given) {
+    if (rowsum_W == nullptr || !baseline_from_sums(counts, colsum_N, rowsum_W, base)) return -4;
+  } else if (!mixmoe_native::baseline(counts, base)) {
+    return -1;
+  }
   const std::vector<int64_t>* ints[3] = {&base.loads.rows, &base.loads.local, &base.loads.remote};
   for (int64_t k = 0; k < 3; ++k)
     for (int64_t r = 0; r < W; ++r) loads_4W[k * W + r] = static_cast<double>((*ints[k])[r]);
   std::fill(loads_4W + 3 * W, loads_4W + 4 * W, 0.0);
-  std::copy(base.colsum.begin(), base.colsum.end(), colsum_N);
   std::copy(base.own.begin(), base.own.end(), own_N);
+  if (given) return 0;
+  std::copy(base.colsum.begin(), base.colsum.end(), colsum_N);
   if (rowsum_W) {  // sent = remote - received + local, received = rows - local
     const Loads& l = base.loads;
     for (int64_t r = 0; r < W; ++r)

@@ -22,6 +22,13 @@ struct Baseline {
 // unspecified) when a count is negative (the caller's Python raises its error).
 bool baseline(const Counts& counts, Baseline& out);
 
+// baseline from C's column sums `colsum` [N] and row sums `rowsum` [W], as the layer computes
+// them where C is gathered (mixmoe.placement.counts.CountSums): no pass over C, only each
+// rank's E own columns of its own row. False (out unspecified) when a sum is negative or the
+// two totals differ; the sums are not otherwise checked against C.
+bool baseline_from_sums(const Counts& counts, const int64_t* colsum, const int64_t* rowsum,
+                        Baseline& out);
+
 // The pass over n consecutive rows of C (`rows`: the first one's N counts) that baseline makes,
 // eight rows at a time: adds each column's counts to colsum[g], writes each row's sum to
 // sent[k] (k < n); false when some count is negative (the sums are then still the sums).

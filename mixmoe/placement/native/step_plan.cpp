@@ -198,12 +198,14 @@ struct Pass {
 };
 
 // `ranged_g`: the ranged experts' ids (ascending); `full_g`: those whose columns are kept whole;
-// `colsum_N`: N int64 that get C's column sums (zeros in; null: summed in a scratch). Eight
-// rows at a time: their sums and columns by baseline's pass (pricing.h's add_row_block), then
-// each row's gathers from those rows, just read (W = 1024: the block's 256 KiB are in L2).
+// `colsum_N`: N int64 that get C's column sums (zeros in; null: summed in a scratch), or, when
+// `given`, hold them (CountSums: the rows are then only gathered from, ~1/3 of the time at
+// W = 1024). Eight rows at a time: their sums and columns by baseline's pass (pricing.h's
+// add_row_block), then each row's gathers from those rows, just read (W = 1024: the block's
+// 256 KiB are in L2).
 Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
                  const std::vector<int64_t>& ranged_g, const std::vector<int64_t>& full_g,
-                 int64_t* colsum_N) {
+                 int64_t* colsum_N, bool given) {
   const int64_t N = W * E, G = static_cast<int64_t>(ranged_g.size());
   const int64_t F = static_cast<int64_t>(full_g.size());
   Pass out;
@@ -216,12 +218,16 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
     scratch.assign(N, 0);
     colsum_N = scratch.data();
   }
+  if (given)
+    for (int64_t g = 0; g < N; ++g) out.total += colsum_N[g];
   constexpr int64_t BLOCK = 8;
   int64_t sent[BLOCK];  // the block's row sums
   for (int64_t s0 = 0; s0 < W; s0 += BLOCK) {
     const int64_t n = std::min(BLOCK, W - s0);
-    mixmoe_native::add_row_block(C + s0 * N, n, N, colsum_N, sent);  // signs: r's row, below
-    for (int64_t k = 0; k < n; ++k) out.total += sent[k];
+    if (!given) {
+      mixmoe_native::add_row_block(C + s0 * N, n, N, colsum_N, sent);  // signs: r's row, below
+      for (int64_t k = 0; k < n; ++k) out.total += sent[k];
+    }
     for (int64_t s = s0; s < s0 + n; ++s) {
       const int64_t* row = C + s * N;
       if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
@@ -346,7 +352,7 @@ struct Fields {
 };
 
 // build_step_plan's fields for rank r; false: run the Python.
-bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_N,
+bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_N, bool given,
                  Fields& out) {
   const int64_t W = plan.W, E = plan.E, N = plan.N;
   auto c = [&](int64_t s, int64_t g) { return C[s * N + g]; };
@@ -368,7 +374,10 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
     full.push_back(x.g / E == r || plan.holds(x.g, r));
     if (full.back()) full_g.push_back(x.g);
   }
-  const Pass pass = read_counts(C, W, E, r, ranged_g, full_g, colsum_N);
+  const Pass pass = read_counts(C, W, E, r, ranged_g, full_g, colsum_N, given);
+  if (given)  // the given sums where this pass summed columns too: a mismatch runs the Python
+    for (int64_t k = 0; k < static_cast<int64_t>(ranged_g.size()); ++k)
+      if (pass.col_G[k] != colsum_N[ranged_g[k]]) return false;
 
   // the replica rule (build_step_plan's vectorised part): a segment (s, g) stays at s when s
   // owns g or holds its replica; r receives its own experts' rows from the other sources
@@ -498,19 +507,21 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
 // sent experts [R]. Returns the ints written, SHORT (out[0]: the ints needed, when cap >= 1) or
 // FALLBACK (the caller runs the Python). `colsum_N`: null, or N int64 that get C's column sums
 // (the rows routed to each expert over the group; read off the same pass; meaningful only when
-// the entry returns the fields).
+// the entry returns the fields); `given` != 0: they hold C's column sums already (CountSums;
+// left as they are; no pass sums C, and a ranged expert's column summed here that differs
+// from its given sum returns FALLBACK).
 extern "C" int64_t mixmoe_step_plan(const int64_t* C, int64_t W, int64_t E, int64_t r,
                                     const int64_t* packed, int64_t packed_len, int64_t* out,
-                                    int64_t cap, int64_t* colsum_N) {
-  if (W < 1 || E < 1 || r < 0 || r >= W) return FALLBACK;
+                                    int64_t cap, int64_t* colsum_N, int64_t given) {
+  if (W < 1 || E < 1 || r < 0 || r >= W || (given && colsum_N == nullptr)) return FALLBACK;
   Plan plan;
   plan.W = W;
   plan.E = E;
   plan.N = W * E;
   if (!plan.parse(packed, packed_len)) return FALLBACK;
   Fields f;
-  if (colsum_N) std::fill(colsum_N, colsum_N + plan.N, 0);
-  if (!step_fields(C, plan, r, colsum_N, f)) return FALLBACK;
+  if (colsum_N && !given) std::fill(colsum_N, colsum_N + plan.N, 0);
+  if (!step_fields(C, plan, r, colsum_N, given != 0, f)) return FALLBACK;
   const std::vector<int64_t>* parts[] = {&f.rep, &f.in_splits, &f.out_splits, &f.recv_counts,
                                          &f.col_slot,  &f.col_replica, &f.run_len,
                                          &f.run_key,   &f.own_c,      &f.rep_c,

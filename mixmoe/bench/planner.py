@@ -13,9 +13,13 @@ skipped above ``old_max_world`` ranks). The predicted steps come from the cost m
 plan's prediction, a2a = ``plan_none`` (no overlap, as the a2a strategy runs). Target (issue 15):
 planner <= max(2% of the predicted mix step, 0.25 ms) for W <= 64, <= 5 ms above.
 
-Beside the plan, the other half of what the layer's planning thread does each step:
-``bookkeeping_ms``, one rank's ``build_step_plan`` of the plan (rank W // 3; the median of
-``repeats`` calls), and ``host_ms``, the two together (the thread's span, ``moe.plan``).
+Beside the plan, what the layer's planning thread does each step (``moe.plan``), as the layer
+runs it: C's column and row sums (``CountSums``), reduced on the device on an accelerator, else
+one compiled pass here (``sums_ms``, ``native_pricing.count_sums``); the plan given them
+(``planner_given_ms``: the same plan, asserted, without its own pass over C); one rank's
+``build_step_plan`` of it given them too (``bookkeeping_ms``, rank W // 3). ``host_ms`` is the
+thread's span on the CPU (the three), ``host_device_sums_ms`` with the sums from the device (the
+last two). Each a median of ``repeats`` calls.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from mixmoe.placement import (
     plan_mix,
     plan_none,
 )
+from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.planner import SEARCH_WIDTH
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.relay import node_distance
@@ -147,11 +152,25 @@ def run_case(
             ),
             cfg.repeats,
         )
-        # the step's bookkeeping of that plan on one rank (the thread's other half), the relay
-        # split by node as the layer splits it
+        # the layer's planning thread: C's sums (from the device, or one pass here), the plan
+        # given them, and one rank's bookkeeping of it, the relay split by node as the layer's
+        sums_ms, sums = _time_ms(lambda: count_sums(counts_WN, N // W), cfg.repeats)
+        given_ms, given = _time_ms(
+            lambda: plan_mix(
+                counts_WN,
+                shape,
+                profile,
+                cfg.max_replicas,
+                search_width=cfg.search_width,
+                sums=sums,
+            ),
+            cfg.repeats,
+        )
+        if repr(given) != repr(new):
+            raise RuntimeError("plan_mix given C's sums planned differently: a planner bug")
         rank, distance = W // 3, node_distance(profile)
         keeping_ms, _ = _time_ms(
-            lambda: build_step_plan(counts_WN, new, rank, N // W, distance), cfg.repeats
+            lambda: build_step_plan(counts_WN, new, rank, N // W, distance, sums), cfg.repeats
         )
         old_ms, old = None, None
         if W <= cfg.old_max_world:
@@ -172,8 +191,12 @@ def run_case(
         "planner_over_step": new_ms / step_ms if step_ms else None,
         "target_ms": target_ms(W, step_ms),
         "meets_target": new_ms <= target_ms(W, step_ms),
+        "sums_ms": sums_ms,
+        "planner_given_ms": given_ms,
+        "meets_target_given": given_ms <= target_ms(W, step_ms),
         "bookkeeping_ms": keeping_ms,
-        "host_ms": new_ms + keeping_ms,
+        "host_ms": sums_ms + given_ms + keeping_ms,
+        "host_device_sums_ms": given_ms + keeping_ms,
         "a2a_step_ms": a2a_ms,
         "mix_over_a2a": step_ms / a2a_ms if a2a_ms else None,
         "hot": len(new.hot),

@@ -32,10 +32,10 @@ for stage in "$@"; do case $stage in
        $PY -c "import mixmoe, transformers; print('mixmoe from', mixmoe.__file__, 'transformers', transformers.__version__)"
        # the planner's compiled fill, built here once (the ep-cuda ranks then load it)
        $PY -c "from mixmoe.placement import native_lib as n; print('compiled planner parts:', n.available(), n.unavailable_reason() or '')";;
-  gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests/kernels tests/tracing -m gpu -o addopts= -q -ra -p no:cacheprovider -n ${GPU_N:-4};;
+  gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n ${GPU_N:-4};;
   ep-cuda) run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda;;
   correctness) GPU_N=${GPU_N:-4}
-       ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests/kernels tests/tracing -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &
+       ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &
        ( run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda ) > "$OUT/correctness-b.txt" 2>&1 &
        wait; cat "$OUT/correctness-a.txt" "$OUT/correctness-b.txt";;
   modern) run ds-cuda "${DS_S:-60}" $PY scripts/gpu/ds_cuda.py

@@ -157,6 +157,9 @@ class ExpertParallelDispatcher:
         # tests check it; the check walks every ranged expert's stream in Python: ~20 ms a
         # step at W = 1024, more than the plan itself)
         self.check_plans = False
+        # C's size from which the planning thread sums C once for the plan and the bookkeeping
+        # (when the sums did not come from the device)
+        self.shared_sums_min = SHARED_SUMS_MIN
         self._planner_thread: ThreadPoolExecutor | None = None  # created by the first async plan
 
     def plans_async(self, device: torch.device | str = "cpu") -> bool:
@@ -284,11 +287,11 @@ class ExpertParallelDispatcher:
     ) -> tuple[Plan, StepPlan]:
         """The plan and this rank's bookkeeping: host work only, from C alone (any thread).
         ``sums``: C's ``CountSums`` from the device, else summed here in one compiled pass
-        that the plan and the bookkeeping share, for a C of at least ``SHARED_SUMS_MIN``
+        that the plan and the bookkeeping share, for a C of at least ``shared_sums_min``
         counts (smaller, or where it cannot run: each sums C itself)."""
         with trace_span("moe.plan", kind="host"):
             E = self.experts_per_rank
-            if sums is None and C.numel() >= SHARED_SUMS_MIN:
+            if sums is None and C.numel() >= self.shared_sums_min:
                 sums = count_sums(C, E)
             plan = self._plan(C, dtype, device, sums)
             step = build_step_plan(C, plan, self.comm.rank, E, self._distance, sums)

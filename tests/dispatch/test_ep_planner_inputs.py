@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-import mixmoe.dispatch.expert_parallel as expert_parallel
 from mixmoe import MoE, MoEConfig
 from mixmoe.comm import LocalCommunicator
 from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
@@ -165,7 +164,7 @@ def test_plans_are_checked_when_hooked_or_asked_never_by_default() -> None:
     disp.close()
 
 
-def test_the_sums_a_plan_is_given_are_checked_when_plans_are(monkeypatch) -> None:
+def test_the_sums_a_plan_is_given_are_checked_when_plans_are() -> None:
     # the planner gets C's CountSums (from the device, or one compiled pass on the planning
     # thread); check_plans compares them with C's own sums
     from mixmoe.placement.counts import CountSums
@@ -188,7 +187,7 @@ def test_the_sums_a_plan_is_given_are_checked_when_plans_are(monkeypatch) -> Non
     plan, step = disp._plan_step(C, torch.float32, torch.device("cpu"))  # a small C: not summed
     assert repr(plan) == repr(want) and given[-1] is None
     torch.testing.assert_close(step.expert_rows_N, C.sum(0), rtol=0, atol=0)
-    monkeypatch.setattr(expert_parallel, "SHARED_SUMS_MIN", C.numel())
+    disp.shared_sums_min = C.numel()
     plan, step = disp._plan_step(C, torch.float32, torch.device("cpu"))  # summed once, shared
     assert repr(plan) == repr(want)
     torch.testing.assert_close(given[-1].colsum_N, C.sum(0), rtol=0, atol=0)

@@ -139,6 +139,24 @@ def test_plan_mix_at_1024_ranks() -> None:
         _same(C_WN, plan, r, E)
 
 
+def test_given_sums_that_differ_from_a_ranged_column_fall_back() -> None:
+    """The compiled bookkeeping given C's sums still sums the ranged experts' columns it
+    gathers; one that differs from its given sum runs the Python (which sums C itself)."""
+    W, E = 16, 2
+    C_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), W, 512, 2, W * E,
+                            torch.Generator().manual_seed(3), shuffle_experts=True)  # fmt: skip
+    plan = plan_mix(C_WN, LayerShape(1024, 4096, E, W, 2), GPU_PROFILE, B)
+    assert plan.ranges
+    g = plan.ranges[0][0]
+    colsum, rowsum = C_WN.sum(0), C_WN.sum(1)
+    colsum[g] += 1
+    rowsum[0] += 1  # equal totals: only the column check can tell
+    wrong = CountSums(colsum, rowsum)
+    assert native.step_fields(C_WN, plan, 0, E, wrong) is None
+    want = step_plan_python(C_WN, plan, 0, E)
+    assert build_step_plan(C_WN, plan, 0, E, sums=wrong) == want
+
+
 def _counts(rng: random.Random, W: int, E: int, zeros: float = 0.3) -> torch.Tensor:
     gen = torch.Generator().manual_seed(rng.randrange(10**6))
     C_WN = torch.randint(0, 12 * B, (W, W * E), generator=gen)

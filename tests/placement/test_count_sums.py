@@ -68,11 +68,20 @@ def test_sums_that_cannot_be_cs_raise(name) -> None:
     C, shape = _case("zipf:1.2", 8, 4)
     plan = PLANNERS[name]
     colsum, rowsum = C.sum(0), C.sum(1)
-    negative = colsum.clone()
-    negative[3] = -negative[3] - 1
+
+    def negative_at(sums: torch.Tensor, i: int) -> torch.Tensor:  # the same total, one < 0
+        out, shift = sums.clone(), int(sums[i]) + 1
+        out[i] -= shift
+        out[i + 1] += shift
+        return out
+
     unequal = rowsum.clone()
     unequal[0] += 1
-    for bad in (CountSums(negative, rowsum), CountSums(colsum, unequal)):
+    for bad in (
+        CountSums(negative_at(colsum, 3), rowsum),
+        CountSums(colsum, negative_at(rowsum, 2)),
+        CountSums(colsum, unequal),
+    ):
         with pytest.raises(ValueError, match="sums are not C's column and row sums"):
             plan(C, shape, GPU_PROFILE, sums=bad)
 

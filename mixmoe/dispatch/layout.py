@@ -38,21 +38,34 @@ def count_matrix_to_host(
     sums C nor faults in fresh pages for it (a fresh 32 MiB pageable tensor: ~16 ms of page
     faults on this repo's CPU VM, the split on the host ~19 ms more, the sums' pass ~1.4 ms);
     on the CPU the split is the one copy."""
-    W, X = rows_WX.shape
-    N = X - header
     if rows_WX.device.type == "cpu":
         every = rows_WX.to(torch.int64)
         return every[:, header:].contiguous(), every[:, :header], None
-    every = rows_WX.to(torch.int64)
-    C_WN = every[:, header:]
-    # counts, headers, column sums, row sums: one flat device tensor, one transfer
-    parts = [C_WN.reshape(-1), every[:, :header].reshape(-1), C_WN.sum(0), C_WN.sum(1)]
-    packed = torch.cat(parts)
+    packed = pack_counts(rows_WX, header)
     host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=packed.is_cuda)
     host.copy_(packed)  # synchronous: the sync
-    at = (0, W * N, W * N + W * header, W * N + W * header + N, W * N + W * header + N + W)
-    C_host, headers, colsum_N, rowsum_W = (host[a:b] for a, b in zip(at, at[1:], strict=False))
-    return C_host.view(W, N), headers.view(W, header), CountSums(colsum_N, rowsum_W)
+    return unpack_counts(host, rows_WX.shape[0], rows_WX.shape[1] - header, header)
+
+
+def pack_counts(rows_WX: torch.Tensor, header: int) -> torch.Tensor:
+    """``count_matrix_to_host``'s device side: the gathered rows ``[header ints | counts]`` as
+    one flat int64 tensor [C_WN row-major, headers row-major, C's column sums, C's row sums]
+    (one transfer brings them all), computed where the rows are."""
+    every = rows_WX.to(torch.int64)
+    C_WN = every[:, header:]
+    return torch.cat([C_WN.reshape(-1), every[:, :header].reshape(-1), C_WN.sum(0), C_WN.sum(1)])
+
+
+def unpack_counts(
+    packed: torch.Tensor, W: int, N: int, header: int
+) -> tuple[torch.Tensor, torch.Tensor, CountSums]:
+    """``pack_counts``' tensor (on the host) as (C_WN, headers [W, header], CountSums): views,
+    no copy."""
+    ends = (W * N, W * N + W * header, W * N + W * header + N, W * N + W * header + N + W)
+    C_flat, headers, colsum_N, rowsum_W = (
+        packed[a:b] for a, b in zip((0, *ends[:3]), ends, strict=True)
+    )
+    return C_flat.view(W, N), headers.view(W, header), CountSums(colsum_N, rowsum_W)
 
 
 @dataclass(frozen=True)

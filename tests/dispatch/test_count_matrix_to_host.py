@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixmoe.dispatch.layout import count_matrix_to_host
+from mixmoe.dispatch.layout import count_matrix_to_host, pack_counts, unpack_counts
 
 
 def _rows(W: int, N: int, H: int, dtype: torch.dtype) -> torch.Tensor:
@@ -32,6 +32,22 @@ def test_split_on_the_cpu(W, N, H, dtype) -> None:
     C_WN, headers_WH, sums = count_matrix_to_host(rows, H)
     _check(rows, H, C_WN, headers_WH)
     assert sums is None  # the planning thread sums C on the host (native_pricing.count_sums)
+
+
+@pytest.mark.parametrize("W, N, H", [(1, 4, 2), (2, 4, 2), (5, 12, 2), (3, 6, 0), (4, 1, 3)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_the_device_packing_round_trips(W, N, H, dtype) -> None:
+    """The accelerator path's packing and unpacking, run on the CPU (only the pinned copy
+    between them needs a device): the counts, headers and C's exact sums come back."""
+    rows = _rows(W, N, H, dtype)
+    packed = pack_counts(rows, H)
+    assert packed.dtype == torch.int64 and packed.shape == (W * N + W * H + N + W,)
+    C_WN, headers_WH, sums = unpack_counts(packed.clone(), W, N, H)
+    _check(rows, H, C_WN, headers_WH)
+    want = rows.to(torch.int64)[:, H:]
+    torch.testing.assert_close(sums.colsum_N, want.sum(0), rtol=0, atol=0)
+    torch.testing.assert_close(sums.rowsum_W, want.sum(1), rtol=0, atol=0)
+    assert sums.colsum_N.is_contiguous() and sums.rowsum_W.is_contiguous()
 
 
 @pytest.mark.gpu

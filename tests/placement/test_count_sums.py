@@ -106,3 +106,12 @@ def test_sums_of_the_wrong_form_name_the_field(bad, error, match) -> None:
     for plan in PLANNERS.values():
         with pytest.raises(error, match=match):
             plan(C, shape, GPU_PROFILE, sums=sums)
+
+
+@pytest.mark.parametrize("name", sorted(PLANNERS))
+def test_sums_with_counts_of_another_integer_type(name) -> None:
+    # int32 counts are converted to int64 for the compiled entries; the sums stay C's
+    C, shape = _case("zipf:1.2", 8, 4)
+    plan = PLANNERS[name]
+    want = repr(plan(C, shape, GPU_PROFILE))
+    assert repr(plan(C.to(torch.int32), shape, GPU_PROFILE, sums=_sums(C))) == want

@@ -84,6 +84,18 @@ def test_sorts_match_a_stable_sort(tmp_path):
     assert (ran.returncode, ran.stdout) == (0, "ok 252\n"), ran.stdout
 
 
+def test_column_prefixes_hold_cs_columns(tmp_path):
+    """With a topology, the plan fields read C's columns through the plan's column prefixes
+    (``read_block``, ``ColumnPrefix``): a prefix copied where it holds the block's rows, C read
+    and the prefix extended where not. ``native_column_prefix.cpp`` checks every block against
+    C, and every prefix against C's column, over ~1000 blocks. The prefixes met include none,
+    ones ending before the block, inside it, at its end and past it."""
+    ran = _driver(tmp_path, "native_column_prefix.cpp")
+    assert ran.returncode == 0, ran.stdout
+    word, blocks = ran.stdout.split()
+    assert word == "ok" and int(blocks) > 500, ran.stdout
+
+
 def test_touched_totals_are_every_total(tmp_path):
     """After each pass a fill computes the totals of the ranks the pass touched only
     (``Fill::retotal_touched``); ``native_fill_totals.cpp`` checks them against every rank's

@@ -145,6 +145,22 @@ def test_equals_the_python_plan_on_random_counts(monkeypatch):
         assert _canon(fast) == _canon(slow), (case, C.shape, budget, kwargs, profile.ranks_per_node)
 
 
+def test_column_prefixes_shared_by_fills_at_uneven_worlds(monkeypatch):
+    """With a topology the plan keeps the prefixes of the columns its plan fields read (each
+    fill's plan fields and crossings read them back; ``ColumnPrefix``). W one past a multiple
+    of the plan fields' 64-row blocks, or past several: the last block of a column is partial,
+    and a later fill copies the rows a prefix holds and reads the rest."""
+    for W, routing, profile in [(65, "zipf:1.2", FOUR), (65, "zipf:2.0", THREE_FIXED),
+                                (129, "zipf:1.2", NVLINK_IB), (200, "zipf:2.0", FOUR)]:  # fmt: skip
+        for seed in range(2):
+            gen = torch.Generator().manual_seed(seed)
+            counts = synthetic_counts(RoutingSpec.parse(routing), W, 8192, 2, 2 * W, gen,
+                                      shuffle_experts=True)  # fmt: skip
+            fast, slow = _both(monkeypatch, counts, _shape(SEEDS, 2, W), profile, 4)
+            assert _canon(fast) == _canon(slow), (W, routing, profile.name, seed)
+            assert fast.ranges, (W, routing)  # the plan fields ran
+
+
 def test_ranged_fills_win_under_nodes(monkeypatch):
     """The topology's fills are reached: plans with ranges and relayed holders on other nodes
     (4 ranks per node), and the kept fill's plans (one node of 8: its kept holders; kept

@@ -14,6 +14,7 @@
 
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -128,10 +129,45 @@ struct Model {
   }
 };
 
+// The prefixes of C's columns one plan has read down so far: expert g's counts C[0..len(g))[g],
+// contiguous. A walk down a column of C touches a cache line per count; with a topology each
+// fill's plan fields and its pricing's crossings walk the same hot experts' columns, fill after
+// fill, so the plan fields keep what they read here and every later walk reads it back
+// (plan_mix.cpp owns one per thread, reset for each plan; nothing else sets Counts.prefix).
+class ColumnPrefix {
+ public:
+  void reset(int64_t N) {
+    slot_.assign(static_cast<size_t>(N), -1);
+    used_ = 0;
+  }
+  int64_t len(int64_t g) const {
+    const int64_t k = slot_[static_cast<size_t>(g)];
+    return k < 0 ? 0 : static_cast<int64_t>(cols_[static_cast<size_t>(k)].size());
+  }
+  const int64_t* data(int64_t g) const {  // len(g) > 0
+    return cols_[static_cast<size_t>(slot_[static_cast<size_t>(g)])].data();
+  }
+  std::vector<int64_t>& column(int64_t g) {  // g's prefix, to extend (push_back)
+    int64_t& k = slot_[static_cast<size_t>(g)];
+    if (k < 0) {
+      if (used_ == cols_.size()) cols_.emplace_back();  // buffers kept plan after plan
+      k = static_cast<int64_t>(used_++);
+      cols_[static_cast<size_t>(k)].clear();
+    }
+    return cols_[static_cast<size_t>(k)];
+  }
+
+ private:
+  std::vector<int64_t> slot_;  // per expert: its column's index in cols_, -1: none read
+  std::vector<std::vector<int64_t>> cols_;
+  size_t used_ = 0;
+};
+
 // The validated counts (counts.counts_with_sums) and baseline_loads' aggregates of them.
 struct Counts {
   int64_t W, E, N;
   const int64_t* C;  // [W, N], row-major, not owned
+  ColumnPrefix* prefix = nullptr;  // the plan's column prefixes (plan_mix with a topology)
   int64_t c(int64_t s, int64_t g) const { return C[s * N + g]; }
 };
 

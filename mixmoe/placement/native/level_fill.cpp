@@ -73,6 +73,7 @@ int64_t touched_checks = 0, touched_misses = 0, excess_keeps = 0;
 struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of length N
   int64_t W, E, N, slots, blk, per_node;  // per_node 0: no topology
   const int64_t* C;
+  ColumnPrefix* prefix = nullptr;  // Counts.prefix: plan_fields reads and extends it
   bool any_remote;
   Model m;
   std::vector<std::vector<int64_t>> holders;  // per expert, ranks ascending
@@ -904,6 +905,35 @@ struct Stream {
   std::vector<int64_t> starts{0};
 };
 
+// plan_fields' block of rows [s0, s1) of the active experts' columns into chunk (chunk[a * rows
+// + s - s0] = C[s][g] of active expert a) with the plan's column prefixes: the rows a prefix
+// holds copied from it, the others read off C row by row and appended to it. A prefix only
+// grows contiguously (it reaches s0 here: the walk extends it block by block from row 0; one
+// that did not would be read past, never appended to).
+void read_block(const Fill& f, const std::vector<Stream*>& active, int64_t s0, int64_t s1,
+                int64_t rows, std::vector<int64_t>& chunk) {
+  ColumnPrefix& prefix = *f.prefix;
+  thread_local std::vector<std::pair<size_t, int64_t>> todo;  // (a, the first row to read)
+  todo.clear();
+  for (size_t a = 0; a < active.size(); ++a) {
+    const int64_t g = active[a]->g, len = prefix.len(g);
+    const int64_t have = std::clamp(len, s0, s1);  // the prefix holds rows [s0, have)
+    if (have > s0) std::copy(prefix.data(g) + s0, prefix.data(g) + have, &chunk[a * rows]);
+    if (have < s1) todo.emplace_back(a, have);
+  }
+  if (todo.empty()) return;
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t* row = f.C + s * f.N;
+    for (const auto& [a, from] : todo)
+      if (s >= from) chunk[a * rows + (s - s0)] = row[active[a]->g];
+  }
+  for (const auto& [a, from] : todo) {
+    std::vector<int64_t>& col = prefix.column(active[a]->g);
+    if (static_cast<int64_t>(col.size()) == from)  // rows [0, from) held: extend it
+      col.insert(col.end(), &chunk[a * rows + (from - s0)], &chunk[a * rows + (s1 - s0)]);
+  }
+}
+
 // RangeState.plan_fields: the holders (Plan.replicas; hot is their experts), the kept holders'
 // local rows rounded down to whole blocks (Plan.kept), and each expert's positive amounts by
 // helper rank cut into ranges (ranges.cut_ranges_many: stream_sources, _prefix, _cut; an
@@ -952,9 +982,13 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
   if (chunk.size() < active.size() * ROWS) chunk.resize(active.size() * ROWS);
   for (int64_t s0 = 0; s0 < W && !active.empty(); s0 += ROWS) {
     const int64_t s1 = std::min(W, s0 + ROWS);
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t* row = f.C + s * f.N;
-      for (size_t a = 0; a < active.size(); ++a) chunk[a * ROWS + (s - s0)] = row[active[a]->g];
+    if (f.prefix == nullptr) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t* row = f.C + s * f.N;
+        for (size_t a = 0; a < active.size(); ++a) chunk[a * ROWS + (s - s0)] = row[active[a]->g];
+      }
+    } else {
+      read_block(f, active, s0, s1, ROWS, chunk);
     }
     size_t keep = 0;
     for (size_t a = 0; a < active.size(); ++a) {
@@ -1001,6 +1035,7 @@ void set_start(Fill& f, const Counts& k, const Model& m, bool any_remote, int64_
   f.E = k.E;
   f.N = k.N;
   f.C = k.C;
+  f.prefix = k.prefix;
   f.m = m;
   f.any_remote = any_remote;
   f.slots = slots;
@@ -1014,7 +1049,7 @@ void set_start(Fill& f, const Counts& k, const Model& m, bool any_remote, int64_
 void plan_from(const Counts& k, int64_t blk, const Replicas& holders, const ExpertEntries& amounts,
                const ExpertEntries& kept_local, ExpertEntries& ranges, ExpertEntries& kept) {
   Fill& f = thread_fill();  // the fills' state, done with: its per-expert buffers reused
-  f.W = k.W, f.E = k.E, f.N = k.N, f.blk = blk, f.C = k.C;
+  f.W = k.W, f.E = k.E, f.N = k.N, f.blk = blk, f.C = k.C, f.prefix = k.prefix;
   const size_t N = static_cast<size_t>(k.N);
   reset_each(f.holders, N);
   reset_each(f.amounts, N);

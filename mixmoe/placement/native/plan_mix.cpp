@@ -311,7 +311,7 @@ extern "C" {
 int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* reals,
                         int64_t* out_i, int64_t cap_i, double* out_d, int64_t* counts,
                         const int64_t* colsum_N, const int64_t* rowsum_W) {
-  const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
+  Counts k{ints[0], ints[1], ints[0] * ints[1], C};
   const Model m = Model::from(ints + 7, reals);
   const Settings s{ints[2], ints[3],  ints[4],  ints[5],  ints[6] != 0, reals[7], reals[8],
                    reals[9], reals[10], reals[11], ints[12],     reals[12]};
@@ -327,6 +327,11 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
   if (2 * rows >= limit || static_cast<__int128>(k.W) * k.N >= limit || m.fpr >= limit ||
       m.tbr >= limit || m.P >= limit)
     return -2;
+  thread_local ColumnPrefix prefix;  // with a topology: every fill walks the hot columns
+  if (s.per_node > 0) {
+    prefix.reset(k.N);
+    k.prefix = &prefix;
+  }
   const Planner planner(k, m, base, s);
   const Prediction baseline = planner.baseline();
   const Candidate plan = planner.plan(baseline);

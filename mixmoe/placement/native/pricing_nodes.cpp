@@ -123,10 +123,13 @@ void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>*
   // zipf:1.2 plans: ~60% of it) and the sources past it are only the kept holders (their rest
   // crosses to the owner, where the replica rule computed it at the holder)
   x.stream.clear();
+  // the column's prefix the plan fields read (plan_mix with a topology), else C itself
+  const int64_t held = counts.prefix ? counts.prefix->len(g) : 0;
+  const int64_t* read = held ? counts.prefix->data(g) : nullptr;
   int64_t at = 0, s = 0;  // the stream's rows so far; the next source
   for (; s < counts.W && at < reach; ++s) {
     if (s == o) continue;  // the owner's segment comes last
-    const int64_t c = counts.c(s, g);  // a strided read of column g
+    const int64_t c = s < held ? read[s] : counts.c(s, g);  // else a strided read of column g
     if (!x.holder[s] && x.node[s] != home) {  // under the replica rule these rows crossed to o
       inter[s] -= c;
       inter[o] -= c;

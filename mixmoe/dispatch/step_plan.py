@@ -69,9 +69,10 @@ def build_step_plan(
     sums: CountSums | None = None,
 ) -> StepPlan:
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
-    plan (``sums``: C's ``CountSums`` where known: the compiled part then sums no column). The replicas travel as the plan says (``plan.relay``: its relay route,
-    ``placement.relay``: scatter + all-gather, split by node with ``distance``; else the owner's
-    flat fan-out), as the cost model priced them. Compiled (``step_native``: one pass over C's
+    plan (``sums``: C's ``CountSums`` where known: the compiled part then sums no column). The
+    replicas travel as the plan says (``plan.relay``: its relay route, ``placement.relay``:
+    scatter + all-gather, split by node with ``distance``; else the owner's flat fan-out), as
+    the cost model priced them. Compiled (``step_native``: one pass over C's
     rows, the plan's entries in C++) where it runs, else ``step_plan_python``: the same
     StepPlan (``tests/dispatch/test_step_native.py``)."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank

@@ -724,7 +724,7 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
   LevelScratch& ws = buf.ws;
   std::vector<char>& seen_N = buf.seen_N;
   std::vector<int64_t>& seen = buf.seen;
-  seen_N.assign(static_cast<size_t>(f.N), 0);
+  seen_N.resize(static_cast<size_t>(f.N), 0);  // all 0 already: each pass clears its marks
   for (int64_t pass = 0; pass < p.passes; ++pass) {
     T_W = f.totals;  // the pass's totals (the fill changes f.totals)
     const double top = *std::max_element(T_W.begin(), T_W.end());

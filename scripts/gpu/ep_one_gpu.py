@@ -78,6 +78,7 @@ def _rank(comm, cases: list[dict], device: str) -> list[dict]:
         try:
             layer = _layer(case, case["dtype"], device)
             parallelize_moe(layer, comm, case["strategy"], profile=REPLICATE)
+            layer.dispatcher.check_plans = True  # plans, and the device's C sums, against C
             x, dy = _inputs(case, comm.rank)
             x = x.to(device=device, dtype=case["dtype"]).requires_grad_(True)
             y, aux = layer(x)

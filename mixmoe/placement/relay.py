@@ -15,9 +15,10 @@ The route (``relay_messages``), at most 3 rounds:
   far nodes ordered by their lowest holder, holders by rank: far holder p gets chunk p).
   Round 0 the owner sends chunk p to far holder p: the owner sends 1 copy over the slow link, in
   all. Round 1 (L >= 2) every chunk crosses once more to each other far node: the holder of chunk p
-  sends it to one holder of node m, the (t mod c_m)-th, where t numbers the chunks that are not
-  m's own (so each far node receives every chunk it lacks exactly once, spread evenly over its
-  holders). Last round (round 2, or round 1 when L = 1) every far holder sends every chunk it
+  sends it to one holder of node m, where t numbers the chunks that are not m's own and the
+  node's holders take consecutive blocks of t, the first (R - c_m) mod c_m one chunk more (so
+  each far node receives every chunk it lacks exactly once, spread evenly over its holders, and
+  a holder's chunks lie in at most 3 runs of the row: the fetch reads them as few spans). Last round (round 2, or round 1 when L = 1) every far holder sends every chunk it
   holds to the other holders of its node (fast link). R = 1: the whole row, round 0.
 
 Why this route. The weights cross the slow link L times in all (once per far node: the scatter
@@ -131,12 +132,25 @@ def holder_groups(
     return near, groups
 
 
-def _exchange_receiver(p: int, start: int, group: list[int]) -> int:
-    """The holder of far node ``group`` (its chunks start at ``start``) that receives chunk p
-    in the exchange: the (t mod c)-th, t = p's index among the chunks that are not the node's."""
+def _exchange_block(i: int, c: int, lacking: int) -> tuple[int, int]:
+    """[lo, hi) of t, the index among a far node's ``lacking`` chunks that are not its own, that
+    the node's i-th holder (of c) receives in the exchange: consecutive blocks, the first
+    ``lacking % c`` holders one chunk more (so a holder's chunks form at most 2 runs of the row,
+    around the node's own chunks)."""
+    q, extra = divmod(lacking, c)
+    lo = i * q + min(i, extra)
+    return lo, lo + q + (i < extra)
+
+
+def _exchange_receiver(p: int, start: int, group: list[int], R: int) -> int:
+    """The holder of far node ``group`` (its chunks start at ``start``, of R) that receives
+    chunk p in the exchange: the one whose block (``_exchange_block``) holds p's index t among
+    the chunks that are not the node's."""
     c = len(group)
     t = p if p < start else p - c  # p is never in [start, start + c): those are the node's own
-    return group[t % c]
+    q, extra = divmod(R - c, c)
+    big = extra * (q + 1)  # the first `extra` holders' blocks, q + 1 chunks each
+    return group[t // (q + 1) if t < big else extra + (t - big) // q]
 
 
 def relay_messages(
@@ -170,7 +184,7 @@ def relay_messages(
         for p, sender in enumerate(far):
             for grp, start in zip(groups, starts, strict=True):
                 if not start <= p < start + len(grp):  # chunk p crosses once to each other node
-                    q = _exchange_receiver(p, start, grp)
+                    q = _exchange_receiver(p, start, grp, R)
                     r1.append((sender, q, p, R))
                     held[q].append(p)
         # inside each far node: every chunk a holder has goes to the node's other holders
@@ -190,7 +204,7 @@ def relay_degrees(
     The owner: 1 per nonempty class (near, far). A near holder: 1 (k = 1) or 1 + grid((k-1)/k).
     A far holder (R = 1: 1): receives R chunks (1 copy); the i-th of its node's c holders sends
     L - 1 chunks in the exchange and (1 + e_i)(c - 1) inside its node, e_i =
-    ceil((R - c - i) / c) (the node lacks R - c chunks, dealt round robin: its first
+    ceil((R - c - i) / c) (the node lacks R - c chunks, dealt in blocks: its first
     (R - c) mod c holders get one more). Rounds: 1, + 1 when k >= 2 or R >= 2, + 1 when L >= 2 and a
     far node has 2 holders or more. Each copy is priced in both directions (forward fetch,
     gradient return)."""
@@ -312,15 +326,15 @@ def relay_messages_at(
 
             def received(i: int) -> list[int]:
                 # the chunks the node's i-th holder receives in the exchange: those p, not the
-                # node's own, whose index t among them is i mod c (``_exchange_receiver``)
-                return [t if t < at else t + c for t in range(i, R - c, c)]
+                # node's own, whose index t among them is in its block (``_exchange_block``)
+                return [t if t < at else t + c for t in range(*_exchange_block(i, c, R - c))]
 
             # the exchange (round 1): every chunk crosses once to each other far node (rank's
             # own to one holder of each), and each of rank's received chunks comes from its
             # holder; O(L + R / c) messages here where every rank's are O(R * L)
             for other, start in zip(groups, starts, strict=True):
                 if start != at:
-                    out[1].append((rank, _exchange_receiver(mine, start, other), mine, R))
+                    out[1].append((rank, _exchange_receiver(mine, start, other, R), mine, R))
             i_rank = grp.index(rank)
             out[1] += [(far[p], rank, p, R) for p in received(i_rank)]
             # each far holder passes on inside its node its own chunk and those it received

@@ -31,7 +31,7 @@ import torch
 
 from mixmoe.comm.autograd import cached_all_to_all
 from mixmoe.ops.expert_mlp import ExpertWeights
-from mixmoe.placement.relay import piece_range, relay_messages_at, relay_rounds
+from mixmoe.placement.relay import MAX_ROUNDS, piece_range, relay_messages_at, relay_rounds
 from mixmoe.tracing import trace_span
 
 # (expert g, chunk j, chunks n): chunk j of g's packed row cut into n near-equal parts in
@@ -111,7 +111,11 @@ class RelayPlan:
             routes = [(g, (tuple((g // E, h, 0, 1) for h in holders if r in (g // E, h)),))
                       for g, holders in mine]  # fmt: skip
             rounds_g = (1 for _, holders in replicas if holders)
-        num_rounds = max(rounds_g, default=0)
+        num_rounds = 0
+        for k in rounds_g:  # the most of any expert's route (no route has more than 3)
+            num_rounds = max(num_rounds, k)
+            if num_rounds == MAX_ROUNDS:
+                break
         pack = sorted(  # owned experts this rank sends (it relays others from its buffers)
             {g - r * E for g, m in routes if g // E == r for msgs in m for s, *_ in msgs if s == r}
         )

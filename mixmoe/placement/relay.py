@@ -271,12 +271,24 @@ def _check(owner: int, holders: Sequence[int]) -> None:
         raise ValueError(f"holders {list(holders)} must be distinct and exclude owner {owner}")
 
 
+MAX_ROUNDS = 3  # no route takes more (module doc)
+
+
 def relay_rounds(owner: int, holders: Sequence[int], distance: Distance | None = None) -> int:
     """``len(relay_messages(owner, holders, distance))`` in closed form: 0 without holders, else
     round 0 (the scatter), + 1 when k >= 2 or R >= 2 (an all-gather or the exchange), + 1 when
     L >= 2 and a far node has 2 holders or more (its all-gather inside the node)."""
     if not holders:
         return 0
+    per_node = getattr(distance, "ranks_per_node", None)
+    if per_node is not None:  # by node numbers alone (what the fetch asks for every expert)
+        _check(owner, holders)
+        home = owner // per_node
+        nodes = {h // per_node for h in holders}
+        far = len(nodes) - (home in nodes)  # L
+        R = len(holders) - sum(1 for h in holders if h // per_node == home)
+        near = len(holders) - R
+        return 1 + (near >= 2 or R >= 2) + (far >= 2 and R > far)  # R > L: a node holds 2+
     near, groups = holder_groups(owner, holders, distance)
     R = sum(map(len, groups))
     pairs = len(groups) >= 2 and any(len(grp) >= 2 for grp in groups)

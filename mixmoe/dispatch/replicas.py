@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from mixmoe.comm.autograd import cached_all_to_all
+from mixmoe.dispatch.relay_native import relay_plan_fields
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.placement.relay import MAX_ROUNDS, piece_range, relay_messages_at, relay_rounds
 from mixmoe.tracing import trace_span
@@ -101,57 +102,72 @@ class RelayPlan:
         round (a flat fan-out). Identical round structure on every rank: the most rounds of any
         expert's route (``relay_rounds``, closed form); each rank builds only its own messages
         (``relay_messages_at``: O(H) per expert it owns or holds, where the whole route has
-        O(H**2))."""
-        E, r, W = experts_per_rank, rank, world_size
-        mine = [(g, holders) for g, holders in replicas if g // E == r or r in holders]
-        if relay:
-            routes = [(g, relay_messages_at(r, g // E, holders, distance)) for g, holders in mine]
-            rounds_g = (relay_rounds(g // E, holders, distance) for g, holders in replicas)
-        else:  # the owner's flat fan-out: one round
-            routes = [(g, (tuple((g // E, h, 0, 1) for h in holders if r in (g // E, h)),))
-                      for g, holders in mine]  # fmt: skip
-            rounds_g = (1 for _, holders in replicas if holders)
-        num_rounds = 0
-        for k in rounds_g:  # the most of any expert's route (no route has more than 3)
-            num_rounds = max(num_rounds, k)
-            if num_rounds == MAX_ROUNDS:
-                break
-        pack = sorted(  # owned experts this rank sends (it relays others from its buffers)
-            {g - r * E for g, m in routes if g // E == r for msgs in m for s, *_ in msgs if s == r}
-        )
-        # piece -> (buffer, entry) of every piece this rank holds: its packed rows first
-        where: dict[Piece, tuple[int, int]] = {
-            (r * E + i, 0, 1): (0, j) for j, i in enumerate(pack)
-        }
-        rounds = []
-        for k in range(num_rounds):
-            sends, recvs = [], []  # this rank's messages of round k (it sends, it receives)
-            for g, m in routes:
-                for s, q, j, n in m[k] if k < len(m) else ():
-                    if s == r:
-                        sends.append((q, g, j, n))
-                    if q == r:
-                        recvs.append((s, g, j, n))
-            sends.sort()
-            recvs.sort()  # all_to_all order
-            in_splits, out_splits = [0] * W, [0] * W
-            send = []
-            for q, g, j, n in sends:
-                in_splits[q] += 1
-                # a sender holds what it sends: that very piece, or the whole row to cut it from
-                at = where.get((g, j, n))
-                send.append((*(at if at is not None else where[(g, 0, 1)]), j, n))
-            for i, (s, g, j, n) in enumerate(recvs):
-                out_splits[s] += 1
-                where[(g, j, n)] = (k + 1, i)
-            recv = tuple((g, j, n) for _, g, j, n in recvs)
-            rounds.append(RelayRound(tuple(send), in_splits, out_splits, recv))
-        held = tuple(g for g, holders in replicas if r in holders)
-        chunks = {g: n for (g, _, n) in where}  # a held expert arrives whole or in n chunks
-        slots = tuple(
-            tuple((*where[(g, j, chunks[g])], j, chunks[g]) for j in range(chunks[g])) for g in held
-        )
-        return RelayPlan(pack, tuple(rounds), slots, held)
+        O(H**2)). Compiled (``relay_native``) where it runs, else ``relay_plan_python``: the
+        same plan (``tests/dispatch/test_relay_native.py``)."""
+        built = relay_plan_fields(replicas, rank, world_size, experts_per_rank, distance, relay)
+        if built is None:
+            return relay_plan_python(replicas, rank, world_size, experts_per_rank, distance, relay)
+        pack, rounds, slots, held = built
+        return RelayPlan(pack, tuple(RelayRound(*rd) for rd in rounds), slots, held)
+
+
+def relay_plan_python(
+    replicas,
+    rank: int,
+    world_size: int,
+    experts_per_rank: int,
+    distance: Callable[[int, int], int] | None = None,
+    relay: bool = True,
+) -> RelayPlan:
+    """``RelayPlan.build`` in Python (the fallback, and the slow twin of ``relay_native``)."""
+    E, r, W = experts_per_rank, rank, world_size
+    mine = [(g, holders) for g, holders in replicas if g // E == r or r in holders]
+    if relay:
+        routes = [(g, relay_messages_at(r, g // E, holders, distance)) for g, holders in mine]
+        rounds_g = (relay_rounds(g // E, holders, distance) for g, holders in replicas)
+    else:  # the owner's flat fan-out: one round
+        routes = [(g, (tuple((g // E, h, 0, 1) for h in holders if r in (g // E, h)),))
+                  for g, holders in mine]  # fmt: skip
+        rounds_g = (1 for _, holders in replicas if holders)
+    num_rounds = 0
+    for k in rounds_g:  # the most of any expert's route (no route has more than 3)
+        num_rounds = max(num_rounds, k)
+        if num_rounds == MAX_ROUNDS:
+            break
+    pack = sorted(  # owned experts this rank sends (it relays others from its buffers)
+        {g - r * E for g, m in routes if g // E == r for msgs in m for s, *_ in msgs if s == r}
+    )
+    # piece -> (buffer, entry) of every piece this rank holds: its packed rows first
+    where: dict[Piece, tuple[int, int]] = {(r * E + i, 0, 1): (0, j) for j, i in enumerate(pack)}
+    rounds = []
+    for k in range(num_rounds):
+        sends, recvs = [], []  # this rank's messages of round k (it sends, it receives)
+        for g, m in routes:
+            for s, q, j, n in m[k] if k < len(m) else ():
+                if s == r:
+                    sends.append((q, g, j, n))
+                if q == r:
+                    recvs.append((s, g, j, n))
+        sends.sort()
+        recvs.sort()  # all_to_all order
+        in_splits, out_splits = [0] * W, [0] * W
+        send = []
+        for q, g, j, n in sends:
+            in_splits[q] += 1
+            # a sender holds what it sends: that very piece, or the whole row to cut it from
+            at = where.get((g, j, n))
+            send.append((*(at if at is not None else where[(g, 0, 1)]), j, n))
+        for i, (s, g, j, n) in enumerate(recvs):
+            out_splits[s] += 1
+            where[(g, j, n)] = (k + 1, i)
+        recv = tuple((g, j, n) for _, g, j, n in recvs)
+        rounds.append(RelayRound(tuple(send), in_splits, out_splits, recv))
+    held = tuple(g for g, holders in replicas if r in holders)
+    chunks = {g: n for (g, _, n) in where}  # a held expert arrives whole or in n chunks
+    slots = tuple(
+        tuple((*where[(g, j, chunks[g])], j, chunks[g]) for j in range(chunks[g])) for g in held
+    )
+    return RelayPlan(pack, tuple(rounds), slots, held)
 
 
 def _present(weights: ExpertWeights) -> list[tuple[str, torch.Tensor]]:

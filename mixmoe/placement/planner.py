@@ -17,13 +17,10 @@ same all-gathered counts gets the same plan. Costs come from ``mixmoe.placement.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
-
 import torch
 
 from mixmoe.placement.balance import WaterFill
+from mixmoe.placement.collector import collector_paused
 from mixmoe.placement.cost_model import (
     LayerShape,
     Prediction,
@@ -217,7 +214,7 @@ def plan_mix(
     totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
     if not balance or max(totals) <= BALANCED * fold_sum(totals) / W:
         return best  # balanced already: water-filling has little to win (planning time)
-    with _collector_paused():  # the search allocates ~10**4-10**5 short-lived containers
+    with collector_paused():  # the search allocates ~10**4-10**5 short-lived containers
         start_loads = {}  # the fills' start loads under relay pricing, by start (key: its hot)
         if (
             best.hot
@@ -316,27 +313,6 @@ def _prediction(model: StepModel, loads_4W: torch.Tensor, rounds: int) -> Predic
         replica = [int(x) if x.is_integer() else x for x in loads_4W[3].tolist()]
         return model.prediction_lists(rows, local, remote, replica, rounds=rounds)
     return model.prediction_W(loads_4W, rounds)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while the balance search runs, then restored.
-
-    Why: the search creates tens of thousands of small dicts, lists and tuples (segment
-    placements, runs, share entries) that die by reference counting when the plan is built;
-    the collector counts them as they are created and, in a process holding torch's objects,
-    the full collections they trigger cost more than the search's own arithmetic at scale
-    (W = 1024 zipf:1.2: ~120 of ~490 ms CPU, measured). The search creates no reference
-    cycles, so nothing is left for the collector to free. Process-wide state: another thread
-    planning at the same time re-enables it on exit (harmless: collections resume); the
-    collector stays off when it was off on entry."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _fill_mean(fill: WaterFill | RangeState | None, best: Plan) -> float:

@@ -1,0 +1,105 @@
+"""One rank's replica fetch compiled: ``placement/native/relay_plan.cpp`` (``native_lib``).
+
+``relay_plan_fields`` returns ``RelayPlan``'s fields (pack, rounds, slots, held experts) as
+``replicas.relay_plan_python`` computes them, from one C call (the C++ file's doc;
+``tests/dispatch/test_relay_native.py`` compares every field with the Python, the slow twin).
+The Python walks every piece a rank sends or receives, one tuple at a time: under nodes at
+W = 1024 a far holder's ~8000 pieces took ~8.5 ms of the planning thread. None: the Python runs
+instead (the library unavailable or off, ``MIXMOE_NATIVE=0``; a topology other than one link or
+``relay.nodes_of``'s nodes; holders the Python would reject, which the C++ reports).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+
+from mixmoe.placement import native_lib
+from mixmoe.placement.collector import collector_paused
+from mixmoe.placement.native_lib import I64
+from mixmoe.placement.native_lib import P as _P
+
+__all__ = ["relay_plan_fields"]
+
+SHORT, FALLBACK = -1, -2  # native/relay_plan.cpp's return codes: a larger buffer; the Python
+_ARGTYPES = [_P, I64, I64, I64, I64, I64, I64, _P, I64]
+
+
+def relay_plan_fields(
+    replicas,
+    rank: int,
+    world_size: int,
+    experts_per_rank: int,
+    distance: Callable[[int, int], int] | None,
+    relay: bool,
+) -> tuple | None:
+    """``(pack_local_ids, rounds, slot_pieces, recv_experts)`` of ``RelayPlan.build``'s
+    arguments, rounds as ``(send, in_splits, out_splits, recv)`` tuples, or None where the
+    compiled part does not run (module doc)."""
+    fn = native_lib.function("mixmoe_relay_plan", I64, _ARGTYPES)
+    if fn is None:
+        return None
+    per_node = 0
+    if distance is not None:  # nodes of per_node consecutive ranks (relay.nodes_of's form only)
+        per_node = getattr(distance, "ranks_per_node", None)
+        if type(per_node) is not int or per_node < 1:
+            return None
+    if not all(type(x) is int for x in (rank, world_size, experts_per_rank)):
+        return None
+    flat = array("q", [len(replicas)])
+    try:
+        for g, holders in replicas:
+            flat.append(g)
+            flat.append(len(holders))
+            flat.extend(holders)
+    except (TypeError, OverflowError):  # not ints: the Python says what is wrong
+        return None
+    cap = _capacity(world_size, len(flat))
+    while True:
+        out = (I64 * cap)()
+        got = fn(flat.buffer_info()[0], len(flat), rank, world_size, experts_per_rank, per_node,
+                 int(bool(relay)), out, cap)  # fmt: skip
+        if got != SHORT:
+            break
+        cap = out[0]
+    if got == FALLBACK:
+        return None
+    with collector_paused():  # ~10**4 tuples at W = 1024 (placement/collector.py)
+        return _unpack(memoryview(out).cast("B").cast("q")[:got].tolist(), world_size)
+
+
+def _capacity(W: int, size: int) -> int:
+    """A first output size for ``size`` packed replica ints at W ranks (the C++ says when it is
+    short, and how much it needs)."""
+    return 4 + 8 * W + 16 * size
+
+
+def _unpack(v: list[int], W: int) -> tuple:
+    """The C entry's output (its doc) as RelayPlan's fields: tuples built off iterators."""
+    P, num_rounds, H = v[1], v[2], v[3]
+    at = 4
+    pack = v[at : at + P]
+    at += P
+    rounds = []
+    for _ in range(num_rounds):
+        n_send, n_recv = v[at], v[at + 1]
+        at += 2
+        in_splits, out_splits = v[at : at + W], v[at + W : at + 2 * W]
+        at += 2 * W
+        sends = iter(v[at : at + 4 * n_send])
+        at += 4 * n_send
+        recvs = iter(v[at : at + 3 * n_recv])
+        at += 3 * n_recv
+        send = tuple(zip(sends, sends, sends, sends, strict=False))
+        recv = tuple(zip(recvs, recvs, recvs, strict=False))
+        rounds.append((send, in_splits, out_splits, recv))
+    held = tuple(v[at : at + H])
+    at += H
+    slots = []
+    for _ in range(H):
+        n = v[at]
+        at += 1
+        takes = iter(v[at : at + 4 * n])
+        at += 4 * n
+        slots.append(tuple(zip(takes, takes, takes, takes, strict=False)))
+    return pack, rounds, tuple(slots), held

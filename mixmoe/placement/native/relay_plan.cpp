@@ -1,0 +1,311 @@
+// One rank's replica fetch compiled: mixmoe.dispatch.replicas.RelayPlan.build's fields (the pack,
+// the rounds' sends, splits and receives, the replica slots) from a plan's replicas, the same
+// values (tests/dispatch/test_relay_native.py compares every field with the Python,
+// replicas.relay_plan_python, the slow twin).
+//
+// Legend: W ranks, E experts per rank, N = W*E experts (g's owner o = g / E), r the rank; an
+// expert's holders split as relay.holder_groups splits them: k near (the owner's node, or all
+// without a topology), R far on L other nodes, c of them on the node at hand. A message is
+// (sender, receiver, chunk j, chunks n); a piece (g, j, n); a take (buffer, entry, j, n): buffer
+// 0 = r's packed owned rows, k + 1 = round k's received pieces in receive order.
+//
+// The same steps as the Python: relay.relay_messages_at's messages of each expert r owns or
+// holds (or the owner's flat fan-out), the rounds the longest route takes (relay.relay_rounds),
+// then round by round the sends (receiver, expert, chunk ascending) read from where r holds each
+// piece (that very piece, else the whole row it is cut from) and the receives (sender, expert,
+// chunk ascending) recorded where they land. Only integer work; every order the Python fixes is
+// fixed here by the same sorts. Topologies: one link (per_node 0) or nodes of per_node
+// consecutive ranks (relay.nodes_of); any other distance runs the Python.
+//
+// Holders out of [0, W), repeated or the owner, an expert out of [0, N), or a piece r would read
+// but does not hold: the entry returns FALLBACK and the caller runs the Python, which then raises
+// its error (or does what it does). C entry: mixmoe_relay_plan (dispatch/relay_native.py).
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr int64_t FALLBACK = -2;  // run the Python (the file's doc)
+constexpr int64_t SHORT = -1;     // the output buffer is too small: out[0] says how many ints
+constexpr int MAX_ROUNDS = 3;     // relay.MAX_ROUNDS
+
+using Msg = std::array<int64_t, 4>;  // (sender, receiver, j, n), or sorted keys (peer, g, j, n)
+
+struct Route {  // relay.holder_groups: near ascending; far by node (ascending), holders ascending
+  std::vector<int64_t> near, far;
+  std::vector<int64_t> starts;  // each far node's first index in far, then far.size()
+};
+
+Route route_of(int64_t owner, std::vector<int64_t> holders, int64_t per_node) {
+  std::sort(holders.begin(), holders.end());
+  Route rt;
+  if (per_node == 0) {
+    rt.near = std::move(holders);
+  } else {
+    const int64_t home = owner / per_node;
+    for (int64_t h : holders) {
+      if (h / per_node == home) {
+        rt.near.push_back(h);
+        continue;
+      }
+      // holders ascend, so one node's holders are consecutive and nodes come lowest first
+      if (rt.far.empty() || rt.far.back() / per_node != h / per_node)
+        rt.starts.push_back(static_cast<int64_t>(rt.far.size()));
+      rt.far.push_back(h);
+    }
+  }
+  rt.starts.push_back(static_cast<int64_t>(rt.far.size()));
+  return rt;
+}
+
+int64_t groups(const Route& rt) { return static_cast<int64_t>(rt.starts.size()) - 1; }
+
+int rounds_of(const Route& rt) {  // relay.relay_rounds
+  const int64_t k = static_cast<int64_t>(rt.near.size()), R = static_cast<int64_t>(rt.far.size());
+  if (k + R == 0) return 0;
+  const int64_t L = groups(rt);
+  return 1 + (k >= 2 || R >= 2) + (L >= 2 && R > L);
+}
+
+// relay._exchange_block: [lo, hi) of t that a far node's i-th holder (of c) receives
+std::pair<int64_t, int64_t> block(int64_t i, int64_t c, int64_t lacking) {
+  const int64_t q = lacking / c, extra = lacking % c;
+  const int64_t lo = i * q + std::min(i, extra);
+  return {lo, lo + q + (i < extra ? 1 : 0)};
+}
+
+// relay._exchange_receiver: the index in `far` of node [start, start + c)'s receiver of chunk p
+int64_t receiver(int64_t p, int64_t start, int64_t c, int64_t R) {
+  const int64_t t = p < start ? p : p - c;
+  const int64_t q = (R - c) / c, extra = (R - c) % c;
+  const int64_t big = extra * (q + 1);
+  return start + (t < big ? t / (q + 1) : extra + (t - big) / q);
+}
+
+// the chunks the i-th holder of node [at, at + c) holds after the exchange: its own, then those
+// of its block (relay_messages_at's held)
+void held_chunks(int64_t i, int64_t at, int64_t c, int64_t R, std::vector<int64_t>& out) {
+  out.clear();
+  out.push_back(at + i);
+  const auto [lo, hi] = block(i, c, R - c);
+  for (int64_t t = lo; t < hi; ++t) out.push_back(t < at ? t : t + c);
+}
+
+// relay.relay_messages_at(r, owner, holders): r's messages of the route, by round
+void messages_at(int64_t r, int64_t o, const Route& rt, std::vector<Msg> (&out)[MAX_ROUNDS]) {
+  const int64_t k = static_cast<int64_t>(rt.near.size());
+  if (r == o) {
+    if (k == 1) out[0].push_back({o, rt.near[0], 0, 1});
+    if (k >= 2)
+      for (int64_t i = 0; i < k; ++i) out[0].push_back({o, rt.near[i], i, k});
+  } else {
+    const auto it = std::find(rt.near.begin(), rt.near.end(), r);
+    if (it != rt.near.end()) {
+      const int64_t i = it - rt.near.begin();
+      out[0].push_back(k == 1 ? Msg{o, r, 0, 1} : Msg{o, r, i, k});
+      if (k >= 2) {  // round 1: it passes chunk i on, and receives every other near chunk
+        for (int64_t b : rt.near)
+          if (b != r) out[1].push_back({r, b, i, k});
+        for (int64_t j = 0; j < k; ++j)
+          if (rt.near[j] != r) out[1].push_back({rt.near[j], r, j, k});
+      }
+    }
+  }
+  const int64_t R = static_cast<int64_t>(rt.far.size()), L = groups(rt);
+  if (R == 1) {
+    if (r == o || r == rt.far[0]) out[0].push_back({o, rt.far[0], 0, 1});
+    return;
+  }
+  if (R < 2) return;
+  if (r == o) {
+    for (int64_t p = 0; p < R; ++p) out[0].push_back({o, rt.far[p], p, R});
+    return;
+  }
+  const auto it = std::find(rt.far.begin(), rt.far.end(), r);
+  if (it == rt.far.end()) return;
+  const int64_t mine = it - rt.far.begin();  // r's chunk
+  out[0].push_back({o, r, mine, R});
+  int64_t home = 0;
+  while (rt.starts[home + 1] <= mine) ++home;
+  const int64_t at = rt.starts[home], c = rt.starts[home + 1] - at, i_r = mine - at;
+  // the exchange (round 1): r's own chunk to one holder of each other far node, and each chunk
+  // of r's block from its holder
+  for (int64_t m = 0; m < L; ++m) {
+    const int64_t start = rt.starts[m];
+    if (start != at)
+      out[1].push_back({r, rt.far[receiver(mine, start, rt.starts[m + 1] - start, R)], mine, R});
+  }
+  std::vector<int64_t> held;
+  held_chunks(i_r, at, c, R, held);
+  for (size_t x = 1; x < held.size(); ++x) out[1].push_back({rt.far[held[x]], r, held[x], R});
+  // inside the node: r's chunks to each other holder, theirs to r
+  auto& last = out[L >= 2 ? 2 : 1];
+  for (int64_t p : held)
+    for (int64_t b = at; b < at + c; ++b)
+      if (b != mine) last.push_back({r, rt.far[b], p, R});
+  std::vector<int64_t> theirs;
+  for (int64_t a = at; a < at + c; ++a) {
+    if (a == mine) continue;
+    held_chunks(a - at, at, c, R, theirs);
+    for (int64_t p : theirs) last.push_back({rt.far[a], r, p, R});
+  }
+}
+
+bool valid(int64_t g, const int64_t* hs, int64_t n, int64_t W, int64_t E,
+           std::vector<char>& seen) {  // relay._check, and every index in range
+  if (g < 0 || g >= W * E) return false;
+  bool ok = true;
+  int64_t i = 0;
+  for (; i < n; ++i) {
+    const int64_t h = hs[i];
+    if (h < 0 || h >= W || h == g / E || seen[h]) {
+      ok = false;
+      break;
+    }
+    seen[h] = 1;
+  }
+  for (int64_t x = 0; x < i; ++x) seen[hs[x]] = 0;
+  return ok;
+}
+
+}  // namespace
+
+// replicas: [m, then per replica: g, H, its H holders]; per_node 0: one link; relay 0: the
+// owner's flat fan-out. out: [used, P, rounds, H, the P pack ids, per round (n_send, n_recv,
+// in_splits W, out_splits W, sends 4 * n_send as (buffer, entry, j, n), receives 3 * n_recv as
+// (g, j, n)), the H held experts, per held expert (n, then its chunks 0..n-1 as n takes (buffer,
+// entry, j, n))].
+// Returns the ints used, SHORT (out[0]: how many are needed) or FALLBACK.
+extern "C" int64_t mixmoe_relay_plan(const int64_t* replicas, int64_t size, int64_t r, int64_t W,
+                                     int64_t E, int64_t per_node, int64_t relay, int64_t* out,
+                                     int64_t cap) {
+  if (W < 1 || E < 1 || r < 0 || r >= W || per_node < 0 || size < 1) return FALLBACK;
+  const int64_t m = replicas[0];
+  std::vector<char> seen(static_cast<size_t>(W), 0);
+  // every replica checked, each one's rounds; those r owns or holds routed
+  int num_rounds = 0;
+  std::vector<std::pair<int64_t, Route>> mine;  // (g, route)
+  std::vector<int64_t> held;                    // replicas order: ascending g
+  int64_t at = 1;
+  for (int64_t x = 0; x < m; ++x) {
+    if (at + 2 > size) return FALLBACK;
+    const int64_t g = replicas[at], n = replicas[at + 1];
+    const int64_t* hs = replicas + at + 2;
+    if (n < 0 || at + 2 + n > size || !valid(g, hs, n, W, E, seen)) return FALLBACK;
+    at += 2 + n;
+    const int64_t o = g / E;
+    const bool holds = std::find(hs, hs + n, r) != hs + n;
+    if (holds) held.push_back(g);
+    if (!relay) {
+      num_rounds = std::max(num_rounds, n > 0 ? 1 : 0);
+      if (o == r || holds) mine.emplace_back(g, Route{std::vector<int64_t>(hs, hs + n), {}, {}});
+      continue;
+    }
+    if (o == r || holds) {
+      mine.emplace_back(g, route_of(o, std::vector<int64_t>(hs, hs + n), per_node));
+      num_rounds = std::max(num_rounds, rounds_of(mine.back().second));
+    } else if (num_rounds < MAX_ROUNDS) {
+      num_rounds = std::max(num_rounds, rounds_of(route_of(o, std::vector<int64_t>(hs, hs + n),
+                                                           per_node)));
+    }
+  }
+  if (at != size) return FALLBACK;
+  // every round's messages of r, tagged with their expert: (peer, g, j, n) keys to sort
+  std::vector<Msg> sends[MAX_ROUNDS], recvs[MAX_ROUNDS];
+  std::vector<int64_t> pack;  // owned experts r sends in any round (local ids)
+  std::vector<Msg> msgs[MAX_ROUNDS];
+  for (const auto& [g, rt] : mine) {
+    const int64_t o = g / E;
+    for (auto& v : msgs) v.clear();
+    if (relay) {
+      messages_at(r, o, rt, msgs);
+    } else {  // the owner's flat fan-out: every whole copy from the owner, round 0
+      for (int64_t h : rt.near)
+        if (r == o || r == h) msgs[0].push_back({o, h, 0, 1});
+    }
+    const int rounds = relay ? rounds_of(rt) : 1;
+    bool sends_own = false;
+    for (int k = 0; k < rounds; ++k)
+      for (const Msg& msg : msgs[k]) {
+        if (msg[0] == r) {
+          sends[k].push_back({msg[1], g, msg[2], msg[3]});
+          sends_own = sends_own || o == r;
+        }
+        if (msg[1] == r) recvs[k].push_back({msg[0], g, msg[2], msg[3]});
+      }
+    if (sends_own) pack.push_back(g - r * E);
+  }
+  std::sort(pack.begin(), pack.end());  // each owned expert once (mine holds each g once)
+  // where r holds each piece: (buffer << 32 | entry), keyed by (g, j, n)
+  const int64_t span = W + 1;  // j < n <= W
+  const auto key = [span](int64_t g, int64_t j, int64_t n) { return (g * span + j) * span + n; };
+  std::unordered_map<int64_t, int64_t> where;
+  size_t pieces = pack.size();
+  for (const auto& v : recvs) pieces += v.size();
+  where.reserve(pieces * 2);
+  for (size_t i = 0; i < pack.size(); ++i)
+    where.emplace(key(r * E + pack[i], 0, 1), static_cast<int64_t>(i));
+  std::unordered_map<int64_t, int64_t> chunks;  // a received expert's chunk count
+  std::vector<int64_t> body;  // the rounds, in the output's layout
+  for (int k = 0; k < num_rounds; ++k) {
+    auto& snd = sends[k];
+    auto& rcv = recvs[k];
+    std::sort(snd.begin(), snd.end());
+    std::sort(rcv.begin(), rcv.end());  // all_to_all order
+    body.push_back(static_cast<int64_t>(snd.size()));
+    body.push_back(static_cast<int64_t>(rcv.size()));
+    const size_t splits = body.size();
+    body.resize(splits + 2 * static_cast<size_t>(W), 0);
+    for (const Msg& s : snd) body[splits + s[0]] += 1;
+    for (const Msg& s : rcv) body[splits + W + s[0]] += 1;
+    for (const Msg& s : snd) {  // a sender holds what it sends: that piece, or the whole row
+      auto it = where.find(key(s[1], s[2], s[3]));
+      if (it == where.end()) it = where.find(key(s[1], 0, 1));
+      if (it == where.end()) return FALLBACK;
+      body.insert(body.end(), {it->second >> 32, it->second & 0xffffffff, s[2], s[3]});
+    }
+    for (size_t i = 0; i < rcv.size(); ++i) {
+      const Msg& s = rcv[i];
+      where[key(s[1], s[2], s[3])] = (static_cast<int64_t>(k + 1) << 32) | static_cast<int64_t>(i);
+      chunks[s[1]] = s[3];
+      body.insert(body.end(), {s[1], s[2], s[3]});
+    }
+  }
+  for (int64_t g : held) {  // every slot's chunks in order
+    const auto c = chunks.find(g);
+    if (c == chunks.end()) return FALLBACK;
+    const int64_t n = c->second;
+    body.push_back(n);
+    for (int64_t j = 0; j < n; ++j) {
+      const auto it = where.find(key(g, j, n));
+      if (it == where.end()) return FALLBACK;
+      body.insert(body.end(), {it->second >> 32, it->second & 0xffffffff, j, n});
+    }
+  }
+  const int64_t need = 4 + static_cast<int64_t>(pack.size() + held.size() + body.size());
+  if (need > cap) {
+    if (cap > 0) out[0] = need;
+    return SHORT;
+  }
+  int64_t* p = out;
+  *p++ = need;
+  *p++ = static_cast<int64_t>(pack.size());
+  *p++ = num_rounds;
+  *p++ = static_cast<int64_t>(held.size());
+  p = std::copy(pack.begin(), pack.end(), p);
+  // the rounds, then the held experts, then the slots: body holds rounds then slots
+  size_t b = 0;
+  for (int k = 0; k < num_rounds; ++k) {
+    const int64_t ns = body[b], nr = body[b + 1];
+    const size_t len = 2 + 2 * static_cast<size_t>(W) + 4 * ns + 3 * nr;
+    p = std::copy(body.begin() + b, body.begin() + b + len, p);
+    b += len;
+  }
+  p = std::copy(held.begin(), held.end(), p);
+  std::copy(body.begin() + b, body.end(), p);
+  return need;
+}

@@ -19,10 +19,11 @@ from mixmoe.placement.collector import collector_paused
 from mixmoe.placement.native_lib import I64
 from mixmoe.placement.native_lib import P as _P
 
-__all__ = ["relay_plan_fields"]
+__all__ = ["relay_layout", "relay_plan_fields"]
 
 SHORT, FALLBACK = -1, -2  # native/relay_plan.cpp's return codes: a larger buffer; the Python
 _ARGTYPES = [_P, I64, I64, I64, I64, I64, I64, _P, I64]
+_LAYOUT_ARGTYPES = [_P, I64, I64, I64, _P, I64]
 
 
 def relay_plan_fields(
@@ -33,8 +34,9 @@ def relay_plan_fields(
     distance: Callable[[int, int], int] | None,
     relay: bool,
 ) -> tuple | None:
-    """``(pack_local_ids, rounds, slot_pieces, recv_experts)`` of ``RelayPlan.build``'s
-    arguments, rounds as ``(send, in_splits, out_splits, recv)`` tuples, or None where the
+    """``(pack_local_ids, rounds, slot_pieces, recv_experts, compiled)`` of ``RelayPlan.build``'s
+    arguments, rounds as ``(send, in_splits, out_splits, recv)`` tuples and ``compiled`` the C
+    entry's output as it wrote it, with W (what ``relay_layout`` reads), or None where the
     compiled part does not run (module doc)."""
     fn = native_lib.function("mixmoe_relay_plan", I64, _ARGTYPES)
     if fn is None:
@@ -65,7 +67,47 @@ def relay_plan_fields(
     if got == FALLBACK:
         return None
     with collector_paused():  # ~10**4 tuples at W = 1024 (placement/collector.py)
-        return _unpack(memoryview(out).cast("B").cast("q")[:got].tolist(), world_size)
+        fields = _unpack(memoryview(out).cast("B").cast("q")[:got].tolist(), world_size)
+    return (*fields, (out, got, world_size))
+
+
+def relay_layout(compiled: tuple, Q: int) -> tuple | None:
+    """``replicas._Layout``'s fields for packed rows of Q elements, ``(sends, splits, slots,
+    cuts)``, from a compiled plan's output (``relay_plan_fields``' last field), or None: the
+    Python's layout runs."""
+    fn = native_lib.function("mixmoe_relay_layout", I64, _LAYOUT_ARGTYPES)
+    if fn is None or type(Q) is not int:
+        return None
+    plan, size, W = compiled
+    cap = 4 * size + 8 * W + 16
+    while True:
+        out = (I64 * cap)()
+        got = fn(plan, size, W, Q, out, cap)
+        if got != SHORT:
+            break
+        cap = out[0]
+    if got == FALLBACK:
+        return None
+    v = memoryview(out).cast("B").cast("q")[:got].tolist()
+    at, sends, splits = 1, [], []
+    rounds = plan[2]  # mixmoe_relay_plan's header: used, P, rounds, H
+    for _ in range(rounds):
+        splits.append((v[at : at + W], v[at + W : at + 2 * W]))
+        at += 2 * W
+        n = v[at]
+        spans = iter(v[at + 1 : at + 1 + 3 * n])
+        sends.append(list(zip(spans, spans, spans, strict=False)))
+        at += 1 + 3 * n
+    n = v[at]
+    spans = iter(v[at + 1 : at + 1 + 3 * n])
+    slots = list(zip(spans, spans, spans, strict=False))
+    at += 1 + 3 * n
+    cuts = []
+    for _ in range(rounds + 1):
+        n = v[at]
+        cuts.append(v[at + 1 : at + 1 + n])
+        at += 1 + n
+    return sends, splits, slots, cuts
 
 
 def _capacity(W: int, size: int) -> int:

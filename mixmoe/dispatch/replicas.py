@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from mixmoe.comm.autograd import cached_all_to_all
-from mixmoe.dispatch.relay_native import relay_plan_fields
+from mixmoe.dispatch.relay_native import relay_layout, relay_plan_fields
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.placement.relay import MAX_ROUNDS, piece_range, relay_messages_at, relay_rounds
 from mixmoe.tracing import trace_span
@@ -85,6 +85,8 @@ class RelayPlan:
     rounds: tuple[RelayRound, ...]
     slot_pieces: tuple[tuple[Take, ...], ...]
     recv_experts: tuple[int, ...]
+    # the compiled build's output, which the compiled layout reads (``relay_native``), or None
+    compiled: tuple | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def build(
@@ -107,8 +109,8 @@ class RelayPlan:
         built = relay_plan_fields(replicas, rank, world_size, experts_per_rank, distance, relay)
         if built is None:
             return relay_plan_python(replicas, rank, world_size, experts_per_rank, distance, relay)
-        pack, rounds, slots, held = built
-        return RelayPlan(pack, tuple(RelayRound(*rd) for rd in rounds), slots, held)
+        pack, rounds, slots, held, compiled = built
+        return RelayPlan(pack, tuple(RelayRound(*rd) for rd in rounds), slots, held, compiled)
 
 
 def relay_plan_python(
@@ -207,7 +209,8 @@ def _piece_size(j: int, n: int, Q: int) -> int:
 class _Layout:
     """Where every piece of a fetch lies in its flat buffers (0: the packed owned rows, k + 1:
     round k's received pieces, back to back), for packed rows of Q elements; built once per
-    fetch in one pass over the pieces.
+    fetch, compiled from the compiled plan's output where it has one (``relay_native``), else in
+    one pass over the pieces here.
 
     sends[k] / slots: the reads that make round k's send buffer / the replicas, as (buffer,
       start, stop) spans in order, consecutive pieces that lie back to back in one buffer merged
@@ -221,6 +224,16 @@ class _Layout:
     """
 
     def __init__(self, plan: RelayPlan, Q: int) -> None:
+        self.Q = Q
+        got = None if plan.compiled is None else relay_layout(plan.compiled, Q)
+        if got is None:
+            self._build(plan, Q)
+        else:  # compiled (``relay_native``): the same fields (tests/dispatch/test_relay_native.py)
+            self.sends, self.splits, self.slots, self.cuts = got
+        self.index = [{x: i for i, x in enumerate(c)} for c in self.cuts]
+
+    def _build(self, plan: RelayPlan, Q: int) -> None:
+        """The fields in Python (the fallback, and the compiled layout's slow twin)."""
         # where each entry of each buffer starts (and the buffer's end), and whether it is a row
         P = len(plan.pack_local_ids)
         starts = [list(range(0, (P + 1) * Q, Q))]
@@ -231,7 +244,7 @@ class _Layout:
                 ends.append(ends[-1] + _piece_size(j, n, Q))
             starts.append(ends)
             whole.append([n == 1 for _, _, n in rd.recv])
-        self.Q, self.starts, self.whole = Q, starts, whole
+        self.starts, self.whole = starts, whole
         self.sends: list[list[tuple[int, int, int]]] = []
         self.splits: list[tuple[list[int], list[int]]] = []
         for k, rd in enumerate(plan.rounds):
@@ -252,7 +265,6 @@ class _Layout:
             cuts[b].add(lo)
             cuts[b].add(hi)
         self.cuts = [sorted(c) for c in cuts]
-        self.index = [{x: i for i, x in enumerate(c)} for c in self.cuts]
 
     def _spans(self, takes) -> tuple[list[tuple[int, int, int]], list[int]]:
         """The takes' spans, merged where one starts where the last stopped in the same buffer,

@@ -7,6 +7,7 @@ planner's; the Python's errors where the C++ declines.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import mixmoe.dispatch.relay_native as native
+import mixmoe.dispatch.replicas as replicas_module
 import mixmoe.placement.native_lib as lib
 from mixmoe.dispatch.replicas import RelayPlan, relay_plan_python
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
@@ -143,3 +145,64 @@ def test_collector_state_is_restored(enabled):
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+def _layouts_equal(plan: RelayPlan, Q: int) -> None:
+    """The compiled layout ran and equals the Python's, field by field."""
+    assert plan.compiled is not None
+    got = native.relay_layout(plan.compiled, Q)
+    assert got is not None
+    twin = replicas_module._Layout(dataclasses.replace(plan, compiled=None), Q)
+    assert got == (twin.sends, twin.splits, twin.slots, twin.cuts), (Q, plan)
+    used = replicas_module._Layout(plan, Q)  # what the fetch builds: the compiled one
+    assert (used.sends, used.splits, used.slots, used.cuts) == got
+    assert used.index == twin.index
+
+
+@pytest.mark.parametrize("Q", [1, 2, 7, 64, 1001])
+@pytest.mark.parametrize("W,E,per_node", [(3, 2, 0), (5, 1, 0), (9, 2, 3), (12, 1, 4), (17, 1, 4)])
+def test_compiled_layout_is_the_python_layout(W, E, per_node, Q):
+    """Every rank's fetch layout (merged spans, element splits, cuts), relayed and fanned out,
+    for rows shorter than their chunk count too (Q = 1, 2: empty chunks)."""
+    rng = random.Random(7 * W + per_node + Q)
+    distance = nodes_of(per_node) if per_node else None
+    for p in (0.3, 1.0):
+        reps = _replicas(W, E, rng, p)
+        for relay in (True, False):
+            for r in range(W):
+                _layouts_equal(RelayPlan.build(reps, r, W, E, distance, relay=relay), Q)
+
+
+def test_compiled_layout_of_planner_plans():
+    """The planner's plan at W = 256 under nodes (the merges of a far holder's runs)."""
+    W, E = 256, 4
+    C = synthetic_counts(RoutingSpec.parse("zipf:1.2"), W, 8192, 2, W * E,
+                         torch.Generator().manual_seed(1), shuffle_experts=True)  # fmt: skip
+    prof = load_profile("h100-nvlink-ib")
+    plan = plan_mix(C, LayerShape(1024, 4096, E, W, bytes_per_element=2), prof, 4)
+    for r in (0, W // 3, W - 1):
+        fetch = RelayPlan.build(plan.replicas, r, W, E, node_distance(prof), relay=plan.relay)
+        _layouts_equal(fetch, 3 * 1024 * 4096 + 1)
+
+
+def test_a_short_layout_buffer_is_grown(monkeypatch):
+    """The compiled layout's first output buffer too small: the C++ says how much it needs."""
+    real = lib.function
+    sizes = []
+
+    def small(name, *args):
+        fn = real(name, *args)
+        if name != "mixmoe_relay_layout":
+            return fn
+
+        def call(plan, size, W, Q, out, cap):
+            sizes.append(cap)
+            return fn(plan, size, W, Q, out, 2 if len(sizes) == 1 else cap)
+
+        return call
+
+    plan = RelayPlan.build(_replicas(12, 1, random.Random(5), 1.0), 3, 12, 1, nodes_of(4))
+    want = native.relay_layout(plan.compiled, 50)
+    monkeypatch.setattr(lib, "function", small)
+    assert native.relay_layout(plan.compiled, 50) == want
+    assert len(sizes) == 2

@@ -309,3 +309,137 @@ extern "C" int64_t mixmoe_relay_plan(const int64_t* replicas, int64_t size, int6
   std::copy(body.begin() + b, body.end(), p);
   return need;
 }
+
+// dispatch.replicas._Layout for packed rows of Q elements, from mixmoe_relay_plan's output `plan`
+// (its ints, as written): where each received piece lands (buffer 0: the packed owned rows, Q
+// each; buffer k + 1: round k's pieces back to back, chunk j of n holding Q / n + (j < Q % n)
+// elements, torch.tensor_split's order), every round's reads merged into spans where one starts
+// where the last stopped in the same buffer, the element splits, and each buffer's cuts (the
+// bounds of every span read from it, and its ends), ascending.
+// out: [used, per round (in_splits W, out_splits W, n_spans, spans 3 * n_spans as (buffer, start,
+// stop)), the slots' n_spans and spans, per buffer (n_cuts, cuts)]. Returns the ints used, SHORT
+// (out[0]: how many are needed) or FALLBACK (a take out of range: the Python's layout runs).
+extern "C" int64_t mixmoe_relay_layout(const int64_t* plan, int64_t size, int64_t W, int64_t Q,
+                                       int64_t* out, int64_t cap) {
+  if (size < 4 || W < 1 || Q < 0 || plan[0] != size) return FALLBACK;
+  const int64_t P = plan[1], num_rounds = plan[2], H = plan[3];
+  const auto piece = [Q](int64_t j, int64_t n) { return Q / n + (j < Q % n ? 1 : 0); };
+  // buffer b's entry starts (and its end), and whether entry i is a whole row
+  std::vector<std::vector<int64_t>> starts(static_cast<size_t>(num_rounds) + 1);
+  std::vector<std::vector<char>> whole(starts.size());
+  for (int64_t i = 0; i <= P; ++i) starts[0].push_back(i * Q);
+  whole[0].assign(static_cast<size_t>(P), 1);
+  struct Round {
+    int64_t at, n_send, n_recv;
+  };
+  std::vector<Round> rounds;
+  int64_t at = 4 + P;
+  for (int64_t k = 0; k < num_rounds; ++k) {
+    if (at + 2 > size) return FALLBACK;
+    const int64_t ns = plan[at], nr = plan[at + 1];
+    rounds.push_back({at, ns, nr});
+    const int64_t* recv = plan + at + 2 + 2 * W + 4 * ns;
+    auto& st = starts[static_cast<size_t>(k) + 1];
+    st.push_back(0);
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t j = recv[3 * i + 1], n = recv[3 * i + 2];
+      if (n < 1 || j < 0 || j >= n) return FALLBACK;
+      st.push_back(st.back() + piece(j, n));
+      whole[static_cast<size_t>(k) + 1].push_back(n == 1);
+    }
+    at += 2 + 2 * W + 4 * ns + 3 * nr;
+  }
+  at += H;  // the held experts; the slots follow
+  if (at > size) return FALLBACK;
+  std::vector<std::vector<int64_t>> cuts(starts.size());
+  for (size_t b = 0; b < starts.size(); ++b) cuts[b] = {0, starts[b].back()};
+  // takes -> merged spans appended to `spans` (3 ints each); `read`: running elements read
+  const auto span_of = [&](const int64_t* t, int64_t& lo, int64_t& hi) {
+    const int64_t b = t[0], i = t[1], j = t[2], n = t[3];
+    if (b < 0 || b > num_rounds || i < 0 || i + 1 >= static_cast<int64_t>(starts[b].size()) ||
+        n < 1 || j < 0 || j >= n)
+      return false;
+    lo = starts[b][i];
+    hi = starts[b][i + 1];
+    if (whole[b][i] && n > 1) {  // a chunk cut from a whole row (an owner scattering)
+      const int64_t base = Q / n, extra = Q % n;
+      lo += j * base + std::min(j, extra);
+      hi = lo + base + (j < extra ? 1 : 0);
+    }
+    return true;
+  };
+  const auto merge = [&](const int64_t* takes, int64_t n, std::vector<int64_t>& spans,
+                         std::vector<int64_t>* read) {
+    for (int64_t x = 0; x < n; ++x) {
+      int64_t lo, hi;
+      if (!span_of(takes + 4 * x, lo, hi)) return false;
+      const int64_t b = takes[4 * x];
+      if (read) read->push_back(read->back() + hi - lo);
+      const size_t m = spans.size();
+      if (m && spans[m - 3] == b && spans[m - 1] == lo) {
+        spans[m - 1] = hi;
+      } else {
+        spans.insert(spans.end(), {b, lo, hi});
+      }
+    }
+    return true;
+  };
+  std::vector<int64_t> body;
+  std::vector<int64_t> spans, read;
+  for (int64_t k = 0; k < num_rounds; ++k) {
+    const Round& rd = rounds[static_cast<size_t>(k)];
+    const int64_t* in_n = plan + rd.at + 2;  // pieces to each rank
+    const int64_t* out_n = in_n + W;         // pieces from each rank
+    spans.clear();
+    read.assign(1, 0);
+    if (!merge(out_n + W, rd.n_send, spans, &read)) return FALLBACK;
+    int64_t pos = 0;
+    for (int64_t q = 0; q < W; ++q) {  // elements to each receiver: its pieces' sizes, summed
+      if (in_n[q] < 0 || pos + in_n[q] > rd.n_send) return FALLBACK;
+      body.push_back(read[pos + in_n[q]] - read[pos]);
+      pos += in_n[q];
+    }
+    const auto& ends = starts[static_cast<size_t>(k) + 1];
+    pos = 0;
+    for (int64_t s = 0; s < W; ++s) {  // elements from each sender
+      if (out_n[s] < 0 || pos + out_n[s] > rd.n_recv) return FALLBACK;
+      body.push_back(ends[pos + out_n[s]] - ends[pos]);
+      pos += out_n[s];
+    }
+    body.push_back(static_cast<int64_t>(spans.size() / 3));
+    body.insert(body.end(), spans.begin(), spans.end());
+    for (size_t x = 0; x < spans.size(); x += 3) {
+      cuts[spans[x]].push_back(spans[x + 1]);
+      cuts[spans[x]].push_back(spans[x + 2]);
+    }
+  }
+  spans.clear();
+  for (int64_t h = 0; h < H; ++h) {  // every slot's chunks, back to back
+    if (at >= size) return FALLBACK;
+    const int64_t n = plan[at];
+    if (n < 0 || at + 1 + 4 * n > size) return FALLBACK;
+    if (!merge(plan + at + 1, n, spans, nullptr)) return FALLBACK;
+    at += 1 + 4 * n;
+  }
+  if (at != size) return FALLBACK;
+  body.push_back(static_cast<int64_t>(spans.size() / 3));
+  body.insert(body.end(), spans.begin(), spans.end());
+  for (size_t x = 0; x < spans.size(); x += 3) {
+    cuts[spans[x]].push_back(spans[x + 1]);
+    cuts[spans[x]].push_back(spans[x + 2]);
+  }
+  for (auto& c : cuts) {
+    std::sort(c.begin(), c.end());
+    c.erase(std::unique(c.begin(), c.end()), c.end());
+    body.push_back(static_cast<int64_t>(c.size()));
+    body.insert(body.end(), c.begin(), c.end());
+  }
+  const int64_t need = 1 + static_cast<int64_t>(body.size());
+  if (need > cap) {
+    if (cap > 0) out[0] = need;
+    return SHORT;
+  }
+  out[0] = need;
+  std::copy(body.begin(), body.end(), out + 1);
+  return need;
+}

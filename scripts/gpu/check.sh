@@ -2,7 +2,8 @@
 # One GPU session's checks, in one call of the device tool (see README "Kernels").
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
 # Stages: env, install, gpu-tests, ep-cuda, correctness (gpu-tests and ep-cuda side by side), train, modern,
-#   suite, kernels, kernels-fine, layer, layer-ab, hf, hf-ab, hf-bench, calibrate, count-exchange.
+#   suite, kernels, kernels-fine, layer, layer-ab, hf, hf-ab, hf-bench, calibrate, count-exchange,
+#   relay-fetch.
 # install: the project from this tree (PYTHONPATH) and, when .whl/ holds them, the pinned wheels the
 #   image lacks (transformers), unpacked into /tmp/site (no registry is reachable there).
 # ep-cuda: a2a/shadow/mix on CUDA tensors, 2 and 3 gloo ranks on the one GPU, vs the single-rank layer.
@@ -10,6 +11,7 @@
 # modern: the DeepSeek-style layer on CUDA (fp32 router under bf16) and `train --model deepseek`.
 # kernels-fine: the fine-grained shape (256 experts, top-8, D2048 F1024, SwiGLU).
 # count-exchange: the count exchange's host side and the plan from the device's sums, W = 64..1024 (issue 26).
+# relay-fetch: the replica fetch at one rank under nodes (build, forward, backward; .gpu_old/mixmoe_s5 = af7e0cd).
 # calibrate: one-GPU calibration, then the simulator's local-step predictions against bench layer (issue 9).
 # hf-bench: a transformers Mixtral's train step under each experts implementation (issue 14's one-device target).
 # layer-ab / hf-ab: the grouped-GEMM path (MIXMOE_GROUPED_MM=1, default) then the Triton kernels (=0). Logs go to $OUT (or ./gpu-out).
@@ -33,11 +35,13 @@ for stage in "$@"; do case $stage in
        $PY -c "import mixmoe, transformers; print('mixmoe from', mixmoe.__file__, 'transformers', transformers.__version__)"
        # the planner's compiled fill, built here once (the ep-cuda ranks then load it)
        $PY -c "from mixmoe.placement import native_lib as n; print('compiled planner parts:', n.available(), n.unavailable_reason() or '')";;
-  gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n ${GPU_N:-4};;
+  gpu-tests) run gpu-tests "${GPU_TESTS_S:-300}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py tests/dispatch/test_replicas.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n ${GPU_N:-4};;
   count-exchange) run count-exchange "${CX_S:-120}" $PY scripts/gpu/count_exchange.py --device cuda;;
+  relay-fetch) run relay-fetch "${RF_S:-180}" $PY scripts/gpu/relay_fetch.py --device cuda \
+       $( [ -d .gpu_old/mixmoe_s5 ] && echo --old .gpu_old );;
   ep-cuda) run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda;;
   correctness) GPU_N=${GPU_N:-4}
-       ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &
+       ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py tests/dispatch/test_replicas.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &
        ( run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda ) > "$OUT/correctness-b.txt" 2>&1 &
        wait; cat "$OUT/correctness-a.txt" "$OUT/correctness-b.txt";;
   modern) run ds-cuda "${DS_S:-60}" $PY scripts/gpu/ds_cuda.py

@@ -270,6 +270,17 @@ class _DoneWork:
 
 @pytest.mark.parametrize("W,E,per_node", [(5, 1, 0), (9, 1, 3), (12, 2, 4), (15, 1, 5)])
 def test_fetch_moves_every_replica_and_returns_every_gradient(W, E, per_node):
+    _fetch_on_threads(W, E, per_node, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU machine)")
+def test_fetch_on_cuda_tensors():
+    """The same fetch with every rank's weights on the GPU (the split and cat views there)."""
+    _fetch_on_threads(12, 2, 4, "cuda")
+
+
+def _fetch_on_threads(W: int, E: int, per_node: int, device: str) -> None:
     """``fetch_replicas`` on W threads (its merged reads, its element splits): every holder gets
     its replicas' packed rows exactly, in slot order, and each replica's gradient reaches its
     owner's parameters once, summed over holders (the reference: the replicas list alone).
@@ -281,10 +292,10 @@ def test_fetch_moves_every_replica_and_returns_every_gradient(W, E, per_node):
     wide = (0, tuple(range(1, W - 1)))
     replicas = (wide, *((g, h) for g, h in _random_replicas(W, E, rng) if g != 0))
     owned = [_weights("swiglu", S=E) for _ in range(W)]
-    for r, w in enumerate(owned):  # distinct weights per rank
+    for r, w in enumerate(owned):  # distinct weights per rank, leaves on the device
         with torch.no_grad():
-            for t in _present(w).values():
-                t.add_(r)
+            on = {n: (t + r).to(device).requires_grad_(True) for n, t in _present(w).items()}
+        owned[r] = ExpertWeights(**on)
     plans = [RelayPlan.build(replicas, r, W, E, distance) for r in range(W)]
     world = _ThreadWorld(W)
     coefs = [None] * W
@@ -296,7 +307,7 @@ def test_fetch_moves_every_replica_and_returns_every_gradient(W, E, per_node):
             rows, _ = fetch_replicas(world.rank(r), owned[r], plans[r], None)
             got[r] = rows.detach().clone()
             coefs[r] = torch.randn(rows.shape, dtype=torch.float64,
-                                   generator=torch.Generator().manual_seed(r))  # fmt: skip
+                                   generator=torch.Generator().manual_seed(r)).to(device)  # fmt: skip
             (rows * coefs[r]).sum().backward()
         except BaseException as e:  # noqa: BLE001 - reported below; the barrier breaks for all
             errors.append(e)

@@ -73,13 +73,13 @@ def relay_plan_fields(
 
 def relay_layout(compiled: tuple, Q: int) -> tuple | None:
     """``replicas._Layout``'s fields for packed rows of Q elements, ``(sends, splits, slots,
-    cuts)``, from a compiled plan's output (``relay_plan_fields``' last field), or None: the
-    Python's layout runs."""
+    compact, cuts)``, from a compiled plan's output (``relay_plan_fields``' last field), or
+    None: the Python's layout runs."""
     fn = native_lib.function("mixmoe_relay_layout", I64, _LAYOUT_ARGTYPES)
     if fn is None or type(Q) is not int:
         return None
     plan, size, W = compiled
-    cap = 4 * size + 8 * W + 16
+    cap = 6 * size + 8 * W + 32
     while True:
         out = (I64 * cap)()
         got = fn(plan, size, W, Q, out, cap)
@@ -89,25 +89,36 @@ def relay_layout(compiled: tuple, Q: int) -> tuple | None:
     if got == FALLBACK:
         return None
     v = memoryview(out).cast("B").cast("q")[:got].tolist()
-    at, sends, splits = 1, [], []
     rounds = plan[2]  # mixmoe_relay_plan's header: used, P, rounds, H
+    at, sends, splits = 1, [], []
+
+    def spans(n: int) -> list[tuple[int, int, int]]:
+        it = iter(v[at : at + 3 * n])
+        return list(zip(it, it, it, strict=False))
+
     for _ in range(rounds):
         splits.append((v[at : at + W], v[at + W : at + 2 * W]))
         at += 2 * W
         n = v[at]
-        spans = iter(v[at + 1 : at + 1 + 3 * n])
-        sends.append(list(zip(spans, spans, spans, strict=False)))
-        at += 1 + 3 * n
+        at += 1
+        sends.append(spans(n))
+        at += 3 * n
     n = v[at]
-    spans = iter(v[at + 1 : at + 1 + 3 * n])
-    slots = list(zip(spans, spans, spans, strict=False))
-    at += 1 + 3 * n
+    at += 1
+    slots = spans(n)
+    at += 3 * n
+    compact = []
+    for _ in range(rounds):
+        n = v[at]
+        at += 1
+        compact.append(None if n < 0 else spans(n))
+        at += 3 * max(n, 0)
     cuts = []
-    for _ in range(rounds + 1):
+    while at < len(v):  # one list per buffer
         n = v[at]
         cuts.append(v[at + 1 : at + 1 + n])
         at += 1 + n
-    return sends, splits, slots, cuts
+    return sends, splits, slots, compact, cuts
 
 
 def _capacity(W: int, size: int) -> int:

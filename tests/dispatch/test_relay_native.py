@@ -153,9 +153,9 @@ def _layouts_equal(plan: RelayPlan, Q: int) -> None:
     got = native.relay_layout(plan.compiled, Q)
     assert got is not None
     twin = replicas_module._Layout(dataclasses.replace(plan, compiled=None), Q)
-    assert got == (twin.sends, twin.splits, twin.slots, twin.cuts), (Q, plan)
+    assert got == (twin.sends, twin.splits, twin.slots, twin.compact, twin.cuts), (Q, plan)
     used = replicas_module._Layout(plan, Q)  # what the fetch builds: the compiled one
-    assert (used.sends, used.splits, used.slots, used.cuts) == got
+    assert (used.sends, used.splits, used.slots, used.compact, used.cuts) == got
     assert used.index == twin.index
 
 

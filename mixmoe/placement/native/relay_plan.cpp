@@ -311,54 +311,106 @@ extern "C" int64_t mixmoe_relay_plan(const int64_t* replicas, int64_t size, int6
 }
 
 // dispatch.replicas._Layout for packed rows of Q elements, from mixmoe_relay_plan's output `plan`
-// (its ints, as written): where each received piece lands (buffer 0: the packed owned rows, Q
-// each; buffer k + 1: round k's pieces back to back, chunk j of n holding Q / n + (j < Q % n)
-// elements, torch.tensor_split's order), every round's reads merged into spans where one starts
-// where the last stopped in the same buffer, the element splits, and each buffer's cuts (the
-// bounds of every span read from it, and its ends), ascending.
-// out: [used, per round (in_splits W, out_splits W, n_spans, spans 3 * n_spans as (buffer, start,
-// stop)), the slots' n_spans and spans, per buffer (n_cuts, cuts)]. Returns the ints used, SHORT
-// (out[0]: how many are needed) or FALLBACK (a take out of range: the Python's layout runs).
+// (its ints, as written). Buffers in the fetch's order: 0 the packed owned rows (Q each); per
+// round k the pieces received, back to back in receive order (chunk j of n holding Q / n +
+// (j < Q % n) elements, torch.tensor_split's order), then for every round but the last the same
+// pieces re-laid in (expert, chunk) order, which later rounds and the slots read instead. Every
+// list of reads is merged into spans where one starts where the last stopped in one buffer.
+// out: [used, per round (in_splits W, out_splits W, n_spans, spans 3 * n_spans as (buffer,
+// start, stop)), the slots' n_spans and spans, per round the re-laying's n_spans (-1: none) and
+// spans, per buffer (n_cuts, cuts ascending)]. Returns the ints used, SHORT (out[0]: how many
+// are needed) or FALLBACK (a take out of range: the Python's layout runs).
 extern "C" int64_t mixmoe_relay_layout(const int64_t* plan, int64_t size, int64_t W, int64_t Q,
                                        int64_t* out, int64_t cap) {
   if (size < 4 || W < 1 || Q < 0 || plan[0] != size) return FALLBACK;
   const int64_t P = plan[1], num_rounds = plan[2], H = plan[3];
+  if (P < 0 || num_rounds < 0 || num_rounds > MAX_ROUNDS || H < 0) return FALLBACK;
   const auto piece = [Q](int64_t j, int64_t n) { return Q / n + (j < Q % n ? 1 : 0); };
-  // buffer b's entry starts (and its end), and whether entry i is a whole row
-  std::vector<std::vector<int64_t>> starts(static_cast<size_t>(num_rounds) + 1);
-  std::vector<std::vector<char>> whole(starts.size());
+  // each buffer's entry starts (and its end), and whether each entry is a whole row
+  std::vector<std::vector<int64_t>> starts;
+  std::vector<std::vector<char>> whole;
+  starts.emplace_back();
   for (int64_t i = 0; i <= P; ++i) starts[0].push_back(i * Q);
-  whole[0].assign(static_cast<size_t>(P), 1);
+  whole.emplace_back(static_cast<size_t>(P), 1);
   struct Round {
-    int64_t at, n_send, n_recv;
+    int64_t at, n_send, n_recv, raw, read;  // its ints, counts, received / read buffers
+    std::vector<int64_t> entries;           // receive entry -> entry in the read buffer
+    std::vector<int64_t> compact;           // the re-laying's spans (empty: none)
   };
   std::vector<Round> rounds;
+  const auto ends_of = [](const std::vector<int64_t>& sizes) {
+    std::vector<int64_t> e(1, 0);
+    for (int64_t x : sizes) e.push_back(e.back() + x);
+    return e;
+  };
+  const auto add_span = [](std::vector<int64_t>& spans, int64_t b, int64_t lo, int64_t hi) {
+    const size_t m = spans.size();
+    if (m && spans[m - 3] == b && spans[m - 1] == lo) {
+      spans[m - 1] = hi;
+    } else {
+      spans.insert(spans.end(), {b, lo, hi});
+    }
+  };
   int64_t at = 4 + P;
   for (int64_t k = 0; k < num_rounds; ++k) {
     if (at + 2 > size) return FALLBACK;
-    const int64_t ns = plan[at], nr = plan[at + 1];
-    rounds.push_back({at, ns, nr});
-    const int64_t* recv = plan + at + 2 + 2 * W + 4 * ns;
-    auto& st = starts[static_cast<size_t>(k) + 1];
-    st.push_back(0);
-    for (int64_t i = 0; i < nr; ++i) {
+    Round rd{at, plan[at], plan[at + 1], 0, 0, {}, {}};
+    if (rd.n_send < 0 || rd.n_recv < 0 || at + 2 + 2 * W + 4 * rd.n_send + 3 * rd.n_recv > size)
+      return FALLBACK;
+    const int64_t* recv = plan + at + 2 + 2 * W + 4 * rd.n_send;
+    std::vector<int64_t> sizes;
+    std::vector<char> rows;
+    for (int64_t i = 0; i < rd.n_recv; ++i) {
       const int64_t j = recv[3 * i + 1], n = recv[3 * i + 2];
       if (n < 1 || j < 0 || j >= n) return FALLBACK;
-      st.push_back(st.back() + piece(j, n));
-      whole[static_cast<size_t>(k) + 1].push_back(n == 1);
+      sizes.push_back(piece(j, n));
+      rows.push_back(n == 1);
     }
-    at += 2 + 2 * W + 4 * ns + 3 * nr;
+    rd.raw = static_cast<int64_t>(starts.size());
+    starts.push_back(ends_of(sizes));
+    whole.push_back(rows);
+    rd.entries.resize(static_cast<size_t>(rd.n_recv));
+    for (int64_t i = 0; i < rd.n_recv; ++i) rd.entries[i] = i;
+    rd.read = rd.raw;
+    if (k + 1 < num_rounds) {  // read by a later round: re-laid in (expert, chunk) order
+      std::vector<int64_t> order(rd.entries);
+      std::sort(order.begin(), order.end(), [recv](int64_t x, int64_t y) {
+        const int64_t* a = recv + 3 * x;
+        const int64_t* b = recv + 3 * y;
+        return std::lexicographical_compare(a, a + 3, b, b + 3);
+      });
+      std::vector<int64_t> sorted_sizes;
+      std::vector<char> sorted_rows;
+      const auto& ends = starts[rd.raw];
+      for (size_t x = 0; x < order.size(); ++x) {
+        const int64_t i = order[x];
+        rd.entries[i] = static_cast<int64_t>(x);
+        sorted_sizes.push_back(sizes[i]);
+        sorted_rows.push_back(rows[i]);
+        add_span(rd.compact, rd.raw, ends[i], ends[i + 1]);
+      }
+      rd.read = static_cast<int64_t>(starts.size());
+      starts.push_back(ends_of(sorted_sizes));
+      whole.push_back(sorted_rows);
+    }
+    rounds.push_back(std::move(rd));
+    at += 2 + 2 * W + 4 * plan[at] + 3 * plan[at + 1];
   }
   at += H;  // the held experts; the slots follow
   if (at > size) return FALLBACK;
-  std::vector<std::vector<int64_t>> cuts(starts.size());
-  for (size_t b = 0; b < starts.size(); ++b) cuts[b] = {0, starts[b].back()};
-  // takes -> merged spans appended to `spans` (3 ints each); `read`: running elements read
-  const auto span_of = [&](const int64_t* t, int64_t& lo, int64_t& hi) {
-    const int64_t b = t[0], i = t[1], j = t[2], n = t[3];
-    if (b < 0 || b > num_rounds || i < 0 || i + 1 >= static_cast<int64_t>(starts[b].size()) ||
-        n < 1 || j < 0 || j >= n)
+  // a take (b, i, j, n) -> its span, b naming round b - 1's buffer by receive entry
+  const auto span_of = [&](const int64_t* t, int64_t& buf, int64_t& lo, int64_t& hi) {
+    int64_t b = t[0], i = t[1];
+    const int64_t j = t[2], n = t[3];
+    if (b < 0 || b > num_rounds || n < 1 || j < 0 || j >= n || i < 0) return false;
+    if (b > 0) {
+      const Round& rd = rounds[static_cast<size_t>(b - 1)];
+      if (i >= rd.n_recv) return false;
+      i = rd.entries[static_cast<size_t>(i)];
+      b = rd.read;
+    } else if (i >= P) {
       return false;
+    }
     lo = starts[b][i];
     hi = starts[b][i + 1];
     if (whole[b][i] && n > 1) {  // a chunk cut from a whole row (an owner scattering)
@@ -366,28 +418,29 @@ extern "C" int64_t mixmoe_relay_layout(const int64_t* plan, int64_t size, int64_
       lo += j * base + std::min(j, extra);
       hi = lo + base + (j < extra ? 1 : 0);
     }
+    buf = b;
     return true;
   };
   const auto merge = [&](const int64_t* takes, int64_t n, std::vector<int64_t>& spans,
                          std::vector<int64_t>* read) {
     for (int64_t x = 0; x < n; ++x) {
-      int64_t lo, hi;
-      if (!span_of(takes + 4 * x, lo, hi)) return false;
-      const int64_t b = takes[4 * x];
+      int64_t b, lo, hi;
+      if (!span_of(takes + 4 * x, b, lo, hi)) return false;
       if (read) read->push_back(read->back() + hi - lo);
-      const size_t m = spans.size();
-      if (m && spans[m - 3] == b && spans[m - 1] == lo) {
-        spans[m - 1] = hi;
-      } else {
-        spans.insert(spans.end(), {b, lo, hi});
-      }
+      add_span(spans, b, lo, hi);
     }
     return true;
   };
-  std::vector<int64_t> body;
-  std::vector<int64_t> spans, read;
-  for (int64_t k = 0; k < num_rounds; ++k) {
-    const Round& rd = rounds[static_cast<size_t>(k)];
+  std::vector<std::vector<int64_t>> cuts(starts.size());
+  for (size_t b = 0; b < starts.size(); ++b) cuts[b] = {0, starts[b].back()};
+  const auto cut = [&cuts](const std::vector<int64_t>& spans) {
+    for (size_t x = 0; x < spans.size(); x += 3) {
+      cuts[spans[x]].push_back(spans[x + 1]);
+      cuts[spans[x]].push_back(spans[x + 2]);
+    }
+  };
+  std::vector<int64_t> body, spans, read;
+  for (const Round& rd : rounds) {
     const int64_t* in_n = plan + rd.at + 2;  // pieces to each rank
     const int64_t* out_n = in_n + W;         // pieces from each rank
     spans.clear();
@@ -399,19 +452,16 @@ extern "C" int64_t mixmoe_relay_layout(const int64_t* plan, int64_t size, int64_
       body.push_back(read[pos + in_n[q]] - read[pos]);
       pos += in_n[q];
     }
-    const auto& ends = starts[static_cast<size_t>(k) + 1];
+    const auto& ends = starts[rd.raw];
     pos = 0;
-    for (int64_t s = 0; s < W; ++s) {  // elements from each sender
+    for (int64_t s = 0; s < W; ++s) {  // elements from each sender, as received
       if (out_n[s] < 0 || pos + out_n[s] > rd.n_recv) return FALLBACK;
       body.push_back(ends[pos + out_n[s]] - ends[pos]);
       pos += out_n[s];
     }
     body.push_back(static_cast<int64_t>(spans.size() / 3));
     body.insert(body.end(), spans.begin(), spans.end());
-    for (size_t x = 0; x < spans.size(); x += 3) {
-      cuts[spans[x]].push_back(spans[x + 1]);
-      cuts[spans[x]].push_back(spans[x + 2]);
-    }
+    cut(spans);
   }
   spans.clear();
   for (int64_t h = 0; h < H; ++h) {  // every slot's chunks, back to back
@@ -424,9 +474,16 @@ extern "C" int64_t mixmoe_relay_layout(const int64_t* plan, int64_t size, int64_
   if (at != size) return FALLBACK;
   body.push_back(static_cast<int64_t>(spans.size() / 3));
   body.insert(body.end(), spans.begin(), spans.end());
-  for (size_t x = 0; x < spans.size(); x += 3) {
-    cuts[spans[x]].push_back(spans[x + 1]);
-    cuts[spans[x]].push_back(spans[x + 2]);
+  cut(spans);
+  for (int64_t k = 0; k < num_rounds; ++k) {
+    const Round& rd = rounds[static_cast<size_t>(k)];
+    if (k + 1 == num_rounds) {
+      body.push_back(-1);  // the last round: not re-laid
+      continue;
+    }
+    body.push_back(static_cast<int64_t>(rd.compact.size() / 3));
+    body.insert(body.end(), rd.compact.begin(), rd.compact.end());
+    cut(rd.compact);
   }
   for (auto& c : cuts) {
     std::sort(c.begin(), c.end());

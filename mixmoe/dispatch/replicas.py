@@ -346,16 +346,46 @@ class _Buffers:
         sizes = [hi - lo for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)] + [0]
         self.parts.append(torch.split(buffer, sizes))
 
-    def read(self, spans) -> list[torch.Tensor]:
-        """The views of ``spans``, in order (a span covering several parts as those parts)."""
-        out, index = [], self.layout.index
+    def gather(self, spans) -> torch.Tensor:
+        """The views of ``spans`` (a span covering several parts as those parts), then the
+        empty last part of the latest buffer (a dependency, no data: the chain), concatenated
+        (``_Gather``: a part read k times costs one reduction in backward, not k - 1)."""
+        index, keys = self.layout.index, []
         for b, lo, hi in spans:
-            out += self.parts[b][index[b][lo] : index[b][hi]]
-        return out
+            keys += [(b, i) for i in range(index[b][lo], index[b][hi])]
+        keys.append((len(self.parts) - 1, len(self.parts[-1]) - 1))  # the chain
+        first: dict[tuple[int, int], int] = {}  # each distinct part, in order of first read
+        order = [first.setdefault(k, len(first)) for k in keys]
+        return _Gather.apply(order, *(self.parts[b][i] for b, i in first))
 
-    def chain(self) -> torch.Tensor:
-        """The empty last part of the latest buffer (a dependency, no data)."""
-        return self.parts[-1][-1]
+
+class _Gather(torch.autograd.Function):
+    """``cat(parts[i] for i in order)``. Backward: each part's gradient is the sum of its
+    reads' slices, one ``stack(...).sum(0)`` for a part read more than once (a piece passed on
+    to every holder of a node, a chunk sent to every far node), where autograd would launch one
+    accumulation per repeated read (W = 1024 under nodes: ~4000 of them before the re-laying,
+    ~550 after, each a kernel launch on a GPU). The sum's order is fixed: deterministic."""
+
+    @staticmethod
+    def forward(ctx, order: list[int], *parts: torch.Tensor) -> torch.Tensor:
+        ctx.order, ctx.sizes = order, [p.numel() for p in parts]
+        return torch.cat([parts[i] for i in order])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        reads: list[list[torch.Tensor]] = [[] for _ in ctx.sizes]
+        slices = torch.split(grad, [ctx.sizes[i] for i in ctx.order])
+        for i, piece in zip(ctx.order, slices, strict=True):
+            reads[i].append(piece)
+        grads = []
+        for i, got in enumerate(reads):
+            if not ctx.needs_input_grad[1 + i]:
+                grads.append(None)
+            elif len(got) == 1:
+                grads.append(got[0])
+            else:  # one reduction over the reads, in read order
+                grads.append(torch.stack(got).sum(0))
+        return (None, *grads)
 
 
 def fetch_replicas(
@@ -378,7 +408,7 @@ def fetch_replicas(
     received = []
     trace = ("moe.replica_fetch", "exp")  # the gradient return's span: moe.replica_fetch.backward
     for k in range(len(plan.rounds)):
-        send = torch.cat([*bufs.read(layout.sends[k]), bufs.chain()])
+        send = bufs.gather(layout.sends[k])
         in_splits, out_splits = layout.splits[k]
         hit = None if cached is None else cached[k]
         with trace_span(
@@ -395,9 +425,9 @@ def fetch_replicas(
         received.append(out.detach())
         bufs.add(out)
         if layout.compact[k] is not None:  # re-laid in (expert, chunk) order: one copy
-            bufs.add(torch.cat([*bufs.read(layout.compact[k]), bufs.chain()]))
+            bufs.add(bufs.gather(layout.compact[k]))
     # every slot's chunks in order, back to back: one copy, viewed as rows
-    flat = torch.cat([*bufs.read(layout.slots), bufs.chain()])
+    flat = bufs.gather(layout.slots)
     return flat.view(len(plan.slot_pieces), Q), received
 
 

@@ -36,8 +36,8 @@ def relay_plan_fields(
 ) -> tuple | None:
     """``(pack_local_ids, rounds, slot_pieces, recv_experts, compiled)`` of ``RelayPlan.build``'s
     arguments, rounds as ``(send, in_splits, out_splits, recv)`` tuples and ``compiled`` the C
-    entry's output as it wrote it, with W (what ``relay_layout`` reads), or None where the
-    compiled part does not run (module doc)."""
+    entry's output as it wrote it (an ``array``: a RelayPlan pickles) with W, what
+    ``relay_layout`` reads; or None where the compiled part does not run (module doc)."""
     fn = native_lib.function("mixmoe_relay_plan", I64, _ARGTYPES)
     if fn is None:
         return None
@@ -66,9 +66,10 @@ def relay_plan_fields(
         cap = out[0]
     if got == FALLBACK:
         return None
+    ints = memoryview(out).cast("B").cast("q")[:got]
     with collector_paused():  # ~10**4 tuples at W = 1024 (placement/collector.py)
-        fields = _unpack(memoryview(out).cast("B").cast("q")[:got].tolist(), world_size)
-    return (*fields, (out, got, world_size))
+        fields = _unpack(ints.tolist(), world_size)
+    return (*fields, (array("q", ints), world_size))
 
 
 def relay_layout(compiled: tuple, Q: int) -> tuple | None:
@@ -78,11 +79,12 @@ def relay_layout(compiled: tuple, Q: int) -> tuple | None:
     fn = native_lib.function("mixmoe_relay_layout", I64, _LAYOUT_ARGTYPES)
     if fn is None or type(Q) is not int:
         return None
-    plan, size, W = compiled
+    plan, W = compiled
+    size = len(plan)
     cap = 6 * size + 8 * W + 32
     while True:
         out = (I64 * cap)()
-        got = fn(plan, size, W, Q, out, cap)
+        got = fn(plan.buffer_info()[0], size, W, Q, out, cap)
         if got != SHORT:
             break
         cap = out[0]

@@ -7,8 +7,10 @@ planner's; the Python's errors where the C++ declines.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
+import pickle
 import random
 
 import pytest
@@ -206,3 +208,14 @@ def test_a_short_layout_buffer_is_grown(monkeypatch):
     monkeypatch.setattr(lib, "function", small)
     assert native.relay_layout(plan.compiled, 50) == want
     assert len(sizes) == 2
+
+
+def test_a_compiled_plan_copies_and_pickles():
+    """The dispatcher keeps its last fetch's plan and is copied or pickled with it (its
+    ``__getstate__``): the compiled output travels as plain ints, and the copy's layout is the
+    original's."""
+    plan = RelayPlan.build(_replicas(9, 1, random.Random(6), 1.0), 4, 9, 1, nodes_of(3))
+    assert plan.compiled is not None
+    for copied in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert copied == plan
+        assert native.relay_layout(copied.compiled, 33) == native.relay_layout(plan.compiled, 33)

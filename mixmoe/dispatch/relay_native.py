@@ -69,7 +69,7 @@ def relay_plan_fields(
     ints = memoryview(out).cast("B").cast("q")[:got]
     with collector_paused():  # ~10**4 tuples at W = 1024 (placement/collector.py)
         fields = _unpack(ints.tolist(), world_size)
-    return (*fields, (array("q", ints), world_size))
+    return (*fields, (array("q", ints.tobytes()), world_size))  # one copy of the bytes
 
 
 def relay_layout(compiled: tuple, Q: int) -> tuple | None:

@@ -213,8 +213,8 @@ class _Layout:
 
     Buffers, in the order the fetch makes them: 0 the packed owned rows; then per round k the
     pieces it received, back to back in receive order (sender-major), and, for every round but
-    the last, the same pieces re-laid in (expert, chunk) order (``compact[k]``: one copy of what
-    the round received). A far holder's chunks of an expert arrive from many senders,
+    the last that did not arrive in that order already, the same pieces re-laid in (expert,
+    chunk) order (``compact[k]``: one copy of what the round received). A far holder's chunks of an expert arrive from many senders,
     interleaved with other experts'; the next round passes them on to each holder of its node.
     Read from the received buffer that was one view per chunk and per receiver, and one
     gradient accumulation per repeated read in backward (W = 1024 under nodes: 3556 views, 4066
@@ -256,11 +256,13 @@ class _Layout:
             starts.append(_ends(sizes))
             whole.append([n == 1 for _, _, n in rd.recv])
             entries = list(range(len(sizes)))
-            if k + 1 == len(plan.rounds):  # the last: read by the slots alone, as received
+            order = sorted(entries, key=rd.recv.__getitem__)  # (expert, chunk) order
+            # the last round is read by the slots alone; a round received in that order already
+            # (round 0: from the owners, ascending with their experts) needs no copy
+            if k + 1 == len(plan.rounds) or order == entries:
                 self.compact.append(None)
                 reads[k + 1] = (raw, entries)
                 continue
-            order = sorted(entries, key=rd.recv.__getitem__)  # (expert, chunk) order
             for at, i in enumerate(order):
                 entries[i] = at
             ends = starts[raw]

@@ -313,8 +313,9 @@ extern "C" int64_t mixmoe_relay_plan(const int64_t* replicas, int64_t size, int6
 // dispatch.replicas._Layout for packed rows of Q elements, from mixmoe_relay_plan's output `plan`
 // (its ints, as written). Buffers in the fetch's order: 0 the packed owned rows (Q each); per
 // round k the pieces received, back to back in receive order (chunk j of n holding Q / n +
-// (j < Q % n) elements, torch.tensor_split's order), then for every round but the last the same
-// pieces re-laid in (expert, chunk) order, which later rounds and the slots read instead. Every
+// (j < Q % n) elements, torch.tensor_split's order), then for every round but the last not
+// received in (expert, chunk) order already the same pieces re-laid so, which later rounds and
+// the slots read instead. Every
 // list of reads is merged into spans where one starts where the last stopped in one buffer.
 // out: [used, per round (in_splits W, out_splits W, n_spans, spans 3 * n_spans as (buffer,
 // start, stop)), the slots' n_spans and spans, per round the re-laying's n_spans (-1: none) and
@@ -372,13 +373,15 @@ extern "C" int64_t mixmoe_relay_layout(const int64_t* plan, int64_t size, int64_
     rd.entries.resize(static_cast<size_t>(rd.n_recv));
     for (int64_t i = 0; i < rd.n_recv; ++i) rd.entries[i] = i;
     rd.read = rd.raw;
-    if (k + 1 < num_rounds) {  // read by a later round: re-laid in (expert, chunk) order
+    const auto before = [recv](int64_t x, int64_t y) {  // (expert, chunk, chunks) order
+      const int64_t* a = recv + 3 * x;
+      const int64_t* b = recv + 3 * y;
+      return std::lexicographical_compare(a, a + 3, b, b + 3);
+    };
+    // read by a later round and not received in (expert, chunk) order already: re-laid so
+    if (k + 1 < num_rounds && !std::is_sorted(rd.entries.begin(), rd.entries.end(), before)) {
       std::vector<int64_t> order(rd.entries);
-      std::sort(order.begin(), order.end(), [recv](int64_t x, int64_t y) {
-        const int64_t* a = recv + 3 * x;
-        const int64_t* b = recv + 3 * y;
-        return std::lexicographical_compare(a, a + 3, b, b + 3);
-      });
+      std::sort(order.begin(), order.end(), before);
       std::vector<int64_t> sorted_sizes;
       std::vector<char> sorted_rows;
       const auto& ends = starts[rd.raw];
@@ -477,8 +480,8 @@ extern "C" int64_t mixmoe_relay_layout(const int64_t* plan, int64_t size, int64_
   cut(spans);
   for (int64_t k = 0; k < num_rounds; ++k) {
     const Round& rd = rounds[static_cast<size_t>(k)];
-    if (k + 1 == num_rounds) {
-      body.push_back(-1);  // the last round: not re-laid
+    if (rd.read == rd.raw) {
+      body.push_back(-1);  // not re-laid
       continue;
     }
     body.push_back(static_cast<int64_t>(rd.compact.size() / 3));

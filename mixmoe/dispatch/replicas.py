@@ -358,7 +358,9 @@ class _Buffers:
         keys.append((len(self.parts) - 1, len(self.parts[-1]) - 1))  # the chain
         first: dict[tuple[int, int], int] = {}  # each distinct part, in order of first read
         order = [first.setdefault(k, len(first)) for k in keys]
-        return _Gather.apply(order, *(self.parts[b][i] for b, i in first))
+        cuts = self.layout.cuts  # part i of buffer b: [cuts[b][i], cuts[b][i + 1]); the chain: 0
+        sizes = [cuts[b][i + 1] - cuts[b][i] if i + 1 < len(cuts[b]) else 0 for b, i in first]
+        return _Gather.apply(order, sizes, *(self.parts[b][i] for b, i in first))
 
 
 class _Gather(torch.autograd.Function):
@@ -369,8 +371,8 @@ class _Gather(torch.autograd.Function):
     ~550 after, each a kernel launch on a GPU). The sum's order is fixed: deterministic."""
 
     @staticmethod
-    def forward(ctx, order: list[int], *parts: torch.Tensor) -> torch.Tensor:
-        ctx.order, ctx.sizes = order, [p.numel() for p in parts]
+    def forward(ctx, order: list[int], sizes: list[int], *parts: torch.Tensor) -> torch.Tensor:
+        ctx.order, ctx.sizes = order, sizes  # each part's elements (the layout's cuts)
         return torch.cat([parts[i] for i in order])
 
     @staticmethod
@@ -381,13 +383,13 @@ class _Gather(torch.autograd.Function):
             reads[i].append(piece)
         grads = []
         for i, got in enumerate(reads):
-            if not ctx.needs_input_grad[1 + i]:
+            if not ctx.needs_input_grad[2 + i]:
                 grads.append(None)
             elif len(got) == 1:
                 grads.append(got[0])
             else:  # one reduction over the reads, in read order
                 grads.append(torch.stack(got).sum(0))
-        return (None, *grads)
+        return (None, None, *grads)
 
 
 def fetch_replicas(

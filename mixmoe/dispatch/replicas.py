@@ -10,7 +10,10 @@ chunk once to every other far node, and an all-gather inside each far node (3 ro
 The owner sends one copy per link class, every holder receives one. A sender always holds the
 very chunk it sends (or, the owner, the whole row it cuts it from). One ``all_to_all`` of a flat
 buffer of pieces (whole rows or chunks) per round, the rounds of every expert together; every
-rank joins every round, with nothing to send too.
+rank joins every round, with nothing to send too. Where each piece lies (``_Layout``) is one
+pass, compiled with the route (``relay_native``); pieces a later round passes on are first
+re-laid in (expert, chunk) order, so a far holder's chunks are read as a few spans, and every
+read goes through ``_Gather`` (a piece read k times: one reduction in backward).
 
 Backward is autograd's reverse of the same ops, one ``all_to_all`` of gradients per round in
 reverse order: a holder's replica gradient splits into its chunks; chunk j goes back to the rank

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <unordered_map>
 #include <vector>
 
@@ -242,6 +243,8 @@ extern "C" int64_t mixmoe_relay_plan(const int64_t* replicas, int64_t size, int6
   std::sort(pack.begin(), pack.end());  // each owned expert once (mine holds each g once)
   // where r holds each piece: (buffer << 32 | entry), keyed by (g, j, n)
   const int64_t span = W + 1;  // j < n <= W
+  // keys past int64 (W * E * (W + 1)**2): the Python
+  if (W * E > (std::numeric_limits<int64_t>::max() / span) / span) return FALLBACK;
   const auto key = [span](int64_t g, int64_t j, int64_t n) { return (g * span + j) * span + n; };
   std::unordered_map<int64_t, int64_t> where;
   size_t pieces = pack.size();

@@ -311,11 +311,8 @@ class _Layout:
                 lo, hi = piece_range(j, n, self.Q)
                 lo, hi = lo + self.starts[b][i], hi + self.starts[b][i]
             read.append(read[-1] + hi - lo)
-            if spans and spans[-1][0] == b and spans[-1][2] == lo:
-                spans[-1] = (b, spans[-1][1], hi)
-            else:
-                spans.append((b, lo, hi))
-        return spans, read
+            spans.append((b, lo, hi))
+        return self._merged(spans), read
 
     @staticmethod
     def _merged(spans) -> list[tuple[int, int, int]]:

@@ -1,10 +1,11 @@
 """One rank's replica fetch compiled: ``placement/native/relay_plan.cpp`` (``native_lib``).
 
-``relay_plan_fields`` returns ``RelayPlan``'s fields (pack, rounds, slots, held experts) as
-``replicas.relay_plan_python`` computes them, from one C call (the C++ file's doc;
-``tests/dispatch/test_relay_native.py`` compares every field with the Python, the slow twin).
-The Python walks every piece a rank sends or receives, one tuple at a time: under nodes at
-W = 1024 a far holder's ~8000 pieces took ~8.5 ms of the planning thread. None: the Python runs
+``relay_plan_fields`` returns ``RelayPlan``'s fields (pack, round count, held experts) and the C
+call's output, from which ``relay_layout`` builds the fetch's layout and ``relay_plan_decoded``
+the rounds and slots as ``replicas.relay_plan_python`` computes them, when they are read (the
+C++ file's doc; ``tests/dispatch/test_relay_native.py`` compares every field with the Python,
+the slow twin). The Python walks every piece a rank sends or receives, one tuple at a time:
+under nodes at W = 1024 a far holder's ~8000 pieces took ~8.5 ms of the planning thread. None: the Python runs
 instead (the library unavailable or off, ``MIXMOE_NATIVE=0``; a topology other than one link or
 ``relay.nodes_of``'s nodes; holders the Python would reject, which the C++ reports).
 """
@@ -19,7 +20,7 @@ from mixmoe.placement.collector import collector_paused
 from mixmoe.placement.native_lib import I64
 from mixmoe.placement.native_lib import P as _P
 
-__all__ = ["relay_layout", "relay_plan_fields"]
+__all__ = ["relay_layout", "relay_plan_decoded", "relay_plan_fields"]
 
 SHORT, FALLBACK = -1, -2  # native/relay_plan.cpp's return codes: a larger buffer; the Python
 _ARGTYPES = [_P, I64, I64, I64, I64, I64, I64, _P, I64]
@@ -34,10 +35,10 @@ def relay_plan_fields(
     distance: Callable[[int, int], int] | None,
     relay: bool,
 ) -> tuple | None:
-    """``(pack_local_ids, rounds, slot_pieces, recv_experts, compiled)`` of ``RelayPlan.build``'s
-    arguments, rounds as ``(send, in_splits, out_splits, recv)`` tuples and ``compiled`` the C
-    entry's output as it wrote it (an ``array``: a RelayPlan pickles) with W, what
-    ``relay_layout`` reads; or None where the compiled part does not run (module doc)."""
+    """``(pack_local_ids, num_rounds, recv_experts, compiled)`` of ``RelayPlan.build``'s
+    arguments, ``compiled`` the C entry's output as it wrote it (an ``array``: a RelayPlan
+    pickles) with W, what ``relay_layout`` reads and ``relay_plan_decoded`` turns into the
+    rounds and slots; or None where the compiled part does not run (module doc)."""
     fn = native_lib.function("mixmoe_relay_plan", I64, _ARGTYPES)
     if fn is None:
         return None
@@ -58,18 +59,31 @@ def relay_plan_fields(
         return None
     cap = _capacity(world_size, len(flat))
     while True:
-        out = (I64 * cap)()
+        buf = (I64 * cap)()  # zero pages until written: only what the C writes is touched
         got = fn(flat.buffer_info()[0], len(flat), rank, world_size, experts_per_rank, per_node,
-                 int(bool(relay)), out, cap)  # fmt: skip
+                 int(bool(relay)), buf, cap)  # fmt: skip
         if got != SHORT:
             break
-        cap = out[0]
+        cap = buf[0]
     if got == FALLBACK:
         return None
-    ints = memoryview(out).cast("B").cast("q")[:got]
+    out = array("q")
+    out.frombytes(memoryview(buf).cast("B")[: 8 * got])  # what it wrote, one copy
+    P, num_rounds, H = out[1], out[2], out[3]  # the header: used, P, rounds, H
+    at = 4 + P
+    for _ in range(num_rounds):  # past each round: its sizes, splits, sends and receives
+        at += 2 + 2 * world_size + 4 * out[at] + 3 * out[at + 1]
+    return out[4 : 4 + P].tolist(), num_rounds, tuple(out[at : at + H]), (out, world_size)
+
+
+def relay_plan_decoded(compiled: tuple) -> tuple:
+    """``(rounds, slot_pieces)`` of a compiled plan's output (``relay_plan_fields``' last
+    field), rounds as ``(send, in_splits, out_splits, recv)`` tuples: what the Python builds
+    (``replicas.relay_plan_python``)."""
+    plan, W = compiled
     with collector_paused():  # ~10**4 tuples at W = 1024 (placement/collector.py)
-        fields = _unpack(ints.tolist(), world_size)
-    return (*fields, (array("q", ints.tobytes()), world_size))  # one copy of the bytes
+        _, rounds, slots, _ = _unpack(plan.tolist(), W)
+    return rounds, slots
 
 
 def relay_layout(compiled: tuple, Q: int) -> tuple | None:

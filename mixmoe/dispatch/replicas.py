@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
 from mixmoe.comm.autograd import cached_all_to_all
-from mixmoe.dispatch.relay_native import relay_layout, relay_plan_fields
+from mixmoe.dispatch.relay_native import relay_layout, relay_plan_decoded, relay_plan_fields
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.placement.relay import MAX_ROUNDS, piece_range, relay_messages_at, relay_rounds
 from mixmoe.tracing import trace_span
@@ -69,7 +69,7 @@ class RelayRound:
         return tuple(g for g, _, _ in self.recv)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class RelayPlan:
     """Host-side description of the replica fetch on this rank: every hot expert's weights travel
     by its route (``placement.relay.relay_messages``: scatter + all-gather of chunks, split by
@@ -78,18 +78,62 @@ class RelayPlan:
 
     pack_local_ids: owned experts (0..E-1, ascending) this rank sends in any round: packed once,
                     so the pack's backward adds each one's returning gradient to ``.grad`` once.
-    rounds:         the rounds, in order.
+    num_rounds:     the rounds (the same on every rank).
+    recv_experts:   global ids of the replicas held here, ascending (the replica slot order).
+    rounds:         the rounds, in order (``RelayRound``).
     slot_pieces:    for each replica slot (``recv_experts`` order), where its chunks arrive, in
                     chunk order (one ``Take`` for a whole row).
-    recv_experts:   global ids of the replicas held here, ascending (the replica slot order).
+
+    Built compiled (``build``), ``rounds`` and ``slot_pieces`` are read off the compiled output
+    the first time they are read: the fetch itself reads only the compiled layout
+    (``_Layout``), and a far holder's ~10**4 piece tuples (W = 1024 under nodes) cost the
+    planning thread ~1.5 ms a step to build and free. Equality and repr are the decoded
+    fields'.
     """
 
     pack_local_ids: list[int]
-    rounds: tuple[RelayRound, ...]
-    slot_pieces: tuple[tuple[Take, ...], ...]
+    num_rounds: int
     recv_experts: tuple[int, ...]
     # the compiled build's output, which the compiled layout reads (``relay_native``), or None
-    compiled: tuple | None = field(default=None, compare=False, repr=False)
+    compiled: tuple | None = None
+    # (rounds, slot_pieces): the Python's, or decoded from ``compiled`` when first read
+    decoded: tuple | None = None
+
+    @staticmethod
+    def of(pack_local_ids, rounds, slot_pieces, recv_experts) -> RelayPlan:
+        """The plan of these fields (no compiled output)."""
+        rounds = tuple(rounds)
+        return RelayPlan(pack_local_ids, len(rounds), recv_experts, None, (rounds, slot_pieces))
+
+    @property
+    def rounds(self) -> tuple[RelayRound, ...]:
+        return self._decoded()[0]
+
+    @property
+    def slot_pieces(self) -> tuple[tuple[Take, ...], ...]:
+        return self._decoded()[1]
+
+    def _decoded(self) -> tuple:
+        if self.decoded is None:  # the same tuples from any thread: a race only decodes twice
+            rounds, slots = relay_plan_decoded(self.compiled)
+            got = (tuple(RelayRound(*rd) for rd in rounds), slots)
+            object.__setattr__(self, "decoded", got)
+        return self.decoded
+
+    def _key(self) -> tuple:
+        return self.pack_local_ids, self.rounds, self.slot_pieces, self.recv_experts
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RelayPlan) and self._key() == other._key()
+
+    __hash__ = None  # lists inside: unhashable, as the dataclass was
+
+    def __repr__(self) -> str:
+        pack, rounds, slots, held = self._key()
+        return (
+            f"RelayPlan(pack_local_ids={pack!r}, rounds={rounds!r}, slot_pieces={slots!r}, "
+            f"recv_experts={held!r})"
+        )
 
     @staticmethod
     def build(
@@ -112,8 +156,8 @@ class RelayPlan:
         built = relay_plan_fields(replicas, rank, world_size, experts_per_rank, distance, relay)
         if built is None:
             return relay_plan_python(replicas, rank, world_size, experts_per_rank, distance, relay)
-        pack, rounds, slots, held, compiled = built
-        return RelayPlan(pack, tuple(RelayRound(*rd) for rd in rounds), slots, held, compiled)
+        pack, num_rounds, held, compiled = built
+        return RelayPlan(pack, num_rounds, held, compiled)
 
 
 def relay_plan_python(
@@ -172,7 +216,7 @@ def relay_plan_python(
     slots = tuple(
         tuple((*where[(g, j, chunks[g])], j, chunks[g]) for j in range(chunks[g])) for g in held
     )
-    return RelayPlan(pack, tuple(rounds), slots, held)
+    return RelayPlan.of(pack, rounds, slots, held)
 
 
 def _present(weights: ExpertWeights) -> list[tuple[str, torch.Tensor]]:
@@ -411,7 +455,7 @@ def fetch_replicas(
     bufs.add(packed_PQ.reshape(-1))  # flat: entry i of buffer 0 is packed row i
     received = []
     trace = ("moe.replica_fetch", "exp")  # the gradient return's span: moe.replica_fetch.backward
-    for k in range(len(plan.rounds)):
+    for k in range(plan.num_rounds):
         send = bufs.gather(layout.sends[k])
         in_splits, out_splits = layout.splits[k]
         hit = None if cached is None else cached[k]
@@ -432,7 +476,7 @@ def fetch_replicas(
             bufs.add(bufs.gather(layout.compact[k]))
     # every slot's chunks in order, back to back: one copy, viewed as rows
     flat = bufs.gather(layout.slots)
-    return flat.view(len(plan.slot_pieces), Q), received
+    return flat.view(len(plan.recv_experts), Q), received
 
 
 class ReplicaCache:

@@ -8,7 +8,6 @@ planner's; the Python's errors where the C++ declines.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import pickle
 import random
@@ -27,10 +26,14 @@ from mixmoe.placement.relay import node_distance, nodes_of
 
 
 def _same(replicas, r: int, W: int, E: int, distance, relay: bool) -> RelayPlan:
-    """The compiled part ran (no fallback) and built the Python's plan exactly."""
+    """The compiled part ran (no fallback) and built the Python's plan exactly (its rounds and
+    slots decoded from the compiled output when first read)."""
     assert native.relay_plan_fields(replicas, r, W, E, distance, relay) is not None
     got = RelayPlan.build(replicas, r, W, E, distance, relay=relay)
     want = relay_plan_python(replicas, r, W, E, distance, relay)
+    assert got.decoded is None and want.decoded is not None
+    assert (got.pack_local_ids, got.num_rounds, got.recv_experts) == (
+        want.pack_local_ids, want.num_rounds, want.recv_experts)  # fmt: skip
     assert got == want, (r, W, E, replicas)
     assert repr(got) == repr(want)
     return got
@@ -154,7 +157,8 @@ def _layouts_equal(plan: RelayPlan, Q: int) -> None:
     assert plan.compiled is not None
     got = native.relay_layout(plan.compiled, Q)
     assert got is not None
-    twin = replicas_module._Layout(dataclasses.replace(plan, compiled=None), Q)
+    decoded = RelayPlan.of(plan.pack_local_ids, plan.rounds, plan.slot_pieces, plan.recv_experts)
+    twin = replicas_module._Layout(decoded, Q)
     assert got == (twin.sends, twin.splits, twin.slots, twin.compact, twin.cuts), (Q, plan)
     used = replicas_module._Layout(plan, Q)  # what the fetch builds: the compiled one
     assert (used.sends, used.splits, used.slots, used.compact, used.cuts) == got

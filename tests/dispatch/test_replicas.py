@@ -323,6 +323,8 @@ def _fetch_on_threads(W: int, E: int, per_node: int, device: str, backward: bool
     for t in threads:
         t.join()
     assert not errors, errors
+    if plans[0].compiled is not None:  # the fetch reads the compiled layout, never the tuples
+        assert all(p.decoded is None for p in plans)
     want_grad = [{n: torch.zeros_like(t) for n, t in _present(w).items()} for w in owned]
     for r in range(W):
         held = [g for g, holders in replicas if r in holders]

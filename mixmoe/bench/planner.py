@@ -20,6 +20,14 @@ one compiled pass here (``sums_ms``, ``native_pricing.count_sums``); the plan gi
 ``build_step_plan`` of it given them too (``bookkeeping_ms``, rank W // 3). ``host_ms`` is the
 thread's span on the CPU (the three), ``host_device_sums_ms`` with the sums from the device (the
 last two). Each a median of ``repeats`` calls.
+
+What that span overlaps (``overlap_ms``): each rank computes its rows for its own experts while
+its plan is made (``docs/design.md``, step 3), and the dispatch's all_to_all waits for every
+rank's plan, so the step pays the span less the shortest such computation, the predicted
+forward compute (a third of the step's, ``cost_model``) of the fewest own rows of any rank
+(``exposed_ms``, with the device's sums; at least
+that: a rank whose own rows the last plan sent to helpers computes none ahead). A rank's own
+rows are ~T K / W: at W >= 64 the overlap is a few microseconds and the whole span is exposed.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from mixmoe.placement import (
     plan_mix,
     plan_none,
 )
+from mixmoe.placement.cost_model import step_model
 from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.planner import SEARCH_WIDTH
 from mixmoe.placement.profile_io import load_profile
@@ -125,6 +134,16 @@ def _time_ms(fn, repeats: int) -> tuple[float, Plan]:
     return median(times), plan
 
 
+def _overlap_ms(counts_WN: torch.Tensor, shape: LayerShape, profile: HardwareProfile) -> float:
+    """The predicted forward compute (ms) of the fewest rows any rank routes to its own experts:
+    what every rank's planning thread overlaps at most (module doc)."""
+    W, E = shape.world_size, shape.experts_per_rank
+    own_W = counts_WN.view(W, W, E).diagonal(0, 0, 1).sum(0)  # [s, owner, e] -> s == owner
+    model = step_model(shape, profile, True)
+    per_row = (model.flops_per_row / model.gemm_flops + model.row_s) / 3  # forward: 1/3
+    return int(own_W.min()) * per_row * 1e3
+
+
 def run_case(
     cfg: PlannerBenchConfig, routing: str, world_size: int, num_experts: int
 ) -> dict[str, Any]:
@@ -182,6 +201,7 @@ def run_case(
         torch.set_num_threads(threads)
     a2a_ms = plan_none(counts_WN, shape, profile).prediction.step_s * 1e3
     step_ms = new.prediction.step_s * 1e3
+    overlap_ms = _overlap_ms(counts_WN, shape, profile)
     record: dict[str, Any] = {
         "routing": str(spec),
         "world_size": W,
@@ -197,6 +217,8 @@ def run_case(
         "bookkeeping_ms": keeping_ms,
         "host_ms": sums_ms + given_ms + keeping_ms,
         "host_device_sums_ms": given_ms + keeping_ms,
+        "overlap_ms": overlap_ms,
+        "exposed_ms": max(0.0, given_ms + keeping_ms - overlap_ms),
         "a2a_step_ms": a2a_ms,
         "mix_over_a2a": step_ms / a2a_ms if a2a_ms else None,
         "hot": len(new.hot),

@@ -164,6 +164,43 @@ class Prediction:
     rows: tuple[int, ...]
     step_s: float
 
+    @classmethod
+    def packed(cls, step_s: float, reals: bytes, ints: bytes) -> Prediction:
+        """The Prediction of ``step_s`` and the per-rank fields packed in native order:
+        ``reals`` float64 [compute_s, comm_s] and ``ints`` int64 [token_bytes, weight_bytes,
+        rows] (W each), each field's tuple built when first read (``__getattr__``). The same
+        value as the eager one (equality, repr, hash and pickling read the fields). What the
+        compiled planner returns: a W = 1024 plan's two Predictions are ~10**4 numbers, and the
+        layer reads only the plan's rows, on the step's critical path."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "step_s", step_s)
+        object.__setattr__(out, "_packed", (reals, ints))
+        return out
+
+    def __getattr__(self, name: str):
+        """A packed Prediction's field, decoded once (``packed``); only called for attributes
+        not set (a frozen instance sets each field at most once, from the same bytes)."""
+        at = _PACKED_FIELDS.get(name)
+        packed = self.__dict__.get("_packed")
+        if at is None or packed is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        k, code = at
+        data = memoryview(packed[code == "q"]).cast(code)
+        W = len(data) // (2 if code == "d" else 3)
+        value = tuple(data[k * W : (k + 1) * W])
+        object.__setattr__(self, name, value)
+        return value
+
+
+# a packed Prediction's per-rank fields: (index in its buffer, the buffer's type code)
+_PACKED_FIELDS = {
+    "compute_s": (0, "d"),
+    "comm_s": (1, "d"),
+    "token_bytes": (0, "q"),
+    "weight_bytes": (1, "q"),
+    "rows": (2, "q"),
+}
+
 
 def replica_map(
     hot: Mapping[int, Iterable[int]] | Iterable, C: list[list[int]], shape: LayerShape

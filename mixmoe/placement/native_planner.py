@@ -35,7 +35,6 @@ from mixmoe.placement.counts import (
     sums_pointers,
 )
 from mixmoe.placement.native_lib import P as _P
-from mixmoe.placement.native_pricing import unpackers
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
@@ -157,14 +156,11 @@ def _groups(flat: list[int], at: int, length: int, m: int, width: int) -> tuple:
 
 def _prediction(out_i: ctypes.Array, i: int, out_d: ctypes.Array, d: int, W: int) -> Prediction:
     """A Prediction from [token_bytes, weight_bytes, rows] at byte ``i`` of ``out_i`` and
-    [compute, comm, step] at byte ``d`` of ``out_d``: each field's tuple unpacked straight
-    from the buffer (no list in between: a W = 1024 plan carries ~10**4 of these numbers)."""
-    doubles, int64s = unpackers(W)
-    return Prediction(
-        compute_s=doubles.unpack_from(out_d, d),
-        comm_s=doubles.unpack_from(out_d, d + 8 * W),
-        token_bytes=int64s.unpack_from(out_i, i),
-        weight_bytes=int64s.unpack_from(out_i, i + 8 * W),
-        rows=int64s.unpack_from(out_i, i + 16 * W),
-        step_s=_DOUBLE.unpack_from(out_d, d + 16 * W)[0],
-    )
+    [compute, comm, step] at byte ``d`` of ``out_d``: its step read here, the per-rank fields
+    copied out as bytes (the arrays serve the next call) and decoded when read
+    (``Prediction.packed``: a W = 1024 plan carries ~10**4 of these numbers, and the layer
+    reads only the plan's rows)."""
+    reals = memoryview(out_d).cast("B")
+    ints = memoryview(out_i).cast("B")
+    step = _DOUBLE.unpack_from(out_d, d + 16 * W)[0]
+    return Prediction.packed(step, bytes(reals[d : d + 16 * W]), bytes(ints[i : i + 24 * W]))

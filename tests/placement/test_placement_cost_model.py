@@ -5,8 +5,11 @@ Legend: W ranks, E experts per rank, N = W*E experts, counts_WN[s][g] = rows s r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 import warnings
+from array import array
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 from mixmoe.placement import HardwareProfile, LayerShape, predict
 from mixmoe.placement.cost_model import (
     LOADS,
+    Prediction,
     StepModel,
     baseline_loads,
     counts_as_lists,
@@ -371,3 +375,29 @@ def test_total_fn_equals_rank_total_bit_for_bit(loads, any_remote, rounds, overl
     want = model.rank_total(rows, local, remote, replica, any_remote, rounds)
     assert total(rows, local, remote, replica) == want
     assert want == sum(model.rank_seconds(rows, local, remote, replica, any_remote, rounds))
+
+
+def test_a_packed_prediction_is_the_eager_one():
+    """``Prediction.packed`` (the compiled planner's): each field decoded when first read, the
+    others left packed; equal, equally hashed and printed, pickled and copied as the eager one,
+    before and after decoding; frozen."""
+    eager = Prediction((0.5, 1.25, -0.0), (2.0, 0.1, 3.5), (1, 2, 3), (4, 5, 6), (7, 8, 2**40), 4.0)
+
+    def packed() -> Prediction:
+        reals = array("d", [*eager.compute_s, *eager.comm_s]).tobytes()
+        ints = array("q", [*eager.token_bytes, *eager.weight_bytes, *eager.rows]).tobytes()
+        return Prediction.packed(eager.step_s, reals, ints)
+
+    p = packed()
+    assert p.rows == eager.rows and "rows" in vars(p) and "compute_s" not in vars(p)
+    assert p.comm_s == eager.comm_s and p.weight_bytes == eager.weight_bytes
+    for q in (packed(), p):  # nothing decoded yet; partly decoded
+        assert q == eager and eager == q and hash(q) == hash(eager) and repr(q) == repr(eager)
+        assert [x.hex() for x in q.compute_s] == [x.hex() for x in eager.compute_s]
+    for q in (packed(), p):
+        assert pickle.loads(pickle.dumps(q)) == eager
+        assert copy.deepcopy(q) == eager and dataclasses.replace(q) == eager
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        packed().rows = ()
+    with pytest.raises(AttributeError, match="no attribute 'rank'"):
+        packed().rank  # noqa: B018

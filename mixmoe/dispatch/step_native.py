@@ -57,7 +57,7 @@ def step_fields(
     if C_WN.dim() != 2 or not C_WN.is_contiguous() or C_WN.shape[1] != C_WN.shape[0] * E:
         return None
     W, N = C_WN.shape
-    packed = _pack(plan)
+    packed = plan.packed if plan.packed is not None else _pack(plan)  # (the compiled planner's)
     if packed is None:
         return None
     cap = _capacity(W, E, len(packed))

@@ -21,6 +21,7 @@ import ctypes
 import functools
 import struct
 import threading
+from array import array
 from itertools import islice
 
 import torch
@@ -82,8 +83,8 @@ def planned(
     W, N = shape.world_size, shape.num_experts
     colsum, rowsum = (None, None) if sums is None else sums_pointers(sums, W, N)
     # each rank holds at most `slots` replicas: holders, ranges and kept entries are bounded
-    # by W * slots, their groups by N each
-    out_i, out_d, counts = _output(6 * N + 5 * W * slots + 6 * W + 16, 4 * W + 2)
+    # by W * slots, their groups by N each; the sections come twice (by columns, then packed)
+    out_i, out_d, counts = _output(2 * (6 * N + 5 * W * slots) + 6 * W + 16, 4 * W + 2)
     status = fn(
         C_WN.data_ptr(), ints, reals, ctypes.addressof(out_i), len(out_i),
         ctypes.addressof(out_d), counts, colsum, rowsum,
@@ -102,8 +103,11 @@ def planned(
     kept = _groups(flat, n_rep + n_ranges, n_kept, m_kept, 2)
     prediction = _prediction(out_i, 8 * at, out_d, 0, W)
     baseline = _prediction(out_i, 8 * (at + 3 * W), out_d, 8 * (2 * W + 1), W)
+    packed = array("q")  # the step's bookkeeping reads it as it is (``Plan.packed``)
+    start = 8 * (at + 6 * W)
+    packed.frombytes(memoryview(out_i).cast("B")[start : start + 8 * (at + 4)])
     # the twin tests rebuild every compiled plan through Plan's checks (Plan.unchecked's doc)
-    return Plan.unchecked(replicas, prediction, baseline, bool(relay), ranges, kept)
+    return Plan.unchecked(replicas, prediction, baseline, bool(relay), ranges, kept, packed)
 
 
 @functools.lru_cache(maxsize=64)

@@ -25,6 +25,7 @@ Two ways rows leave their owner's queue:
 from __future__ import annotations
 
 import operator
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,9 @@ class Plan:
     kept: tuple[tuple[int, tuple[Share, ...]], ...] = ()
     _holders: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _shares: dict[tuple[int, int], tuple[Share, ...]] = field(init=False, repr=False, compare=False)
+    # the plan as the compiled step bookkeeping reads it (``dispatch.step_native``), where the
+    # compiled planner wrote it; None: packed there from the fields
+    packed: array | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if list(self.hot) != sorted(set(self.hot)):
@@ -132,11 +136,13 @@ class Plan:
         relay: bool,
         ranges: tuple[tuple[int, tuple[Share, ...]], ...],
         kept: tuple[tuple[int, tuple[Share, ...]], ...],
+        packed: array | None = None,
     ) -> Plan:
         """The plan of these fields (no shares; hot: the replicas' experts), equal to ``Plan(...)``
         of them, without ``__post_init__``'s checks: for a producer whose every plan is tested
         to pass them (the compiled planner, ``native_planner``: its twin tests rebuild each plan
-        through the checks). At W = 64 the checks are ~10% of the compiled plan's time."""
+        through the checks, and compare ``packed`` with ``step_native``'s packing of the
+        fields). At W = 64 the checks are ~10% of the compiled plan's time."""
         out = object.__new__(cls)
         fields = {
             "hot": tuple(g for g, _ in replicas),
@@ -149,6 +155,7 @@ class Plan:
             "kept": kept,
             "_holders": dict(replicas),
             "_shares": {},
+            "packed": packed,
         }
         for name, value in fields.items():
             object.__setattr__(out, name, value)
@@ -159,7 +166,8 @@ class Plan:
         of them, without repeating ``__post_init__``'s checks of fields this plan has passed
         already (a W = 1024 plan has ~10**4 share entries: its checks cost milliseconds)."""
         out = object.__new__(Plan)
-        for name in ("hot", "replicas", "shares", "relay", "ranges", "kept", "_holders", "_shares"):
+        for name in ("hot", "replicas", "shares", "relay", "ranges", "kept", "_holders", "_shares",
+                     "packed"):  # fmt: skip
             object.__setattr__(out, name, getattr(self, name))
         object.__setattr__(out, "prediction", prediction)
         object.__setattr__(out, "baseline", baseline)

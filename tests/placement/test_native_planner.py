@@ -15,6 +15,7 @@ import pytest
 import torch
 from _planner_cases import random_plan_case
 
+import mixmoe.dispatch.step_native as step_native
 import mixmoe.placement.native_lib as lib
 import mixmoe.placement.native_planner as native_planner
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
@@ -37,8 +38,8 @@ def _canon(x: object) -> str:
         return x.hex()
     if isinstance(x, (tuple, list)):
         return "(" + ",".join(map(_canon, x)) + ")"
-    if dataclasses.is_dataclass(x):
-        fields = dataclasses.fields(x)
+    if dataclasses.is_dataclass(x):  # its value: the fields it compares
+        fields = [f for f in dataclasses.fields(x) if f.compare]
         return "{" + ",".join(f"{f.name}={_canon(getattr(x, f.name))}" for f in fields) + "}"
     return f"{type(x).__name__}:{x!r}"
 
@@ -66,6 +67,9 @@ def _both(monkeypatch, counts, shape, profile, *args, **kwargs):
     with monkeypatch.context() as m:
         m.setenv(lib.ENV_OFF, "0")
         slow = plan_mix(counts, shape, profile, *args, **kwargs)
+    # packed for the compiled step bookkeeping as step_native packs the fields
+    assert fast.packed is not None and fast.packed == step_native._pack(fast)
+    assert dataclasses.replace(fast).packed is None and slow.packed is None
     return fast, slow
 
 

@@ -282,6 +282,30 @@ int64_t group_ints(const ExpertEntries& x) {
   return n;
 }
 
+// The plan as step_native._pack lays it out for the compiled bookkeeping (step_plan.cpp's
+// parse): the counts of replicas, share entries (none), ranges and kept entries, then each
+// replica (g, k, holders) and each range and kept entry (g, k, (rank, rows) * k), in order.
+void put_packed(const Candidate& plan, int64_t* o) {
+  *o++ = static_cast<int64_t>(plan.replicas.size());
+  *o++ = 0;
+  *o++ = static_cast<int64_t>(plan.ranges.size());
+  *o++ = static_cast<int64_t>(plan.kept.size());
+  for (const auto& [g, holders] : plan.replicas) {
+    *o++ = g;
+    *o++ = static_cast<int64_t>(holders.size());
+    o = std::copy(holders.begin(), holders.end(), o);
+  }
+  for (const ExpertEntries* entries : {&plan.ranges, &plan.kept})
+    for (const auto& [g, pairs] : *entries) {
+      *o++ = g;
+      *o++ = static_cast<int64_t>(pairs.size());
+      for (const auto& [y, n] : pairs) {
+        *o++ = y;
+        *o++ = n;
+      }
+    }
+}
+
 // Prediction p as ints [token_bytes, weight_bytes, rows] (3W) and reals [compute, comm] (2W),
 // its step after them.
 void put_prediction(const Prediction& p, int64_t W, int64_t* oi, double* od) {
@@ -300,7 +324,8 @@ extern "C" {
 //          bw_inter (StepModel.bw_inter; read when per_node > 0).
 // Outputs: out_i: the plan's replicas, ranges and kept sections (put_groups' columns: experts,
 // entry counts, then the holders, or the (y, n) pairs), then its prediction's and its
-// baseline's [token_bytes, weight_bytes, rows] (3W each); out_d: the prediction's then the
+// baseline's [token_bytes, weight_bytes, rows] (3W each), then the plan packed for the step's
+// bookkeeping (put_packed: as many ints as the three sections, and 4); out_d: the prediction's then the
 // baseline's [compute, comm] (2W) and step; counts (7): the three sections' lengths, the relay
 // flag, the three sections' groups. Returns 0; -1: a negative count, -2: counts or model
 // terms too large for exact float arithmetic (StepModel.check_exact), -3: out_i too small; the
@@ -336,8 +361,9 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
   const Prediction baseline = planner.baseline();
   const Candidate plan = planner.plan(baseline);
   const int64_t W = k.W;
-  const int64_t need = group_ints(plan.replicas) + group_ints(plan.ranges) +
-                       group_ints(plan.kept) + 6 * W;
+  const int64_t sections = group_ints(plan.replicas) + group_ints(plan.ranges) +
+                          group_ints(plan.kept);
+  const int64_t need = 2 * sections + 6 * W + 4;  // by columns, predictions, packed
   if (need > cap_i) return -3;
   int64_t* o = out_i;
   counts[0] = put_groups(plan.replicas, o, [](int64_t h, int64_t* p) {
@@ -357,6 +383,7 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
   counts[3] = plan.relay;
   put_prediction(plan.pred, W, o, out_d);
   put_prediction(baseline, W, o + 3 * W, out_d + 2 * W + 1);
+  put_packed(plan, o + 6 * W);
   return 0;
 }
 

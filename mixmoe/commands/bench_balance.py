@@ -116,7 +116,8 @@ def config_from_args(args: argparse.Namespace) -> BalanceConfig:
 
 def table_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = ["shape", "W", "profile", "workload", "strategy", "step ms", "% of balanced",
-               "imbalance", "time imb.", "replica MB", "replicas", "plan ms"]  # fmt: skip
+               "imbalance", "time imb.", "replica MB", "replicas", "plan ms",
+               "% with plan"]  # fmt: skip
     rows = [
         [
             r["shape"],
@@ -131,6 +132,7 @@ def table_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             f"{r['replica_bytes'] / 1e6:.1f}",
             f"{r['replicas']:g}",
             f"{r['planning_ms']:.3f}",
+            f"{100 * r['pct_with_planning']:.1f}%",
         ]
         for r in records
     ]
@@ -147,6 +149,12 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             f"{s['max_time_imbalance']:.2f} (seconds); slowest planning "
             f"{s['max_planning_ms']:.3f} ms"
         )
+        if "mean_pct_with_planning" in s:
+            lines.append(
+                f"  with the planning time on the step (this CPU, one thread): "
+                f"{100 * s['mean_pct_with_planning']:.1f}% on average, worst "
+                f"{100 * s['worst_pct_with_planning']:.1f}% ({s['worst_case_with_planning']})"
+            )
     slower = summary["mix_slower"]
     if "mix" in summary["strategies"]:
         lines.append(f"mix predicted slower than a2a or shadow in {len(slower)} cases" +

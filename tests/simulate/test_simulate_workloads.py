@@ -75,6 +75,8 @@ def test_hot_rank_metrics_by_hand(cfg) -> None:
     assert 1.0 <= mix["time_imbalance"] <= a2a["time_imbalance"]
     for r in (a2a, shadow, mix):
         assert r["planning_ms"] > 0 and r["steps"] == 1 and r["profile"].endswith("tiny.json")
+        with_planning = r["balanced_ms"] / (r["step_ms"] + r["planning_ms"])
+        assert r["pct_with_planning"] == pytest.approx(with_planning, rel=1e-12)
         assert (r["shape"], r["world_size"], r["num_experts"], r["top_k"]) == ("tiny", 4, 4, 1)
 
 
@@ -105,10 +107,11 @@ def test_idle_ranks_route_nothing(cfg) -> None:
     assert a2a["step_ms"] == pytest.approx(1e3 * _a2a_step_by_hand(C.tolist()), rel=1e-12)
 
 
-def _rec(shape, W, workload, strategy, step, balanced=10.0):
+def _rec(shape, W, workload, strategy, step, balanced=10.0, planning=0.1):
     return {"shape": shape, "world_size": W, "workload": workload, "strategy": strategy,
             "step_ms": step, "balanced_ms": balanced, "pct_balanced": balanced / step,
-            "imbalance": 1.5, "planning_ms": 0.1}  # fmt: skip
+            "imbalance": 1.5, "planning_ms": planning,
+            "pct_with_planning": balanced / (step + planning)}  # fmt: skip
 
 
 def test_summary_caps_each_case_and_lists_mix_slower() -> None:
@@ -124,9 +127,24 @@ def test_summary_caps_each_case_and_lists_mix_slower() -> None:
     assert s["strategies"]["mix"]["worst_pct_balanced"] == pytest.approx(0.4)
     assert s["strategies"]["mix"]["worst_case"] == "s W=8 hot:0.5"
     assert s["strategies"]["a2a"]["mean_pct_balanced"] == pytest.approx((1.0 + 0.25) / 2)
+    # the planning time on the step: 8 + 0.1 ms still under 10 (capped), 25 + 0.1
+    assert s["strategies"]["mix"]["mean_pct_with_planning"] == pytest.approx((1 + 10 / 25.1) / 2)
+    assert s["strategies"]["mix"]["worst_case_with_planning"] == "s W=8 hot:0.5"
     assert s["mix_slower"] == [
         {"case": "s W=8 hot:0.5", "than": "shadow", "mix_ms": 25.0, "other_ms": 20.0}
     ]
+
+
+def test_summary_with_planning_names_the_case_planning_hurts_most() -> None:
+    """A case at balance but planning for a third of its step is worse than a slower one."""
+    records = [_rec("s", 8, "zipf:1.2", "mix", 10.0, planning=5.0),
+               _rec("s", 8, "hot:0.5", "mix", 12.5, planning=0.0)]  # fmt: skip
+    mix = summarize(records)["strategies"]["mix"]
+    assert mix["worst_case"] == "s W=8 hot:0.5" and mix["worst_pct_balanced"] == 0.8
+    assert mix["worst_case_with_planning"] == "s W=8 zipf:1.2"
+    assert mix["worst_pct_with_planning"] == pytest.approx(10 / 15)
+    older = [{k: v for k, v in r.items() if k != "pct_with_planning"} for r in records]
+    assert "mean_pct_with_planning" not in summarize(older)["strategies"]["mix"]
 
 
 def test_bench_balance_cli(tmp_path, capsys) -> None:
@@ -138,6 +156,7 @@ def test_bench_balance_cli(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "| shape | W | profile | workload | strategy | step ms | % of balanced |" in text
     assert "mix: " in text and "of force-balanced on average, worst" in text
+    assert "with the planning time on the step (this CPU, one thread): " in text
     assert "mix predicted slower than a2a or shadow in 0 cases" in text
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["workload"], r["strategy"]) for r in records][:3] == [

@@ -1,0 +1,81 @@
+"""A mixed plan carried over to another step's counts: planning a step ahead.
+
+Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (C[s][g] = rows rank s
+routes to expert g; expert g is owned by o = g // E), T_g the length of g's stream
+(``mixmoe.placement.ranges``: the rows its owner computes under the replica rule).
+
+Why: the layer waits for its plan (its background thread overlaps only each rank's own rows,
+~1/W of them), so a plan made from a step's own counts costs the step its whole planning time
+(``mixmoe bench planner``'s "exposed ms": 1.2 ms of a 6.2 ms step at W = 256, 5.1 of 6.2 at
+W = 1024). A plan made from the *previous* step's counts can be made while that step runs; what
+the new step must do on its critical path is only to fit it to its own counts (``refit_plan``).
+Expert popularity moves slowly in training, and a plan's worth is mostly in which experts are
+replicated where and how much each helper takes, which carries over.
+
+The refit keeps the plan's hot experts, holders and relay flag. Each helper of expert g takes
+the same share of g's stream as before (its rows times T_g after / T_g before, cut again at the
+stream's allowed positions: ``ranges.cut_ranges_many``). Kept holders (``Plan.kept``) are
+dropped: they compute all their own rows locally again (the replica rule), so no range can
+cover a kept holder's own rest. So are share entries (the move-by-move planner's; they name
+segments, not shares of a stream). The result is a valid plan for the new counts
+(``Plan.check_shares``), priced on them; where it is not strictly below nothing replicated
+(the same model), nothing replicated is returned: never predicted worse than ``a2a``'s plan
+under the same overlap, as ``plan_mix``. Refitted to the counts it was made for, a plan without
+kept holders or share entries is returned unchanged, prices included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mixmoe.placement.cost_model import LayerShape, counts_as_tensor, reprice, step_model
+from mixmoe.placement.plan import Plan
+from mixmoe.placement.profile import HardwareProfile
+from mixmoe.placement.ranges import cut_ranges_many
+
+__all__ = ["refit_plan"]
+
+
+def refit_plan(
+    plan: Plan,
+    before_WN: object,
+    after_WN: object,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    overlap: bool = True,
+    block_size: int = 64,
+) -> Plan:
+    """``plan``, made for the counts ``before_WN``, fitted to ``after_WN`` (module doc) and
+    priced on them with ``overlap`` (the mixed strategy's: True) under ``profile``."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+    before = counts_as_tensor(before_WN, shape)
+    after = counts_as_tensor(after_WN, shape)
+    E = shape.experts_per_rank
+    items = []
+    if plan.ranges:
+        gs = [g for g, _ in plan.ranges]
+        old_T, new_T = _stream_totals(before, plan, gs), _stream_totals(after, plan, gs)
+        for (g, pairs), t0, t1 in zip(plan.ranges, old_T, new_T, strict=True):
+            # t0 > 0: a range of an empty stream would hold no row. Integer floor of n * t1 / t0
+            items.append((g, plan.holders(g), [(y, n * t1 // t0) for y, n in pairs]))
+    cut = cut_ranges_many(after, items, E, block_size)
+    ranges = tuple((g, c) for (g, _, _), c in zip(items, cut, strict=True) if c)
+    fitted = dataclasses.replace(plan, shares=(), ranges=ranges, kept=())
+    priced = reprice(after, fitted, step_model(shape, profile, overlap), profile)
+    if priced.prediction.step_s < priced.baseline.step_s:
+        return priced
+    none = dataclasses.replace(priced, hot=(), replicas=(), relay=False, ranges=())
+    return dataclasses.replace(none, prediction=priced.baseline)
+
+
+def _stream_totals(C_WN, plan: Plan, gs: list[int]) -> list[int]:
+    """T_g of each expert in ``gs`` under ``plan``'s holders, without kept holders: its column's
+    rows but those of its holders (which compute their own)."""
+    cols = C_WN[:, gs]
+    totals = cols.sum(0).tolist()
+    for i, g in enumerate(gs):
+        holders = list(plan.holders(g))
+        if holders:
+            totals[i] -= int(cols[holders, i].sum())
+    return totals

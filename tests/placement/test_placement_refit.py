@@ -1,0 +1,134 @@
+"""``refit_plan``: a mixed plan fitted to another step's counts (planning a step ahead).
+
+Checked against what does not share its code: ``Plan.check_shares`` (the plan is valid for the
+new counts), ``predict_plan`` (its price), and exact expectations (the counts it was made for
+give it back; doubled counts double every range)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
+from mixmoe.placement import GPU_PROFILE, LayerShape, plan_mix, predict_plan
+from mixmoe.placement.profile_io import load_profile
+from mixmoe.placement.refit import refit_plan
+from mixmoe.simulate.routing import counts_source
+
+BLK = 64
+
+
+def _counts(routing: str, W: int, E: int, seed: int, tokens: int = 2048) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return synthetic_counts(RoutingSpec.parse(routing), W, tokens, 2, W * E, gen)
+
+
+def _resampled(C: torch.Tensor, seed: int) -> torch.Tensor:
+    """Another step of the same popularity: each source's rows drawn again from its row of C."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.zeros_like(C)
+    for s in range(C.shape[0]):
+        n = int(C[s].sum())
+        if n:
+            draw = torch.multinomial(C[s].double(), n, replacement=True, generator=gen)
+            out[s] = torch.bincount(draw, minlength=C.shape[1])
+    return out
+
+
+def _shape(W: int, E: int) -> LayerShape:
+    return LayerShape(1024, 4096, E, W, 2)
+
+
+@pytest.mark.parametrize("routing", ["zipf:1.2", "zipf:2.0", "hot:0.3"])
+@pytest.mark.parametrize("W,E", [(4, 2), (8, 4), (16, 2)])
+def test_the_counts_it_was_made_for_give_the_plan_back(routing, W, E):
+    C, shape = _counts(routing, W, E, seed=W), _shape(W, E)
+    plan = plan_mix(C, shape, GPU_PROFILE, 4)
+    assert plan.ranges and not plan.kept  # what the identity holds for (module doc)
+    assert repr(refit_plan(plan, C, C, shape, GPU_PROFILE)) == repr(plan)
+
+
+def test_doubled_counts_double_every_range():
+    """Every cut of a stream at twice the rows lands at twice the position (segment starts and
+    whole blocks double), so each helper's share is kept exactly."""
+    C, shape = _counts("zipf:1.2", 16, 2, seed=3), _shape(16, 2)
+    plan = plan_mix(C, shape, GPU_PROFILE, 4)
+    got = refit_plan(plan, C, 2 * C, shape, GPU_PROFILE)
+    assert got.replicas == plan.replicas and got.relay == plan.relay
+    assert got.ranges == tuple((g, tuple((y, 2 * n) for y, n in rs)) for g, rs in plan.ranges)
+
+
+@pytest.mark.parametrize("profile", ["gpu", "h100-nvlink-ib"])
+@pytest.mark.parametrize("routing", ["zipf:1.2", "zipf:2.0", "hot:0.5"])
+def test_fitted_to_a_new_step_it_is_valid_and_priced_there(routing, profile):
+    W, E = 32, 4
+    prof = load_profile(profile)
+    C1, shape = _counts(routing, W, E, seed=1, tokens=4096), _shape(W, E)
+    C2 = _resampled(C1, seed=2)
+    plan = plan_mix(C1, shape, prof, 4)
+    got = refit_plan(plan, C1, C2, shape, prof)
+    got.check_shares(C2, E, BLK)  # raises if a range does not fit the new stream
+    assert got.kept == () and got.shares == ()
+    assert repr(got.prediction) == repr(predict_plan(C2, got, shape, prof, True))
+    assert got.prediction.step_s < got.baseline.step_s  # the carried plan still helps
+    assert got.replicas == plan.replicas and {g for g, _ in got.ranges} <= set(plan.hot)
+    # same popularity, fresh noise: within a few % of planning the new step from scratch
+    fresh = plan_mix(C2, shape, prof, 4)
+    assert got.prediction.step_s <= 1.05 * fresh.prediction.step_s
+
+
+def test_a_stream_is_the_rows_its_holders_do_not_compute():
+    """Holders compute their own rows of a hot expert: more of those leave every stream as it
+    was, so every helper keeps its rows."""
+    C, shape = _counts("zipf:1.2", 16, 2, seed=3), _shape(16, 2)
+    plan = plan_mix(C, shape, GPU_PROFILE, 4)
+    more = C.clone()
+    for g, holders in plan.replicas:
+        more[list(holders), g] += 1000  # (not whole blocks: the cuts must not move either)
+    assert refit_plan(plan, C, more, shape, GPU_PROFILE).ranges == plan.ranges
+
+
+def test_a_plan_with_kept_holders_is_refitted_without_them():
+    shape = _shape(8, 4)
+    profile = load_profile("h100-nvlink")
+    for workload in ("zipf:2.0", "hotrank:0.5", "zipf:1.2", "hotset:8:0.5"):
+        (C1,) = counts_source(workload, 8, 32, 8192, 2, seed=0)
+        plan = plan_mix(C1, shape, profile, 4)
+        if plan.kept:
+            break
+    else:
+        pytest.fail("no workload here planned kept holders: pick another")
+    C2 = _resampled(C1, seed=5)
+    got = refit_plan(plan, C1, C2, shape, profile)
+    got.check_shares(C2, 4, BLK)
+    assert got.kept == () and got.prediction.step_s <= got.baseline.step_s
+    assert got.replicas in (plan.replicas, ())
+
+
+def test_a_plan_for_other_hot_experts_falls_back_to_nothing_replicated():
+    """The hot set moved (a rotating hotspot's next step): the carried replicas serve experts
+    nobody routes to; where that is not cheaper than nothing replicated, nothing is."""
+    W, E = 8, 4
+    shape = _shape(W, E)
+    hot_low, hot_high = torch.zeros(W, W * E, dtype=torch.int64), None
+    hot_low[:, 0] = 900  # every rank sends 900 rows to expert 0 (rank 0's)
+    hot_low[:, 1:] = 3
+    hot_high = hot_low.flip(1)  # now expert N - 1 (rank 7's) is the hot one
+    plan = plan_mix(hot_low, shape, GPU_PROFILE, 4)
+    assert 0 in plan.hot
+    got = refit_plan(plan, hot_low, hot_high, shape, GPU_PROFILE)
+    assert got.hot == () and got.ranges == () and not got.relay
+    assert got.prediction == got.baseline
+    assert got.baseline == refit_plan(plan, hot_low, hot_high, shape, GPU_PROFILE).baseline
+    assert dataclasses.replace(got) == got  # passes Plan's own checks
+
+
+def test_bad_input_is_named():
+    C, shape = _counts("zipf:1.2", 4, 2, seed=0), _shape(4, 2)
+    plan = plan_mix(C, shape, GPU_PROFILE, 4)
+    with pytest.raises(TypeError, match="plan must be a Plan"):
+        refit_plan(plan.replicas, C, C, shape, GPU_PROFILE)
+    with pytest.raises(ValueError):
+        refit_plan(plan, C, C[:, :4], shape, GPU_PROFILE)

@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=d.repeats, help="timed planner calls per step (median)"
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the count matrices")
+    p.add_argument(
+        "--ahead",
+        action="store_true",
+        help="add mix-ahead: each step planned from the step before's counts, fitted to its own "
+        "(placement.refit; the step before a one-step workload: a fresh draw of its popularity)",
+    )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     add_jsonl(p, "runs/bench-balance.jsonl", "one record per case")
     p.add_argument("--png", default="runs/bench-balance.png", help="the plot here ('' for none)")
@@ -111,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> BalanceConfig:
         repeats=args.repeats,
         seed=args.seed,
         profile=args.profile,
+        ahead=args.ahead,
     )
 
 

@@ -33,6 +33,13 @@ cost model's) gives every figure:
 
 Every planner re-runs on every step's counts (no plan is carried over); the replica cache
 (which replicas a rotating hot set can reuse) is the layer's business and not priced here.
+
+``ahead`` adds the strategy ``mix-ahead``: ``mix`` planned a step ahead, i.e. each step's plan is
+``plan_mix``'s plan of the step before, fitted to the step's counts (``placement.refit``;
+planning_ms is the fit's time, the full plan being made while the step before runs). The step
+before step 0 (every step of a one-step workload) is a fresh draw of the same popularity: each
+source's rows drawn again, multinomially, from its row of step 0 (seeded by ``seed``); a
+rotating hotspot's later steps follow the real step before, whose hot set has moved.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from mixmoe.gating.imbalance import Workload
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile
+from mixmoe.placement.refit import refit_plan
 from mixmoe.simulate.layer import layer_config
 from mixmoe.simulate.routing import counts_source
 from mixmoe.validation import check_int
@@ -131,6 +139,7 @@ class BalanceConfig:
     repeats: int = 5
     seed: int = 0
     profile: str | None = None
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         for name, value, lo in (
@@ -156,6 +165,8 @@ class BalanceConfig:
             Workload.parse(text)
         for name in self.strategies:
             strategy_spec(name)
+        if not isinstance(self.ahead, bool):
+            raise TypeError(f"ahead must be True or False, got {self.ahead!r}")
         if self.profile is not None:
             load_profile(self.profile)
 
@@ -220,6 +231,38 @@ def _planner(name: str, shape: LayerShape, profile: HardwareProfile, cfg: Balanc
     return lambda C_WN: spec.planner(C_WN, shape, profile, config)
 
 
+def _step_planners(
+    name: str, shape: LayerShape, profile: HardwareProfile, cfg: BalanceConfig, K: int, steps
+) -> list:
+    """The planner of each step: the strategy's; for ``mix-ahead`` the fit of ``mix``'s plan of
+    the step before (module doc) to the step's counts."""
+    if name != "mix-ahead":
+        return [_planner(name, shape, profile, cfg, K)] * len(steps)
+    mix = _planner("mix", shape, profile, cfg, K)
+    before = [_redraw(steps[0], cfg.seed), *steps[:-1]]
+    return [
+        functools.partial(_refitted, mix(B_WN), B_WN, shape=shape, profile=profile)
+        for B_WN in before
+    ]
+
+
+def _refitted(plan, before_WN, after_WN, *, shape, profile):
+    return refit_plan(plan, before_WN, after_WN, shape, profile)
+
+
+def _redraw(C_WN: torch.Tensor, seed: int) -> torch.Tensor:
+    """Counts of the same popularity, drawn again: each source's rows multinomially from its
+    row of ``C_WN`` (as many as it has)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.zeros_like(C_WN)
+    for s, row in enumerate(C_WN):
+        n = int(row.sum())
+        if n:
+            draw = torch.multinomial(row.double(), n, replacement=True, generator=gen)
+            out[s] = torch.bincount(draw, minlength=C_WN.shape[1])
+    return out
+
+
 @functools.lru_cache(maxsize=32)
 def balanced_step_s(cfg: BalanceConfig, shape: str | ShapeSpec, world_size: int) -> float:
     """The force-balanced step (s): ``a2a``'s predicted step under ``uniform`` routing, for the
@@ -247,10 +290,11 @@ def case_records(
         workload, world_size, shape.num_experts, cfg.tokens, spec.top_k, seed=cfg.seed
     )
     records = []
-    for name in cfg.strategies:
-        planner = _planner(name, shape, profile, cfg, spec.top_k)
+    strategies = [*cfg.strategies, *(["mix-ahead"] if cfg.ahead else [])]
+    for name in strategies:
+        planners = _step_planners(name, shape, profile, cfg, spec.top_k, steps)
         step_s, imbalance, seconds, moved, copies, hot, times = [], [], [], [], [], [], []
-        for C_WN in steps:
+        for planner, C_WN in zip(planners, steps, strict=True):
             plan, ms = _timed_plans(planner, C_WN, cfg.repeats)
             rows_W = plan.prediction.rows
             step_s.append(plan.prediction.step_s)

@@ -3,16 +3,27 @@ tiny W=4 cases, the rotating hotspot followed step by step, the summary, and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from mixmoe import cli
+from mixmoe.placement import plan_mix
 from mixmoe.placement.profile import HardwareProfile
-from mixmoe.placement.profile_io import profile_record, save_profile
+from mixmoe.placement.profile_io import load_profile, profile_record, save_profile
+from mixmoe.placement.refit import refit_plan
 from mixmoe.simulate.routing import counts_source
-from mixmoe.simulate.workloads import BalanceConfig, ShapeSpec, case_records, summarize
+from mixmoe.simulate.workloads import (
+    BalanceConfig,
+    ShapeSpec,
+    _redraw,
+    case_records,
+    layer_shape,
+    shape_spec,
+    summarize,
+)
 
 D, F, T = 64, 128, 512
 FLOPS, BW, LAT = 1e9, 1e8, 1e-5
@@ -167,6 +178,30 @@ def test_bench_balance_cli(tmp_path, capsys) -> None:
     assert len(records) == 9 and records[0]["environment"]["torch"] == torch.__version__
     assert records[0]["kind"] == "bench_balance" and records[0]["profile"] == "h100-nvlink"
     assert records[-1]["steps"] == 2 and png.stat().st_size > 0
+    assert cli.main([*argv, "--ahead"]) == 0
+    assert "mix-ahead: " in capsys.readouterr().out
+
+
+def test_mix_ahead_is_the_step_befores_plan_fitted(cfg) -> None:
+    """``mix-ahead``: step k's plan is ``plan_mix`` of step k - 1, fitted to step k; the step
+    before step 0 a fresh draw of step 0's popularity (seeded: the same every run)."""
+    cfg = dataclasses.replace(cfg, ahead=True, shapes=("seeds",), tokens=2048)
+    shape = layer_shape(shape_spec("seeds"), 4)
+    profile = load_profile(cfg.profile)
+    steps = counts_source("rotate:2:0.5:3", 4, 16, 2048, 2, seed=cfg.seed)
+    *_, ahead = case_records(cfg, "seeds", 4, "rotate:2:0.5:3")
+    assert ahead["strategy"] == "mix-ahead" and ahead["steps"] == 3
+    before = [_redraw(steps[0], cfg.seed), *steps[:-1]]
+    assert not torch.equal(before[0], steps[0])
+    assert before[0].sum(1).tolist() == steps[0].sum(1).tolist()  # each source's rows, again
+    want = []
+    for B, C in zip(before, steps, strict=True):
+        made = plan_mix(B, shape, profile, cfg.max_replicas)
+        want.append(1e3 * refit_plan(made, B, C, shape, profile).prediction.step_s)
+    assert ahead["step_ms_per_step"] == want
+    assert case_records(cfg, "seeds", 4, "rotate:2:0.5:3")[-1]["step_ms_per_step"] == want
+    plain = case_records(dataclasses.replace(cfg, ahead=False), "seeds", 4, "hot:0.5")
+    assert [r["strategy"] for r in plain] == ["a2a", "shadow", "mix"]
 
 
 def test_bench_balance_experts_override(tmp_path, capsys) -> None:

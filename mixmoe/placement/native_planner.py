@@ -41,9 +41,11 @@ from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
 from mixmoe.placement.shadow import shadow_terms
 
-__all__ = ["planned"]
+__all__ = ["planned", "refitted"]
 
 _ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P, _P, _P]
+_REFIT_ARGTYPES = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64,
+                   _P, _P, _P, _P]  # fmt: skip
 
 _DOUBLE = struct.Struct("d")  # the step after a prediction's reals
 _OUTPUT = threading.local()  # this thread's output arrays, reused call after call
@@ -89,6 +91,67 @@ def planned(
         C_WN.data_ptr(), ints, reals, ctypes.addressof(out_i), len(out_i),
         ctypes.addressof(out_d), counts, colsum, rowsum,
     )  # fmt: skip
+    return _decoded(status, W, out_i, out_d, counts)
+
+
+def refitted(
+    plan: Plan,
+    before_WN: object,
+    after_WN: object,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    overlap: bool,
+    block_size: int,
+    before_sums: CountSums | None = None,
+    after_sums: CountSums | None = None,
+) -> Plan | None:
+    """``refit.refit_plan(plan, before_WN, after_WN, ...)``, compiled (``plan_mix.cpp``'s
+    ``mixmoe_refit_plan``), for a plan the compiled planner made (``Plan.packed``); the same
+    Plan (``tests/placement/test_placement_refit.py`` compares them). ``before_sums``: the
+    counts before's ``CountSums`` (else their column sums are taken here); ``after_sums``: the
+    counts after's (no pass over them). None where it does not run: no ``packed``, counts not
+    tensors, the library off, a topology or model terms the compiled planner does not take,
+    counts the Python rejects (its error is raised there)."""
+    if plan.packed is None or not isinstance(before_WN, torch.Tensor):
+        return None
+    if not isinstance(after_WN, torch.Tensor):
+        return None
+    fn = native_lib.function("mixmoe_refit_plan", ctypes.c_int64, _REFIT_ARGTYPES)
+    if fn is None:
+        return None
+    # the settings' ints and reals as plan_mix's (the refit reads W, E, the block, the model,
+    # the nodes; the search's settings are not read)
+    key = (shape, profile, 0, overlap, 1, block_size, True, (1.0, 1.0, 1.0, 0))
+    try:
+        args = _arguments(key)
+    except TypeError:  # an unhashable profile (a subclass's field): built for this call only
+        args = _arguments.__wrapped__(key)
+    if args is None:
+        return None
+    ints, reals = args
+    before = counts_tensor_unsigned(before_WN, shape)
+    after = counts_tensor_unsigned(after_WN, shape)
+    W, N = shape.world_size, shape.num_experts
+    if before_sums is None:
+        colsum1 = before.sum(0)
+    else:
+        sums_pointers(before_sums, W, N)  # checked: types and shapes
+        colsum1 = before_sums.colsum_N
+    colsum, rowsum = (None, None) if after_sums is None else sums_pointers(after_sums, W, N)
+    need = 2 * (len(plan.packed) + 2 * N) + 6 * W + 16  # the plan's sections grow by cuts only
+    out_i, out_d, counts = _output(need, 4 * W + 2)
+    status = fn(
+        after.data_ptr(), before.data_ptr(), colsum1.data_ptr(), ints, reals,
+        plan.packed.buffer_info()[0], len(plan.packed), int(plan.relay),
+        ctypes.addressof(out_i), len(out_i), ctypes.addressof(out_d), counts, colsum, rowsum,
+    )  # fmt: skip
+    if status == -5:  # a plan the C++ does not read: the Python fits it
+        return None
+    return _decoded(status, W, out_i, out_d, counts)
+
+
+def _decoded(status: int, W: int, out_i, out_d, counts) -> Plan | None:
+    """The C entries' plan (``mixmoe_plan_mix``'s output), or None / an error for ``status``."""
     if status == BAD_SUMS:
         raise_bad_sums()
     if status in (-1, -2):  # negative or too large counts: the Python raises its error

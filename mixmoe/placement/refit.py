@@ -29,11 +29,13 @@ from __future__ import annotations
 import dataclasses
 
 from mixmoe.placement.cost_model import LayerShape, counts_as_tensor, reprice, step_model
+from mixmoe.placement.counts import CountSums
+from mixmoe.placement.native_planner import refitted
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.ranges import cut_ranges_many
 
-__all__ = ["refit_plan"]
+__all__ = ["refit_plan", "refit_python"]
 
 
 def refit_plan(
@@ -44,11 +46,34 @@ def refit_plan(
     profile: HardwareProfile,
     overlap: bool = True,
     block_size: int = 64,
+    *,
+    before_sums: CountSums | None = None,
+    after_sums: CountSums | None = None,
 ) -> Plan:
     """``plan``, made for the counts ``before_WN``, fitted to ``after_WN`` (module doc) and
-    priced on them with ``overlap`` (the mixed strategy's: True) under ``profile``."""
+    priced on them with ``overlap`` (the mixed strategy's: True) under ``profile``. Compiled
+    (``native_planner.refitted``) for the compiled planner's plans, given the counts' sums
+    where they are known (``CountSums``: no pass over C), else ``refit_python``: the same
+    plan."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+    got = refitted(plan, before_WN, after_WN, shape, profile, overlap, block_size,
+                   before_sums, after_sums)  # fmt: skip
+    if got is not None:
+        return got
+    return refit_python(plan, before_WN, after_WN, shape, profile, overlap, block_size)
+
+
+def refit_python(
+    plan: Plan,
+    before_WN: object,
+    after_WN: object,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    overlap: bool = True,
+    block_size: int = 64,
+) -> Plan:
+    """``refit_plan`` in Python (the fallback, and the compiled fit's slow twin)."""
     before = counts_as_tensor(before_WN, shape)
     after = counts_as_tensor(after_WN, shape)
     E = shape.experts_per_rank

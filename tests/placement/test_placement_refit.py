@@ -2,7 +2,7 @@
 
 Checked against what does not share its code: ``Plan.check_shares`` (the plan is valid for the
 new counts), ``predict_plan`` (its price), and exact expectations (the counts it was made for
-give it back; doubled counts double every range)."""
+give it back; doubled counts double every range); the compiled fit against ``refit_python``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ import dataclasses
 import pytest
 import torch
 
+import mixmoe.dispatch.step_native as step_native
+import mixmoe.placement.native_lib as lib
+import mixmoe.placement.refit as refit_module
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
-from mixmoe.placement import GPU_PROFILE, LayerShape, plan_mix, predict_plan
+from mixmoe.placement import GPU_PROFILE, LayerShape, Plan, plan_mix, predict_plan
+from mixmoe.placement.counts import CountSums
+from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.profile_io import load_profile
-from mixmoe.placement.refit import refit_plan
+from mixmoe.placement.refit import refit_plan, refit_python
 from mixmoe.simulate.routing import counts_source
 
 BLK = 64
@@ -132,3 +137,69 @@ def test_bad_input_is_named():
         refit_plan(plan.replicas, C, C, shape, GPU_PROFILE)
     with pytest.raises(ValueError):
         refit_plan(plan, C, C[:, :4], shape, GPU_PROFILE)
+
+
+def _spied(monkeypatch) -> list[bool]:
+    """Whether each refit_plan call ran compiled (``native_planner.refitted`` returned a plan)."""
+    ran: list[bool] = []
+    real = refit_module.refitted
+
+    def spy(*args, **kwargs):
+        got = real(*args, **kwargs)
+        ran.append(got is not None)
+        return got
+
+    monkeypatch.setattr(refit_module, "refitted", spy)
+    return ran
+
+
+@pytest.mark.parametrize("profile", ["gpu", "h100-nvlink-ib"])
+@pytest.mark.parametrize("routing", ["zipf:1.2", "zipf:2.0", "hot:0.3", "uniform"])
+@pytest.mark.parametrize("W,E", [(4, 2), (16, 2), (32, 4)])
+def test_the_compiled_fit_is_the_python_one(monkeypatch, profile, routing, W, E):
+    """Bit for bit (floats in repr), with and without the counts' sums; the compiled fit ran."""
+    assert lib.available(), lib.unavailable_reason()
+    prof, shape = load_profile(profile), _shape(W, E)
+    C1 = _counts(routing, W, E, seed=W + E, tokens=4096)
+    C2 = _resampled(C1, seed=W)
+    plan = plan_mix(C1, shape, prof, 4)
+    assert plan.packed is not None
+    ran = _spied(monkeypatch)
+    sums = {"before_sums": count_sums(C1, E), "after_sums": count_sums(C2, E)}
+    got = [refit_plan(plan, C1, C2, shape, prof), refit_plan(plan, C1, C2, shape, prof, **sums)]
+    assert ran == [True, True]
+    want = refit_python(plan, C1, C2, shape, prof)
+    assert repr(got[0]) == repr(want) and repr(got[1]) == repr(want)
+    assert got[0].packed == step_native._pack(want)  # what the step's bookkeeping reads
+
+
+def test_where_the_compiled_fit_does_not_run_the_python_fits(monkeypatch):
+    C1, shape = _counts("zipf:2.0", 32, 4, seed=1, tokens=4096), _shape(32, 4)
+    C2 = _resampled(C1, seed=4)
+    plan = plan_mix(C1, shape, GPU_PROFILE, 4)
+    i = next(i for i, (_, pairs) in enumerate(plan.ranges) if len(pairs) > 1)
+    # helpers not ascending: a plan the compiled fit does not read (its C entry says so)
+    g, pairs = plan.ranges[i]
+    swapped = (*plan.ranges[:i], (g, tuple(reversed(pairs))), *plan.ranges[i + 1 :])
+    odd = dataclasses.replace(plan, ranges=swapped)
+    packed = step_native._pack(odd)
+    odd = Plan.unchecked(odd.replicas, odd.prediction, odd.baseline, odd.relay, swapped, (), packed)
+    ran = _spied(monkeypatch)
+    for p in (dataclasses.replace(plan), odd):  # no packed; a packed plan it rejects
+        got = refit_plan(p, C1, C2, shape, GPU_PROFILE)
+        assert repr(got) == repr(refit_python(p, C1, C2, shape, GPU_PROFILE))
+    assert ran == [False, False]
+    with monkeypatch.context() as m:  # the library off
+        m.setenv(lib.ENV_OFF, "0")
+        off = refit_plan(plan, C1, C2, shape, GPU_PROFILE)
+    assert ran[-1] is False and repr(off) == repr(refit_python(plan, C1, C2, shape, GPU_PROFILE))
+
+
+def test_sums_that_are_not_the_counts_are_refused():
+    C1, shape = _counts("zipf:1.2", 8, 2, seed=1), _shape(8, 2)
+    plan = plan_mix(C1, shape, GPU_PROFILE, 4)
+    wrong = CountSums(C1.sum(0) + 1, C1.sum(1))  # totals differ
+    with pytest.raises(ValueError, match="sums are not C's"):
+        refit_plan(plan, C1, C1, shape, GPU_PROFILE, after_sums=wrong)
+    with pytest.raises(TypeError, match="sums must be a CountSums"):
+        refit_plan(plan, C1, C1, shape, GPU_PROFILE, before_sums=C1.sum(0))

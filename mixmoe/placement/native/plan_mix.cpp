@@ -312,6 +312,101 @@ void put_prediction(const Prediction& p, int64_t W, int64_t* oi, double* od) {
   od[2 * W] = write_prediction(p, oi, od);
 }
 
+Settings settings_of(const int64_t* ints, const double* reals) {  // the C entries' layout
+  return Settings{ints[2],  ints[3],   ints[4],   ints[5],   ints[6] != 0, reals[7],
+                  reals[8], reals[9],  reals[10], reals[11], ints[12],     reals[12]};
+}
+
+// C's baseline (from its sums when given) and StepModel.check_exact's limits, as plan_replicas
+// runs them: 0, or the C entries' -1 (a negative count), -2 (too large), -4 (bad sums).
+int64_t baseline_checked(const Counts& k, const Model& m, const int64_t* colsum_N,
+                         const int64_t* rowsum_W, Baseline& base) {
+  if (colsum_N != nullptr && rowsum_W != nullptr) {
+    if (!baseline_from_sums(k, colsum_N, rowsum_W, base)) return -4;
+  } else if (!baseline(k, base)) {
+    return -1;
+  }
+  __int128 rows = 0;  // check_exact(max(2 * sum(colsum), W * N))
+  for (int64_t x : base.colsum) rows += x;
+  const __int128 limit = static_cast<__int128>(1) << 53;
+  if (2 * rows >= limit || static_cast<__int128>(k.W) * k.N >= limit || m.fpr >= limit ||
+      m.tbr >= limit || m.P >= limit)
+    return -2;
+  return 0;
+}
+
+// The plan's replicas and ranges from Plan.packed (step_native._pack's layout): false when it is
+// not one this reads (share entries; experts not ascending or out of range; holders not
+// ascending, out of range or the owner; range helpers not ascending or rows not positive).
+bool read_packed(const int64_t* p, int64_t len, const Counts& k, Replicas& replicas,
+                 ExpertEntries& ranges) {
+  if (len < 4 || p[1] != 0) return false;
+  const int64_t n_hot = p[0], n_ranges = p[2];
+  int64_t at = 4;
+  auto take = [&](int64_t n) {  // n ints at p[at] (no overflow past the end)
+    if (n < 0 || n > len - at) return false;
+    at += n;
+    return true;
+  };
+  for (int64_t i = 0; i < n_hot; ++i) {
+    if (!take(2)) return false;
+    const int64_t g = p[at - 2], n = p[at - 1];
+    if (!take(n) || g < 0 || g >= k.N || (!replicas.empty() && g <= replicas.back().first))
+      return false;
+    std::vector<int64_t> holders(p + at - n, p + at);
+    for (size_t j = 0; j < holders.size(); ++j)
+      if (holders[j] < 0 || holders[j] >= k.W || holders[j] == g / k.E ||
+          (j && holders[j] <= holders[j - 1]))
+        return false;
+    replicas.emplace_back(g, std::move(holders));
+  }
+  for (int64_t i = 0; i < n_ranges; ++i) {
+    if (!take(2)) return false;
+    const int64_t g = p[at - 2], n = p[at - 1];
+    if (n < 0 || n > (len - at) / 2 || g < 0 || g >= k.N ||
+        (!ranges.empty() && g <= ranges.back().first))
+      return false;
+    Entries pairs;
+    for (int64_t j = 0; j < n; ++j, at += 2) {
+      const int64_t y = p[at], rows = p[at + 1];
+      if (y < 0 || y >= k.W || rows <= 0 || (j && y <= pairs.back().first)) return false;
+      pairs.emplace_back(y, rows);
+    }
+    ranges.emplace_back(g, std::move(pairs));
+  }
+  return true;
+}
+
+// The C entries' output (mixmoe_plan_mix's doc) of `plan` and `baseline`: 0, or -3 when out_i
+// is too small.
+int64_t write_plan(const Candidate& plan, const Prediction& baseline, int64_t W, int64_t* out_i,
+                   int64_t cap_i, double* out_d, int64_t* counts) {
+  const int64_t sections = group_ints(plan.replicas) + group_ints(plan.ranges) +
+                           group_ints(plan.kept);
+  const int64_t need = 2 * sections + 6 * W + 4;  // by columns, predictions, packed
+  if (need > cap_i) return -3;
+  int64_t* o = out_i;
+  counts[0] = put_groups(plan.replicas, o, [](int64_t h, int64_t* p) {
+    *p++ = h;
+    return p;
+  }, counts[4]);
+  o += counts[0];
+  const auto pair = [](const std::pair<int64_t, int64_t>& e, int64_t* p) {
+    *p++ = e.first;
+    *p++ = e.second;
+    return p;
+  };
+  counts[1] = put_groups(plan.ranges, o, pair, counts[5]);
+  o += counts[1];
+  counts[2] = put_groups(plan.kept, o, pair, counts[6]);
+  o += counts[2];
+  counts[3] = plan.relay;
+  put_prediction(plan.pred, W, o, out_d);
+  put_prediction(baseline, W, o + 3 * W, out_d + 2 * W + 1);
+  put_packed(plan, o + 6 * W);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -338,20 +433,10 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
                         const int64_t* colsum_N, const int64_t* rowsum_W) {
   Counts k{ints[0], ints[1], ints[0] * ints[1], C};
   const Model m = Model::from(ints + 7, reals);
-  const Settings s{ints[2], ints[3],  ints[4],  ints[5],  ints[6] != 0, reals[7], reals[8],
-                   reals[9], reals[10], reals[11], ints[12],     reals[12]};
+  const Settings s = settings_of(ints, reals);
   Baseline base;
-  if (colsum_N != nullptr && rowsum_W != nullptr) {
-    if (!baseline_from_sums(k, colsum_N, rowsum_W, base)) return -4;
-  } else if (!baseline(k, base)) {
-    return -1;
-  }
-  __int128 rows = 0;  // StepModel.check_exact(max(2 * sum(colsum), W * N)), as plan_replicas runs it
-  for (int64_t x : base.colsum) rows += x;
-  const __int128 limit = static_cast<__int128>(1) << 53;
-  if (2 * rows >= limit || static_cast<__int128>(k.W) * k.N >= limit || m.fpr >= limit ||
-      m.tbr >= limit || m.P >= limit)
-    return -2;
+  const int64_t status = baseline_checked(k, m, colsum_N, rowsum_W, base);
+  if (status != 0) return status;
   thread_local ColumnPrefix prefix;  // with a topology: every fill walks the hot columns
   if (s.per_node > 0) {
     prefix.reset(k.N);
@@ -359,32 +444,60 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
   }
   const Planner planner(k, m, base, s);
   const Prediction baseline = planner.baseline();
-  const Candidate plan = planner.plan(baseline);
-  const int64_t W = k.W;
-  const int64_t sections = group_ints(plan.replicas) + group_ints(plan.ranges) +
-                          group_ints(plan.kept);
-  const int64_t need = 2 * sections + 6 * W + 4;  // by columns, predictions, packed
-  if (need > cap_i) return -3;
-  int64_t* o = out_i;
-  counts[0] = put_groups(plan.replicas, o, [](int64_t h, int64_t* p) {
-    *p++ = h;
-    return p;
-  }, counts[4]);
-  o += counts[0];
-  const auto pair = [](const std::pair<int64_t, int64_t>& e, int64_t* p) {
-    *p++ = e.first;
-    *p++ = e.second;
-    return p;
-  };
-  counts[1] = put_groups(plan.ranges, o, pair, counts[5]);
-  o += counts[1];
-  counts[2] = put_groups(plan.kept, o, pair, counts[6]);
-  o += counts[2];
-  counts[3] = plan.relay;
-  put_prediction(plan.pred, W, o, out_d);
-  put_prediction(baseline, W, o + 3 * W, out_d + 2 * W + 1);
-  put_packed(plan, o + 6 * W);
-  return 0;
+  return write_plan(planner.plan(baseline), baseline, k.W, out_i, cap_i, out_d, counts);
+}
+
+// placement.refit.refit_plan compiled: `plan` (Plan.packed, step_native._pack's layout; no share
+// entries, kept entries ignored) with its relay flag, made for the counts C1, fitted to C2
+// (C's counts as plan_mix's, `ints` and `reals` as plan_mix's: W, E, blk, the model, per_node,
+// bw_inter are read). `colsum1`: C1's column sums (N; the step before's CountSums). C2's sums
+// as plan_mix's (null: one pass over C2). Each ranged expert g's helpers keep their share of
+// its stream: rows n -> n * T2 // T1, T = g's column sum less its holders' rows (exact
+// integers), cut again by plan_from (the plan fields' walk); priced as plan_mix prices; the
+// plan with nothing replicated (its baseline) where that is not strictly cheaper. Output and
+// returns as plan_mix's; -5: a plan this does not read (helpers not ascending, out of range, a
+// share entry, an empty stream before): the Python runs.
+int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* colsum1,
+                          const int64_t* ints, const double* reals, const int64_t* plan,
+                          int64_t plan_len, int64_t relay, int64_t* out_i, int64_t cap_i,
+                          double* out_d, int64_t* counts, const int64_t* colsum_N,
+                          const int64_t* rowsum_W) {
+  const Counts k{ints[0], ints[1], ints[0] * ints[1], C2};
+  const Model m = Model::from(ints + 7, reals);
+  const Settings s = settings_of(ints, reals);
+  Baseline base;
+  const int64_t status = baseline_checked(k, m, colsum_N, rowsum_W, base);
+  if (status != 0) return status;
+  Replicas replicas;
+  ExpertEntries ranges;
+  if (!read_packed(plan, plan_len, k, replicas, ranges)) return -5;
+  FillOut out;  // the fitted state: the plan's holders, the scaled amounts (plan_from's input)
+  size_t h = 0;  // replicas and ranges both ascend by expert
+  for (const auto& [g, pairs] : ranges) {
+    while (h < replicas.size() && replicas[h].first < g) ++h;
+    if (h == replicas.size() || replicas[h].first != g) return -5;  // a helper holds g's replica
+    int64_t t1 = colsum1[g], t2 = base.colsum[g];
+    for (int64_t y : replicas[h].second) {
+      t1 -= C1[y * k.N + g];  // (C1: the caller's, read only at these holders)
+      t2 -= k.c(y, g);
+    }
+    if (t1 <= 0 || t2 < 0) return -5;
+    Entries scaled;
+    scaled.reserve(pairs.size());
+    for (const auto& [y, n] : pairs)  // n * t2 // t1, exact (n, t2 < 2**53)
+      scaled.emplace_back(y, static_cast<int64_t>(static_cast<__int128>(n) * t2 / t1));
+    out.amounts.emplace_back(g, std::move(scaled));
+  }
+  out.replicas = std::move(replicas);
+  fill_plan(k, s.blk, out);  // the ranges of the scaled amounts; no kept holder
+  const Planner planner(k, m, base, s);
+  const Prediction baseline = planner.baseline();
+  Loads loads;
+  Prediction priced = planner.price(out.replicas, relay != 0, out.ranges, {}, loads);
+  Candidate fitted{std::move(out.replicas), relay != 0, std::move(out.ranges), {},
+                   std::move(priced)};
+  if (!(fitted.pred.step < baseline.step)) fitted = Candidate{{}, false, {}, {}, baseline};
+  return write_plan(fitted, baseline, k.W, out_i, cap_i, out_d, counts);
 }
 
 }  // extern "C"

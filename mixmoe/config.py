@@ -188,6 +188,15 @@ class MoEConfig:
     2 gloo ranks x 1 thread, `bench layer --plan`). Every setting gives the same plan and the
     same numbers; only the overlap differs.
 
+    plan_ahead: under ``mix``, plan each step from the step before's counts, on the
+    dispatcher's background thread while that step runs, and fit that plan to the step's own
+    counts on its critical path (``mixmoe.placement.refit``: each helper keeps its share of its
+    expert's rows; W = 256 zipf:1.2: ~0.25 ms against ~1-2 ms for a plan): the planning time
+    the step waits for shrinks several times, for a plan within a few % of a fresh one while
+    the hot experts stay (``mixmoe bench balance --ahead``). A fit predicted more than
+    ``refit.REFIT_SLACK`` above its plan's own step (the hot experts moved) and the first step
+    plan afresh. False (default): each step plans from its own counts.
+
     plan_helpers: under ``mix``, balance the plan with helper ranks (True, the default: blocks of
     the busiest ranks' rows move to ranks with spare capacity, ``mixmoe.placement.balance``), or
     keep the best of the a2a, shadow and source-replica plans (False: planning takes a fraction
@@ -226,6 +235,7 @@ class MoEConfig:
     strategy: str = "local"
     max_replicas: int = 4
     plan_async: bool | None = None
+    plan_ahead: bool = False
     plan_helpers: bool = True
     balance_loss: str = "micro_batch"
     shared_experts: int = 0
@@ -243,6 +253,8 @@ class MoEConfig:
                 f"plan_async must be True, False or None (auto: on CUDA only), got "
                 f"{self.plan_async!r}"
             )
+        if not isinstance(self.plan_ahead, bool):
+            raise TypeError(f"plan_ahead must be True or False, got {self.plan_ahead!r}")
         if not isinstance(self.plan_helpers, bool):
             raise TypeError(f"plan_helpers must be True or False, got {self.plan_helpers!r}")
         if self.top_k > self.num_experts:

@@ -63,6 +63,7 @@ from mixmoe.placement.counts import CountSums
 from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile, default_profile
+from mixmoe.placement.refit import carried_plan
 from mixmoe.placement.relay import node_distance
 from mixmoe.schedule.sort import expert_counts
 from mixmoe.tracing import trace_span
@@ -161,6 +162,9 @@ class ExpertParallelDispatcher:
         # (when the sums did not come from the device)
         self.shared_sums_min = SHARED_SUMS_MIN
         self._planner_thread: ThreadPoolExecutor | None = None  # created by the first async plan
+        # plan_ahead: (the plan of the last step's counts, on the planning thread; those counts;
+        # their sums), or None before the first step
+        self._ahead: tuple[Future, torch.Tensor, CountSums | None] | None = None
 
     def plans_async(self, device: torch.device | str = "cpu") -> bool:
         """Whether a step on ``device`` plans on the background thread: the strategy allows it
@@ -171,17 +175,25 @@ class ExpertParallelDispatcher:
             return torch.device(device).type == "cuda"
         return self.config.plan_async
 
+    def plans_ahead(self) -> bool:
+        """Whether each step fits the plan of the step before's counts (``MoEConfig.plan_ahead``,
+        under a strategy that plans in the background: ``mix``)."""
+        return self.spec.plan_async and self.config.plan_ahead
+
     def close(self) -> None:
-        """Stop the planning thread, if one was started (a later step starts a new one). Also
-        done when the dispatcher is garbage-collected or copied."""
+        """Stop the planning thread, if one was started (a later step starts a new one, and
+        under ``plan_ahead`` plans its own counts first). Also done when the dispatcher is
+        garbage-collected or copied."""
         if self._planner_thread is not None:
             self._planner_thread.shutdown(wait=True)
             self._planner_thread = None
+        self._ahead = None
 
     def __getstate__(self) -> dict:
-        # a copy (deepcopy, pickle) starts its own thread when it first plans
+        # a copy (deepcopy, pickle) starts its own thread when it first plans, afresh
         state = dict(self.__dict__)
         state["_planner_thread"] = None
+        state["_ahead"] = None
         return state
 
     # -- agreement -----------------------------------------------------------------------------
@@ -251,6 +263,17 @@ class ExpertParallelDispatcher:
         self.replica_cache.invalidate()
 
     # -- planning ------------------------------------------------------------------------------
+    def _shape(self, dtype: torch.dtype) -> LayerShape:
+        cfg = self.config
+        return LayerShape(
+            model_dim=cfg.model_dim,
+            hidden_dim=cfg.hidden_dim,
+            experts_per_rank=self.experts_per_rank,
+            world_size=self.comm.world_size,
+            bytes_per_element=torch.finfo(dtype).bits // 8,
+            gemms_per_expert=3 if cfg.activation == "swiglu" else 2,
+        )
+
     def _plan(
         self,
         C: torch.Tensor,
@@ -259,14 +282,7 @@ class ExpertParallelDispatcher:
         sums: CountSums | None = None,
     ) -> Plan:
         cfg = self.config
-        shape = LayerShape(
-            model_dim=cfg.model_dim,
-            hidden_dim=cfg.hidden_dim,
-            experts_per_rank=self.experts_per_rank,
-            world_size=self.comm.world_size,
-            bytes_per_element=torch.finfo(dtype).bits // 8,
-            gemms_per_expert=3 if cfg.activation == "swiglu" else 2,
-        )
+        shape = self._shape(dtype)
         profile = self.profile or default_profile(device.type)
         checked = self.check_plans
         if checked and sums is not None:
@@ -303,13 +319,56 @@ class ExpertParallelDispatcher:
         dtype: torch.dtype,
         device: torch.device,
         sums: CountSums | None = None,
+        job: Callable | None = None,
     ) -> Future:
-        """Start ``_plan_step`` on the planning thread (one worker: steps plan in order). It runs
-        in a copy of this context, so an active trace recorder records its span."""
+        """Start ``job`` (default ``_plan_step``) on the planning thread (one worker: steps plan
+        in order). It runs in a copy of this context, so an active trace recorder records its
+        span."""
         if self._planner_thread is None:
             self._planner_thread = ThreadPoolExecutor(1, thread_name_prefix="mixmoe-plan")
         context = contextvars.copy_context()
-        return self._planner_thread.submit(context.run, self._plan_step, C, dtype, device, sums)
+        job = self._plan_step if job is None else job
+        return self._planner_thread.submit(context.run, job, C, dtype, device, sums)
+
+    def _plan_ahead_step(
+        self,
+        C: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+        sums: CountSums | None = None,
+    ) -> tuple[Plan, StepPlan, bool]:
+        """``plan_ahead``'s step: the plan of the step before's counts (made on the planning
+        thread while that step ran) fitted to C (``refit.carried_plan``), or, on the first step
+        or when the fit is stale, C's own plan; then this rank's bookkeeping, and C's plan
+        started on the thread for the next step (kept as it is when it was just made here).
+        Whether the plan was fitted comes third. Every
+        rank takes the same branch: each is a function of the same counts. A planner error of
+        the step before is raised here, on every rank, before any further collective."""
+        with trace_span("moe.plan", kind="host"):
+            E = self.experts_per_rank
+            if sums is None and C.numel() >= self.shared_sums_min:
+                sums = count_sums(C, E)
+            plan = None
+            if self._ahead is not None:
+                made, before, before_sums = self._ahead
+                self._ahead = None  # (a raise below leaves the next step to plan afresh)
+                profile = self.profile or default_profile(device.type)
+                plan = carried_plan(made.result(), before, C, self._shape(dtype), profile,
+                                    block_size=self.config.block_size, before_sums=before_sums,
+                                    after_sums=sums)  # fmt: skip
+                if plan is not None and self.check_plans and (plan.ranges or plan.kept):
+                    plan.check_shares(C, E, self.config.block_size)
+            fitted = plan is not None
+            if plan is None:
+                plan = self._plan(C, dtype, device, sums)
+            step = build_step_plan(C, plan, self.comm.rank, E, self._distance, sums)
+        if fitted:  # C's own plan, for the next step, made while this step runs
+            made = self._submit_plan(C, dtype, device, sums, job=self._plan)
+        else:  # made already
+            made = Future()
+            made.set_result(plan)
+        self._ahead = (made, C, sums)
+        return plan, step, fitted
 
     def _exchange(self, name: str, x_RD: torch.Tensor, out_splits, in_splits, moving: bool):
         """Token all_to_all: async under overlap (returns a pending handle), else synchronous;
@@ -382,7 +441,11 @@ class ExpertParallelDispatcher:
         counts_r = C[r].tolist()
         B = self.config.block_size
         local_done_TD = None
-        if self.plans_async(x_TD.device) and self._owned_rows_stayed:
+        fitted = False
+        if self.plans_ahead():  # the fit of the step before's plan: short, on this thread
+            plan, step, fitted = self._plan_ahead_step(C, x_TD.dtype, x_TD.device, sums)
+            own = None
+        elif self.plans_async(x_TD.device) and self._owned_rows_stayed:
             planned = self._submit_plan(C, x_TD.dtype, x_TD.device, sums)
             try:
                 own = build_own_layout(routing, counts_r, r, E, B)
@@ -438,6 +501,7 @@ class ExpertParallelDispatcher:
             "max_rows": max(rows_W),
             "mean_rows": sum(rows_W) / W,
             "replica_cached": cached,
+            "plan_fitted": fitted,  # plan_ahead: the step before's plan, fitted to C
             # helper entries: segments, ranges, experts with kept holders
             "shares": len(plan.shares) + len(plan.ranges) + len(plan.kept),
         }

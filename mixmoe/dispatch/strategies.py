@@ -139,6 +139,7 @@ def config_fingerprint(config: MoEConfig, world_size: int, strategy: str) -> int
         config.block_size,
         config.max_replicas,
         config.plan_helpers,
+        config.plan_ahead,  # ranks fitting and ranks planning afresh would plan differently
         strategy,
         world_size,
         # the router and the shared experts: ranks routing differently would not hang, but they

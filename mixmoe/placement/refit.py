@@ -35,7 +35,10 @@ from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.ranges import cut_ranges_many
 
-__all__ = ["refit_plan", "refit_python"]
+__all__ = ["REFIT_SLACK", "carried_plan", "refit_plan", "refit_python"]
+
+# a fitted plan predicted more than this above the step its plan was made for is stale
+REFIT_SLACK = 1.10
 
 
 def refit_plan(
@@ -62,6 +65,28 @@ def refit_plan(
     if got is not None:
         return got
     return refit_python(plan, before_WN, after_WN, shape, profile, overlap, block_size)
+
+
+def carried_plan(
+    plan: Plan,
+    before_WN: object,
+    after_WN: object,
+    shape: LayerShape,
+    profile: HardwareProfile,
+    overlap: bool = True,
+    block_size: int = 64,
+    *,
+    before_sums: CountSums | None = None,
+    after_sums: CountSums | None = None,
+) -> Plan | None:
+    """``refit_plan``'s plan, or None when it is stale: predicted more than ``REFIT_SLACK``
+    above the step ``plan`` was predicted at on the counts it was made for (the hot experts
+    moved, as a rotating hotspot's do: plan the step afresh). Deterministic, like the fit."""
+    fitted = refit_plan(plan, before_WN, after_WN, shape, profile, overlap, block_size,
+                        before_sums=before_sums, after_sums=after_sums)  # fmt: skip
+    if fitted.prediction.step_s > REFIT_SLACK * plan.prediction.step_s:
+        return None
+    return fitted
 
 
 def refit_python(

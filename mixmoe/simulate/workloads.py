@@ -34,9 +34,11 @@ cost model's) gives every figure:
 Every planner re-runs on every step's counts (no plan is carried over); the replica cache
 (which replicas a rotating hot set can reuse) is the layer's business and not priced here.
 
-``ahead`` adds the strategy ``mix-ahead``: ``mix`` planned a step ahead, i.e. each step's plan is
-``plan_mix``'s plan of the step before, fitted to the step's counts (``placement.refit``;
-planning_ms is the fit's time, the full plan being made while the step before runs). The step
+``ahead`` adds the strategy ``mix-ahead``: ``mix`` planned a step ahead, as the layer does under
+``MoEConfig.plan_ahead``: each step's plan is ``plan_mix``'s plan of the step before, fitted to
+the step's counts (``placement.refit.carried_plan``), or the step's own plan where that fit is
+stale (planning_ms: the fit's time, and the plan's where it ran; the plan of the step before is
+made while that step runs). The step
 before step 0 (every step of a one-step workload) is a fresh draw of the same popularity: each
 source's rows drawn again, multinomially, from its row of step 0 (seeded by ``seed``); a
 rotating hotspot's later steps follow the real step before, whose hot set has moved.
@@ -58,7 +60,7 @@ from mixmoe.gating.imbalance import Workload
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile
-from mixmoe.placement.refit import refit_plan
+from mixmoe.placement.refit import carried_plan
 from mixmoe.simulate.layer import layer_config
 from mixmoe.simulate.routing import counts_source
 from mixmoe.validation import check_int
@@ -241,13 +243,15 @@ def _step_planners(
     mix = _planner("mix", shape, profile, cfg, K)
     before = [_redraw(steps[0], cfg.seed), *steps[:-1]]
     return [
-        functools.partial(_refitted, mix(B_WN), B_WN, shape=shape, profile=profile)
+        functools.partial(_carried, mix(B_WN), B_WN, mix=mix, shape=shape, profile=profile)
         for B_WN in before
     ]
 
 
-def _refitted(plan, before_WN, after_WN, *, shape, profile):
-    return refit_plan(plan, before_WN, after_WN, shape, profile)
+def _carried(plan, before_WN, after_WN, *, mix, shape, profile):
+    """The layer's plan_ahead step: the fit, or the step's own plan where it is stale."""
+    fitted = carried_plan(plan, before_WN, after_WN, shape, profile)
+    return mix(after_WN) if fitted is None else fitted
 
 
 def _redraw(C_WN: torch.Tensor, seed: int) -> torch.Tensor:

@@ -95,5 +95,6 @@ def test_nothing_moves_so_no_all_to_all_runs_and_the_stats_are_exact(strategy) -
         "max_rows": T * K,  # every routed row computed on the one rank
         "mean_rows": T * K / 1,
         "replica_cached": False,
+        "plan_fitted": False,  # planned from this step's counts (no plan_ahead)
         "shares": 0,  # no share entry: nothing computed away from its rows' owner or source
     }

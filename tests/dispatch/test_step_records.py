@@ -121,6 +121,7 @@ def test_config_fingerprint_is_31_bits_and_tells_every_agreed_field_apart() -> N
         "gate": GateConfig(score="sigmoid", normalize="renorm"),
         "shared_experts": 1,
         "balance_loss": "sequence",
+        "plan_ahead": True,
     }
     want = config_fingerprint(MoEConfig(**base), 2, "mix")
     assert want == config_fingerprint(MoEConfig(**base), 2, "mix")  # a pure function

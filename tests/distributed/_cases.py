@@ -21,6 +21,7 @@ def make_config(case: dict) -> MoEConfig:
         block_size=case.get("block_size", 16),
         max_replicas=case.get("max_replicas", 4),
         plan_async=case.get("plan_async", True),
+        plan_ahead=case.get("plan_ahead", False),
     )
 
 

@@ -19,7 +19,7 @@ from mixmoe.placement import GPU_PROFILE, LayerShape, Plan, plan_mix, predict_pl
 from mixmoe.placement.counts import CountSums
 from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.profile_io import load_profile
-from mixmoe.placement.refit import refit_plan, refit_python
+from mixmoe.placement.refit import REFIT_SLACK, carried_plan, refit_plan, refit_python
 from mixmoe.simulate.routing import counts_source
 
 BLK = 64
@@ -203,3 +203,20 @@ def test_sums_that_are_not_the_counts_are_refused():
         refit_plan(plan, C1, C1, shape, GPU_PROFILE, after_sums=wrong)
     with pytest.raises(TypeError, match="sums must be a CountSums"):
         refit_plan(plan, C1, C1, shape, GPU_PROFILE, before_sums=C1.sum(0))
+
+
+def test_a_carried_plan_is_the_fit_unless_it_is_stale():
+    """``carried_plan``: the fit while its step stays within ``REFIT_SLACK`` of the step the
+    plan was made at; None (plan afresh) once the hot experts moved."""
+    W, E = 8, 4
+    shape = _shape(W, E)
+    C1 = _counts("zipf:1.2", W, E, seed=2, tokens=4096)
+    plan = plan_mix(C1, shape, GPU_PROFILE, 4)
+    C2 = _resampled(C1, seed=3)
+    fit = refit_plan(plan, C1, C2, shape, GPU_PROFILE)
+    assert fit.prediction.step_s <= REFIT_SLACK * plan.prediction.step_s
+    assert repr(carried_plan(plan, C1, C2, shape, GPU_PROFILE)) == repr(fit)
+    moved = C1.flip(1)  # the same rows, every expert's load now another's
+    stale = refit_plan(plan, C1, moved, shape, GPU_PROFILE)
+    assert stale.prediction.step_s > REFIT_SLACK * plan.prediction.step_s
+    assert carried_plan(plan, C1, moved, shape, GPU_PROFILE) is None

@@ -28,6 +28,12 @@ forward compute (a third of the step's, ``cost_model``) of the fewest own rows o
 (``exposed_ms``, with the device's sums; at least
 that: a rank whose own rows the last plan sent to helpers computes none ahead). A rank's own
 rows are ~T K / W: at W >= 64 the overlap is a few microseconds and the whole span is exposed.
+
+Under ``MoEConfig.plan_ahead`` the step waits only for the plan of the step before fitted to
+its counts (``placement.refit``): ``fit_ms`` times that fit of the case's plan to a fresh draw
+of the same popularity (``gating.synthetic.redrawn_counts``), given both steps' sums, and
+``fit_over_fresh_step`` is the fitted plan's predicted step over that of a plan made for the
+drawn counts.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import torch
 
 from mixmoe.bench.timing import median
 from mixmoe.dispatch.step_plan import build_step_plan
-from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
+from mixmoe.gating.synthetic import RoutingSpec, redrawn_counts, synthetic_counts
 from mixmoe.placement import (
     CPU_PROFILE,
     GPU_PROFILE,
@@ -55,6 +61,7 @@ from mixmoe.placement.cost_model import step_model
 from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.planner import SEARCH_WIDTH
 from mixmoe.placement.profile_io import load_profile
+from mixmoe.placement.refit import refit_plan
 from mixmoe.placement.relay import node_distance
 from mixmoe.reference.planner import plan_mix_rescan
 from mixmoe.validation import DTYPE_NAMES, check_choice, check_int, torch_dtype
@@ -191,6 +198,17 @@ def run_case(
         keeping_ms, _ = _time_ms(
             lambda: build_step_plan(counts_WN, new, rank, N // W, distance, sums), cfg.repeats
         )
+        # plan_ahead: the plan fitted to the next step's counts (a fresh draw of the same
+        # popularity), as the layer runs it, given both steps' sums
+        after_WN = redrawn_counts(counts_WN, cfg.seed + 1)
+        after_sums = count_sums(after_WN, N // W)
+        fit_ms, fit = _time_ms(
+            lambda: refit_plan(
+                new, counts_WN, after_WN, shape, profile, before_sums=sums, after_sums=after_sums
+            ),  # fmt: skip
+            cfg.repeats,
+        )
+        fresh = plan_mix(after_WN, shape, profile, cfg.max_replicas, search_width=cfg.search_width)
         old_ms, old = None, None
         if W <= cfg.old_max_world:
             old_ms, old = _time_ms(
@@ -217,6 +235,8 @@ def run_case(
         "bookkeeping_ms": keeping_ms,
         "host_ms": sums_ms + given_ms + keeping_ms,
         "host_device_sums_ms": given_ms + keeping_ms,
+        "fit_ms": fit_ms,
+        "fit_over_fresh_step": fit.prediction.step_s / fresh.prediction.step_s,
         "overlap_ms": overlap_ms,
         "exposed_ms": max(0.0, given_ms + keeping_ms - overlap_ms),
         "a2a_step_ms": a2a_ms,

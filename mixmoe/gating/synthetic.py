@@ -170,3 +170,18 @@ def synthetic_counts(
         flat = (rank_MT[:, None] * N + order_N[ids_MK]).reshape(-1)
         counts_WN.view(-1).index_add_(0, flat, torch.ones_like(flat))
     return counts_WN
+
+
+def redrawn_counts(counts_WN: torch.Tensor, seed: int) -> torch.Tensor:
+    """Another step of the same popularity: each source rank's rows drawn again, as many,
+    multinomially from its row of ``counts_WN`` (int64 [W, N]; a rank with no rows keeps
+    none). What the planning-ahead figures fit a plan to (``bench balance --ahead``, ``bench
+    planner``'s fit)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.zeros_like(counts_WN)
+    for s, row in enumerate(counts_WN):
+        n = int(row.sum())
+        if n:
+            draw = torch.multinomial(row.double(), n, replacement=True, generator=gen)
+            out[s] = torch.bincount(draw, minlength=counts_WN.shape[1])
+    return out

@@ -57,6 +57,7 @@ import torch
 
 from mixmoe.dispatch.strategies import planning_spec, strategy_spec
 from mixmoe.gating.imbalance import Workload
+from mixmoe.gating.synthetic import redrawn_counts
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile
@@ -241,7 +242,7 @@ def _step_planners(
     if name != "mix-ahead":
         return [_planner(name, shape, profile, cfg, K)] * len(steps)
     mix = _planner("mix", shape, profile, cfg, K)
-    before = [_redraw(steps[0], cfg.seed), *steps[:-1]]
+    before = [redrawn_counts(steps[0], cfg.seed), *steps[:-1]]
     return [
         functools.partial(_carried, mix(B_WN), B_WN, mix=mix, shape=shape, profile=profile)
         for B_WN in before
@@ -252,19 +253,6 @@ def _carried(plan, before_WN, after_WN, *, mix, shape, profile):
     """The layer's plan_ahead step: the fit, or the step's own plan where it is stale."""
     fitted = carried_plan(plan, before_WN, after_WN, shape, profile)
     return mix(after_WN) if fitted is None else fitted
-
-
-def _redraw(C_WN: torch.Tensor, seed: int) -> torch.Tensor:
-    """Counts of the same popularity, drawn again: each source's rows multinomially from its
-    row of ``C_WN`` (as many as it has)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = torch.zeros_like(C_WN)
-    for s, row in enumerate(C_WN):
-        n = int(row.sum())
-        if n:
-            draw = torch.multinomial(row.double(), n, replacement=True, generator=gen)
-            out[s] = torch.bincount(draw, minlength=C_WN.shape[1])
-    return out
 
 
 @functools.lru_cache(maxsize=32)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mixmoe import cli
+from mixmoe.gating.synthetic import redrawn_counts
 from mixmoe.placement import plan_mix
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile, profile_record, save_profile
@@ -18,7 +19,6 @@ from mixmoe.simulate.routing import counts_source
 from mixmoe.simulate.workloads import (
     BalanceConfig,
     ShapeSpec,
-    _redraw,
     case_records,
     layer_shape,
     shape_spec,
@@ -192,7 +192,7 @@ def test_mix_ahead_is_the_step_befores_plan_fitted(cfg) -> None:
     steps = counts_source("rotate:2:0.5:3", 4, 16, 2048, 2, seed=cfg.seed)
     *_, ahead = case_records(cfg, "seeds", 4, "rotate:2:0.5:3")
     assert ahead["strategy"] == "mix-ahead" and ahead["steps"] == 3
-    before = [_redraw(steps[0], cfg.seed), *steps[:-1]]
+    before = [redrawn_counts(steps[0], cfg.seed), *steps[:-1]]
     assert not torch.equal(before[0], steps[0])
     assert before[0].sum(1).tolist() == steps[0].sum(1).tolist()  # each source's rows, again
     want = []

@@ -73,11 +73,8 @@ def planned(
     fn = native_lib.function("mixmoe_plan_mix", ctypes.c_int64, _ARGTYPES)
     if fn is None:
         return None
-    key = (shape, profile, slots, overlap, search_width, block_size, balance, constants)
-    try:
-        args = _arguments(key)
-    except TypeError:  # an unhashable profile (a subclass's field): built for this call only
-        args = _arguments.__wrapped__(key)
+    args = _settings((shape, profile, slots, overlap, search_width, block_size, balance,
+                      constants))  # fmt: skip
     if args is None:
         return None
     ints, reals = args
@@ -121,11 +118,7 @@ def refitted(
         return None
     # the settings' ints and reals as plan_mix's (the refit reads W, E, the block, the model,
     # the nodes; the search's settings are not read)
-    key = (shape, profile, 0, overlap, 1, block_size, True, (1.0, 1.0, 1.0, 0))
-    try:
-        args = _arguments(key)
-    except TypeError:  # an unhashable profile (a subclass's field): built for this call only
-        args = _arguments.__wrapped__(key)
+    args = _settings((shape, profile, 0, overlap, 1, block_size, True, (1.0, 1.0, 1.0, 0)))
     if args is None:
         return None
     ints, reals = args
@@ -171,6 +164,15 @@ def _decoded(status: int, W: int, out_i, out_d, counts) -> Plan | None:
     packed.frombytes(memoryview(out_i).cast("B")[start : start + 8 * (at + 4)])
     # the twin tests rebuild every compiled plan through Plan's checks (Plan.unchecked's doc)
     return Plan.unchecked(replicas, prediction, baseline, bool(relay), ranges, kept, packed)
+
+
+def _settings(key: tuple) -> tuple[ctypes.Array, ctypes.Array] | None:
+    """``_arguments(key)``, built for this call only where the key does not hash (a profile
+    subclass's unhashable field)."""
+    try:
+        return _arguments(key)
+    except TypeError:
+        return _arguments.__wrapped__(key)
 
 
 @functools.lru_cache(maxsize=64)

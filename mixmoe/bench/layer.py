@@ -66,6 +66,7 @@ class LayerBenchConfig:
     jsonl: str | None = None
     profile: str = ""  # preset name or calibrate JSON for the planners ('' = the device default)
     plan_async: bool | None = None  # MoEConfig.plan_async (mix; None: background on CUDA only)
+    plan_ahead: bool = False  # MoEConfig.plan_ahead (mix: fit the step before's plan)
     trace: str = ""  # a directory: per-rank CMD traces of the timed steps ('' = no tracing)
     balanced: bool = False  # also time a2a under uniform routing: the balanced bound (W > 1)
 
@@ -110,6 +111,7 @@ class LayerBenchConfig:
             top_k=self.top_k,
             strategy=strategy,
             plan_async=self.plan_async,
+            plan_ahead=self.plan_ahead,
         )
 
 

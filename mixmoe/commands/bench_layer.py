@@ -25,7 +25,9 @@ from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
 
-PLAN_MODES = {"auto": None, "async": True, "sync": False}
+# --plan: (MoEConfig.plan_async, MoEConfig.plan_ahead)
+PLAN_MODES = {"auto": (None, False), "async": (True, False), "sync": (False, False),
+              "ahead": (None, True)}  # fmt: skip
 BALANCED_MODES = ("auto", "on", "off")
 
 __all__ = ["add_arguments", "config_from_args", "run"]
@@ -75,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="mix: where the plan is made (MoEConfig.plan_async): 'async' on a background thread "
         "while the own rows compute, 'sync' on the caller before them, 'auto' async on CUDA "
-        "only (default: auto)",
+        "only; 'ahead': from the step before's counts on the background thread, fitted to the "
+        "step's (MoEConfig.plan_ahead) (default: auto)",
     )
     p.add_argument(
         "--balanced",
@@ -121,7 +124,8 @@ def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
         seed=args.seed,
         jsonl=args.jsonl or None,
         profile=args.profile,
-        plan_async=PLAN_MODES[args.plan],
+        plan_async=PLAN_MODES[args.plan][0],
+        plan_ahead=PLAN_MODES[args.plan][1],
         trace=args.trace,
         balanced=args.balanced == "on" or (args.balanced == "auto" and world > 1),
     )

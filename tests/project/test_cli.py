@@ -178,8 +178,14 @@ def test_bench_layer_plan_mode_reaches_the_layer_config():
     from mixmoe.commands import bench_layer
 
     parser = cli.build_parser()
-    for argv, expected in (([], None), (["--plan", "sync"], False), (["--plan", "async"], True)):
+    for argv, expected, ahead in (
+        ([], None, False),
+        (["--plan", "sync"], False, False),
+        (["--plan", "async"], True, False),
+        (["--plan", "ahead"], None, True),
+    ):
         args = parser.parse_args(["bench", "layer", "--world-size", "2", *argv])
         cfg = bench_layer.config_from_args(args)
-        assert cfg.plan_async is expected
+        assert cfg.plan_async is expected and cfg.plan_ahead is ahead
         assert cfg.moe_config("mix").plan_async is expected
+        assert cfg.moe_config("mix").plan_ahead is ahead

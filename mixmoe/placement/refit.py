@@ -14,7 +14,8 @@ replicated where and how much each helper takes, which carries over.
 
 The refit keeps the plan's hot experts, holders and relay flag. Each helper of expert g takes
 the same share of g's stream as before (its rows times T_g after / T_g before, cut again at the
-stream's allowed positions: ``ranges.cut_ranges_many``). Kept holders (``Plan.kept``) are
+stream's allowed positions: ``ranges.cut_ranges_many``; T_g before counts the plan's kept
+holders' rests, which its ranges may cover, T_g after none). Kept holders (``Plan.kept``) are
 dropped: they compute all their own rows locally again (the replica rule), so no range can
 cover a kept holder's own rest. So are share entries (the move-by-move planner's; they name
 segments, not shares of a stream). The result is a valid plan for the new counts
@@ -105,10 +106,13 @@ def refit_python(
     items = []
     if plan.ranges:
         gs = [g for g, _ in plan.ranges]
-        old_T, new_T = _stream_totals(before, plan, gs), _stream_totals(after, plan, gs)
+        kept = dict(plan.kept)
+        old_T = _stream_totals(before, plan, gs, kept)  # the stream the ranges were cut from
+        new_T = _stream_totals(after, plan, gs, {})  # the fitted plan's: no kept holder
         for (g, pairs), t0, t1 in zip(plan.ranges, old_T, new_T, strict=True):
-            # t0 > 0: a range of an empty stream would hold no row. Integer floor of n * t1 / t0
-            items.append((g, plan.holders(g), [(y, n * t1 // t0) for y, n in pairs]))
+            # t0 > 0 for a valid plan (its ranges hold rows of that stream); n * t1 // t0: exact
+            items.append((g, plan.holders(g), [(y, n * t1 // t0 if t0 > 0 else 0)
+                                               for y, n in pairs]))  # fmt: skip
     cut = cut_ranges_many(after, items, E, block_size)
     ranges = tuple((g, c) for (g, _, _), c in zip(items, cut, strict=True) if c)
     fitted = dataclasses.replace(plan, shares=(), ranges=ranges, kept=())
@@ -119,13 +123,14 @@ def refit_python(
     return dataclasses.replace(none, prediction=priced.baseline)
 
 
-def _stream_totals(C_WN, plan: Plan, gs: list[int]) -> list[int]:
-    """T_g of each expert in ``gs`` under ``plan``'s holders, without kept holders: its column's
-    rows but those of its holders (which compute their own)."""
+def _stream_totals(C_WN, plan: Plan, gs: list[int], kept: dict) -> list[int]:
+    """T_g of each expert in ``gs`` under ``plan``'s holders and the kept holders ``kept``
+    ({g: ((y, local rows), ...)}): its column's rows but those its holders compute locally
+    (a holder all its own rows, a kept holder its local ones; the rest stays in the stream)."""
     cols = C_WN[:, gs]
     totals = cols.sum(0).tolist()
     for i, g in enumerate(gs):
-        holders = list(plan.holders(g))
-        if holders:
-            totals[i] -= int(cols[holders, i].sum())
+        local = dict(kept.get(g, ()))
+        for y in plan.holders(g):
+            totals[i] -= local[y] if y in local else int(cols[y, i])
     return totals

@@ -40,6 +40,7 @@ for stage in "$@"; do case $stage in
   relay-fetch) run relay-fetch "${RF_S:-180}" $PY scripts/gpu/relay_fetch.py --device cuda \
        $( [ -d .gpu_old/mixmoe_s5 ] && echo --old .gpu_old );;
   ep-cuda) run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda;;
+  ep-ahead) run ep-ahead "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda --plan-ahead;;
   correctness) GPU_N=${GPU_N:-4}
        ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py tests/dispatch/test_replicas.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &
        ( run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda ) > "$OUT/correctness-b.txt" 2>&1 &

@@ -46,6 +46,7 @@ def _layer(case: dict, dtype: torch.dtype, device: str) -> MoE:
         gate=GateConfig(type="topk"),
         max_replicas=4,
         plan_async=True,
+        plan_ahead=case.get("plan_ahead", False),
     )
     layer = MoE(cfg, dtype=torch.float64)
     with torch.no_grad():  # experts 0 and 1 (both on rank 0) hot: replicas pay
@@ -81,9 +82,14 @@ def _rank(comm, cases: list[dict], device: str) -> list[dict]:
             layer.dispatcher.check_plans = True  # plans, and the device's C sums, against C
             x, dy = _inputs(case, comm.rank)
             x = x.to(device=device, dtype=case["dtype"]).requires_grad_(True)
+            if case.get("plan_ahead"):  # a first step plans afresh; the checked one fits it
+                layer(x)[0].sum().backward()
+                layer.zero_grad()
+                x.grad = None
             y, aux = layer(x)
             (y.double() * dy.to(device)).sum().backward()
             got = _grads(layer, x, y)
+            got["fitted"] = bool((aux.stats or {}).get("plan_fitted", False))
             got["replicas"] = int((aux.stats or {}).get("replicas", 0))
             got["shares"] = int((aux.stats or {}).get("shares", 0))
             got["counts"] = aux.counts_N.detach().cpu()
@@ -133,9 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", default="2,3", help="comma list of 2, 3")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--plan-ahead",
+        action="store_true",
+        help="mix under MoEConfig.plan_ahead: a first step, then the checked one fits its plan",
+    )
     args = p.parse_args(argv)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     failed = 0
+    any_fitted: dict[int, bool] = {}  # --plan-ahead: per world, whether some mix step fitted
     for world in (int(w) for w in args.world.split(",")):
         # a rank with zero rows in every world; the hot experts' owner (rank 0) gets rows from others
         tokens = {2: ([130, 300], [0, 300]), 3: ([257, 64, 0], [0, 64, 257])}[world]
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 "experts": 2 * world,
                 "tokens": list(tokens[i % 2]),
                 "seed": 7000 + 100 * world + i,
+                "plan_ahead": args.plan_ahead and strategy == "mix",
             }
             for i, (strategy, dtype, top_k, act) in enumerate(
                 (s, d, k, a)
@@ -178,11 +191,16 @@ def main(argv: list[str] | None = None) -> int:
             if case["strategy"] != "a2a" and reps == 0:
                 ok = False
                 where += " (no replica used)"
+            fitted = all(g["fitted"] for g in got)
+            any_fitted[world] = any_fitted.get(world, False) or fitted
             failed += not ok
             print(
                 f"{'ok  ' if ok else 'FAIL'} {name} on={got[0]['on']} replicas={reps} shares={shares} "
-                f"max rel err {worst:.2e} ({where})"
+                f"{'fitted ' if fitted else ''}max rel err {worst:.2e} ({where})"
             )
+        if args.plan_ahead and not any_fitted.get(world):  # the fit's path must have run
+            failed += 1
+            print(f"FAIL W={world}: no mix case fitted the plan of its first step")
     print(f"ep_one_gpu: {'all passed' if not failed else f'{failed} case(s) failed'}")
     return 1 if failed else 0
 

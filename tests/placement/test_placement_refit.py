@@ -15,14 +15,17 @@ import mixmoe.dispatch.step_native as step_native
 import mixmoe.placement.native_lib as lib
 import mixmoe.placement.refit as refit_module
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
-from mixmoe.placement import GPU_PROFILE, LayerShape, Plan, plan_mix, predict_plan
+from mixmoe.placement import GPU_PROFILE, LayerShape, Plan, Prediction, plan_mix, predict_plan
+from mixmoe.placement.cost_model import reprice, step_model
 from mixmoe.placement.counts import CountSums
 from mixmoe.placement.native_pricing import count_sums
+from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.refit import REFIT_SLACK, carried_plan, refit_plan, refit_python
 from mixmoe.simulate.routing import counts_source
 
 BLK = 64
+COMPUTE_BOUND = HardwareProfile("compute-bound", 1e6, 1e12, 1e-9)  # helpers always pay
 
 
 def _counts(routing: str, W: int, E: int, seed: int, tokens: int = 2048) -> torch.Tensor:
@@ -220,3 +223,29 @@ def test_a_carried_plan_is_the_fit_unless_it_is_stale():
     stale = refit_plan(plan, C1, moved, shape, GPU_PROFILE)
     assert stale.prediction.step_s > REFIT_SLACK * plan.prediction.step_s
     assert carried_plan(plan, C1, moved, shape, GPU_PROFILE) is None
+
+
+def test_ranges_over_a_kept_holders_rest_keep_their_share():
+    """A plan whose ranges cover a kept holder's rest: the stream they were cut from counts that
+    rest (the first fit left it out, and divided by zero where the stream was that rest alone:
+    found by scripts/gpu/ep_one_gpu.py --plan-ahead). Compiled and Python alike."""
+    C = torch.tensor([[64, 40, 30], [256, 0, 20], [100, 10, 0]])  # expert g on rank g (E = 1)
+    shape = _shape(3, 1)
+    none = Prediction((0.0,) * 3, (0.0,) * 3, (0,) * 3, (0,) * 3, (0,) * 3, 0.0)
+    plan = Plan((0,), ((0, (1, 2)),), none, none, relay=True,
+                ranges=((0, ((2, 128),)),), kept=((0, ((1, 64),)),))  # fmt: skip
+    plan.check_shares(C, 1, BLK)  # holder 2 takes 128 of the stream: holder 1's 192-row rest
+    priced = reprice(C, plan, step_model(shape, COMPUTE_BOUND, True), COMPUTE_BOUND)
+    packed = step_native._pack(priced)
+    compiled = Plan.unchecked(priced.replicas, priced.prediction, priced.baseline, True,
+                              priced.ranges, priced.kept, packed)  # fmt: skip
+    owner_rows = C.clone()
+    owner_rows[0, 0] = 384  # the owner routes rows to its expert now: the new stream
+    for after, ranges in ((C, ()), (owner_rows, ((0, ((2, 192),)),))):
+        want = refit_python(priced, C, after, shape, COMPUTE_BOUND)
+        assert repr(refit_plan(compiled, C, after, shape, COMPUTE_BOUND)) == repr(want)
+        assert want.hot == (0,) and want.kept == ()
+        want.check_shares(after, 1, BLK)
+        # holder 2's share, 128 of the 256-row stream (192 rest + the owner's 64), of the new
+        # one (the owner's rows alone): 32 of 64 rounds to none, 192 of 384
+        assert want.ranges == ranges

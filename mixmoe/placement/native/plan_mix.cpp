@@ -339,9 +339,9 @@ int64_t baseline_checked(const Counts& k, const Model& m, const int64_t* colsum_
 // not one this reads (share entries; experts not ascending or out of range; holders not
 // ascending, out of range or the owner; range helpers not ascending or rows not positive).
 bool read_packed(const int64_t* p, int64_t len, const Counts& k, Replicas& replicas,
-                 ExpertEntries& ranges) {
+                 ExpertEntries& ranges, ExpertEntries& kept) {
   if (len < 4 || p[1] != 0) return false;
-  const int64_t n_hot = p[0], n_ranges = p[2];
+  const int64_t n_hot = p[0], n_ranges = p[2], n_kept = p[3];
   int64_t at = 4;
   auto take = [&](int64_t n) {  // n ints at p[at] (no overflow past the end)
     if (n < 0 || n > len - at) return false;
@@ -360,19 +360,23 @@ bool read_packed(const int64_t* p, int64_t len, const Counts& k, Replicas& repli
         return false;
     replicas.emplace_back(g, std::move(holders));
   }
-  for (int64_t i = 0; i < n_ranges; ++i) {
-    if (!take(2)) return false;
-    const int64_t g = p[at - 2], n = p[at - 1];
-    if (n < 0 || n > (len - at) / 2 || g < 0 || g >= k.N ||
-        (!ranges.empty() && g <= ranges.back().first))
-      return false;
-    Entries pairs;
-    for (int64_t j = 0; j < n; ++j, at += 2) {
-      const int64_t y = p[at], rows = p[at + 1];
-      if (y < 0 || y >= k.W || rows <= 0 || (j && y <= pairs.back().first)) return false;
-      pairs.emplace_back(y, rows);
+  for (int part = 0; part < 2; ++part) {  // the ranges: helpers ascending, rows > 0; kept
+    ExpertEntries& list = part ? kept : ranges;
+    for (int64_t i = 0, count = part ? n_kept : n_ranges; i < count; ++i) {
+      if (!take(2)) return false;
+      const int64_t g = p[at - 2], n = p[at - 1];
+      if (n < 0 || n > (len - at) / 2 || g < 0 || g >= k.N ||
+          (!list.empty() && g <= list.back().first))
+        return false;
+      Entries pairs;
+      for (int64_t j = 0; j < n; ++j, at += 2) {
+        const int64_t y = p[at], rows = p[at + 1];
+        if (y < 0 || y >= k.W || (j && y <= pairs.back().first)) return false;
+        if (part ? rows < 0 : rows <= 0) return false;
+        pairs.emplace_back(y, rows);
+      }
+      list.emplace_back(g, std::move(pairs));
     }
-    ranges.emplace_back(g, std::move(pairs));
   }
   return true;
 }
@@ -448,7 +452,7 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
 }
 
 // placement.refit.refit_plan compiled: `plan` (Plan.packed, step_native._pack's layout; no share
-// entries, kept entries ignored) with its relay flag, made for the counts C1, fitted to C2
+// entries; its kept entries count in the stream totals before, then are dropped) with its relay flag, made for the counts C1, fitted to C2
 // (C's counts as plan_mix's, `ints` and `reals` as plan_mix's: W, E, blk, the model, per_node,
 // bw_inter are read). `colsum1`: C1's column sums (N; the step before's CountSums). C2's sums
 // as plan_mix's (null: one pass over C2). Each ranged expert g's helpers keep their share of
@@ -469,16 +473,23 @@ int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* c
   const int64_t status = baseline_checked(k, m, colsum_N, rowsum_W, base);
   if (status != 0) return status;
   Replicas replicas;
-  ExpertEntries ranges;
-  if (!read_packed(plan, plan_len, k, replicas, ranges)) return -5;
+  ExpertEntries ranges, kept;
+  if (!read_packed(plan, plan_len, k, replicas, ranges, kept)) return -5;
   FillOut out;  // the fitted state: the plan's holders, the scaled amounts (plan_from's input)
-  size_t h = 0;  // replicas and ranges both ascend by expert
+  size_t h = 0, q = 0;  // replicas, ranges and kept all ascend by expert
   for (const auto& [g, pairs] : ranges) {
     while (h < replicas.size() && replicas[h].first < g) ++h;
     if (h == replicas.size() || replicas[h].first != g) return -5;  // a helper holds g's replica
+    while (q < kept.size() && kept[q].first < g) ++q;
+    const Entries* local = q < kept.size() && kept[q].first == g ? &kept[q].second : nullptr;
+    // T before: the stream the ranges were cut from (a kept holder's rest in it); T after:
+    // without kept holders (each computes all its own rows)
     int64_t t1 = colsum1[g], t2 = base.colsum[g];
+    size_t at = 0;  // local ascends by holder, as the holders do
     for (int64_t y : replicas[h].second) {
-      t1 -= C1[y * k.N + g];  // (C1: the caller's, read only at these holders)
+      while (local && at < local->size() && (*local)[at].first < y) ++at;
+      const bool is_kept = local && at < local->size() && (*local)[at].first == y;
+      t1 -= is_kept ? (*local)[at].second : C1[y * k.N + g];  // (C1 read at holders only)
       t2 -= k.c(y, g);
     }
     if (t1 <= 0 || t2 < 0) return -5;

@@ -3,10 +3,12 @@
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
 # Stages: env, install, gpu-tests, ep-cuda, correctness (gpu-tests and ep-cuda side by side), train, modern,
 #   suite, kernels, kernels-fine, layer, layer-ab, hf, hf-ab, hf-bench, calibrate, count-exchange,
-#   relay-fetch.
+#   relay-fetch, ep-ahead.
 # install: the project from this tree (PYTHONPATH) and, when .whl/ holds them, the pinned wheels the
 #   image lacks (transformers), unpacked into /tmp/site (no registry is reachable there).
 # ep-cuda: a2a/shadow/mix on CUDA tensors, 2 and 3 gloo ranks on the one GPU, vs the single-rank layer.
+# ep-ahead: the same with mix under MoEConfig.plan_ahead (a first step, then the checked one fits
+#   its plan: the compiled fit and the background plan on the GPU machine's host).
 # train: the first GPU training run (gpt2 base, bf16 autocast, ~100 steps).
 # modern: the DeepSeek-style layer on CUDA (fp32 router under bf16) and `train --model deepseek`.
 # kernels-fine: the fine-grained shape (256 experts, top-8, D2048 F1024, SwiGLU).

@@ -341,9 +341,9 @@ class ExpertParallelDispatcher:
         thread while that step ran) fitted to C (``refit.carried_plan``), or, on the first step
         or when the fit is stale, C's own plan; then this rank's bookkeeping, and C's plan
         started on the thread for the next step (kept as it is when it was just made here).
-        Whether the plan was fitted comes third. Every
-        rank takes the same branch: each is a function of the same counts. A planner error of
-        the step before is raised here, on every rank, before any further collective."""
+        Whether the plan was fitted comes third. Every rank takes the same branch: each is a
+        function of the same counts. An error of the background plan is raised here, on every
+        rank, before any further collective."""
         with trace_span("moe.plan", kind="host"):
             E = self.experts_per_rank
             if sums is None and C.numel() >= self.shared_sums_min:

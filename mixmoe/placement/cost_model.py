@@ -56,6 +56,7 @@ carry their length: ``rows_W`` (one entry per rank), ``colsum_N`` (one per exper
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import operator
@@ -312,6 +313,27 @@ class StepModel:
         self._divisor_41 = torch.tensor(
             [self.gemm_flops, self.gemm_flops, self.bw, self.bw], dtype=f64
         ).view(4, 1)
+
+    def fill_link(self, world_size: int, ranks_per_node: int | None) -> StepModel:
+        """The one link the planner's fills search under (``planner.plan_mix``): this model
+        where every pair is alike (no topology, or all ``world_size`` ranks on one node); with
+        nodes, a copy whose link is the blend a rank's uniformly spread peers see, the time per
+        byte averaged over them: ``1 / (f / bw_inter + (1 - f) / bw)``, ``f = (W - P) / (W -
+        1)`` the share of peers on other nodes (P ranks per node). The fills' own totals then
+        price rows at about what the plan's 6-row pricing charges them (with the intra-node link
+        alone, a fill at W = 256 under ``h100-nvlink-ib`` saw a mean of 2.1 ms against a priced
+        step of 5.3 ms, and spread rows across nodes as if they were free). Twin of
+        ``native/plan_mix.cpp``'s fill model (the same expression, bit for bit)."""
+        if not ranks_per_node or world_size <= ranks_per_node or self.bw_inter is None:
+            return self
+        far = (world_size - ranks_per_node) / (world_size - 1)  # peers on other nodes
+        blended = copy.copy(self)
+        blended.bw = 1.0 / (far / self.bw_inter + (1.0 - far) / self.bw)
+        blended.bw_inter = None  # one link
+        blended._divisor_41 = torch.tensor(
+            [self.gemm_flops, self.gemm_flops, blended.bw, blended.bw], dtype=torch.float64
+        ).view(4, 1)
+        return blended
 
     def rank_seconds(
         self,

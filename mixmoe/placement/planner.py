@@ -232,13 +232,16 @@ def plan_mix(
         # loads (equal to plan_pricing's of the plan it would emit: test_placement_balance); only
         # the winner's plan (shares) is built and priced, once
         starts = [dict(best.replicas)] + ([{}] if best.hot else [])
+        # the fills search on one link: with nodes, the blend of both (StepModel.fill_link);
+        # each fill's plan is then priced in full (_fill_step)
+        search = model.fill_link(W, getattr(profile, "ranks_per_node", None))
         won, won_step = None, best.prediction.step_s
         stalled = False  # a fill's max: a new holder its own rows took past the level
         from_none = False  # whether a fill started from nothing replicated
         for start in starts:
             from_none = from_none or not start
             loads_4W = start_loads.get(tuple(sorted(start)))
-            state = _water_fill(C_WN, colsum_N, shape, model, start, slots, block_size,
+            state = _water_fill(C_WN, colsum_N, shape, search, start, slots, block_size,
                                 profile, won_step, fill, loads_4W, base_4W)  # fmt: skip
             if state is not None:
                 stalled = stalled or _stalled(state)
@@ -251,7 +254,7 @@ def plan_mix(
         # spread fill runs only then (planning time) and wins only with a lower prediction
         if won_step > SPREAD_WHEN * _fill_mean(won, best):
             spread = spread_start(C_WN, colsum_N, E, slots)
-            state = _water_fill(C_WN, colsum_N, shape, model, spread, slots, block_size,
+            state = _water_fill(C_WN, colsum_N, shape, search, spread, slots, block_size,
                                 profile, won_step, fill, None, base_4W) if spread else None  # fmt: skip
             if state is not None:
                 stalled = stalled or _stalled(state)
@@ -267,7 +270,7 @@ def plan_mix(
         # (``Plan.kept``); it wins only with a lower prediction
         base_mean = fold_sum(map(float.__add__, best.baseline.compute_s, best.baseline.comm_s)) / W
         if fill == "level" and (stalled or not from_none) and won_step > FILL_STOP * base_mean:
-            state = _water_fill(C_WN, colsum_N, shape, model, {}, slots, block_size, profile,
+            state = _water_fill(C_WN, colsum_N, shape, search, {}, slots, block_size, profile,
                                 won_step, fill, None, base_4W, kept=True)  # fmt: skip
             if state is not None:
                 step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)

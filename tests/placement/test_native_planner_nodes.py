@@ -182,6 +182,40 @@ def test_ranged_fills_win_under_nodes(monkeypatch):
     assert seen["ranges"] >= 3 and seen["far"] >= 3 and seen["kept"] >= 2, seen
 
 
+@pytest.mark.parametrize("W, profile", [(32, FOUR), (8, NVLINK_IB), (16, None)])
+def test_fills_search_on_the_blended_link(monkeypatch, W, profile):
+    """The Python planner (``MIXMOE_NATIVE=0``; the compiled one is its twin, above) runs every
+    fill on ``StepModel.fill_link``'s one link: the blend of both links when W spans nodes, the
+    model's own link on one node or without a topology; each fill's step is priced with the
+    model itself (``_fill_step``)."""
+    import mixmoe.placement.planner as planner_module
+
+    profile = profile or GPU_PROFILE
+    shape = _shape(SEEDS, 4, W)
+    model = step_model(shape, profile, True)
+    want = model.fill_link(W, profile.ranks_per_node).bw
+    assert (want < model.bw) == (profile is FOUR)
+    searched, priced = [], []
+    fill, step = planner_module._water_fill, planner_module._fill_step
+
+    def water_fill(C, colsum, shape, search, *a, **k):
+        searched.append(search.bw)
+        return fill(C, colsum, shape, search, *a, **k)
+
+    def fill_step(state, model, *a, **k):
+        priced.append(model.bw)
+        return step(state, model, *a, **k)
+
+    monkeypatch.setattr(planner_module, "_water_fill", water_fill)
+    monkeypatch.setattr(planner_module, "_fill_step", fill_step)
+    monkeypatch.setenv("MIXMOE_NATIVE", "0")
+    gen = torch.Generator().manual_seed(1)
+    plan_mix(synthetic_counts(RoutingSpec.parse("zipf:1.2"), W, 8192, 2, 4 * W, gen), shape,
+             profile, 4)  # fmt: skip
+    assert searched and set(searched) == {want}, (searched, want)
+    assert priced and set(priced) == {model.bw}
+
+
 def test_plan_mix_runs_compiled_with_nodes(monkeypatch):
     """With ``h100-nvlink-ib`` the planner calls the compiled whole, and it plans."""
     calls = []

@@ -401,3 +401,30 @@ def test_a_packed_prediction_is_the_eager_one():
         packed().rows = ()
     with pytest.raises(AttributeError, match="no attribute 'rank'"):
         packed().rank  # noqa: B018
+
+
+def test_fill_link_blends_the_two_links_by_the_share_of_far_peers() -> None:
+    """``StepModel.fill_link``: on one link (or one node) the model itself; across nodes a copy
+    whose one link charges a byte the mean time over a rank's peers, every term else unchanged."""
+    nodes = HardwareProfile("nodes", 1e12, 4e9, 1e-5, ranks_per_node=4, inter_node_bandwidth=1e9,
+                            inter_node_latency=3e-5)  # fmt: skip
+    shape = LayerShape(model_dim=8, hidden_dim=16, experts_per_rank=2, world_size=13,
+                       bytes_per_element=4)  # fmt: skip
+    model = StepModel(shape, nodes, True)
+    one = StepModel(shape, TOY_PROFILE, True)
+    assert one.fill_link(13, None) is one
+    assert model.fill_link(4, 4) is model and model.fill_link(3, 4) is model  # one node
+    fill = model.fill_link(13, 4)
+    # 9 of 12 peers far: a byte takes 9/12 of 1 ns + 3/12 of 0.25 ns = 0.8125 ns
+    assert fill.bw == pytest.approx(1 / 0.8125e-9, rel=1e-15)
+    assert fill.bw == 1.0 / ((13 - 4) / (13 - 1) / 1e9 + (1.0 - (13 - 4) / (13 - 1)) / 4e9)
+    assert fill.bw_inter is None and model.bw == 4e9 and model.bw_inter == 1e9  # a copy
+    assert fill.lat == model.lat == 3e-5  # the nodes' latency already (W spans nodes)
+    loads_4W = torch.tensor([[64.0, 8.0], [16.0, 0.0], [48.0, 8.0], [1.0, 0.0]])
+    compute, comm = fill.seconds_W(loads_4W, True, 1)
+    for r in range(2):  # the batch and the scalar arithmetic agree on the new link
+        rows, local, remote, replica = (int(x) for x in loads_4W[:, r])
+        c, m = fill.rank_seconds(rows, local, remote, replica, True, 1)
+        assert (compute[r].item(), comm[r].item()) == (c, m)
+        assert c == model.rank_seconds(rows, local, remote, replica, True, 1)[0]
+        assert m > model.rank_seconds(rows, local, remote, replica, True, 1)[1]  # slower link

@@ -82,9 +82,13 @@ def test_fitted_to_a_new_step_it_is_valid_and_priced_there(routing, profile):
     assert repr(got.prediction) == repr(predict_plan(C2, got, shape, prof, True))
     assert got.prediction.step_s < got.baseline.step_s  # the carried plan still helps
     assert got.replicas == plan.replicas and {g for g, _ in got.ranges} <= set(plan.hot)
-    # same popularity, fresh noise: within a few % of planning the new step from scratch
+    # same popularity, fresh noise: the fit keeps its plan's quality (within 2% of the plan's
+    # own step; measured 0.997-1.013) and stays inside carried_plan's slack of planning the new
+    # step from scratch (a fresh plan may find another arrangement: under nodes, zipf:1.2, 5.7%
+    # below the plan of the step before on its own counts)
+    assert got.prediction.step_s <= 1.02 * plan.prediction.step_s
     fresh = plan_mix(C2, shape, prof, 4)
-    assert got.prediction.step_s <= 1.05 * fresh.prediction.step_s
+    assert got.prediction.step_s <= REFIT_SLACK * fresh.prediction.step_s
 
 
 def test_a_stream_is_the_rows_its_holders_do_not_compute():

@@ -12,9 +12,10 @@
 // already, level fills from the best candidate, from nothing replicated, from the spread start and
 // the kept fill, the winner's plan kept only when its price is strictly below the best
 // candidate's. With a topology every candidate and fill is priced by the 6-row pricing
-// (plan_pricing_nodes, predict_nodes: the search and the fills still see one link, as in the
-// Python): the source-replica candidate repriced (cost_model.reprice), each fill's plan priced
-// in full (planner._fill_step). tests/placement/test_native_planner.py and
+// (plan_pricing_nodes, predict_nodes; the search and the fills see one link, as in the Python:
+// the search the intra-node one, the fills the blend of both, StepModel.fill_link): the
+// source-replica candidate repriced (cost_model.reprice), each fill's plan priced in full
+// (planner._fill_step). tests/placement/test_native_planner.py and
 // test_native_planner_nodes.py compare the plans with plan_mix's Python path (MIXMOE_NATIVE=0)
 // field by field, floats bit for bit.
 
@@ -78,8 +79,12 @@ bool any_nonzero(const std::vector<int64_t>& xs) {
 class Planner {
  public:
   Planner(const Counts& k, const Model& m, const Baseline& base, const Settings& s)
-      : k_(k), m_(m), base_(base), s_(s) {
+      : k_(k), m_(m), base_(base), s_(s), fill_m_(m) {
     if (s_.per_node > 0) inter_ = inter_baseline(k_, base_, s_.per_node);
+    if (s_.per_node > 0 && k_.W > s_.per_node) {  // StepModel.fill_link: the blend of both links
+      const double far = static_cast<double>(k_.W - s_.per_node) / static_cast<double>(k_.W - 1);
+      fill_m_.bw = 1.0 / (far / s_.bw_inter + (1.0 - far) / m_.bw);
+    }
   }
 
   // cost_model.plan_pricing(C, plan, E, profile) then StepModel.prediction_W: the plan's
@@ -123,7 +128,7 @@ class Planner {
     // with a topology every fill's plan is priced in full (fill_step)
     const FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept, s_.per_node > 0,
                           s_.per_node};
-    FillOut out = level_fill(k_, base_.colsum, base_.own, m_, start, any_remote, *loads, fs);
+    FillOut out = level_fill(k_, base_.colsum, base_.own, fill_m_, start, any_remote, *loads, fs);
     if (out.moves <= 0) return std::nullopt;  // -2: a level start; 0: nothing moved
     std::optional<Prediction> price_of;
     const double step = fill_step(out, any_remote, price_of);
@@ -253,6 +258,7 @@ class Planner {
   const Model& m_;
   const Baseline& base_;
   const Settings& s_;
+  Model fill_m_;                // the fills' one link (StepModel.fill_link)
   std::vector<int64_t> inter_;  // inter_baseline's (with a topology)
 };
 

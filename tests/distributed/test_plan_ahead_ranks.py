@@ -1,9 +1,9 @@
-"""``plan_ahead`` on 2 and 3 gloo ranks: each step fits the plan of the step before's counts
-(made on the planning thread while that step ran), or plans afresh on the first step and when
-the fit is stale (the hot experts moved); every step equals the single-rank layer, forward and
-every gradient; each fit takes the step before's counts to the step's own; a planner error of
-the background plan fails every rank cleanly at the step it was for, and the step after plans
-afresh."""
+"""``plan_ahead`` on 2, 3 and 4 gloo ranks (4: one link and two nodes): each step fits the
+plan of the step before's counts (made on the planning thread while that step ran), or plans
+afresh on the first step and when the fit is stale (the hot experts moved); every step equals
+the single-rank layer, forward and every gradient; each fit takes the step before's counts to
+the step's own; a planner error of the background plan fails every rank cleanly at the step it
+was for, and the step after plans afresh."""
 
 from __future__ import annotations
 
@@ -22,13 +22,16 @@ pytestmark = pytest.mark.dist
 REPLICATE = HardwareProfile(
     "test-replicate", gemm_flops=1e6, link_bandwidth=1e12, link_latency=1e-9
 )
+# the same in nodes of 2 ranks joined by a slower link: the fits priced by the 6-row pricing
+NODES = dataclasses.replace(REPLICATE, name="test-replicate-nodes", ranks_per_node=2,
+                            inter_node_bandwidth=1e11, inter_node_latency=1e-8)  # fmt: skip
 STEPS = 5
 MOVE_AT = 3  # from this step on the gate prefers the last experts: the carried plan is stale
 
 
 def _case(world: int, dtype: torch.dtype) -> dict:
     return {"num_experts": 2 * world, "top_k": 2, "dtype": dtype, "seed": 70 + world,
-            "skew": "hot", "tokens": [400, 250, 330][:world], "block_size": 16,
+            "skew": "hot", "tokens": [400, 250, 330, 0][:world], "block_size": 16,
             "plan_ahead": True}  # fmt: skip
 
 
@@ -58,14 +61,17 @@ def _inputs(case: dict, step: int, rank: int):
     return rank_inputs(dict(case, seed=case["seed"] + step), rank)
 
 
-def _worker(comm, cases: list[dict]) -> list:
-    return [*(_run_case(comm, case) for case in cases), _fail_then_recover(comm, cases[0])]
+def _worker(comm, cases: list[dict], profile: HardwareProfile) -> list:
+    return [
+        *(_run_case(comm, case, profile) for case in cases),
+        _fail_then_recover(comm, cases[0], profile),
+    ]
 
 
-def _run_case(comm, case: dict) -> list[dict]:
+def _run_case(comm, case: dict, profile: HardwareProfile) -> list[dict]:
     import mixmoe.dispatch.expert_parallel as expert_parallel
 
-    layer = parallelize_moe(make_layer(case), comm, "mix", REPLICATE)
+    layer = parallelize_moe(make_layer(case), comm, "mix", profile)
     disp = layer.dispatcher
     assert disp.plans_ahead()
     disp.check_plans = True  # every fitted plan checked against its counts
@@ -102,10 +108,10 @@ def _run_case(comm, case: dict) -> list[dict]:
     return steps
 
 
-def _fail_then_recover(comm, case: dict) -> list[str]:
+def _fail_then_recover(comm, case: dict, profile: HardwareProfile) -> list[str]:
     """The first background plan (step 1's counts, for step 2; step 0's own plan serves step 1)
     raises on every rank: step 2 raises it on every rank; step 3 plans afresh and runs."""
-    layer = parallelize_moe(make_layer(case), comm, "mix", REPLICATE)
+    layer = parallelize_moe(make_layer(case), comm, "mix", profile)
     spec, calls = layer.dispatcher.spec, []
 
     def planner(C, shape, profile, config, sums=None):
@@ -137,12 +143,17 @@ def _reference(case: dict, world: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_plan_ahead_steps_equal_the_single_rank_layer(world: int) -> None:
+@pytest.mark.parametrize(
+    "world, profile", [(2, REPLICATE), (3, REPLICATE), (4, NODES), (4, REPLICATE)]
+)
+def test_plan_ahead_steps_equal_the_single_rank_layer(world: int, profile) -> None:
+    """W = 4: one link, and two nodes of 2 ranks (the fits priced per link class); the last
+    rank routes no tokens. Their plans have kept holders: fits that dropped them went stale
+    at every step under nodes (1.39x the plan's step) and at step 4 on one link."""
     from mixmoe.comm.launch import spawn_gloo
 
     cases = [_case(world, torch.float64), _case(world, torch.float32)]
-    per_rank = spawn_gloo(_worker, world, cases, timeout_s=600)
+    per_rank = spawn_gloo(_worker, world, cases, profile, timeout_s=600)
     for i, case in enumerate(cases):
         tol = {"rtol": 1e-10, "atol": 1e-10} if case["dtype"] == torch.float64 else {
             "rtol": 1e-4, "atol": 2e-5}  # fmt: skip

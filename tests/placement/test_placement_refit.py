@@ -102,7 +102,10 @@ def test_a_stream_is_the_rows_its_holders_do_not_compute():
     assert refit_plan(plan, C, more, shape, GPU_PROFILE).ranges == plan.ranges
 
 
-def test_a_plan_with_kept_holders_is_refitted_without_them():
+def test_a_plan_with_kept_holders_keeps_them_while_their_rows_last():
+    """Kept holders keep their local rows on the new counts (the plan's balance rests on them:
+    dropped, every kept holder computed all its own rows and the fit went stale), and the fit
+    keeps its plan's quality."""
     shape = _shape(8, 4)
     profile = load_profile("h100-nvlink")
     for workload in ("zipf:2.0", "hotrank:0.5", "zipf:1.2", "hotset:8:0.5"):
@@ -115,8 +118,46 @@ def test_a_plan_with_kept_holders_is_refitted_without_them():
     C2 = _resampled(C1, seed=5)
     got = refit_plan(plan, C1, C2, shape, profile)
     got.check_shares(C2, 4, BLK)
-    assert got.kept == () and got.prediction.step_s <= got.baseline.step_s
-    assert got.replicas in (plan.replicas, ())
+    assert repr(got) == repr(refit_python(plan, C1, C2, shape, profile))
+    assert got.kept == plan.kept  # resampled: every kept holder still has more rows than L
+    assert got.replicas == plan.replicas
+    assert got.prediction.step_s <= 1.02 * plan.prediction.step_s
+    assert repr(refit_plan(plan, C1, C1, shape, profile)) == repr(plan)  # the identity
+
+
+@pytest.mark.parametrize("per_node", [None, 8, 4])
+def test_kept_holders_fit_compiled_as_in_python(monkeypatch, per_node):
+    """Plans with kept holders (the kept fill's), fitted to resampled counts and to counts
+    where some kept holders lost their rows: the compiled fit is the Python one, bit for bit,
+    and valid; one link and nodes of 8 and 4 ranks."""
+    prof = load_profile("h100-nvlink" if per_node is None else "h100-nvlink-ib")
+    if per_node is not None:
+        prof = dataclasses.replace(prof, ranks_per_node=per_node)
+    seen = 0
+    for W, workload in [(8, "zipf:2.0"), (8, "hotrank:0.5"), (8, "zipf:1.2"),
+                        (16, "hotset:8:0.5"), (16, "rotate:8:0.5"), (16, "zipf:2.0")]:  # fmt: skip
+        shape = _shape(W, 4)
+        C1 = counts_source(workload, W, 4 * W, 8192, 2, seed=1)[0]  # (a rotation's first step)
+        plan = plan_mix(C1, shape, prof, 4)
+        if not plan.kept:
+            continue
+        seen += 1
+        short = C1.clone()  # the first kept holder of each expert keeps fewer rows than L
+        for g, pairs in plan.kept:
+            y, n = pairs[0]
+            short[y, g] = n // 2
+        for C2 in (_resampled(C1, seed=W), short):
+            ran = _spied(monkeypatch)
+            got = refit_plan(plan, C1, C2, shape, prof)
+            assert ran == [True]
+            want = refit_python(plan, C1, C2, shape, prof)
+            assert repr(got) == repr(want)
+            want.check_shares(C2, 4, BLK)
+            kept_before = {(g, y): n for g, pairs in plan.kept for y, n in pairs}
+            for g, pairs in want.kept:  # kept while L < the holder's rows, L unchanged
+                for y, n in pairs:
+                    assert kept_before[g, y] == n < int(C2[y, g])
+    assert seen >= 2, "too few workloads planned kept holders: pick others"
 
 
 def test_a_plan_for_other_hot_experts_falls_back_to_nothing_replicated():
@@ -232,7 +273,8 @@ def test_a_carried_plan_is_the_fit_unless_it_is_stale():
 def test_ranges_over_a_kept_holders_rest_keep_their_share():
     """A plan whose ranges cover a kept holder's rest: the stream they were cut from counts that
     rest (the first fit left it out, and divided by zero where the stream was that rest alone:
-    found by scripts/gpu/ep_one_gpu.py --plan-ahead). Compiled and Python alike."""
+    found by scripts/gpu/ep_one_gpu.py --plan-ahead); the kept holder keeps its 64 rows while it
+    has more, else computes its rows as a plain holder. Compiled and Python alike."""
     C = torch.tensor([[64, 40, 30], [256, 0, 20], [100, 10, 0]])  # expert g on rank g (E = 1)
     shape = _shape(3, 1)
     none = Prediction((0.0,) * 3, (0.0,) * 3, (0,) * 3, (0,) * 3, (0,) * 3, 0.0)
@@ -244,12 +286,18 @@ def test_ranges_over_a_kept_holders_rest_keep_their_share():
     compiled = Plan.unchecked(priced.replicas, priced.prediction, priced.baseline, True,
                               priced.ranges, priced.kept, packed)  # fmt: skip
     owner_rows = C.clone()
-    owner_rows[0, 0] = 384  # the owner routes rows to its expert now: the new stream
-    for after, ranges in ((C, ()), (owner_rows, ((0, ((2, 192),)),))):
+    owner_rows[0, 0] = 384  # the owner routes more rows to its expert: the stream grows
+    fewer = C.clone()
+    fewer[1, 0] = 64  # holder 1 has no rows past its 64 kept ones: a plain holder now
+    kept = ((0, ((1, 64),)),)
+    cases = [(C, ((0, ((2, 128),)),), kept), (owner_rows, ((0, ((2, 256),)),), kept),
+             (fewer, (), ())]  # fmt: skip
+    for after, ranges, kept_after in cases:
         want = refit_python(priced, C, after, shape, COMPUTE_BOUND)
         assert repr(refit_plan(compiled, C, after, shape, COMPUTE_BOUND)) == repr(want)
-        assert want.hot == (0,) and want.kept == ()
+        assert want.hot == (0,) and want.kept == kept_after
         want.check_shares(after, 1, BLK)
-        # holder 2's share, 128 of the 256-row stream (192 rest + the owner's 64), of the new
-        # one (the owner's rows alone): 32 of 64 rounds to none, 192 of 384
+        # holder 2's share, 128 of the 256-row stream (192 rest + the owner's 64): of the same
+        # stream 128; of 576 rows (192 rest + 384) 288, cut to 256 (the owner's segment: 64 into
+        # it, a tie, the lower cut); of the owner's 64 alone (no rest) 32, rounded to none
         assert want.ranges == ranges

@@ -458,15 +458,17 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
 }
 
 // placement.refit.refit_plan compiled: `plan` (Plan.packed, step_native._pack's layout; no share
-// entries; its kept entries count in the stream totals before, then are dropped) with its relay flag, made for the counts C1, fitted to C2
-// (C's counts as plan_mix's, `ints` and `reals` as plan_mix's: W, E, blk, the model, per_node,
-// bw_inter are read). `colsum1`: C1's column sums (N; the step before's CountSums). C2's sums
-// as plan_mix's (null: one pass over C2). Each ranged expert g's helpers keep their share of
-// its stream: rows n -> n * T2 // T1, T = g's column sum less its holders' rows (exact
-// integers), cut again by plan_from (the plan fields' walk); priced as plan_mix prices; the
-// plan with nothing replicated (its baseline) where that is not strictly cheaper. Output and
-// returns as plan_mix's; -5: a plan this does not read (helpers not ascending, out of range, a
-// share entry, an empty stream before): the Python runs.
+// entries) with its relay flag, made for the counts C1, fitted to C2 (C's counts as
+// plan_mix's, `ints` and `reals` as plan_mix's: W, E, blk, the model, per_node, bw_inter are
+// read). `colsum1`: C1's column sums (N; the step before's CountSums). C2's sums as plan_mix's
+// (null: one pass over C2). A kept holder y of g keeps its local rows L while L < C2[y][g] (its
+// rest stays in g's stream), else computes all its own rows (a plain holder). Each ranged
+// expert g's helpers keep their share of its stream: rows n -> n * T2 // T1, T = g's column sum
+// less the rows its holders compute locally (exact integers), cut again by plan_from (the plan
+// fields' walk); priced as plan_mix prices; the plan with nothing replicated (its baseline)
+// where that is not strictly cheaper. Output and returns as plan_mix's; -5: a plan this does
+// not read (helpers not ascending, out of range, a share entry, an empty stream before): the
+// Python runs.
 int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* colsum1,
                           const int64_t* ints, const double* reals, const int64_t* plan,
                           int64_t plan_len, int64_t relay, int64_t* out_i, int64_t cap_i,
@@ -481,23 +483,41 @@ int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* c
   Replicas replicas;
   ExpertEntries ranges, kept;
   if (!read_packed(plan, plan_len, k, replicas, ranges, kept)) return -5;
-  FillOut out;  // the fitted state: the plan's holders, the scaled amounts (plan_from's input)
-  size_t h = 0, q = 0;  // replicas, ranges and kept all ascend by expert
+  FillOut out;  // the fitted state: the plan's holders, kept holders, the scaled amounts
+  for (const auto& [g, pairs] : kept) {  // kept while L < C2[y][g] (plan_from's kept_local)
+    Entries still;
+    for (const auto& [y, n] : pairs)
+      if (n < k.c(y, g)) still.emplace_back(y, n);
+    if (!still.empty()) out.kept_local.emplace_back(g, std::move(still));
+  }
+  // the rows g's holders compute locally under `local` (kept: {y: L}, ascending y, or null):
+  // a kept holder L, another all its own (c(y): its rows of g)
+  const auto held = [](const std::vector<int64_t>& holders, const Entries* local, auto c) {
+    int64_t rows = 0;
+    size_t at = 0;  // local ascends by holder, as the holders do
+    for (int64_t y : holders) {
+      while (local && at < local->size() && (*local)[at].first < y) ++at;
+      const bool is_kept = local && at < local->size() && (*local)[at].first == y;
+      rows += is_kept ? (*local)[at].second : c(y);
+    }
+    return rows;
+  };
+  const auto find = [](const ExpertEntries& x, size_t& q, int64_t g) -> const Entries* {
+    while (q < x.size() && x[q].first < g) ++q;  // x ascends by expert, as the ranges do
+    return q < x.size() && x[q].first == g ? &x[q].second : nullptr;
+  };
+  size_t h = 0, q1 = 0, q2 = 0;
   for (const auto& [g, pairs] : ranges) {
     while (h < replicas.size() && replicas[h].first < g) ++h;
     if (h == replicas.size() || replicas[h].first != g) return -5;  // a helper holds g's replica
-    while (q < kept.size() && kept[q].first < g) ++q;
-    const Entries* local = q < kept.size() && kept[q].first == g ? &kept[q].second : nullptr;
-    // T before: the stream the ranges were cut from (a kept holder's rest in it); T after:
-    // without kept holders (each computes all its own rows)
-    int64_t t1 = colsum1[g], t2 = base.colsum[g];
-    size_t at = 0;  // local ascends by holder, as the holders do
-    for (int64_t y : replicas[h].second) {
-      while (local && at < local->size() && (*local)[at].first < y) ++at;
-      const bool is_kept = local && at < local->size() && (*local)[at].first == y;
-      t1 -= is_kept ? (*local)[at].second : C1[y * k.N + g];  // (C1 read at holders only)
-      t2 -= k.c(y, g);
-    }
+    const std::vector<int64_t>& hs = replicas[h].second;
+    // T before: the stream the ranges were cut from; T after: the fitted kept holders' rests
+    const int64_t t1 = colsum1[g] - held(hs, find(kept, q1, g), [&](int64_t y) {
+      return C1[y * k.N + g];  // (C1 read at holders only)
+    });
+    const int64_t t2 = base.colsum[g] - held(hs, find(out.kept_local, q2, g), [&](int64_t y) {
+      return k.c(y, g);
+    });
     if (t1 <= 0 || t2 < 0) return -5;
     Entries scaled;
     scaled.reserve(pairs.size());
@@ -506,13 +526,13 @@ int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* c
     out.amounts.emplace_back(g, std::move(scaled));
   }
   out.replicas = std::move(replicas);
-  fill_plan(k, s.blk, out);  // the ranges of the scaled amounts; no kept holder
+  fill_plan(k, s.blk, out);  // the ranges of the scaled amounts, the kept holders' blocks
   const Planner planner(k, m, base, s);
   const Prediction baseline = planner.baseline();
   Loads loads;
-  Prediction priced = planner.price(out.replicas, relay != 0, out.ranges, {}, loads);
-  Candidate fitted{std::move(out.replicas), relay != 0, std::move(out.ranges), {},
-                   std::move(priced)};
+  Prediction priced = planner.price(out.replicas, relay != 0, out.ranges, out.kept, loads);
+  Candidate fitted{std::move(out.replicas), relay != 0, std::move(out.ranges),
+                   std::move(out.kept), std::move(priced)};
   if (!(fitted.pred.step < baseline.step)) fitted = Candidate{{}, false, {}, {}, baseline};
   return write_plan(fitted, baseline, k.W, out_i, cap_i, out_d, counts);
 }

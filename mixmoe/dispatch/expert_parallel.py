@@ -45,7 +45,7 @@ from mixmoe.comm import Communicator
 from mixmoe.comm.autograd import all_to_all, all_to_all_start, all_to_all_wait
 from mixmoe.config import MoEConfig
 from mixmoe.dispatch.layout import count_matrix_to_host
-from mixmoe.dispatch.replicas import ReplicaCache, unpack_experts, weights_version
+from mixmoe.dispatch.replicas import RelayPlan, ReplicaCache, unpack_experts, weights_version
 from mixmoe.dispatch.step import (
     DispatchedRows,
     ExpertLayout,
@@ -164,6 +164,7 @@ class ExpertParallelDispatcher:
         self._planner_thread: ThreadPoolExecutor | None = None  # created by the first async plan
         # plan_ahead: (the plan of the last step's counts, on the planning thread; those counts;
         # their sums), or None before the first step
+        # plan_ahead: the next step's plan and route in the making, its counts and sums
         self._ahead: tuple[Future, torch.Tensor, CountSums | None] | None = None
 
     def plans_async(self, device: torch.device | str = "cpu") -> bool:
@@ -348,27 +349,49 @@ class ExpertParallelDispatcher:
             E = self.experts_per_rank
             if sums is None and C.numel() >= self.shared_sums_min:
                 sums = count_sums(C, E)
-            plan = None
+            plan, fetch = None, None
             if self._ahead is not None:
                 made, before, before_sums = self._ahead
                 self._ahead = None  # (a raise below leaves the next step to plan afresh)
                 profile = self.profile or default_profile(device.type)
-                plan = carried_plan(made.result(), before, C, self._shape(dtype), profile,
+                ahead, ahead_fetch = made.result()
+                plan = carried_plan(ahead, before, C, self._shape(dtype), profile,
                                     block_size=self.config.block_size, before_sums=before_sums,
                                     after_sums=sums)  # fmt: skip
                 if plan is not None and self.check_plans and (plan.ranges or plan.kept):
                     plan.check_shares(C, E, self.config.block_size)
+                if plan is not None and (plan.replicas, plan.relay) == (
+                    ahead.replicas,
+                    ahead.relay,
+                ):
+                    fetch = ahead_fetch  # the fit kept the holders: their route is built
             fitted = plan is not None
             if plan is None:
                 plan = self._plan(C, dtype, device, sums)
-            step = build_step_plan(C, plan, self.comm.rank, E, self._distance, sums)
+            step = build_step_plan(C, plan, self.comm.rank, E, self._distance, sums, fetch)
         if fitted:  # C's own plan, for the next step, made while this step runs
-            made = self._submit_plan(C, dtype, device, sums, job=self._plan)
+            made = self._submit_plan(C, dtype, device, sums, job=self._plan_routed)
         else:  # made already
             made = Future()
-            made.set_result(plan)
+            made.set_result((plan, step.fetch))
         self._ahead = (made, C, sums)
         return plan, step, fitted
+
+    def _plan_routed(
+        self,
+        C: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+        sums: CountSums | None = None,
+    ) -> tuple[Plan, RelayPlan | None]:
+        """``plan_ahead``'s background job: C's plan and its replicas' route for this rank
+        (``RelayPlan.build``), so that a step whose fit keeps the holders does not build it
+        again (W = 1024 under nodes: ~1 ms of the step's bookkeeping)."""
+        plan = self._plan(C, dtype, device, sums)
+        W, E = self.comm.world_size, self.experts_per_rank
+        fetch = RelayPlan.build(plan.replicas, self.comm.rank, W, E, self._distance,
+                                relay=plan.relay)  # fmt: skip
+        return plan, fetch
 
     def _exchange(self, name: str, x_RD: torch.Tensor, out_splits, in_splits, moving: bool):
         """Token all_to_all: async under overlap (returns a pending handle), else synchronous;

@@ -67,6 +67,7 @@ def build_step_plan(
     experts_per_rank: int,
     distance: Callable[[int, int], int] | None = None,
     sums: CountSums | None = None,
+    fetch: RelayPlan | None = None,
 ) -> StepPlan:
     """The step's bookkeeping for ``rank`` from the count matrix (int64 CPU tensor [W, N]) and the
     plan (``sums``: C's ``CountSums`` where known: the compiled part then sums no column). The
@@ -74,12 +75,16 @@ def build_step_plan(
     scatter + all-gather, split by node with ``distance``; else the owner's flat fan-out), as
     the cost model priced them. Compiled (``step_native``: one pass over C's
     rows, the plan's entries in C++) where it runs, else ``step_plan_python``: the same
-    StepPlan (``tests/dispatch/test_step_native.py``)."""
+    StepPlan (``tests/dispatch/test_step_native.py``). ``fetch``: the route of
+    ``plan.replicas`` and ``plan.relay`` for this rank and ``distance``, built before
+    (``RelayPlan.build``: a function of those alone; ``plan_ahead`` builds it on the planning
+    thread with the plan it fits), else built here."""
     W, E, r = C_WN.shape[0], experts_per_rank, rank
     fields = step_fields(C_WN, plan, r, E, sums)
     if fields is None:
         return step_plan_python(C_WN, plan, r, E, distance)
-    fetch = RelayPlan.build(plan.replicas, r, W, E, distance, relay=plan.relay)
+    if fetch is None:
+        fetch = RelayPlan.build(plan.replicas, r, W, E, distance, relay=plan.relay)
     assert fetch.recv_experts == fields["rep_experts"], "replica slot order must match the fetch"
     return StepPlan(own_experts=tuple(range(r * E, (r + 1) * E)), fetch=fetch, **fields)
 

@@ -17,6 +17,7 @@ import torch
 
 import mixmoe.dispatch.step_native as native
 import mixmoe.placement.native_lib as lib
+from mixmoe.dispatch.replicas import RelayPlan
 from mixmoe.dispatch.step_plan import build_step_plan, step_plan_python
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape
@@ -48,6 +49,10 @@ def _same(C_WN: torch.Tensor, plan: Plan, r: int, E: int) -> None:
     given = build_step_plan(C_WN, plan, r, E, sums=sums)
     assert given == want and repr(given) == repr(want), (r, plan)
     assert given.expert_rows_N is sums.colsum_N
+    # the route built before (plan_ahead builds it with its plan): taken as it is, the same
+    route = RelayPlan.build(plan.replicas, r, C_WN.shape[0], E, relay=plan.relay)
+    prebuilt = build_step_plan(C_WN, plan, r, E, sums=sums, fetch=route)
+    assert prebuilt.fetch is route and prebuilt == want, (r, plan)
 
 
 def _same_or_same_error(C_WN: torch.Tensor, plan: Plan, r: int, E: int) -> str | None:

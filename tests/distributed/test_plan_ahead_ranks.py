@@ -8,11 +8,13 @@ was for, and the step after plans afresh."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
 from _cases import make_layer, rank_inputs
 
+from mixmoe.dispatch.replicas import RelayPlan
 from mixmoe.parallel import parallelize_moe
 from mixmoe.placement.profile import HardwareProfile
 
@@ -87,8 +89,16 @@ def _run_case(comm, case: dict, profile: HardwareProfile) -> list[dict]:
         fits.append((before, after))
         return real_carry(made, before, after, *args, **kwargs)
 
+    builds = []  # each replica route built: on the main thread (the step's) or the planner's
+    real_build = RelayPlan.build
+
+    def build(*args, **kwargs):
+        builds.append(threading.current_thread() is threading.main_thread())
+        return real_build(*args, **kwargs)
+
     disp._plan = plan
     expert_parallel.carried_plan = carry
+    RelayPlan.build = staticmethod(build)
     steps = []
     try:
         for step in range(STEPS):
@@ -97,7 +107,12 @@ def _run_case(comm, case: dict, profile: HardwareProfile) -> list[dict]:
             steps.append(_step(layer, case, step, *_inputs(case, step, comm.rank)))
     finally:
         expert_parallel.carried_plan = real_carry
+        RelayPlan.build = staticmethod(real_build)
     disp.close()
+    # a fitted step (it kept its holders: replicas at every step here) reuses the route built
+    # with its plan on the planning thread; a step planned afresh builds its own
+    fresh = sum(not s["stats"]["plan_fitted"] for s in steps)
+    assert builds.count(True) == fresh and builds.count(False) == STEPS - fresh, builds
     # every step from the second fits the plan of the step before's counts to its own: the
     # counts each step saw are the fits' `after` (step 0: its fresh plan's)
     seen = [counts[0], *(after for _, after in fits)]

@@ -33,7 +33,9 @@ Under ``MoEConfig.plan_ahead`` the step waits only for the plan of the step befo
 its counts (``placement.refit``): ``fit_ms`` times that fit of the case's plan to a fresh draw
 of the same popularity (``gating.synthetic.redrawn_counts``), given both steps' sums, and
 ``fit_over_fresh_step`` is the fitted plan's predicted step over that of a plan made for the
-drawn counts.
+drawn counts. ``ahead_exposed_ms``: what such a step waits for, the fit and the fitted plan's
+bookkeeping (its replicas' route built with the plan on the planning thread, as the layer
+does, where the fit kept the holders).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from mixmoe.bench.timing import median
+from mixmoe.dispatch.replicas import RelayPlan
 from mixmoe.dispatch.step_plan import build_step_plan
 from mixmoe.gating.synthetic import RoutingSpec, redrawn_counts, synthetic_counts
 from mixmoe.placement import (
@@ -208,6 +211,15 @@ def run_case(
             ),  # fmt: skip
             cfg.repeats,
         )
+        # and the fitted plan's bookkeeping, its replicas' route built with the plan (on the
+        # planning thread) where the fit kept the holders, as the layer's step does
+        route = None
+        if (fit.replicas, fit.relay) == (new.replicas, new.relay):
+            route = RelayPlan.build(new.replicas, rank, W, N // W, distance, relay=new.relay)
+        ahead_keeping_ms, _ = _time_ms(
+            lambda: build_step_plan(after_WN, fit, rank, N // W, distance, after_sums, route),
+            cfg.repeats,
+        )
         fresh = plan_mix(after_WN, shape, profile, cfg.max_replicas, search_width=cfg.search_width)
         old_ms, old = None, None
         if W <= cfg.old_max_world:
@@ -237,6 +249,7 @@ def run_case(
         "host_device_sums_ms": given_ms + keeping_ms,
         "fit_ms": fit_ms,
         "fit_over_fresh_step": fit.prediction.step_s / fresh.prediction.step_s,
+        "ahead_exposed_ms": fit_ms + ahead_keeping_ms,
         "overlap_ms": overlap_ms,
         "exposed_ms": max(0.0, given_ms + keeping_ms - overlap_ms),
         "a2a_step_ms": a2a_ms,

@@ -37,6 +37,7 @@ def test_bench_planner_table_and_jsonl(tmp_path, capsys) -> None:
         assert r["overlap_ms"] > 0  # 256 tokens, top-2: every rank routes rows to its own
         assert r["exposed_ms"] == max(0.0, r["host_device_sums_ms"] - r["overlap_ms"])
         assert r["fit_ms"] > 0 and 0 < r["fit_over_fresh_step"] < 2
+        assert r["ahead_exposed_ms"] > r["fit_ms"]
         assert r["meets_target_given"] == (r["planner_given_ms"] <= r["target_ms"])
         assert 0 < r["mix_over_a2a"] <= 1.5 and r["old_mix_over_a2a"] is not None
         assert r["target_ms"] == target_ms(r["world_size"], r["step_ms"])

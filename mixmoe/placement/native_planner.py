@@ -41,11 +41,12 @@ from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.relay import node_distance
 from mixmoe.placement.shadow import shadow_terms
 
-__all__ = ["planned", "refitted"]
+__all__ = ["HOT_MOVED", "planned", "refitted"]
 
 _ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P, _P, _P]
 _REFIT_ARGTYPES = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64,
-                   _P, _P, _P, _P]  # fmt: skip
+                   _P, _P, _P, _P, ctypes.c_int64]  # fmt: skip
+HOT_MOVED = "hot experts moved"  # refitted's answer when they did (its ``moved`` test)
 
 _DOUBLE = struct.Struct("d")  # the step after a prediction's reals
 _OUTPUT = threading.local()  # this thread's output arrays, reused call after call
@@ -101,14 +102,17 @@ def refitted(
     block_size: int,
     before_sums: CountSums | None = None,
     after_sums: CountSums | None = None,
-) -> Plan | None:
+    moved: int = 0,
+) -> Plan | str | None:
     """``refit.refit_plan(plan, before_WN, after_WN, ...)``, compiled (``plan_mix.cpp``'s
     ``mixmoe_refit_plan``), for a plan the compiled planner made (``Plan.packed``); the same
     Plan (``tests/placement/test_placement_refit.py`` compares them). ``before_sums``: the
     counts before's ``CountSums`` (else their column sums are taken here); ``after_sums``: the
-    counts after's (no pass over them). None where it does not run: no ``packed``, counts not
-    tensors, the library off, a topology or model terms the compiled planner does not take,
-    counts the Python rejects (its error is raised there)."""
+    counts after's (no pass over them). ``moved`` > 0: ``HOT_MOVED`` instead of a plan when
+    the hot experts' rows fell below 1/moved of their share (``refit.moved``). None where it
+    does not run: no ``packed``, counts not tensors, the library off, a topology or model
+    terms the compiled planner does not take, counts the Python rejects (its error is raised
+    there)."""
     if plan.packed is None or not isinstance(before_WN, torch.Tensor):
         return None
     if not isinstance(after_WN, torch.Tensor):
@@ -137,9 +141,12 @@ def refitted(
         after.data_ptr(), before.data_ptr(), colsum1.data_ptr(), ints, reals,
         plan.packed.buffer_info()[0], len(plan.packed), int(plan.relay),
         ctypes.addressof(out_i), len(out_i), ctypes.addressof(out_d), counts, colsum, rowsum,
+        moved,
     )  # fmt: skip
     if status == -5:  # a plan the C++ does not read: the Python fits it
         return None
+    if status == -6:
+        return HOT_MOVED
     return _decoded(status, W, out_i, out_d, counts)
 
 

@@ -32,17 +32,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from mixmoe.placement.cost_model import LayerShape, counts_as_tensor, reprice, step_model
 from mixmoe.placement.counts import CountSums
-from mixmoe.placement.native_planner import refitted
+from mixmoe.placement.native_planner import HOT_MOVED, refitted
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.ranges import cut_ranges_many
 
-__all__ = ["REFIT_SLACK", "carried_plan", "refit_plan", "refit_python"]
+__all__ = ["MOVED", "REFIT_SLACK", "carried_plan", "moved", "refit_plan", "refit_python"]
 
 # a fitted plan predicted more than this above the step its plan was made for is stale
 REFIT_SLACK = 1.10
+# and a plan whose hot experts' rows fell below 1 / MOVED of their share is not fitted
+MOVED = 2
 
 
 def refit_plan(
@@ -56,19 +60,23 @@ def refit_plan(
     *,
     before_sums: CountSums | None = None,
     after_sums: CountSums | None = None,
-) -> Plan:
+    moved_below: int = 0,
+) -> Plan | None:
     """``plan``, made for the counts ``before_WN``, fitted to ``after_WN`` (module doc) and
     priced on them with ``overlap`` (the mixed strategy's: True) under ``profile``. Compiled
     (``native_planner.refitted``) for the compiled planner's plans, given the counts' sums
     where they are known (``CountSums``: no pass over C), else ``refit_python``: the same
-    plan."""
+    plan. ``moved_below`` > 0: None, nothing fitted, when the hot experts moved (``moved``)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
     got = refitted(plan, before_WN, after_WN, shape, profile, overlap, block_size,
-                   before_sums, after_sums)  # fmt: skip
+                   before_sums, after_sums, moved_below)  # fmt: skip
+    if got is HOT_MOVED:
+        return None
     if got is not None:
         return got
-    return refit_python(plan, before_WN, after_WN, shape, profile, overlap, block_size)
+    return refit_python(plan, before_WN, after_WN, shape, profile, overlap, block_size,
+                        moved_below)  # fmt: skip
 
 
 def carried_plan(
@@ -85,12 +93,27 @@ def carried_plan(
 ) -> Plan | None:
     """``refit_plan``'s plan, or None when it is stale: predicted more than ``REFIT_SLACK``
     above the step ``plan`` was predicted at on the counts it was made for (the hot experts
-    moved, as a rotating hotspot's do: plan the step afresh). Deterministic, like the fit."""
+    moved, as a rotating hotspot's do: plan the step afresh). Not fitted at all when the hot
+    experts' rows fell below 1 / ``MOVED`` of their share (``moved``: the step pays its fresh
+    plan, not a fit before it). Deterministic, like the fit."""
     fitted = refit_plan(plan, before_WN, after_WN, shape, profile, overlap, block_size,
-                        before_sums=before_sums, after_sums=after_sums)  # fmt: skip
-    if fitted.prediction.step_s > REFIT_SLACK * plan.prediction.step_s:
+                        before_sums=before_sums, after_sums=after_sums,
+                        moved_below=MOVED)  # fmt: skip
+    if fitted is None or fitted.prediction.step_s > REFIT_SLACK * plan.prediction.step_s:
         return None
     return fitted
+
+
+def moved(plan: Plan, before_WN: torch.Tensor, after_WN: torch.Tensor, below: int) -> bool:
+    """Whether ``plan``'s hot experts lost their rows: their share of the rows after below
+    1 / ``below`` of their share before (exact integers: below * hot_after * total_before <
+    hot_before * total_after). False for a plan without replicas."""
+    if not plan.hot:
+        return False
+    hot = list(plan.hot)
+    hot1, total1 = int(before_WN[:, hot].sum()), int(before_WN.sum())
+    hot2, total2 = int(after_WN[:, hot].sum()), int(after_WN.sum())
+    return below * hot2 * total1 < hot1 * total2
 
 
 def refit_python(
@@ -101,10 +124,13 @@ def refit_python(
     profile: HardwareProfile,
     overlap: bool = True,
     block_size: int = 64,
-) -> Plan:
+    moved_below: int = 0,
+) -> Plan | None:
     """``refit_plan`` in Python (the fallback, and the compiled fit's slow twin)."""
     before = counts_as_tensor(before_WN, shape)
     after = counts_as_tensor(after_WN, shape)
+    if moved_below > 0 and moved(plan, before, after, moved_below):
+        return None
     E = shape.experts_per_rank
     # a kept holder keeps its local rows L while L < its rows now, else computes them all
     kept_after = {}

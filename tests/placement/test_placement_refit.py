@@ -13,19 +13,29 @@ import torch
 
 import mixmoe.dispatch.step_native as step_native
 import mixmoe.placement.native_lib as lib
+import mixmoe.placement.native_planner as native_planner
 import mixmoe.placement.refit as refit_module
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import GPU_PROFILE, LayerShape, Plan, Prediction, plan_mix, predict_plan
 from mixmoe.placement.cost_model import reprice, step_model
 from mixmoe.placement.counts import CountSums
+from mixmoe.placement.native_planner import HOT_MOVED
 from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile
-from mixmoe.placement.refit import REFIT_SLACK, carried_plan, refit_plan, refit_python
+from mixmoe.placement.refit import (
+    MOVED,
+    REFIT_SLACK,
+    carried_plan,
+    moved,
+    refit_plan,
+    refit_python,
+)
 from mixmoe.simulate.routing import counts_source
 
 BLK = 64
 COMPUTE_BOUND = HardwareProfile("compute-bound", 1e6, 1e12, 1e-9)  # helpers always pay
+_NONE = Prediction((0.0,) * 2, (0.0,) * 2, (0,) * 2, (0,) * 2, (0,) * 2, 0.0)
 
 
 def _counts(routing: str, W: int, E: int, seed: int, tokens: int = 2048) -> torch.Tensor:
@@ -301,3 +311,57 @@ def test_ranges_over_a_kept_holders_rest_keep_their_share():
         # stream 128; of 576 rows (192 rest + 384) 288, cut to 256 (the owner's segment: 64 into
         # it, a tie, the lower cut); of the owner's 64 alone (no rest) 32, rounded to none
         assert want.ranges == ranges
+
+
+def _answered(monkeypatch) -> list:
+    """What the compiled fit answers from now on (a Plan, HOT_MOVED or None), in order."""
+    answers = []
+
+    def spy(*args):
+        answers.append(native_planner.refitted(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(refit_module, "refitted", spy)
+    return answers
+
+
+@pytest.mark.parametrize("profile", ["gpu", "h100-nvlink-ib"])
+def test_moved_hot_experts_are_not_fitted(monkeypatch, profile):
+    """A rotating hotspot's next step: the hot experts' rows fell below half their share, so
+    ``carried_plan`` returns None without a fit (compiled and Python decide alike); where the
+    hot set stays (a resample) the fit runs as before."""
+    prof, W, E = load_profile(profile), 16, 4
+    shape = _shape(W, E)
+    steps = counts_source("rotate:4:0.6", W, W * E, 8192, 2, seed=2)
+    plan = plan_mix(steps[0], shape, prof, 4)
+    assert plan.hot
+    for after, is_moved in ((steps[1], True), (_resampled(steps[0], seed=3), False)):
+        assert moved(plan, steps[0], after, MOVED) is is_moved
+        ran = _spied(monkeypatch)
+        got = refit_plan(plan, steps[0], after, shape, prof, moved_below=MOVED)
+        assert ran == [True]  # the compiled fit answered (its moved test, or a plan)
+        want = refit_python(plan, steps[0], after, shape, prof, moved_below=MOVED)
+        assert repr(got) == repr(want) and (got is None) is is_moved
+        answers = _answered(monkeypatch)  # the compiled fit's answers to carried_plan
+        carried = carried_plan(plan, steps[0], after, shape, prof)
+        assert (answers[0] is HOT_MOVED) is is_moved and (carried is None) is is_moved
+        if is_moved:  # the fit it skipped was stale anyway
+            fit = refit_plan(plan, steps[0], after, shape, prof)
+            assert fit.prediction.step_s > REFIT_SLACK * plan.prediction.step_s
+
+
+def test_the_moved_test_is_strict_and_exact():
+    """Exactly half the share is not moved; one row less is (integers, no rounding)."""
+    C1 = torch.tensor([[60, 20], [20, 20]])  # expert 0 hot: 80 of 120 rows
+    C2 = torch.tensor([[30, 40], [10, 40]])  # 40 of 120: exactly half its share
+    plan = Plan((0,), ((0, (1,)),), _NONE, _NONE)
+    assert not moved(plan, C1, C2, 2)
+    C2[1, 0] = 9  # 39 of 119
+    assert moved(plan, C1, C2, 2)
+    assert not moved(Plan((), (), _NONE, _NONE), C1, C2, 2)  # nothing hot: nothing moved
+    shape = _shape(2, 1)  # the compiled test at the same edge (a packed plan), and the Python's
+    packed = Plan.unchecked(plan.replicas, _NONE, _NONE, False, (), (), step_native._pack(plan))
+    for C, gone in ((C2, True), (torch.tensor([[30, 40], [10, 40]]), False)):
+        for p in (packed, plan):
+            got = refit_plan(p, C1, C, shape, COMPUTE_BOUND, moved_below=2)
+            assert (got is None) is gone, (C, p.packed)

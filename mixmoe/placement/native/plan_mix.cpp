@@ -466,14 +466,16 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
 // expert g's helpers keep their share of its stream: rows n -> n * T2 // T1, T = g's column sum
 // less the rows its holders compute locally (exact integers), cut again by plan_from (the plan
 // fields' walk); priced as plan_mix prices; the plan with nothing replicated (its baseline)
-// where that is not strictly cheaper. Output and returns as plan_mix's; -5: a plan this does
-// not read (helpers not ascending, out of range, a share entry, an empty stream before): the
+// where that is not strictly cheaper. `moved` > 0: first, -6 (nothing fitted) when the hot
+// experts' rows on C2 are below 1/moved of their share on C1 (refit.moved, in integers: moved *
+// hot2 * total1 < hot1 * total2). Output and returns as plan_mix's; -5: a plan this does not
+// read (helpers not ascending, out of range, a share entry, an empty stream before): the
 // Python runs.
 int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* colsum1,
                           const int64_t* ints, const double* reals, const int64_t* plan,
                           int64_t plan_len, int64_t relay, int64_t* out_i, int64_t cap_i,
                           double* out_d, int64_t* counts, const int64_t* colsum_N,
-                          const int64_t* rowsum_W) {
+                          const int64_t* rowsum_W, int64_t moved) {
   const Counts k{ints[0], ints[1], ints[0] * ints[1], C2};
   const Model m = Model::from(ints + 7, reals);
   const Settings s = settings_of(ints, reals);
@@ -483,6 +485,12 @@ int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* c
   Replicas replicas;
   ExpertEntries ranges, kept;
   if (!read_packed(plan, plan_len, k, replicas, ranges, kept)) return -5;
+  if (moved > 0 && !replicas.empty()) {  // the hot experts' share of the rows, before and after
+    __int128 hot1 = 0, hot2 = 0, total1 = 0, total2 = 0;
+    for (const auto& [g, holders] : replicas) hot1 += colsum1[g], hot2 += base.colsum[g];
+    for (int64_t g = 0; g < k.N; ++g) total1 += colsum1[g], total2 += base.colsum[g];
+    if (moved * hot2 * total1 < hot1 * total2) return -6;
+  }
   FillOut out;  // the fitted state: the plan's holders, kept holders, the scaled amounts
   for (const auto& [g, pairs] : kept) {  // kept while L < C2[y][g] (plan_from's kept_local)
     Entries still;

@@ -3,12 +3,14 @@
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
 # Stages: env, install, gpu-tests, ep-cuda, correctness (gpu-tests and ep-cuda side by side), train, modern,
 #   suite, kernels, kernels-fine, layer, layer-ab, hf, hf-ab, hf-bench, calibrate, count-exchange,
-#   relay-fetch, ep-ahead.
+#   relay-fetch, ep-ahead, planner.
 # install: the project from this tree (PYTHONPATH) and, when .whl/ holds them, the pinned wheels the
 #   image lacks (transformers), unpacked into /tmp/site (no registry is reachable there).
 # ep-cuda: a2a/shadow/mix on CUDA tensors, 2 and 3 gloo ranks on the one GPU, vs the single-rank layer.
 # ep-ahead: the same with mix under MoEConfig.plan_ahead (a first step, then the checked one fits
 #   its plan: the compiled fit and the background plan on the GPU machine's host).
+# planner: bench planner on the GPU machine's host CPU (where the layer plans), one link and nodes:
+#   the plan, its bookkeeping, "exposed ms" (planning the step's counts) and "ahead exposed ms" (plan_ahead).
 # train: the first GPU training run (gpt2 base, bf16 autocast, ~100 steps).
 # modern: the DeepSeek-style layer on CUDA (fp32 router under bf16) and `train --model deepseek`.
 # kernels-fine: the fine-grained shape (256 experts, top-8, D2048 F1024, SwiGLU).
@@ -42,6 +44,9 @@ for stage in "$@"; do case $stage in
   relay-fetch) run relay-fetch "${RF_S:-180}" $PY scripts/gpu/relay_fetch.py --device cuda \
        $( [ -d .gpu_old/mixmoe_s5 ] && echo --old .gpu_old );;
   ep-cuda) run ep-cuda "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda;;
+  planner) for p in gpu h100-nvlink-ib; do run planner-$p "${PLANNER_S:-150}" $PY -m mixmoe bench planner \
+         --cases 8x64,64x256,256x1024,1024x4096 --routing zipf:1.2 --repeats 21 --old-max-world 0 \
+         --profile $p --markdown --jsonl "$OUT/planner.jsonl"; done;;
   ep-ahead) run ep-ahead "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda --plan-ahead;;
   correctness) GPU_N=${GPU_N:-4}
        ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py tests/dispatch/test_replicas.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &

@@ -476,12 +476,17 @@ int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* c
                           int64_t plan_len, int64_t relay, int64_t* out_i, int64_t cap_i,
                           double* out_d, int64_t* counts, const int64_t* colsum_N,
                           const int64_t* rowsum_W, int64_t moved) {
-  const Counts k{ints[0], ints[1], ints[0] * ints[1], C2};
+  Counts k{ints[0], ints[1], ints[0] * ints[1], C2};
   const Model m = Model::from(ints + 7, reals);
   const Settings s = settings_of(ints, reals);
   Baseline base;
   const int64_t status = baseline_checked(k, m, colsum_N, rowsum_W, base);
   if (status != 0) return status;
+  thread_local ColumnPrefix prefix;  // with a topology the pricing reads the columns the cuts read
+  if (s.per_node > 0) {
+    prefix.reset(k.N);
+    k.prefix = &prefix;
+  }
   Replicas replicas;
   ExpertEntries ranges, kept;
   if (!read_packed(plan, plan_len, k, replicas, ranges, kept)) return -5;

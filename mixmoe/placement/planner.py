@@ -137,7 +137,9 @@ def plan_mix(
     is above the baseline's mean and a fill stalled at a new holder its own rows of an expert
     took past the level (or none started from nothing replicated), the *kept* fill starts from
     nothing replicated, its new holders keeping only the whole blocks of their own rows that
-    fit (``Plan.kept``; ``level_fill(kept=True)``). The balanced
+    fit (``Plan.kept``; ``level_fill(kept=True)``). With a topology the fills search on one
+    link, the blend of both (``StepModel.fill_link``), and each fill's plan is priced in full
+    by the 6-row pricing (``_fill_step``). The balanced
     plan is kept only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
     best candidate's, so ``plan_mix`` is never predicted worse than a2a or shadow (same
     overlap) nor than the source-replica plan.

@@ -1,5 +1,6 @@
 """Plans with share entries (helpers) and the replica relay, executed on 2, 3 and 4 gloo ranks,
-equal the single-rank layer: forward, every gradient and several AdamW steps.
+equal the single-rank layer: forward, every gradient and several AdamW steps (the real planner's
+also planned a step ahead, ``MoEConfig.plan_ahead``).
 
 The plans are FORCED through the dispatcher's ``plan_hook`` (a deterministic function of the
 count matrix and the step, so every rank builds the same one): the owner's own rows moved to a
@@ -454,6 +455,25 @@ def _cases(world: int) -> list[dict]:
                 }
             )
             i += 1
+    for rotate, block, profile in ((True, 16, REPLICATE), (False, 64, TOPOLOGY)):
+        cases.append(  # the real planner a step ahead: fits (kept, nodes), moved hot sets
+            {
+                "name": f"W{world} mix planner ahead rotate={rotate} {profile.name}",
+                "strategy": "mix",
+                "recipe": "planner",
+                "profile": profile,
+                "skew": "hot",
+                "rotate": rotate,
+                "block_size": block,
+                "dtype": torch.float64,
+                "top_k": 2,
+                "num_experts": 2 * world,
+                "tokens": TOKENS[world][i % 2],
+                "seed": 100 * world + i,
+                "plan_ahead": True,
+            }
+        )
+        i += 1
     return cases
 
 
@@ -470,6 +490,9 @@ def test_forced_share_plans_match_single_rank(world: int) -> None:
         stats = [s["stats"] for s in got[0]["steps"]]
         if case["recipe"] == "planner":
             planner_shares += sum(s["shares"] for s in stats)
+            if case.get("plan_ahead"):  # step 0 plans afresh; a steady hot set is fitted after
+                fitted = [s["plan_fitted"] for s in stats]
+                assert not fitted[0] and (case["rotate"] or any(fitted)), (case["name"], fitted)
             continue
         assert all(s["shares"] > 0 and s["replicas"] > 0 for s in stats), (case["name"], stats)
         if case["recipe"] == "relay" and world > 2:  # relay ranks forward weights

@@ -144,6 +144,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=TrainConfig().collective_timeout_s,
         help="seconds a rank may wait in a collective (a stalled rank fails the run after this)",
     )
+    p.add_argument(
+        "--plan-ahead",
+        action="store_true",
+        help="mix: plan each step from the step before's counts in the background and only fit "
+        "that plan on the step (MoEConfig.plan_ahead)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
@@ -196,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         collective_timeout_s=args.collective_timeout,
         data=args.data,
         vocab_size=args.vocab_size,
+        plan_ahead=args.plan_ahead,
     )
 
 

@@ -114,6 +114,7 @@ class TrainConfig:
     vocab_size: int | None = None  # of a pre-tokenized --data file
     collective_timeout_s: float = 300.0  # a rank silent this long in a collective: the run fails
     tensorboard: bool = False  # TensorBoard event files in out/tensorboard (needs tensorboard)
+    plan_ahead: bool = False  # mix: each step fits the plan of the step before (MoEConfig)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -176,6 +177,13 @@ class TrainConfig:
             raise ValueError("tensorboard needs an output directory; give --out DIR")
         if self.dtype == "bfloat16" and not self.device.startswith("cuda"):
             raise ValueError("dtype bfloat16 (autocast) is for CUDA; use float32 on the CPU")
+        if not isinstance(self.plan_ahead, bool):
+            raise TypeError(f"plan_ahead must be True or False, got {self.plan_ahead!r}")
+        if self.plan_ahead and self.strategy != "mix":
+            raise ValueError(
+                f"plan_ahead plans the mixed strategy a step ahead; strategy {self.strategy!r} "
+                "has no plan: use --strategy mix, or drop --plan-ahead"
+            )
         self.model_spec(self.ep_size or 1)  # the model's own checks (moe_layers range, ...)
 
     def model_spec(self, ep_size: int) -> ModelSpec:
@@ -208,7 +216,9 @@ class StepRecord:
     """One optimizer step. ``loss``: global-batch mean task loss (before the step's update);
     ``aux_loss``: mean over shards of the summed MoE aux loss; ``grad_norm``: the global norm
     before clipping; ``step_ms``: the slowest rank's step; ``replicas``: expert replicas used by
-    the MoE layers of this step, summed over layers and ranks (mix / shadow). ``moe``: one dict
+    the MoE layers of this step, summed over layers and ranks (mix / shadow); ``plans_fitted``:
+    the MoE layers' forwards whose plan was the step before's, fitted (``plan_ahead``; the
+    same on every rank). ``moe``: one dict
     per MoE layer (``mixmoe.train.balance_log``): its global load this step, busiest expert /
     mean, coefficient of variation, dead experts, replicas, selection-bias range."""
 
@@ -224,6 +234,7 @@ class StepRecord:
     bwd_ms: float = 0.0
     eval_loss: float | None = None
     moe: tuple[dict, ...] = ()
+    plans_fitted: int = 0
 
 
 @dataclass(frozen=True)
@@ -326,6 +337,8 @@ def build_parallel_model(config: TrainConfig, spec: ModelSpec, ep, device: torch
                 bias[:hot] += config.router_skew
     if ep.world_size > 1:
         for _, moe in layers:
+            if config.plan_ahead:  # (a dispatcher setting: the layer's math is the same)
+                moe.config = replace(moe.config, plan_ahead=True)
             parallelize_moe(moe, ep, config.strategy, profile=config.profile)
     return model
 
@@ -455,7 +468,7 @@ class Trainer:
         )
         if self.objective == "stream" and starts_stream(self.train_data, step, G, L):
             self.mems = [None] * cfg.micro_batches
-        ce_local, aux_local, replicas, fwd_s = 0.0, 0.0, 0, 0.0
+        ce_local, aux_local, replicas, fitted, fwd_s = 0.0, 0.0, 0, 0, 0.0
         for m in range(cfg.micro_batches):
             b = shard(inputs, targets, self._shard(m), S)
             t_fwd = self.clock.now()
@@ -469,6 +482,7 @@ class Trainer:
             ce_local += float(ce.detach()) / b.num_targets
             aux_local += float(aux.detach()) / S
             replicas += sum(int((a.stats or {}).get("replicas", 0)) for a in moe_auxes(model))
+            fitted += sum(bool((a.stats or {}).get("plan_fitted")) for a in moe_auxes(model))
         sync_gradients(self.dense, self.experts, self.world, self.edp)
         norm = float(clip_global_norm(self.dense, self.experts, self.ep, cfg.clip))
         for group in self.opt.param_groups:
@@ -493,6 +507,7 @@ class Trainer:
             fwd_ms=fwd_s * 1e3,
             bwd_ms=bwd_s * 1e3,
             moe=moe,
+            plans_fitted=fitted,
         )
 
     def _end_balance_step(self) -> tuple[dict, ...]:

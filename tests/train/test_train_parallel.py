@@ -52,6 +52,8 @@ CONFIGS = {
         for model in MODELS
         for strategy in STRATEGIES
     },
+    # mix planned a step ahead (MoEConfig.plan_ahead): the same run
+    "ahead": tiny(model="gpt2", strategy="mix", plan_ahead=True, max_steps=STEPS, router_skew=2.0),
     # float32: the same run within F32_TOL
     "f32": tiny(model="gpt2", strategy="mix", dtype="float32", max_steps=STEPS),
     # every rank stops at the same step when the time budget runs out
@@ -87,6 +89,24 @@ def test_every_strategy_equals_one_rank(model, two_ranks):
         assert all(s.replicas > 0 for s in mix.steps), [s.replicas for s in mix.steps]
         shadow = two_ranks[0][model, "shadow"]
         assert any(s.replicas > 0 for s in shadow.steps), [s.replicas for s in shadow.steps]
+
+
+def test_mix_planned_ahead_equals_one_rank(two_ranks):
+    """Every MoE layer fits the plan of the step before (fitted plans and the step's own alike
+    give the single-rank run's numbers, through AdamW steps)."""
+    ref = train(tiny(model="gpt2", micro_batches=2, max_steps=STEPS, router_skew=2.0))
+    _assert_like_one_rank([two_ranks[r]["ahead"] for r in range(2)], ref)
+    steps = two_ranks[0]["ahead"].steps
+    assert all(s.replicas > 0 for s in steps)
+    # the first forward of each layer plans afresh, later ones fit (and the same on both ranks)
+    fitted = [[s.plans_fitted for s in two_ranks[r]["ahead"].steps] for r in range(2)]
+    assert fitted[0] == fitted[1] and fitted[0][0] < fitted[0][-1], fitted
+    assert all(s.plans_fitted == 0 for s in two_ranks[0]["gpt2", "mix"].steps)
+
+
+def test_plan_ahead_needs_mix():
+    with pytest.raises(ValueError, match="plan_ahead plans the mixed strategy a step ahead"):
+        tiny(model="gpt2", strategy="a2a", plan_ahead=True)
 
 
 def test_float32_within_tolerance(two_ranks):

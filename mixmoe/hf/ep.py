@@ -23,9 +23,9 @@ replica's gradient flows back by autograd into the owner's local tensor, from th
 DTensor parameter and to FSDP's reduction, like the gradient of any owned expert: nothing is
 added to ``.grad`` by hand, so nothing is lost or counted twice under FSDP.
 
-``register_ep_implementation(name, strategy, profile=..., max_replicas=...)`` registers a strategy
-with a measured ``HardwareProfile`` for the planner (the registered three use the device's
-default profile) or another replica budget. ``ep_implementations(model)`` returns the instances
+``register_ep_implementation(name, strategy, profile=..., max_replicas=..., plan_ahead=...)``
+registers a strategy with a measured ``HardwareProfile`` for the planner (the registered three
+use the device's default profile), another replica budget, or ``mix`` planned a step ahead. ``ep_implementations(model)`` returns the instances
 transformers built (their ``last_stats`` say what the last step did: rows moved, replicas).
 
 The replica cache of ``mix`` is keyed on the version of the experts module's FSDP2-SHARDED
@@ -68,12 +68,14 @@ class MixmoeEP:
 
     ``last_stats``: the dispatcher's stats of the last call (rows moved, replicas, ...);
     ``replicas_seen``: replicas summed over every call; ``cached_fetches``: calls whose
-    replicas came from the cache (tests read them)."""
+    replicas came from the cache; ``plans_fitted``: calls whose plan was the step before's,
+    fitted (``plan_ahead``; tests read them)."""
 
     # set by ``ep_implementation_class``
     strategy = "mix"
     max_replicas = 4
     profile: HardwareProfile | None = None
+    plan_ahead = False
 
     def __init__(self, experts: nn.Module, ep_mesh, tp_mesh) -> None:
         if tp_mesh.size() != 1:
@@ -99,6 +101,7 @@ class MixmoeEP:
         self._spec: HFExpertsLayout | None = None  # the current call's layout (_compute_own)
         self.replicas_seen = 0
         self.cached_fetches = 0
+        self.plans_fitted = 0
         experts.mixmoe_ep = self  # found again by ``ep_implementations(model)``
 
     @property
@@ -122,6 +125,7 @@ class MixmoeEP:
             block_size=BLOCK_SIZE,
             strategy=self.strategy,
             max_replicas=self.max_replicas,
+            plan_ahead=self.plan_ahead,
         )
 
     def _layout(self) -> HFExpertsLayout:
@@ -195,17 +199,32 @@ class MixmoeEP:
         self.last_stats = dict(meta.stats)
         self.replicas_seen += int(meta.stats["replicas"])
         self.cached_fetches += bool(meta.stats["replica_cached"])
+        self.plans_fitted += bool(meta.stats.get("plan_fitted"))
         return y_TD.to(x_TD.dtype)
 
 
 def ep_implementation_class(
-    strategy: str, *, profile: HardwareProfile | None = None, max_replicas: int = 4
+    strategy: str,
+    *,
+    profile: HardwareProfile | None = None,
+    max_replicas: int = 4,
+    plan_ahead: bool = False,
 ) -> type[MixmoeEP]:
     """A ``MixmoeEP`` class running ``strategy`` (``a2a``, ``shadow`` or ``mix``) with this
-    hardware profile for the planner (None: the device's default) and replica budget."""
+    hardware profile for the planner (None: the device's default) and replica budget;
+    ``plan_ahead`` (``mix`` only): each step fits the plan of the step before's counts
+    (``MoEConfig.plan_ahead``)."""
     strategy_spec(strategy)  # a clear error for 'local' or an unknown name
     check_int("max_replicas", max_replicas, 0)
-    attrs = {"strategy": strategy, "profile": profile, "max_replicas": max_replicas}
+    if not isinstance(plan_ahead, bool):
+        raise TypeError(f"plan_ahead must be True or False, got {plan_ahead!r}")
+    if plan_ahead and strategy != "mix":
+        raise ValueError(
+            f"plan_ahead plans the mixed strategy a step ahead; {strategy!r} has no plan: use "
+            "strategy 'mix', or plan_ahead=False"
+        )
+    attrs = {"strategy": strategy, "profile": profile, "max_replicas": max_replicas,
+             "plan_ahead": plan_ahead}  # fmt: skip
     return type(f"MixmoeEP_{strategy}", (MixmoeEP,), attrs)
 
 
@@ -229,13 +248,16 @@ def register_ep_implementation(
     *,
     profile: HardwareProfile | None = None,
     max_replicas: int = 4,
+    plan_ahead: bool = False,
 ) -> None:
     """Register ``strategy`` under ``name`` in transformers' ``EPImplementationInterface``
-    (global mapping), e.g. a ``mix`` planned with a measured ``HardwareProfile``; then
-    ``DistributedConfig(ep_implementation=name)``. Registering a name again replaces it."""
+    (global mapping), e.g. a ``mix`` planned with a measured ``HardwareProfile`` (or a step
+    ahead: ``plan_ahead``); then ``DistributedConfig(ep_implementation=name)``. Registering a
+    name again replaces it."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
-    cls = ep_implementation_class(strategy, profile=profile, max_replicas=max_replicas)
+    cls = ep_implementation_class(strategy, profile=profile, max_replicas=max_replicas,
+                                  plan_ahead=plan_ahead)  # fmt: skip
     _ep_interface().register(name, cls)
 
 

@@ -41,7 +41,8 @@ pytestmark = pytest.mark.dist
 # mixmoe_mix_replicate: mix planned for a compute-bound device (replication always pays), so
 # that the tiny model really trains through replicas; the registered mixmoe_mix plans with the
 # CPU profile, by which a 32-wide expert is never worth copying
-MIXMOE_IMPLS = ("mixmoe_a2a", "mixmoe_shadow", "mixmoe_mix", "mixmoe_mix_replicate")
+MIXMOE_IMPLS = ("mixmoe_a2a", "mixmoe_shadow", "mixmoe_mix", "mixmoe_mix_replicate",
+                "mixmoe_mix_ahead")  # fmt: skip
 IMPLS = ("all_to_all",) + MIXMOE_IMPLS
 # ep_size < world: the control and each strategy once, shadow and mix replicating
 SMALL_IMPLS = ("all_to_all", "mixmoe_a2a", "mixmoe_shadow_replicate", "mixmoe_mix_replicate")
@@ -108,6 +109,7 @@ def _rank(comm, path: str, data, ep_size: int | None = None, impls=IMPLS) -> dic
     (``ep_size``, default the world)."""
     register_ep_implementation("mixmoe_mix_replicate", "mix", profile=COMPUTE_BOUND)
     register_ep_implementation("mixmoe_shadow_replicate", "shadow", profile=COMPUTE_BOUND)
+    register_ep_implementation("mixmoe_mix_ahead", "mix", profile=COMPUTE_BOUND, plan_ahead=True)
     W, out = comm.world_size, {}
     for impl in impls:
         model = load_model(path, impl, ep_size=ep_size or W, fsdp_size=W)
@@ -126,6 +128,7 @@ def _rank(comm, path: str, data, ep_size: int | None = None, impls=IMPLS) -> dic
             "losses": losses,
             "grads": grads,
             "replicas": [sum(ep.replicas_seen for ep in eps)],
+            "fitted": sum(ep.plans_fitted for ep in eps),
             "ep_modules": len(eps),
         }
     return out
@@ -226,6 +229,10 @@ def _check_equal(
     for impl in replicating:
         assert got[0][impl]["replicas"][0] > 0, f"{impl} never replicated under the skewed router"
     assert got[0]["mixmoe_a2a"]["replicas"][0] == 0
+    if "mixmoe_mix_ahead" in impls:  # planned a step ahead: fitted after each layer's first step
+        fitted = [per_rank["mixmoe_mix_ahead"]["fitted"] for per_rank in got]
+        assert fitted[0] > 0 and len(set(fitted)) == 1, fitted
+        assert all(per_rank["mixmoe_mix"]["fitted"] == 0 for per_rank in got)
 
 
 BF16_IMPLS = ("all_to_all", "mixmoe_mix_replicate")

@@ -82,6 +82,7 @@ def test_a_module_without_layout_flags_is_refused():
         (lambda: ep_implementation_class("local"), "not expert-parallel"),
         (lambda: ep_implementation_class("mix", max_replicas=-1), "max_replicas"),
         (lambda: register_ep_implementation("", "mix"), "non-empty string"),
+        (lambda: ep_implementation_class("a2a", plan_ahead=True), "'a2a' has no plan"),
     ],
 )
 def test_bad_registrations(call, match):
@@ -89,11 +90,21 @@ def test_bad_registrations(call, match):
         call()
 
 
+def test_plan_ahead_must_be_a_bool():
+    with pytest.raises(TypeError, match="plan_ahead must be True or False, got 1"):
+        ep_implementation_class("mix", plan_ahead=1)
+
+
 def test_register_a_tuned_mix():
     register_ep_implementation("mixmoe_mix_test_unit", "mix", max_replicas=1)
     try:
         cls = EPImplementationInterface()["mixmoe_mix_test_unit"]
-        assert (cls.strategy, cls.max_replicas, cls.profile) == ("mix", 1, None)
+        assert (cls.strategy, cls.max_replicas, cls.profile, cls.plan_ahead) == (
+            "mix",
+            1,
+            None,
+            False,
+        )
     finally:
         EPImplementationInterface._global_mapping.pop("mixmoe_mix_test_unit")
 

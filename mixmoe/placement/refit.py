@@ -25,7 +25,9 @@ The result is a valid plan for the new counts (``Plan.check_shares``), priced on
 it is not strictly below nothing replicated (the same model), nothing replicated is returned:
 never predicted worse than ``a2a``'s plan under the same overlap, as ``plan_mix``. Refitted to
 the counts it was made for, a plan without share entries is returned unchanged, prices
-included.
+included. ``carried_plan`` (the layer's) does not fit a plan whose hot experts lost over half
+their share of the rows (``moved``: a rotating hotspot's next step), and drops a fit predicted
+more than ``REFIT_SLACK`` above its plan's own step: the step then plans afresh.
 """
 
 from __future__ import annotations

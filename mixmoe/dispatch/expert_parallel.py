@@ -162,9 +162,8 @@ class ExpertParallelDispatcher:
         # (when the sums did not come from the device)
         self.shared_sums_min = SHARED_SUMS_MIN
         self._planner_thread: ThreadPoolExecutor | None = None  # created by the first async plan
-        # plan_ahead: (the plan of the last step's counts, on the planning thread; those counts;
-        # their sums), or None before the first step
-        # plan_ahead: the next step's plan and route in the making, its counts and sums
+        # plan_ahead: (the plan and route of the last step's counts, on the planning thread;
+        # those counts; their sums), or None before the first step
         self._ahead: tuple[Future, torch.Tensor, CountSums | None] | None = None
 
     def plans_async(self, device: torch.device | str = "cpu") -> bool:
@@ -360,10 +359,8 @@ class ExpertParallelDispatcher:
                                     after_sums=sums)  # fmt: skip
                 if plan is not None and self.check_plans and (plan.ranges or plan.kept):
                     plan.check_shares(C, E, self.config.block_size)
-                if plan is not None and (plan.replicas, plan.relay) == (
-                    ahead.replicas,
-                    ahead.relay,
-                ):
+                same = plan is not None and plan.relay == ahead.relay
+                if same and plan.replicas == ahead.replicas:
                     fetch = ahead_fetch  # the fit kept the holders: their route is built
             fitted = plan is not None
             if plan is None:
@@ -383,7 +380,7 @@ class ExpertParallelDispatcher:
         dtype: torch.dtype,
         device: torch.device,
         sums: CountSums | None = None,
-    ) -> tuple[Plan, RelayPlan | None]:
+    ) -> tuple[Plan, RelayPlan]:
         """``plan_ahead``'s background job: C's plan and its replicas' route for this rank
         (``RelayPlan.build``), so that a step whose fit keeps the holders does not build it
         again (W = 1024 under nodes: ~1 ms of the step's bookkeeping)."""

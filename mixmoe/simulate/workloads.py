@@ -37,8 +37,9 @@ Every planner re-runs on every step's counts (no plan is carried over); the repl
 ``ahead`` adds the strategy ``mix-ahead``: ``mix`` planned a step ahead, as the layer does under
 ``MoEConfig.plan_ahead``: each step's plan is ``plan_mix``'s plan of the step before, fitted to
 the step's counts (``placement.refit.carried_plan``), or the step's own plan where that fit is
-stale (planning_ms: the fit's time, and the plan's where it ran; the plan of the step before is
-made while that step runs). The step
+stale (planning_ms: one pass summing the step's counts, the fit, and the plan where it ran;
+the plan of the step before is made while that step runs, and its counts' sums come with it,
+as the layer keeps them). The step
 before step 0 (every step of a one-step workload) is a fresh draw of the same popularity: each
 source's rows drawn again, multinomially, from its row of step 0 (seeded by ``seed``); a
 rotating hotspot's later steps follow the real step before, whose hot set has moved.
@@ -59,6 +60,7 @@ from mixmoe.dispatch.strategies import planning_spec, strategy_spec
 from mixmoe.gating.imbalance import Workload
 from mixmoe.gating.synthetic import redrawn_counts
 from mixmoe.placement.cost_model import LayerShape
+from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.refit import carried_plan
@@ -231,7 +233,7 @@ def _timed_plans(planner, counts_WN: torch.Tensor, repeats: int) -> tuple[Any, l
 def _planner(name: str, shape: LayerShape, profile: HardwareProfile, cfg: BalanceConfig, K: int):
     spec = planning_spec(name, shape.world_size)
     config = layer_config(shape, top_k=K, max_replicas=cfg.max_replicas)
-    return lambda C_WN: spec.planner(C_WN, shape, profile, config)
+    return lambda C_WN, sums=None: spec.planner(C_WN, shape, profile, config, sums=sums)
 
 
 def _step_planners(
@@ -243,16 +245,30 @@ def _step_planners(
         return [_planner(name, shape, profile, cfg, K)] * len(steps)
     mix = _planner("mix", shape, profile, cfg, K)
     before = [redrawn_counts(steps[0], cfg.seed), *steps[:-1]]
+    E = shape.experts_per_rank
     return [
-        functools.partial(_carried, mix(B_WN), B_WN, mix=mix, shape=shape, profile=profile)
+        functools.partial(
+            _carried,
+            mix(B_WN),
+            B_WN,
+            mix=mix,
+            shape=shape,
+            profile=profile,
+            before_sums=count_sums(B_WN, E),
+        )  # fmt: skip
         for B_WN in before
     ]
 
 
-def _carried(plan, before_WN, after_WN, *, mix, shape, profile):
-    """The layer's plan_ahead step: the fit, or the step's own plan where it is stale."""
-    fitted = carried_plan(plan, before_WN, after_WN, shape, profile)
-    return mix(after_WN) if fitted is None else fitted
+def _carried(plan, before_WN, after_WN, *, mix, shape, profile, before_sums):
+    """The layer's plan_ahead step: the fit, or the step's own plan where it is stale. The
+    step before's sums come with its plan (the layer keeps them); the step's own are summed
+    once, here (the layer's one pass on the CPU, as ``mix``'s planner sums C itself), and serve
+    the fit and a fresh plan alike."""
+    after_sums = count_sums(after_WN, shape.experts_per_rank)
+    fitted = carried_plan(plan, before_WN, after_WN, shape, profile, before_sums=before_sums,
+                          after_sums=after_sums)  # fmt: skip
+    return mix(after_WN, sums=after_sums) if fitted is None else fitted
 
 
 @functools.lru_cache(maxsize=32)

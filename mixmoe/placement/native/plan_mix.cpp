@@ -417,6 +417,33 @@ int64_t write_plan(const Candidate& plan, const Prediction& baseline, int64_t W,
   return 0;
 }
 
+// What both C entries read first: C's counts (`ints`, `reals`: plan_mix's layout), the model,
+// the settings, C's baseline (from its sums when given) and, with a topology, this thread's
+// column prefixes (every fill's cuts and the 6-row pricing read the hot columns once).
+struct Entry {
+  Counts k;
+  Model m;
+  Settings s;
+  Baseline base;
+
+  Entry(const int64_t* C, const int64_t* ints, const double* reals)
+      : k{ints[0], ints[1], ints[0] * ints[1], C},
+        m(Model::from(ints + 7, reals)),
+        s(settings_of(ints, reals)) {}
+
+  // 0, or baseline_checked's status
+  int64_t open(const int64_t* colsum_N, const int64_t* rowsum_W) {
+    const int64_t status = baseline_checked(k, m, colsum_N, rowsum_W, base);
+    if (status != 0) return status;
+    thread_local ColumnPrefix prefix;
+    if (s.per_node > 0) {
+      prefix.reset(k.N);
+      k.prefix = &prefix;
+    }
+    return 0;
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -441,17 +468,13 @@ extern "C" {
 int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* reals,
                         int64_t* out_i, int64_t cap_i, double* out_d, int64_t* counts,
                         const int64_t* colsum_N, const int64_t* rowsum_W) {
-  Counts k{ints[0], ints[1], ints[0] * ints[1], C};
-  const Model m = Model::from(ints + 7, reals);
-  const Settings s = settings_of(ints, reals);
-  Baseline base;
-  const int64_t status = baseline_checked(k, m, colsum_N, rowsum_W, base);
+  Entry e(C, ints, reals);
+  const int64_t status = e.open(colsum_N, rowsum_W);
   if (status != 0) return status;
-  thread_local ColumnPrefix prefix;  // with a topology: every fill walks the hot columns
-  if (s.per_node > 0) {
-    prefix.reset(k.N);
-    k.prefix = &prefix;
-  }
+  const Counts& k = e.k;
+  const Model& m = e.m;
+  const Settings& s = e.s;
+  const Baseline& base = e.base;
   const Planner planner(k, m, base, s);
   const Prediction baseline = planner.baseline();
   return write_plan(planner.plan(baseline), baseline, k.W, out_i, cap_i, out_d, counts);
@@ -476,17 +499,13 @@ int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* c
                           int64_t plan_len, int64_t relay, int64_t* out_i, int64_t cap_i,
                           double* out_d, int64_t* counts, const int64_t* colsum_N,
                           const int64_t* rowsum_W, int64_t moved) {
-  Counts k{ints[0], ints[1], ints[0] * ints[1], C2};
-  const Model m = Model::from(ints + 7, reals);
-  const Settings s = settings_of(ints, reals);
-  Baseline base;
-  const int64_t status = baseline_checked(k, m, colsum_N, rowsum_W, base);
+  Entry e(C2, ints, reals);
+  const int64_t status = e.open(colsum_N, rowsum_W);
   if (status != 0) return status;
-  thread_local ColumnPrefix prefix;  // with a topology the pricing reads the columns the cuts read
-  if (s.per_node > 0) {
-    prefix.reset(k.N);
-    k.prefix = &prefix;
-  }
+  const Counts& k = e.k;
+  const Model& m = e.m;
+  const Settings& s = e.s;
+  const Baseline& base = e.base;
   Replicas replicas;
   ExpertEntries ranges, kept;
   if (!read_packed(plan, plan_len, k, replicas, ranges, kept)) return -5;

@@ -49,6 +49,18 @@ def check_float(name: str, value: object, lo: float = 0.0) -> None:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
 
 
+def check_plan_ahead(plan_ahead: object, strategy: str, fix: str) -> None:
+    """``plan_ahead`` (``MoEConfig.plan_ahead`` set from outside a layer): a bool, and only
+    with the strategy that plans (``mix``); ``fix``: the caller's way to turn it off."""
+    if not isinstance(plan_ahead, bool):
+        raise TypeError(f"plan_ahead must be True or False, got {plan_ahead!r}")
+    if plan_ahead and strategy != "mix":
+        raise ValueError(
+            f"plan_ahead plans the mixed strategy a step ahead; strategy {strategy!r} has no "
+            f"plan: use strategy 'mix', or {fix}"
+        )
+
+
 def check_choice(name: str, value: object, choices: Collection[Any]) -> None:
     if value not in choices:
         raise ValueError(f"{name} {value!r} is unknown; use one of {sorted(choices)}")

@@ -25,8 +25,9 @@ added to ``.grad`` by hand, so nothing is lost or counted twice under FSDP.
 
 ``register_ep_implementation(name, strategy, profile=..., max_replicas=..., plan_ahead=...)``
 registers a strategy with a measured ``HardwareProfile`` for the planner (the registered three
-use the device's default profile), another replica budget, or ``mix`` planned a step ahead. ``ep_implementations(model)`` returns the instances
-transformers built (their ``last_stats`` say what the last step did: rows moved, replicas).
+use the device's default profile), another replica budget, or ``mix`` planned a step ahead.
+``ep_implementations(model)`` returns the instances transformers built (their ``last_stats``
+say what the last step did: rows moved, replicas).
 
 The replica cache of ``mix`` is keyed on the version of the experts module's FSDP2-SHARDED
 parameters (``mixmoe.comm.fsdp``): FSDP2 refills the unsharded expert weights in place while
@@ -57,7 +58,7 @@ from mixmoe.hf.layout import HFExpertsLayout, hf_experts_layout, read_flags
 from mixmoe.ops.expert_mlp import ExpertWeights
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.types import Routing
-from mixmoe.validation import check_int
+from mixmoe.validation import check_int, check_plan_ahead
 
 
 class MixmoeEP:
@@ -216,13 +217,7 @@ def ep_implementation_class(
     (``MoEConfig.plan_ahead``)."""
     strategy_spec(strategy)  # a clear error for 'local' or an unknown name
     check_int("max_replicas", max_replicas, 0)
-    if not isinstance(plan_ahead, bool):
-        raise TypeError(f"plan_ahead must be True or False, got {plan_ahead!r}")
-    if plan_ahead and strategy != "mix":
-        raise ValueError(
-            f"plan_ahead plans the mixed strategy a step ahead; {strategy!r} has no plan: use "
-            "strategy 'mix', or plan_ahead=False"
-        )
+    check_plan_ahead(plan_ahead, strategy, "plan_ahead=False")
     attrs = {"strategy": strategy, "profile": profile, "max_replicas": max_replicas,
              "plan_ahead": plan_ahead}  # fmt: skip
     return type(f"MixmoeEP_{strategy}", (MixmoeEP,), attrs)

@@ -255,7 +255,7 @@ def _step_planners(
             shape=shape,
             profile=profile,
             before_sums=count_sums(B_WN, E),
-        )  # fmt: skip
+        )
         for B_WN in before
     ]
 

@@ -51,7 +51,7 @@ from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradient
 from mixmoe.train.lr_schedule import LR_SCHEDULES, lr_at
 from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
 from mixmoe.train.sources import load_tokens
-from mixmoe.validation import check_float, check_int
+from mixmoe.validation import check_float, check_int, check_plan_ahead
 
 DTYPES = ("float32", "float64", "bfloat16")
 OBJECTIVES = {
@@ -177,13 +177,7 @@ class TrainConfig:
             raise ValueError("tensorboard needs an output directory; give --out DIR")
         if self.dtype == "bfloat16" and not self.device.startswith("cuda"):
             raise ValueError("dtype bfloat16 (autocast) is for CUDA; use float32 on the CPU")
-        if not isinstance(self.plan_ahead, bool):
-            raise TypeError(f"plan_ahead must be True or False, got {self.plan_ahead!r}")
-        if self.plan_ahead and self.strategy != "mix":
-            raise ValueError(
-                f"plan_ahead plans the mixed strategy a step ahead; strategy {self.strategy!r} "
-                "has no plan: use --strategy mix, or drop --plan-ahead"
-            )
+        check_plan_ahead(self.plan_ahead, self.strategy, "drop --plan-ahead")
         self.model_spec(self.ep_size or 1)  # the model's own checks (moe_layers range, ...)
 
     def model_spec(self, ep_size: int) -> ModelSpec:

@@ -215,7 +215,7 @@ def plan_mix(
             best = shadow.priced(pred, best.baseline)
     totals = list(map(float.__add__, best.prediction.compute_s, best.prediction.comm_s))
     if not balance or max(totals) <= BALANCED * fold_sum(totals) / W:
-        return best  # balanced already: water-filling has little to win (planning time)
+        return _no_worse(best)  # balanced already: water-filling has little to win (planning time)
     with collector_paused():  # the search allocates ~10**4-10**5 short-lived containers
         start_loads = {}  # the fills' start loads under relay pricing, by start (key: its hot)
         if (
@@ -228,6 +228,7 @@ def plan_mix(
             pred = _prediction(model, loads_4W, rounds)
             if pred.step_s < best.prediction.step_s:
                 best = relayed.priced(pred, best.baseline)
+        best = _no_worse(best)
         # water-fill from the best candidate and from nothing replicated (the candidate may have
         # filled the replica slots that helpers need); the lower prediction wins, ties: the first
         # (the second only when the first stays unbalanced). Each fill is judged by its own
@@ -286,6 +287,16 @@ def plan_mix(
         if not prediction.step_s < best.prediction.step_s:  # the guarantee holds on the price
             return best
         return plan.priced(prediction, best.baseline)
+
+
+def _no_worse(best: Plan) -> Plan:
+    """``best``, or nothing replicated where ``best`` is predicted slower: with a topology the
+    candidates searched on one link and repriced on both (``reprice``) may cost more than they
+    save (the owner's copies crossing nodes: W = 3 in nodes of 2, 0.46 ms against 0.36 ms of
+    a2a). On one link the candidates are never above it (identity)."""
+    if best.prediction.step_s > best.baseline.step_s:
+        return Plan((), (), best.baseline, best.baseline)
+    return best
 
 
 def _stalled(state: WaterFill | RangeState) -> bool:

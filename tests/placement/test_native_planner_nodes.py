@@ -16,11 +16,12 @@ from _planner_cases import random_plan_case
 from test_native_planner import DEEPSEEK, SEEDS, _both, _canon, _shape
 
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
-from mixmoe.placement import GPU_PROFILE, LayerShape, plan_mix
-from mixmoe.placement.cost_model import Prediction, plan_pricing, step_model
+from mixmoe.placement import GPU_PROFILE, LayerShape, plan_mix, plan_none
+from mixmoe.placement.cost_model import Prediction, plan_pricing, reprice, step_model
 from mixmoe.placement.native_nodes import plan_loads_nodes, prediction_nodes
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile_io import load_profile
+from mixmoe.placement.replica_search import plan_replicas
 from mixmoe.simulate.routing import counts_source
 from mixmoe.simulate.workloads import DEFAULT_WORKLOADS
 
@@ -143,6 +144,31 @@ def test_equals_the_python_plan_on_random_counts(monkeypatch):
         profile = rng.choice(profiles)
         fast, slow = _both(monkeypatch, C, shape, profile, budget, **kwargs)
         assert _canon(fast) == _canon(slow), (case, C.shape, budget, kwargs, profile.ranks_per_node)
+        # the guarantee: never predicted slower than a2a (its baseline, priced with the nodes)
+        a2a = plan_none(C, shape, profile, overlap=kwargs["overlap"]).prediction
+        assert fast.baseline == a2a, case
+        assert fast.prediction.step_s <= a2a.step_s, (case, fast.prediction.step_s, a2a.step_s)
+
+
+def test_never_slower_than_a2a_when_the_repriced_candidate_costs_more(monkeypatch):
+    """The source-replica search sees one link; repriced with nodes its replica of expert 4
+    (rank 0's 3796 rows) costs more than it saves: 0.46 ms against a2a's 0.36 ms, and the plan
+    kept it (found by fuzzing the twins). Both twins now fall back to nothing replicated, and a
+    fill from there is kept only when it beats a2a."""
+    C = torch.tensor([
+        [152, 216, 35, 247, 3796, 160, 140, 30, 38, 286, 35, 159],
+        [9, 298, 95, 201, 254, 52, 73, 295, 4, 216, 78, 239],
+        [129, 184, 249, 72, 56, 200, 223, 48, 254, 159, 292, 231],
+    ])  # fmt: skip
+    shape = LayerShape(1024, 512, 4, 3, 2)
+    two = dataclasses.replace(NVLINK_IB, ranks_per_node=2)
+    a2a = plan_none(C, shape, two, overlap=True).prediction
+    source = reprice(C, plan_replicas(C, shape, two, 1, search_width=1),
+                     step_model(shape, two, True), two)  # fmt: skip
+    assert source.hot and source.prediction.step_s > 1.2 * a2a.step_s  # the trap
+    fast, slow = _both(monkeypatch, C, shape, two, 1, search_width=1, block_size=16)
+    assert _canon(fast) == _canon(slow)
+    assert fast.prediction.step_s <= a2a.step_s
 
 
 def test_column_prefixes_shared_by_fills_at_uneven_worlds(monkeypatch):

@@ -160,6 +160,13 @@ class Planner {
     return step;
   }
 
+  // planner._no_worse: `best`, or nothing replicated where `best` is predicted slower (with a
+  // topology the candidates searched on one link may cost more than they save once repriced)
+  static Candidate no_worse(Candidate best, const Prediction& baseline) {
+    if (best.pred.step > baseline.step) return Candidate{{}, false, {}, {}, baseline};
+    return best;
+  }
+
   Candidate priced(Replicas replicas, bool relay, ExpertEntries ranges, ExpertEntries kept) const {
     Loads loads;
     Prediction p = price(replicas, relay, ranges, kept, loads);
@@ -198,7 +205,7 @@ class Planner {
     }
     const std::vector<double> totals = totals_of(best.pred);
     if (!s_.balance || max_of(totals) <= s_.balanced * fold_sum(totals) / static_cast<double>(W))
-      return best;  // balanced already
+      return no_worse(std::move(best), baseline);  // balanced already
     std::optional<Loads> relay_loads;  // the best candidate's loads under relay
     if (!best.replicas.empty()) {
       Loads loads;
@@ -209,6 +216,7 @@ class Planner {
         best.pred = p;
       }
     }
+    best = no_worse(std::move(best), baseline);
     std::optional<Filled> won;
     double won_step = best.pred.step;
     bool stalled = false, from_none = false;

@@ -13,6 +13,8 @@ import random
 import pytest
 import torch
 from _planner_cases import random_plan_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_native_planner import DEEPSEEK, SEEDS, _both, _canon, _shape
 
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
@@ -20,7 +22,9 @@ from mixmoe.placement import GPU_PROFILE, LayerShape, plan_mix, plan_none
 from mixmoe.placement.cost_model import Prediction, plan_pricing, reprice, step_model
 from mixmoe.placement.native_nodes import plan_loads_nodes, prediction_nodes
 from mixmoe.placement.plan import Plan
+from mixmoe.placement.planner import replica_slots
 from mixmoe.placement.profile_io import load_profile
+from mixmoe.placement.refit import refit_plan
 from mixmoe.placement.replica_search import plan_replicas
 from mixmoe.simulate.routing import counts_source
 from mixmoe.simulate.workloads import DEFAULT_WORKLOADS
@@ -169,6 +173,41 @@ def test_never_slower_than_a2a_when_the_repriced_candidate_costs_more(monkeypatc
     fast, slow = _both(monkeypatch, C, shape, two, 1, search_width=1, block_size=16)
     assert _canon(fast) == _canon(slow)
     assert fast.prediction.step_s <= a2a.step_s
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)  # the same 300 cases each run
+@given(
+    W=st.integers(2, 12),
+    E=st.integers(1, 4),
+    per_node=st.integers(1, 5),
+    budget=st.sampled_from([1, 2, 4, 8]),
+    overlap=st.booleans(),
+    data=st.data(),
+)
+def test_mix_guarantees_under_nodes(W, E, per_node, budget, overlap, data) -> None:
+    """The compiled plan (the twins agree: the tests above) under nodes of 1-5 ranks, counts
+    of 0-300 rows and up to two hot cells: never predicted slower than a2a, within the
+    replica budget, valid ranges; the same for its fit to other counts (``refit_plan``)."""
+    N = W * E
+    rows = st.lists(st.lists(st.integers(0, 300), min_size=N, max_size=N), min_size=W, max_size=W)
+    C, after = torch.tensor(data.draw(rows)), torch.tensor(data.draw(rows))
+    for _ in range(data.draw(st.integers(0, 2))):  # hot cells: one rank's rows of one expert
+        s, g = data.draw(st.integers(0, W - 1)), data.draw(st.integers(0, N - 1))
+        C[s, g] += data.draw(st.integers(1000, 20000))
+    shape = LayerShape(1024, 512, E, W, 2)
+    profile = dataclasses.replace(NVLINK_IB, ranks_per_node=per_node)
+    plan = plan_mix(C, shape, profile, budget, overlap, block_size=16)
+    a2a = plan_none(C, shape, profile, overlap=overlap).prediction
+    assert plan.baseline == a2a
+    assert plan.prediction.step_s <= a2a.step_s
+    slots = replica_slots(budget, E)
+    assert all(len(plan.replica_slots(r)) <= slots for r in range(W))
+    dataclasses.replace(plan).check_shares(C, E, 16)  # built unchecked: Plan's checks now
+    fit = refit_plan(plan, C, after, shape, profile, overlap, 16)
+    assert (
+        fit.prediction.step_s <= plan_none(after, shape, profile, overlap=overlap).prediction.step_s
+    )
+    dataclasses.replace(fit).check_shares(after, E, 16)
 
 
 def test_column_prefixes_shared_by_fills_at_uneven_worlds(monkeypatch):

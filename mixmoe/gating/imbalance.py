@@ -117,6 +117,27 @@ def _check_size(workload: Workload, size: int, N: int) -> None:
         )
 
 
+def check_workload(
+    workload: Workload | str, world_size: int, top_k: int, num_experts: int
+) -> Workload:
+    """``workload`` parsed, after the checks ``workload_counts`` makes of it for W ranks
+    choosing ``top_k`` of ``num_experts`` experts (a clear ValueError, before any count is
+    drawn: ``bench balance`` checks every case before it runs the first)."""
+    w = Workload.parse(workload) if isinstance(workload, str) else workload
+    W, K, N = world_size, top_k, num_experts
+    if N % W:
+        raise ValueError(f"num_experts={N} must be a multiple of world_size={W}")
+    if K > N:
+        raise ValueError(f"top_k={K} exceeds num_experts={N}; use top_k <= num_experts")
+    if w.kind in ("hotset", "rotate"):
+        _check_size(w, w.size, N)
+    elif w.kind == "hotrank":
+        _check_size(w, N // W, N)
+    elif w.kind == "idle" and W < 2:
+        raise ValueError(f"workload {w} needs world_size >= 2 (one rank idle), got {W}")
+    return w
+
+
 def workload_counts(
     workload: Workload | str,
     world_size: int,
@@ -129,27 +150,19 @@ def workload_counts(
     """The count matrices (int64 [W, N], one per step: ``workload.steps``) of ``workload`` for W
     ranks of ``tokens`` tokens choosing ``top_k`` of ``num_experts`` experts, drawn from a
     generator seeded with ``seed`` (the same seed, the same matrices)."""
-    w = Workload.parse(workload) if isinstance(workload, str) else workload
+    w = check_workload(workload, world_size, top_k, num_experts)
     W, T, K, N = world_size, tokens, top_k, num_experts
-    if N % W:
-        raise ValueError(f"num_experts={N} must be a multiple of world_size={W}")
-    if K > N:
-        raise ValueError(f"top_k={K} exceeds num_experts={N}; use top_k <= num_experts")
     gen = torch.Generator().manual_seed(seed)
     if w.kind in ("uniform", "zipf", "hot"):
         return [synthetic_counts(RoutingSpec(w.kind, w.share), W, T, K, N, gen)]
     if w.kind == "hotset":
-        _check_size(w, w.size, N)
         hot_H = torch.randperm(N, generator=gen)[: w.size]
         return [_hot_set_counts(W, T, K, N, hot_H, w.share, gen)]
     if w.kind == "hotrank":
         E = N // W
-        _check_size(w, E, N)
         rank = int(torch.randint(0, W, (1,), generator=gen))
         return [_hot_set_counts(W, T, K, N, torch.arange(rank * E, (rank + 1) * E), w.share, gen)]
     if w.kind == "idle":
-        if W < 2:
-            raise ValueError(f"workload {w} needs world_size >= 2 (one rank idle), got {W}")
         idle = min(W - 1, max(1, round(w.share * W)))
         active_A = torch.randperm(W, generator=gen)[idle:].sort().values
         per_rank = (W * T) // active_A.numel()  # the uniform total, spread over the active ranks
@@ -158,7 +171,6 @@ def workload_counts(
         counts_WN[active_A] = synthetic_counts(uniform, active_A.numel(), per_rank, K, N, gen)
         return [counts_WN]
     # rotate: the hot set walks a fixed shuffled order of the experts, H at a time
-    _check_size(w, w.size, N)
     order_N = torch.randperm(N, generator=gen)
     steps = []
     for t in range(w.steps):

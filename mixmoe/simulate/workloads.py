@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from mixmoe.dispatch.strategies import planning_spec, strategy_spec
-from mixmoe.gating.imbalance import Workload
+from mixmoe.gating.imbalance import Workload, check_workload
 from mixmoe.gating.synthetic import redrawn_counts
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.native_pricing import count_sums
@@ -165,7 +165,13 @@ class BalanceConfig:
         for W in self.worlds:
             check_int("world size", W, 2)
             for shape in self.shapes:
-                layer_shape(shape_spec(shape), W)  # N a multiple of W, clear error otherwise
+                spec = shape_spec(shape)
+                ls = layer_shape(spec, W)  # N a multiple of W, clear error otherwise
+                for text in self.workloads:  # every case's workload fits its experts
+                    try:
+                        check_workload(text, W, spec.top_k, ls.num_experts)
+                    except ValueError as exc:
+                        raise ValueError(f"shape {spec.name!r} at W={W}: {exc}") from None
         for text in self.workloads:
             Workload.parse(text)
         for name in self.strategies:

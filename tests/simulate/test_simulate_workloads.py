@@ -38,9 +38,10 @@ def cfg(tmp_path) -> BalanceConfig:
     path = tmp_path / "tiny.json"
     profile = HardwareProfile("tiny", FLOPS, BW, LAT)
     save_profile(path, profile_record(profile, source="test", measured=False))
-    return BalanceConfig(
-        shapes=(TINY,), worlds=(4,), tokens=T, repeats=1, seed=3, profile=str(path)
-    )
+    return BalanceConfig(  # the workloads the tests run (each checked against TINY's 4 experts)
+        shapes=(TINY,), worlds=(4,), workloads=("hotrank:1.0", "rotate:1:1.0:3", "idle:0.5"),
+        tokens=T, repeats=1, seed=3, profile=str(path),
+    )  # fmt: skip
 
 
 def _a2a_step_by_hand(C: list[list[int]]) -> float:
@@ -233,6 +234,19 @@ def test_bench_balance_experts_override(tmp_path, capsys) -> None:
         (["--profile", "h100-nope"], "profile 'h100-nope' is neither a preset"),
         (["--workloads", ""], "workloads is empty"),
         (["--experts-per-rank", "0"], "--experts-per-rank must be >= 1"),
+        # checked before the first case runs (no progress line): the default hotset:8 at W = 2
+        (
+            ["--world-sizes", "2", "--shapes", "seeds"],
+            "shape 'seeds' at W=2: workload hotset:8:0.5 makes 8 of the 8 experts hot",
+        ),
+        (
+            ["--shapes", "deepseek", "--world-sizes", "8", "--workloads", "rotate:256:0.5"],
+            "makes 256 of the 256 experts hot",
+        ),
+        (
+            ["--shapes", "seeds", "--world-sizes", "4", "--workloads", "hotset:16:0.5"],
+            "makes 16 of the 16 experts hot",
+        ),
     ],
 )
 def test_bench_balance_bad_input(argv, expected, capsys) -> None:

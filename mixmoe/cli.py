@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 import traceback
 from collections.abc import Iterable, Sequence
@@ -187,6 +188,33 @@ def _one_line(exc: BaseException) -> str:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def _out_of_memory(exc: BaseException) -> str | None:
+    """One line for an allocation that failed (``MemoryError``, torch's CPU allocator or CUDA
+    out of memory), or None for any other error: the sizes the command was given were too
+    large for this machine, not a bug."""
+    if isinstance(exc, MemoryError):
+        what = str(exc) or "a Python allocation failed"
+    elif isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in str(exc) or isinstance(exc, _torch_oom())
+    ):
+        found = re.search(r"allocate (\d+) bytes", str(exc))
+        what = (
+            f"tried to allocate {int(found.group(1)) / 2**30:.1f} GiB"
+            if found
+            else _one_line(exc)[:200]
+        )
+    else:
+        return None
+    return f"out of memory: {what}; use smaller sizes (ranks, experts, tokens, batch)"
+
+
+def _torch_oom() -> tuple[type[BaseException], ...]:
+    """torch's out-of-memory error type where torch is imported (no import here)."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return (oom,) if isinstance(oom, type) else ()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -216,6 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as exc:
         lines = getattr(exc, "user_lines", None)  # a failed multi-rank run: one line per rank
+        oom = None if lines else _out_of_memory(exc)
+        if oom is not None:
+            if debug:
+                traceback.print_exc()
+            print(f"mixmoe: error: {oom}", file=sys.stderr)
+            return 2
         if not lines:
             raise
         if debug:

@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import mixmoe
 from mixmoe import cli
@@ -159,6 +160,29 @@ def test_a_bug_keeps_its_traceback_and_debug_shows_user_errors(fake_command, cap
     assert cli.main(["fake", "--debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().endswith("mixmoe: error: n is bad; use 2")
+
+
+def test_out_of_memory_is_one_line_and_other_runtime_errors_are_bugs(fake_command, capsys):
+    """Sizes too large for the machine (``simulate --world-size 100000``: a [10**5, 4 * 10**5]
+    count matrix) fail in an allocation: one line naming the size, status 2; any other
+    RuntimeError keeps its traceback."""
+    alloc = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 320000000000 bytes. Error code 12"
+    )
+    for error, said in (
+        (alloc, "tried to allocate 298.0 GiB"),
+        (MemoryError(), "a Python allocation failed"),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "CUDA out"),
+    ):
+        fake_command.error = error
+        assert cli.main(["fake"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("mixmoe: error: out of memory: "), err
+        assert said in err[0] and "use smaller sizes" in err[0], err
+    fake_command.error = RuntimeError("an index out of range deep in a kernel")
+    with pytest.raises(RuntimeError, match="deep in a kernel"):
+        cli.main(["fake"])
 
 
 def test_real_process_prints_one_line():

@@ -17,6 +17,7 @@ import sys
 from mixmoe.config import STRATEGIES
 from mixmoe.train.loop import DTYPES, TrainConfig, TrainResult, check_world
 from mixmoe.train.presets import MODELS, PRESETS
+from mixmoe.validation import check_int
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -155,7 +156,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _world(args: argparse.Namespace) -> int:
-    return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if args.world_size is not None:
+        check_int("--world-size", args.world_size, 1)
+        return args.world_size
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -51,7 +51,7 @@ from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradient
 from mixmoe.train.lr_schedule import LR_SCHEDULES, lr_at
 from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
 from mixmoe.train.sources import load_tokens
-from mixmoe.validation import check_float, check_int, check_plan_ahead
+from mixmoe.validation import check_device, check_float, check_int, check_plan_ahead
 
 DTYPES = ("float32", "float64", "bfloat16")
 OBJECTIVES = {
@@ -175,6 +175,7 @@ class TrainConfig:
             )
         if self.tensorboard and not self.out:
             raise ValueError("tensorboard needs an output directory; give --out DIR")
+        check_device(self.device)  # one that torch can use here: cpu, or a visible cuda:N
         if self.dtype == "bfloat16" and not self.device.startswith("cuda"):
             raise ValueError("dtype bfloat16 (autocast) is for CUDA; use float32 on the CPU")
         check_plan_ahead(self.plan_ahead, self.strategy, "drop --plan-ahead")

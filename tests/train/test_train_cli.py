@@ -46,6 +46,10 @@ def test_cli_smoke_writes_jsonl_png_and_a_checkpoint(tmp_path, capsys):
         (["--dtype", "bfloat16"], "bfloat16 (autocast) is for CUDA"),
         (["--model", "mixtral", "--moe-layers", "0"], "every Mixtral block is a MoE block"),
         (["--resume", "/nonexistent/ckpt.pt"], "does not exist"),
+        (["--world-size", "0"], "--world-size must be >= 1, got 0"),  # was a spawn traceback
+        (["--device", "nope"], "device 'nope' is not understood"),  # these three were tracebacks
+        (["--device", "mps"], "mixmoe runs on cpu or cuda"),
+        (["--device", "cuda:99"], "device 'cuda:99': "),  # no CUDA here, or not 100 GPUs
     ],
 )
 def test_bad_input_is_one_line(extra, expected, capsys):

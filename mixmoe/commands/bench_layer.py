@@ -8,7 +8,6 @@ strategy (config, environment, per-step times). The engine is ``mixmoe.bench.lay
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import asdict
 
 from mixmoe.bench.layer import (
@@ -20,7 +19,7 @@ from mixmoe.bench.layer import (
     summary_rows,
     write_logs,
 )
-from mixmoe.commands.options import add_device, add_jsonl
+from mixmoe.commands.options import add_device, add_jsonl, world_size
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.validation import DTYPE_NAMES
@@ -104,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> LayerBenchConfig:
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size(args.world_size)
     default = "local" if world == 1 else "mix,a2a,shadow"
     strategies = tuple(s.strip() for s in (args.strategy or default).split(",") if s.strip())
     return LayerBenchConfig(

@@ -10,7 +10,6 @@ engine is ``mixmoe.bench.model`` (which runs ``mixmoe.train``'s training step).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import asdict
 
 from mixmoe.bench.model import (
@@ -23,7 +22,7 @@ from mixmoe.bench.model import (
     summary_rows,
     write_log,
 )
-from mixmoe.commands.options import add_device, add_jsonl
+from mixmoe.commands.options import add_device, add_jsonl, world_size
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
 from mixmoe.train.loop import DTYPES
@@ -74,7 +73,7 @@ def _list(text: str) -> tuple[str, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> ModelBenchConfig:
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size(args.world_size)
     default = f"{NAIVE},local" if world == 1 else f"{NAIVE},a2a,shadow,mix"
     return ModelBenchConfig(
         models=_list(args.models),

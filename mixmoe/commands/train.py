@@ -14,10 +14,10 @@ import os
 import shlex
 import sys
 
+from mixmoe.commands.options import world_size
 from mixmoe.config import STRATEGIES
 from mixmoe.train.loop import DTYPES, TrainConfig, TrainResult, check_world
 from mixmoe.train.presets import MODELS, PRESETS
-from mixmoe.validation import check_int
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -156,10 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _world(args: argparse.Namespace) -> int:
-    if args.world_size is not None:
-        check_int("--world-size", args.world_size, 1)
-        return args.world_size
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return world_size(args.world_size)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -86,6 +86,10 @@ def test_bad_input_gives_one_line_and_status_2(words, capsys):
         (["bench", "layer", "--device", "tpu"], "device 'tpu'"),
         (["bench", "layer", "--world-size", "2", "--strategy", "local"], "runs on one rank"),
         (["bench", "kernels", "--device", "cpu", "--block-size", "48"], "block_size must be"),
+        # 0 ranks: one line (bench layer / model ran on one rank; train spawned none)
+        (["bench", "layer", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["bench", "model", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["train", "--world-size", "-2"], "--world-size must be >= 1, got -2"),
         (["demo", "--steps", "0"], "steps must be >= 1"),
         (["report", "/nonexistent.log"], "/nonexistent.log: No such file or directory"),
         (["analyze", "trace", "/nonexistent.txt"], "/nonexistent.txt: No such file"),

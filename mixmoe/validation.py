@@ -7,6 +7,7 @@ where it was written. Torch is imported only by the checks that need it (``torch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -43,10 +44,14 @@ def check_int(name: str, value: object, lo: int) -> None:
 
 
 def check_float(name: str, value: object, lo: float = 0.0) -> None:
+    """``value`` a finite number >= ``lo`` (NaN and inf rejected: ``--lr inf`` trained to a
+    NaN loss without a word)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {value!r}")
     if not value >= lo:  # also rejects NaN
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if value == math.inf:
+        raise ValueError(f"{name} must be finite, got {value}")
 
 
 def check_plan_ahead(plan_ahead: object, strategy: str, fix: str) -> None:

@@ -26,6 +26,7 @@ Launch: W gloo CPU processes are spawned here; under ``torchrun`` the launched g
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -129,6 +130,8 @@ class HFBenchConfig:
             ("threads", 0),
         ):
             check_int(name, getattr(self, name), lo)
+        if not math.isfinite(self.hot_bias):  # a NaN router bias routes nothing sensibly
+            raise ValueError(f"hot_bias must be a finite number, got {self.hot_bias}")
         allowed = EXPERTS_IMPLEMENTATIONS if self.world_size == 1 else IMPLEMENTATIONS
         unknown = set(self.implementations) - set(allowed)
         if unknown or not self.implementations:

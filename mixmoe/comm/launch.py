@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from mixmoe.comm import init_file_store, shutdown_distributed
 from mixmoe.comm.communicator import Communicator
+from mixmoe.validation import check_int
 
 # after the first failure, how long the other ranks may take to report before they are killed
 FAILURE_GRACE_S = 3.0
@@ -168,6 +169,8 @@ def spawn_gloo(
     ``failure_grace_s(pg_timeout_s)`` to report, then every rank still running is killed and
     ``RanksFailed`` (a RuntimeError with every rank's traceback) is raised: nothing waits for
     the ``timeout_s`` deadline, which only ends a run that hangs without any failure."""
+    check_int("world_size", world_size, 1)
+    check_int("threads", threads, 1)  # each rank's torch.set_num_threads: before any spawns
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     grace = failure_grace_s(pg_timeout_s)

@@ -68,6 +68,7 @@ from mixmoe.config import MoEConfig
 from mixmoe.dispatch.strategies import planning_spec
 from mixmoe.placement.cost_model import LayerShape, StepModel, counts_as_tensor, plan_pricing
 from mixmoe.placement.profile import HardwareProfile
+from mixmoe.validation import check_float
 
 __all__ = [
     "STRATEGIES",
@@ -198,8 +199,7 @@ def predict_layer(
             raise ValueError(
                 "give shared (mean over ranks) or processors (processor sharing), not both"
             )
-    if isinstance(fixed_s, bool) or not isinstance(fixed_s, (int, float)) or not fixed_s >= 0:
-        raise ValueError(f"fixed_s must be a number >= 0, got {fixed_s!r}")
+    check_float("fixed_s", fixed_s)  # a finite number >= 0
     C_WN = counts_as_tensor(counts_WN, shape)
     W = shape.world_size
     config = layer_config(shape, top_k=top_k, max_replicas=max_replicas)

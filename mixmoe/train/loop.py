@@ -154,6 +154,10 @@ class TrainConfig:
         if self.time_budget_s is not None:
             check_float("time_budget_s", self.time_budget_s)
         check_float("collective_timeout_s", self.collective_timeout_s)
+        if self.collective_timeout_s == 0:
+            raise ValueError("collective_timeout_s must be > 0 (every collective would time out)")
+        if not math.isfinite(self.router_skew):
+            raise ValueError(f"router_skew must be a finite number, got {self.router_skew}")
         check_int("warmup_steps", self.warmup_steps, 0)
         check_float("min_lr", self.min_lr)
         if self.lr_schedule not in LR_SCHEDULES:

@@ -90,6 +90,8 @@ def test_bad_input_gives_one_line_and_status_2(words, capsys):
         (["bench", "layer", "--world-size", "0"], "--world-size must be >= 1, got 0"),
         (["bench", "model", "--world-size", "0"], "--world-size must be >= 1, got 0"),
         (["train", "--world-size", "-2"], "--world-size must be >= 1, got -2"),
+        (["bench", "hf", "--hot-bias", "nan"], "hot_bias must be a finite number, got nan"),
+        (["simulate", "--fixed-ms", "inf"], "must be finite, got inf"),
         (["demo", "--steps", "0"], "steps must be >= 1"),
         (["report", "/nonexistent.log"], "/nonexistent.log: No such file or directory"),
         (["analyze", "trace", "/nonexistent.txt"], "/nonexistent.txt: No such file"),

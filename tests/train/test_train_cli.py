@@ -50,6 +50,10 @@ def test_cli_smoke_writes_jsonl_png_and_a_checkpoint(tmp_path, capsys):
         (["--device", "nope"], "device 'nope' is not understood"),  # these three were tracebacks
         (["--device", "mps"], "mixmoe runs on cpu or cuda"),
         (["--device", "cuda:99"], "device 'cuda:99': "),  # no CUDA here, or not 100 GPUs
+        (["--lr", "inf"], "lr must be finite, got inf"),  # these trained to a NaN loss
+        (["--router-skew", "nan"], "router_skew must be a finite number, got nan"),
+        (["--collective-timeout", "0"], "collective_timeout_s must be > 0"),
+        (["--world-size", "2", "--threads", "0"], "threads must be >= 1, got 0"),  # before spawning
     ],
 )
 def test_bad_input_is_one_line(extra, expected, capsys):

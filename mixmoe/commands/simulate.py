@@ -446,9 +446,39 @@ def _replay_strategies(args: argparse.Namespace, profile) -> None:
         print(note)
 
 
+# options read only in another option's mode: (flag, attribute, default, the mode's flag and its
+# attribute): given without that mode they were ignored without a word
+_MODE_OPTIONS = (
+    *(
+        (f"--{name.replace('_', '-')}", name, default, "--layers N", "layers")
+        for name, default in (
+            ("dense_params", 0),
+            ("pipeline_stages", 1),
+            ("microbatches", 1),
+            ("dp", 1),
+            ("edp", 1),
+        )
+    ),  # fmt: skip
+    ("--ep-size", "ep_size", 2, "--replay TRACE", "replay"),
+    ("--trace-rank", "trace_rank", None, "--replay TRACE", "replay"),
+    ("--remeasure", "remeasure", False, "--validate FILE", "validate"),
+    ("--validate-world", "validate_world", (2, 4), "--remeasure", "remeasure"),
+    ("--device", "device", "cpu", "--remeasure", "remeasure"),
+)
+
+
+def _check_modes(args: argparse.Namespace) -> None:
+    """A one-line error for an option given without the mode that reads it."""
+    for flag, name, default, mode, needs in _MODE_OPTIONS:
+        if getattr(args, name) != default and not getattr(args, needs):
+            raise ValueError(f"{flag} is read only with {mode}; add it, or drop {flag}")
+
+
 def run(args: argparse.Namespace) -> int:
     from mixmoe.placement.profile_io import describe, load_profile
     from mixmoe.validation import check_int
+
+    _check_modes(args)
 
     if args.replay_strategy:
         from mixmoe.dispatch.strategies import strategy_spec

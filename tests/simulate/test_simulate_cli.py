@@ -67,6 +67,23 @@ def test_simulate_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert "--remeasure" in _error(capsys, ["simulate", "--validate", str(missing)])
 
 
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--pipeline-stages", "4"], "--pipeline-stages is read only with --layers N"),
+        (["--edp", "2"], "--edp is read only with --layers N"),
+        (["--ep-size", "4"], "--ep-size is read only with --replay TRACE"),
+        (["--trace-rank", "1"], "--trace-rank is read only with --replay TRACE"),
+        (["--remeasure"], "--remeasure is read only with --validate FILE"),
+        (["--device", "cuda"], "--device is read only with --remeasure"),
+    ],
+)
+def test_simulate_options_without_their_mode_are_one_line(extra, expected, capsys) -> None:
+    """Each was ignored without a word (``--pipeline-stages 4`` without ``--layers``: the layer
+    table as if it had not been given)."""
+    assert expected in _error(capsys, [*SMALL, *extra])
+
+
 @pytest.mark.slow
 def test_calibrate_tiny_sweep_writes_a_loadable_profile(tmp_path, capsys) -> None:
     out = tmp_path / "prof.json"

@@ -38,10 +38,11 @@ int main() {
     }
     const int64_t rows = 1 + static_cast<int64_t>(rng() % 64);
     std::vector<int64_t> chunk(active.size() * static_cast<size_t>(rows), -1);
+    std::vector<std::pair<size_t, int64_t>> todo{{7, 7}};  // read_block clears it first
     for (int64_t s0 = static_cast<int64_t>(rng() % 3) * rows; s0 < W; s0 += rows) {
       const int64_t s1 = std::min(W, s0 + rows);
       std::fill(chunk.begin(), chunk.end(), -1);  // a stale chunk would show
-      read_block(f, active, s0, s1, rows, chunk);
+      read_block(f, active, s0, s1, rows, chunk, todo);
       ++blocks;
       for (size_t a = 0; a < active.size(); ++a)
         for (int64_t s = s0; s < s1; ++s)

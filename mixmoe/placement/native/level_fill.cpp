@@ -344,7 +344,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 // The thread's one Fill: the fills' state (level_fill), then the winner's plan fields
 // (plan_from); each sets every field it reads, and its per-expert vectors keep their buffers
 // (W = 1024: three vectors of 4096 maps, ~100 KB each: fresh pages every plan when allocated)
-Fill& thread_fill() {
+[[gnu::noinline]] Fill& thread_fill() {  // a call: see run_buffers
   thread_local Fill f;
   return f;
 }
@@ -698,13 +698,22 @@ struct RunBuffers {  // run's per-pass arrays, one set per thread (no allocation
   std::vector<int64_t> seen;
 };
 
+// The thread's buffers of run, reached through a call that is not inlined: the library is
+// built -fPIC, where every use of a thread_local named inside a function re-derives its address
+// with a __tls_get_addr call (64 of them in run's code, 32 in plan_fields'); through a
+// reference returned by a call it is a plain pointer (W = 1024 zipf plans: ~12% faster, as fast
+// as the same code linked statically)
+[[gnu::noinline]] RunBuffers& run_buffers() {
+  thread_local RunBuffers buffers;
+  return buffers;
+}
+
 int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
   const int64_t W = f.W, E = f.E;
   const size_t Wz = static_cast<size_t>(W);
   const double a = p.a, t = p.t;
   const double cost = a + t;
-  thread_local RunBuffers buffers;
-  RunBuffers& buf = buffers;
+  RunBuffers& buf = run_buffers();
   buf.cost_W.assign(Wz, cost);
   const double cost_sum = fold_sum(buf.cost_W);
   int64_t pieces = 0;
@@ -910,10 +919,25 @@ struct Stream {
 // holds copied from it, the others read off C row by row and appended to it. A prefix only
 // grows contiguously (it reaches s0 here: the walk extends it block by block from row 0; one
 // that did not would be read past, never appended to).
+// plan_fields' buffers, one set per thread, kept plan after plan (W = 1024: ~10**2 streams of
+// ~600 starts each, grown by push_back, and a 60 KB chunk a plan); reached through a call
+// (run_buffers' reason)
+struct FieldBuffers {
+  std::vector<Stream> pool;  // the streams (the first n_streams in use)
+  std::vector<Stream*> active;  // the streams still walking
+  std::vector<int64_t> chunk;  // a block of rows of the active experts' columns
+  std::vector<std::pair<size_t, int64_t>> todo;  // read_block's (a, the first row to read)
+};
+
+[[gnu::noinline]] FieldBuffers& field_buffers() {
+  thread_local FieldBuffers buffers;
+  return buffers;
+}
+
 void read_block(const Fill& f, const std::vector<Stream*>& active, int64_t s0, int64_t s1,
-                int64_t rows, std::vector<int64_t>& chunk) {
+                int64_t rows, std::vector<int64_t>& chunk,
+                std::vector<std::pair<size_t, int64_t>>& todo) {
   ColumnPrefix& prefix = *f.prefix;
-  thread_local std::vector<std::pair<size_t, int64_t>> todo;  // (a, the first row to read)
   todo.clear();
   for (size_t a = 0; a < active.size(); ++a) {
     const int64_t g = active[a]->g, len = prefix.len(g);
@@ -947,12 +971,12 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
   ranges.clear();
   kept.clear();
   const int64_t blk = f.blk, W = f.W;
-  // the experts with a positive amount: their ranges to cut. The streams, their starts, the
-  // active list and the chunk are kept per thread: their buffers serve plan after plan (W =
-  // 1024: ~10**2 streams of ~600 starts each, grown by push_back, and a 60 KB chunk a plan)
-  thread_local std::vector<Stream> pool;
-  thread_local std::vector<Stream*> active;
-  thread_local std::vector<int64_t> chunk;
+  // the experts with a positive amount: their ranges to cut (the streams, their starts, the
+  // active list and the chunk in this thread's buffers)
+  FieldBuffers& buf = field_buffers();
+  std::vector<Stream>& pool = buf.pool;
+  std::vector<Stream*>& active = buf.active;
+  std::vector<int64_t>& chunk = buf.chunk;
   size_t n_streams = 0;
   for (int64_t g = 0; g < f.N; ++g) {
     if (!f.holders[g].empty()) replicas.emplace_back(g, f.holders[g]);
@@ -988,7 +1012,7 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
         for (size_t a = 0; a < active.size(); ++a) chunk[a * ROWS + (s - s0)] = row[active[a]->g];
       }
     } else {
-      read_block(f, active, s0, s1, ROWS, chunk);
+      read_block(f, active, s0, s1, ROWS, chunk, buf.todo);
     }
     size_t keep = 0;
     for (size_t a = 0; a < active.size(); ++a) {

@@ -161,8 +161,9 @@ class GateConfig:
                 f"router_dtype {self.router_dtype!r} is unknown; use None (the layer's dtype) or "
                 f"one of {ROUTER_DTYPES}"
             )
-        if not isinstance(self.expert_bias, bool):
-            raise TypeError(f"expert_bias must be True or False, got {self.expert_bias!r}")
+        for name in ("bias", "expert_bias"):  # a NaN passed for a flag read as True
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_float("bias_update_rate", self.bias_update_rate)
         if self.bias_update_rate == float("inf"):
             raise ValueError("bias_update_rate must be finite, e.g. 1e-3")
@@ -278,8 +279,9 @@ class MoEConfig:
         check_int("shared_experts", self.shared_experts, 0)
         if self.shared_hidden_dim is not None:
             check_int("shared_hidden_dim", self.shared_hidden_dim, 1)
-        if not isinstance(self.shared_gate, bool):
-            raise TypeError(f"shared_gate must be True or False, got {self.shared_gate!r}")
+        for name in ("bias", "shared_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.shared_experts == 0 and (self.shared_gate or self.shared_hidden_dim is not None):
             raise ValueError(
                 "shared_gate / shared_hidden_dim need shared experts; set shared_experts >= 1"

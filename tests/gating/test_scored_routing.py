@@ -205,6 +205,10 @@ def test_every_option_is_validated(kw, moe, match):
 def test_type_errors():
     with pytest.raises(TypeError, match="expert_bias must be True or False"):
         GateConfig(expert_bias=1)
+    with pytest.raises(TypeError, match="bias must be True or False, got nan"):  # read as True
+        GateConfig(bias=float("nan"))
+    with pytest.raises(TypeError, match="bias must be True or False, got 1"):
+        MoEConfig(model_dim=4, hidden_dim=4, num_experts=2, top_k=1, bias=1)
     with pytest.raises(TypeError, match="n_groups must be an int"):
         GateConfig(n_groups=2.0)
     layer = _layer(GateConfig())

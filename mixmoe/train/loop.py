@@ -156,8 +156,19 @@ class TrainConfig:
         check_float("collective_timeout_s", self.collective_timeout_s)
         if self.collective_timeout_s == 0:
             raise ValueError("collective_timeout_s must be > 0 (every collective would time out)")
+        if isinstance(self.router_skew, bool) or not isinstance(self.router_skew, (int, float)):
+            raise TypeError(f"router_skew must be a float, got {self.router_skew!r}")
         if not math.isfinite(self.router_skew):
             raise ValueError(f"router_skew must be a finite number, got {self.router_skew}")
+        for name in ("progress", "dense", "tensorboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("save", "resume", "save_dir", "out", "data"):  # paths, or None
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a path (str) or None, got {value!r}")
+        if self.profile is not None and not isinstance(self.profile, HardwareProfile):
+            raise TypeError(f"profile must be a HardwareProfile or None, got {self.profile!r}")
         check_int("warmup_steps", self.warmup_steps, 0)
         check_float("min_lr", self.min_lr)
         if self.lr_schedule not in LR_SCHEDULES:

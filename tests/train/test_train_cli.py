@@ -76,6 +76,15 @@ def test_corrupt_checkpoint_is_one_line(tmp_path, capsys):
 def test_api_value_errors():
     with pytest.raises(ValueError, match="use one of gpt2, bert, transformer-xl, mixtral"):
         TrainConfig(model="llama")
+    # types the API took without a word (a NaN flag read as True, a number for a path)
+    with pytest.raises(TypeError, match="dense must be True or False, got nan"):
+        TrainConfig(dense=float("nan"))
+    with pytest.raises(TypeError, match="out must be a path"):
+        TrainConfig(out=float("inf"))
+    with pytest.raises(TypeError, match="router_skew must be a float, got True"):
+        TrainConfig(router_skew=True)
+    with pytest.raises(TypeError, match="profile must be a HardwareProfile"):
+        TrainConfig(profile="gpu")
     with pytest.raises(ValueError, match="out of range"):
         TrainConfig(model="transformer-xl", moe_layers=[0, 2])
     with pytest.raises(ValueError, match="not both"):

@@ -15,11 +15,13 @@ __all__ = [
     "BLOCK_SIZES",
     "DTYPE_NAMES",
     "check_block_size",
+    "check_bool",
     "check_choice",
     "check_device",
     "check_dtype",
     "check_float",
     "check_int",
+    "check_str",
     "torch_dtype",
 ]
 
@@ -64,6 +66,18 @@ def check_plan_ahead(plan_ahead: object, strategy: str, fix: str) -> None:
             f"plan_ahead plans the mixed strategy a step ahead; strategy {strategy!r} has no "
             f"plan: use strategy 'mix', or {fix}"
         )
+
+
+def check_bool(name: str, value: object) -> None:
+    """``value`` is True or False (a NaN or 1 passed for a flag reads as True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_str(name: str, value: object, *, none: bool = False) -> None:
+    """``value`` is a str (a name or a path; ``none``: or None)."""
+    if not (isinstance(value, str) or (none and value is None)):
+        raise TypeError(f"{name} must be a string{' or None' if none else ''}, got {value!r}")
 
 
 def check_choice(name: str, value: object, choices: Collection[Any]) -> None:

@@ -59,7 +59,7 @@ from mixmoe.bench.timing import median
 from mixmoe.comm import Communicator
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import PRESETS
-from mixmoe.validation import check_int
+from mixmoe.validation import check_device, check_int, check_str
 
 __all__ = [
     "CalibrateConfig",
@@ -130,6 +130,9 @@ class CalibrateConfig:
                 f"layer_tokens needs at least two distinct positive integers, got {tokens!r}; "
                 "or () to skip the fixed-cost fit"
             )
+        check_str("name", self.name)
+        check_str("links", self.links)
+        check_device(self.device)
         if not self.name:
             raise ValueError("name must be a non-empty string")
         if self.links and self.world_size > 1:

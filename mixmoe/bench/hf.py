@@ -40,7 +40,14 @@ from mixmoe.bench.timing import StageTimer, median
 from mixmoe.comm import Communicator
 from mixmoe.comm.launch import spawn_gloo, under_torchrun
 from mixmoe.placement.profile_io import load_profile
-from mixmoe.validation import check_choice, check_device, check_int, torch_dtype
+from mixmoe.validation import (
+    check_choice,
+    check_device,
+    check_float,
+    check_int,
+    check_str,
+    torch_dtype,
+)
 
 FAMILIES = ("mixtral", "qwen2_moe")
 IMPLEMENTATIONS = ("all_to_all", "mixmoe_a2a", "mixmoe_shadow", "mixmoe_mix")
@@ -113,6 +120,8 @@ class HFBenchConfig:
     profile: str = ""  # preset name or calibrate JSON for the mixmoe planners ('' = the default)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shape, HFModelShape):
+            raise TypeError(f"shape must be an HFModelShape, got {self.shape!r}")
         check_device(self.device)
         check_choice("dtype", self.dtype, tuple(CHECK_RTOL))
         if self.world_size > 1 and (self.device != "cpu" or self.dtype != "float32"):
@@ -128,10 +137,16 @@ class HFBenchConfig:
             ("steps", 1),
             ("warmup", 0),
             ("threads", 0),
+            ("seed", 0),
+            ("hot_expert", 0),
         ):
             check_int(name, getattr(self, name), lo)
+        check_float("lr", self.lr)
+        if isinstance(self.hot_bias, bool) or not isinstance(self.hot_bias, (int, float)):
+            raise TypeError(f"hot_bias must be a float, got {self.hot_bias!r}")
         if not math.isfinite(self.hot_bias):  # a NaN router bias routes nothing sensibly
             raise ValueError(f"hot_bias must be a finite number, got {self.hot_bias}")
+        check_str("profile", self.profile)
         allowed = EXPERTS_IMPLEMENTATIONS if self.world_size == 1 else IMPLEMENTATIONS
         unknown = set(self.implementations) - set(allowed)
         if unknown or not self.implementations:

@@ -43,7 +43,16 @@ from mixmoe.formats import layer_log
 from mixmoe.gating.synthetic import RoutingSpec, SyntheticGate, synthetic_ids
 from mixmoe.layers.moe import MoE
 from mixmoe.placement.profile_io import load_profile
-from mixmoe.validation import check_choice, check_device, check_dtype, check_int, torch_dtype
+from mixmoe.validation import (
+    check_bool,
+    check_choice,
+    check_device,
+    check_dtype,
+    check_float,
+    check_int,
+    check_str,
+    torch_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,14 @@ class LayerBenchConfig:
             ("warmup", self.warmup, 0),
             ("world_size", self.world_size, 1),
             ("threads", self.threads, 0),
+            ("seed", self.seed, 0),
         ):
             check_int(name, value, lo)
+        check_float("lr", self.lr)
+        check_bool("balanced", self.balanced)
+        check_str("profile", self.profile)
+        check_str("trace", self.trace)
+        check_str("jsonl", self.jsonl, none=True)
         if not self.strategies:
             raise ValueError(f"no strategy given; use one or more of {', '.join(STRATEGIES)}")
         for strategy in self.strategies:

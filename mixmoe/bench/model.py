@@ -23,7 +23,7 @@ from mixmoe.bench.timing import median
 from mixmoe.comm import Communicator
 from mixmoe.config import STRATEGIES
 from mixmoe.formats import model_log
-from mixmoe.validation import check_int
+from mixmoe.validation import check_int, check_str
 
 BENCH_MODELS = ("gpt2", "bert", "transformer-xl")
 NAIVE = "naive"
@@ -49,6 +49,7 @@ class ModelBenchConfig:
     jsonl: str | None = None
 
     def __post_init__(self) -> None:
+        check_str("jsonl", self.jsonl, none=True)
         if not self.models:
             raise ValueError(f"no model given; use one or more of {', '.join(BENCH_MODELS)}")
         for m in self.models:

@@ -67,7 +67,14 @@ from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.refit import refit_plan
 from mixmoe.placement.relay import node_distance
 from mixmoe.reference.planner import plan_mix_rescan
-from mixmoe.validation import DTYPE_NAMES, check_choice, check_int, torch_dtype
+from mixmoe.validation import (
+    DTYPE_NAMES,
+    check_bool,
+    check_choice,
+    check_int,
+    check_str,
+    torch_dtype,
+)
 
 __all__ = ["PROFILES", "PlannerBenchConfig", "run_case", "target_ms"]
 
@@ -97,6 +104,8 @@ class PlannerBenchConfig:
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPE_NAMES)
+        check_bool("shuffle_experts", self.shuffle_experts)
+        check_str("jsonl", self.jsonl, none=True)
         load_profile(self.profile)  # a preset name or a calibrate JSON; clear error otherwise
         for name, value, lo in (
             ("tokens", self.tokens, 0),

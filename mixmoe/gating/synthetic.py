@@ -27,6 +27,8 @@ class RoutingSpec:
 
     @staticmethod
     def parse(text: str) -> RoutingSpec:
+        if not isinstance(text, str):
+            raise TypeError(f"routing must be a string such as 'zipf:1.2', got {text!r}")
         kind, _, arg = text.partition(":")
         if kind in ("gate", "uniform") and not arg:
             return RoutingSpec(kind)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mixmoe.validation import check_block_size, check_float, check_int
+from mixmoe.validation import check_block_size, check_bool, check_float, check_int
 
 GATE_TYPES = ("topk", "switch", "gshard")
 ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
@@ -161,9 +161,8 @@ class GateConfig:
                 f"router_dtype {self.router_dtype!r} is unknown; use None (the layer's dtype) or "
                 f"one of {ROUTER_DTYPES}"
             )
-        for name in ("bias", "expert_bias"):  # a NaN passed for a flag read as True
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_bool("bias", self.bias)  # a NaN passed for a flag read as True
+        check_bool("expert_bias", self.expert_bias)
         check_float("bias_update_rate", self.bias_update_rate)
         if self.bias_update_rate == float("inf"):
             raise ValueError("bias_update_rate must be finite, e.g. 1e-3")
@@ -279,9 +278,8 @@ class MoEConfig:
         check_int("shared_experts", self.shared_experts, 0)
         if self.shared_hidden_dim is not None:
             check_int("shared_hidden_dim", self.shared_hidden_dim, 1)
-        for name in ("bias", "shared_gate"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_bool("bias", self.bias)
+        check_bool("shared_gate", self.shared_gate)
         if self.shared_experts == 0 and (self.shared_gate or self.shared_hidden_dim is not None):
             raise ValueError(
                 "shared_gate / shared_hidden_dim need shared experts; set shared_experts >= 1"

@@ -1,6 +1,6 @@
 """Flags several commands share, declared once: where results go (``--jsonl``), which device
-runs (``--device``) and how many ranks (``--world-size``, read by ``world_size``). Each command keeps its own default, because what it writes and where it can
-run differ."""
+runs (``--device``) and how many ranks (``--world-size``, read by ``world_size``). Each command
+keeps its own default, because what it writes and where it can run differ."""
 
 from __future__ import annotations
 

@@ -162,6 +162,8 @@ class BalanceConfig:
         ):
             if not values:
                 raise ValueError(f"{field} is empty; name at least one")
+        for text in self.workloads:  # understood at all (its own error), before the fits below
+            Workload.parse(text)
         for W in self.worlds:
             check_int("world size", W, 2)
             for shape in self.shapes:
@@ -172,8 +174,6 @@ class BalanceConfig:
                         check_workload(text, W, spec.top_k, ls.num_experts)
                     except ValueError as exc:
                         raise ValueError(f"shape {spec.name!r} at W={W}: {exc}") from None
-        for text in self.workloads:
-            Workload.parse(text)
         for name in self.strategies:
             strategy_spec(name)
         if not isinstance(self.ahead, bool):

@@ -51,7 +51,13 @@ from mixmoe.train.grads import clip_global_norm, split_parameters, sync_gradient
 from mixmoe.train.lr_schedule import LR_SCHEDULES, lr_at
 from mixmoe.train.presets import MODELS, PRESETS, ModelSpec, loss_sums, moe_auxes, preset
 from mixmoe.train.sources import load_tokens
-from mixmoe.validation import check_device, check_float, check_int, check_plan_ahead
+from mixmoe.validation import (
+    check_bool,
+    check_device,
+    check_float,
+    check_int,
+    check_plan_ahead,
+)
 
 DTYPES = ("float32", "float64", "bfloat16")
 OBJECTIVES = {
@@ -161,8 +167,7 @@ class TrainConfig:
         if not math.isfinite(self.router_skew):
             raise ValueError(f"router_skew must be a finite number, got {self.router_skew}")
         for name in ("progress", "dense", "tensorboard"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         for name in ("save", "resume", "save_dir", "out", "data"):  # paths, or None
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):

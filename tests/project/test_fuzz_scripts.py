@@ -35,6 +35,12 @@ def test_layer_fuzz_runs_clean() -> None:
     assert proc.stdout.strip().splitlines()[-1] == "seed 5, W=2: 6 cases, 0 failed"
 
 
+def test_modern_fuzz_runs_clean() -> None:
+    proc = _run(str(ROOT / "scripts/fuzz/modern_ranks.py"), "5", "3", "6")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "seed 5, W=3: 6 cases, 0 failed"
+
+
 def test_planner_fuzz_reports_a_broken_guarantee(monkeypatch, tmp_path) -> None:
     """The regression case of ``test_never_slower_than_a2a_when_the_repriced_candidate_costs_more``
     through the script's checks, with the Python planner's fallback planted away (the compiled

@@ -41,6 +41,36 @@ struct Route {  // relay.holder_groups: near ascending; far by node (ascending),
   std::vector<int64_t> starts;  // each far node's first index in far, then far.size()
 };
 
+// `msgs` ((peer, g, j, n) keys) ascending, as std::sort orders them: each key one integer
+// ((peer * N + g) * span + j) * span + n (every field below its radix: the integers ascend as
+// the keys do) sorted with its index, the messages then gathered in that order (a far holder's
+// ~8000 pieces at W = 1024 under nodes: one integer compare instead of up to four); keys past
+// int64 keep the four-field sort
+struct MsgScratch {
+  std::vector<std::pair<uint64_t, uint32_t>> keys;
+  std::vector<Msg> msgs;
+};
+
+void sort_msgs(std::vector<Msg>& msgs, int64_t W, int64_t N, int64_t span, MsgScratch& x) {
+  const int64_t top = std::numeric_limits<int64_t>::max();
+  if (W > ((top / span) / span) / N || msgs.size() > std::numeric_limits<uint32_t>::max()) {
+    std::sort(msgs.begin(), msgs.end());
+    return;
+  }
+  const uint64_t s = static_cast<uint64_t>(span), n_g = static_cast<uint64_t>(N);
+  x.keys.clear();
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    const Msg& m = msgs[i];
+    const uint64_t key = ((static_cast<uint64_t>(m[0]) * n_g + static_cast<uint64_t>(m[1])) * s +
+                          static_cast<uint64_t>(m[2])) * s + static_cast<uint64_t>(m[3]);
+    x.keys.emplace_back(key, static_cast<uint32_t>(i));
+  }
+  std::sort(x.keys.begin(), x.keys.end());
+  x.msgs.clear();
+  for (const auto& [key, i] : x.keys) x.msgs.push_back(msgs[i]);
+  msgs.swap(x.msgs);
+}
+
 Route route_of(int64_t owner, std::vector<int64_t> holders, int64_t per_node) {
   std::sort(holders.begin(), holders.end());
   Route rt;
@@ -253,12 +283,13 @@ extern "C" int64_t mixmoe_relay_plan(const int64_t* replicas, int64_t size, int6
   for (size_t i = 0; i < pack.size(); ++i)
     where.emplace(key(r * E + pack[i], 0, 1), static_cast<int64_t>(i));
   std::unordered_map<int64_t, int64_t> chunks;  // a received expert's chunk count
+  MsgScratch scratch;  // sort_msgs' buffers
   std::vector<int64_t> body;  // the rounds, in the output's layout
   for (int k = 0; k < num_rounds; ++k) {
     auto& snd = sends[k];
     auto& rcv = recvs[k];
-    std::sort(snd.begin(), snd.end());
-    std::sort(rcv.begin(), rcv.end());  // all_to_all order
+    sort_msgs(snd, W, W * E, span, scratch);
+    sort_msgs(rcv, W, W * E, span, scratch);  // all_to_all order
     body.push_back(static_cast<int64_t>(snd.size()));
     body.push_back(static_cast<int64_t>(rcv.size()));
     const size_t splits = body.size();

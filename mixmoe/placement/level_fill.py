@@ -9,7 +9,10 @@ steps grow with the helpers a plan needs (~W at W = 1024). ``level_fill`` runs a
 a ``RangeState`` (rows per (expert, helper), no segments: ``mixmoe.placement.range_state``), each:
 
 1. offers: every rank b offers its ``OFFERED`` heaviest experts (rows computed at b, as owner
-   or helper; by rows, then id): as owner, the other sources' rows of each, plus b's own while
+   or helper; by rows, then id), and the next ones, up to ``OFFERED_MAX``, while the rows
+   offered fall short of b's excess over the mean ((T_b - mean) / save_b: a rank owning many
+   hot experts of about equal load, e.g. 32 of them holding half of all rows, needs more of
+   them moving than 4 a pass over a few passes would let go): as owner, the other sources' rows of each, plus b's own while
    its token exchange is hidden under its local compute (they lower b only then); as a helper,
    its rows. b saves a per row, a + t while its exchange is exposed (it no longer receives
    them); a receiver pays a + t per row and, unless it holds the expert already, a new
@@ -54,7 +57,8 @@ from mixmoe.placement.range_state import RangeState
 
 __all__ = ["MIN_GAIN", "is_level", "level_fill"]
 
-OFFERED = 4  # experts a rank offers per pass, heaviest first
+OFFERED = 4  # experts a rank offers per pass, heaviest first, at least (those its rows hold)
+OFFERED_MAX = 16  # and at most, more only while the rows offered fall short of its excess
 MIN_GAIN = 0.005  # the passes stop after one lowering the max by less than this fraction
 TENSOR_POINTS = 384  # ``_level``: more breakpoints than this are walked as tensor ops
 
@@ -83,12 +87,16 @@ def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -
         token_W = [lat + t * rm - hide * lc for rm, lc in zip(fill.remote, fill.local, strict=True)]
         # only a rank above the mean offers (the level is above the mean but where the offers
         # run out: shed rows cost a receiver at least what they save their donor)
+        save_W = [a + t if token_W[b] > 0 and t else a for b in range(W)]
         offers, avail_W = [], []  # each rank's offers, and the rows they hold in all
         for b in range(W):
-            offer, avail = _offer(fill, b, token_W[b], t, hide) if T_W[b] > mean else ([], 0)
+            if T_W[b] > mean:  # the rows b sheds to come down to the mean: its offers' goal
+                need = (T_W[b] - mean) / save_W[b] if save_W[b] > 0 else float("inf")
+                offer, avail = _offer(fill, b, token_W[b], t, hide, need)
+            else:
+                offer, avail = [], 0
             offers.append(offer)
             avail_W.append(avail)
-        save_W = [a + t if token_W[b] > 0 and t else a for b in range(W)]
         start_W = [T_W[r] + copy if fill.held[r] < slots else float("inf") for r in range(W)]
         if free:  # the owners and holders of the experts offered (above the mean): no copy
             for b in range(W):
@@ -139,13 +147,16 @@ def fold_sum(xs: Iterable[float]) -> float:
     return functools.reduce(operator.add, xs, 0.0)
 
 
-def _offer(fill: RangeState, b: int, token: float, t: float, hide: float) -> tuple[list, int]:
+def _offer(
+    fill: RangeState, b: int, token: float, t: float, hide: float, need: float
+) -> tuple[list, int]:
     """([[g, own rows allowed, own rows given at the offer], ...], the rows they hold in all
-    (``_cap``)) rank b offers: its
-    ``OFFERED`` heaviest experts (rows computed at b, as owner or helper; by rows descending,
-    then id). As g's owner b may shed the other sources' rows of g it computes and up to the
-    allowed of its own: those that lower b when moved (while its token exchange stays hidden:
-    up to -token / (t + hide) rows in all, heaviest expert first); as a helper, its amount."""
+    (``_cap``)) rank b offers: its ``OFFERED`` heaviest experts (rows computed at b, as owner
+    or helper; by rows descending, then id), then the next ones while the rows they hold are
+    below ``need``, up to ``OFFERED_MAX`` in all. As g's owner b may shed the other sources'
+    rows of g it computes and up to the allowed of its own: those that lower b when moved
+    (while its token exchange stays hidden: up to -token / (t + hide) rows in all, heaviest
+    expert first); as a helper, its amount."""
     E = fill.E
     rows = [(-n, g) for g in range(b * E, (b + 1) * E) if (n := fill.owner_rows[g]) > 0]
     rows += [(-n, g) for g, n in fill.helped.get(b, {}).items() if n > 0]
@@ -153,7 +164,9 @@ def _offer(fill: RangeState, b: int, token: float, t: float, hide: float) -> tup
     # hidden: b's own rows lower it until its exchange shows
     headroom = int(-token / (t + hide)) if token < 0 and t + hide > 0 else 0
     out, avail = [], 0
-    for n, g in rows[:OFFERED]:
+    for i, (n, g) in enumerate(rows[:OFFERED_MAX]):
+        if i >= OFFERED and avail >= need:  # the heaviest hold the rows b sheds at most
+            break
         if g // E != b:  # as a helper: all its rows of g
             out.append([g, 0, 0])
             avail -= n

@@ -37,7 +37,7 @@ from mixmoe.placement.range_state import RangeState
 __all__ = ["FilledState", "filled"]
 
 SOURCE = native_lib.FOLDER / "level_fill.cpp"
-OFFERED = 4  # native/level_fill.cpp's OFFERED (level_fill.OFFERED: a test checks they agree;
+OFFERED, OFFERED_MAX = 4, 16  # native/level_fill.cpp's (level_fill's: a test checks they agree;
 # its TENSOR_POINTS and MIN_GAIN too, which only the C++ reads)
 HEADER = 10  # out_i's header: rounds, overshot ranks, each section's (experts, length)
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, I64, _P, I64]

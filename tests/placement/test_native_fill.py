@@ -32,7 +32,14 @@ from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import CPU_PROFILE, GPU_PROFILE, HardwareProfile, LayerShape
 from mixmoe.placement.cost_model import plan_pricing, step_model
 from mixmoe.placement.counts import baseline_loads, counts_with_sums
-from mixmoe.placement.level_fill import MIN_GAIN, OFFERED, TENSOR_POINTS, fold_sum, level_fill
+from mixmoe.placement.level_fill import (
+    MIN_GAIN,
+    OFFERED,
+    OFFERED_MAX,
+    TENSOR_POINTS,
+    fold_sum,
+    level_fill,
+)
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.planner import _NO_PREDICTION, plan_mix
 from mixmoe.placement.profile_io import load_profile
@@ -56,7 +63,8 @@ def test_compiled_fill_is_built_here():
     assert lib.available(), lib.unavailable_reason()
     source = native.SOURCE.read_text()
     assert int(re.search(r"constexpr int OFFERED = (\d+);", source).group(1)) == OFFERED
-    assert native.OFFERED == OFFERED
+    assert int(re.search(r"constexpr int OFFERED_MAX = (\d+);", source).group(1)) == OFFERED_MAX
+    assert (native.OFFERED, native.OFFERED_MAX) == (OFFERED, OFFERED_MAX)
     points = re.search(r"constexpr int64_t TENSOR_POINTS = (\d+);", source).group(1)
     gain = re.search(r"constexpr double MIN_GAIN = ([0-9.e-]+);", source).group(1)
     assert int(points) == TENSOR_POINTS and float(gain) == MIN_GAIN

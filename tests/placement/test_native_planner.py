@@ -101,6 +101,23 @@ def test_equals_the_python_plan_on_the_benchmark_workloads(monkeypatch, workload
             assert _canon(fast) == _canon(slow), (workload, W, E, profile.name)
 
 
+def test_a_hot_rank_of_many_experts_sheds_them_all(monkeypatch):
+    """One rank's 32 experts take half of all rows, about equally (hotrank:0.5): the rank offers
+    more than ``OFFERED`` of them a pass while the rows offered fall short of its excess (it
+    offered 4 a pass: 24 of the 32 left it over the 6 passes, 0.686 of the baseline's step at
+    W = 32 and 0.468 at W = 64, against 0.580 and 0.288 now); both twins alike."""
+    for W, most in ((32, 0.60), (64, 0.30)):
+        E = 32
+        shape = LayerShape(1024, 4096, E, W, 2)
+        (C,) = counts_source("hotrank:0.5", W, W * E, 4096, 2, seed=0)
+        hot_rank = int(C.sum(0).view(W, E).sum(1).argmax())
+        fast, slow = _both(monkeypatch, C, shape, IB, 4)
+        assert _canon(fast) == _canon(slow), W
+        shed = [g for g, _ in fast.replicas if g // E == hot_rank]
+        assert len(shed) == E, (W, len(shed))
+        assert fast.prediction.step_s < most * fast.baseline.step_s, W
+
+
 def test_equals_the_python_plan_on_random_counts(monkeypatch):
     """Small adversarial counts: zeros, empty ranks, one hot segment, ties; every knob of
     plan_mix (budget, search width, block size, overlap, balance)."""

@@ -37,20 +37,21 @@ namespace {
 
 using namespace mixmoe_native;
 
-constexpr int OFFERED = 4;  // level_fill.OFFERED
+constexpr int OFFERED = 4;       // level_fill.OFFERED
+constexpr int OFFERED_MAX = 16;  // level_fill.OFFERED_MAX
 
 struct Offer {  // level_fill._offer's [g, own rows allowed, own rows given at the offer]
   int64_t g, mine, given;
 };
 
-struct Offers {  // a rank's offers: at most OFFERED, held in place (no allocation per rank)
-  Offer items[OFFERED];
+struct Offers {  // a rank's offers: at most OFFERED_MAX, held in place (no allocation per rank)
+  Offer items[OFFERED_MAX];
   int n = 0;
   const Offer* begin() const { return items; }
   const Offer* end() const { return items + n; }
   bool empty() const { return n == 0; }
   void clear() { n = 0; }
-  void push_back(const Offer& o) { items[n++] = o; }  // the caller stops at OFFERED
+  void push_back(const Offer& o) { items[n++] = o; }  // the caller stops at OFFERED_MAX
   const Offer& operator[](int i) const { return items[i]; }
 };
 
@@ -300,8 +301,9 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 #endif
   }
 
-  // level_fill._offer: rank b's offers, and the rows they hold in all
-  int64_t offer(int64_t b, double token, double t, double hide, Offers& out) const {
+  // level_fill._offer: rank b's offers (OFFERED, then more while they hold fewer rows than
+  // `need`, up to OFFERED_MAX), and the rows they hold in all
+  int64_t offer(int64_t b, double token, double t, double hide, double need, Offers& out) const {
     auto& heavy = heavy_;  // (-rows, g)
     heavy.clear();
     const int64_t first = b * E, end = first + E;  // b's own experts: g / E == b
@@ -313,7 +315,9 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
     int64_t headroom = token < 0 && t + hide > 0 ? to_int(-token / (t + hide)) : 0;
     int64_t avail = 0;
     out.clear();
-    for (size_t i = 0; i < heavy.size() && i < static_cast<size_t>(OFFERED); ++i) {
+    for (size_t i = 0; i < heavy.size() && i < static_cast<size_t>(OFFERED_MAX); ++i) {
+      // Python compares the int with the float exactly; avail < 2**53 converts exactly
+      if (i >= static_cast<size_t>(OFFERED) && static_cast<double>(avail) >= need) break;
       const auto [n, g] = heavy[i];
       if (g < first || g >= end) {  // as a helper: all its rows of g
         out.push_back({g, 0, 0});
@@ -741,15 +745,16 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
     if (top <= p.stop * mean) break;
     for (int64_t b = 0; b < W; ++b)
       token_W[b] = p.lat + t * static_cast<double>(f.remote[b]) - p.hide * static_cast<double>(f.local[b]);
+    for (int64_t b = 0; b < W; ++b) save_W[b] = token_W[b] > 0 && t != 0.0 ? a + t : a;
     for (int64_t b = 0; b < W; ++b) {
-      if (T_W[b] > mean) {
-        avail_W[b] = f.offer(b, token_W[b], t, p.hide, offers[b]);
+      if (T_W[b] > mean) {  // the rows b sheds to come down to the mean: its offers' goal
+        const double need = save_W[b] > 0 ? (T_W[b] - mean) / save_W[b] : INF;
+        avail_W[b] = f.offer(b, token_W[b], t, p.hide, need, offers[b]);
       } else {
         offers[b].clear();
         avail_W[b] = 0;
       }
     }
-    for (int64_t b = 0; b < W; ++b) save_W[b] = token_W[b] > 0 && t != 0.0 ? a + t : a;
     for (int64_t r = 0; r < W; ++r) start_W[r] = f.held[r] < f.slots ? T_W[r] + p.copy : INF;
     if (free_copy) {  // the owners and holders of the experts offered: no copy
       // each expert once, however many ranks offer it (a hot expert's ~W holders offer it

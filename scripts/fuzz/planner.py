@@ -3,8 +3,8 @@
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python scripts/fuzz/planner.py [SEED] [CASES] [--big]
 
 Each case draws counts (the suite's adversarial small ones from ``tests/helpers/_planner_cases``,
-or skewed routing at W = 2-40, with empty ranks, a hot cell, a hot rank or a hot owner; with
-``--big`` every third case at W = 48-200), a budget, ``plan_mix``'s knobs and a profile (one link,
+or skewed routing at W = 2-40, 1-32 experts a rank, with empty ranks, a hot cell, a hot rank
+or a hot owner; with ``--big`` every third case at W = 48-200), a budget, ``plan_mix``'s knobs and a profile (one link,
 or nodes of 2, 3, 5 and 8 ranks), then checks:
 
 - the compiled plan equals the Python plan (``MIXMOE_NATIVE=0``) field by field, floats bit for bit;
@@ -91,7 +91,8 @@ def python_twin(fn, *args, **kwargs):
 def skewed_case(rng: random.Random, lo: int, hi: int) -> tuple:
     """Counts of W in [lo, hi] ranks, E experts each, drawn from a Pareto popularity, with one of
     empty ranks, a hot cell, a hot rank or a hot owner; a shape, a budget and the knobs."""
-    W, E = rng.randint(lo, hi), rng.choice([1, 2, 4, 8])
+    W, E = rng.randint(lo, hi), rng.choice([1, 2, 4, 8, 16, 32])
+    E = min(E, max(1, 2048 // W))  # many experts a rank (a hot owner offers more than 4 a pass)
     N, kind = W * E, rng.randrange(5)
     popularity = torch.tensor([rng.paretovariate(rng.choice([0.8, 1.2, 2.0])) for _ in range(N)])
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))

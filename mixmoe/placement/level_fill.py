@@ -12,9 +12,9 @@ a ``RangeState`` (rows per (expert, helper), no segments: ``mixmoe.placement.ran
    or helper; by rows, then id), and the next ones, up to ``OFFERED_MAX``, while the rows
    offered fall short of b's excess over the mean ((T_b - mean) / save_b: a rank owning many
    hot experts of about equal load, e.g. 32 of them holding half of all rows, needs more of
-   them moving than 4 a pass over a few passes would let go): as owner, the other sources' rows of each, plus b's own while
-   its token exchange is hidden under its local compute (they lower b only then); as a helper,
-   its rows. b saves a per row, a + t while its exchange is exposed (it no longer receives
+   them moving than 4 a pass over a few passes would let go): as owner, the other sources'
+   rows of each, plus b's own while its token exchange is hidden under its local compute (they
+   lower b only then); as a helper, its rows. b saves a per row, a + t while its exchange is exposed (it no longer receives
    them); a receiver pays a + t per row and, unless it holds the expert already, a new
    replica's ~2 copies (scatter + all-gather);
 2. the level L (``_level``): the rows shed above it (each rank's offers down to L) plus one copy

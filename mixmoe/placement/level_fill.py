@@ -14,9 +14,9 @@ a ``RangeState`` (rows per (expert, helper), no segments: ``mixmoe.placement.ran
    hot experts of about equal load, e.g. 32 of them holding half of all rows, needs more of
    them moving than 4 a pass over a few passes would let go): as owner, the other sources'
    rows of each, plus b's own while its token exchange is hidden under its local compute (they
-   lower b only then); as a helper, its rows. b saves a per row, a + t while its exchange is exposed (it no longer receives
-   them); a receiver pays a + t per row and, unless it holds the expert already, a new
-   replica's ~2 copies (scatter + all-gather);
+   lower b only then); as a helper, its rows. b saves a per row, a + t while its exchange is
+   exposed (it no longer receives them); a receiver pays a + t per row and, unless it holds
+   the expert already, a new replica's ~2 copies (scatter + all-gather);
 2. the level L (``_level``): the rows shed above it (each rank's offers down to L) plus one copy
    per donor whose heaviest expert has no holder yet equal the rows absorbed below it (each
    rank's room under L less a copy; after a pass that gained less than ``MIN_GAIN``, no copy

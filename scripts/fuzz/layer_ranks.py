@@ -119,27 +119,34 @@ def compare(case: dict, got: list[dict], world: int) -> None:
         torch.testing.assert_close(torch.cat([g[key] for g in got]), want[key], **tol, msg=key)
 
 
-def main() -> int:
+def run(draw, rank_fn, check) -> int:
+    """The fuzz scripts' command line (SEED WORLD CASES): ``draw(rng, world, seed)`` cases, run
+    by ``rank_fn(comm, cases)`` on WORLD gloo ranks (a case that raised: a dict with "error"),
+    each checked by ``check(case, got, world)``; prints a line per failure and the count."""
     from mixmoe.comm.launch import spawn_gloo
 
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     world = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 100
     rng = random.Random(seed)
-    cases = [draw_case(rng, world, seed * 1000 + i) for i in range(n)]
-    per_rank = spawn_gloo(_rank, world, cases, timeout_s=3600)
+    cases = [draw(rng, world, seed * 1000 + i) for i in range(n)]
+    per_rank = spawn_gloo(rank_fn, world, cases, timeout_s=3600)
     failed = 0
     for i, case in enumerate(cases):
         got = [per_rank[r][i] for r in range(world)]
-        errors = [g["error"] for g in got if "error" in g]
+        errors = [g["error"] for g in got if isinstance(g, dict) and "error" in g]
         try:
             assert not errors, errors[0] if errors else ""
-            compare(case, got, world)
+            check(case, got, world)
         except AssertionError as e:
             failed += 1
             print(f"case {i}: {str(e).splitlines()[0][:200]} {case}")
     print(f"seed {seed}, W={world}: {n} cases, {failed} failed")
     return 1 if failed else 0
+
+
+def main() -> int:
+    return run(draw_case, _rank, compare)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layer_ranks import PROFILES  # noqa: E402  (the same three profiles)
+from layer_ranks import PROFILES, run  # noqa: E402  (the same profiles and command line)
 
 from mixmoe import GateConfig, MoE, MoEConfig  # noqa: E402
 from mixmoe.parallel import parallelize_moe  # noqa: E402
@@ -202,26 +202,7 @@ def compare(case: dict, got: list[list[dict]], world: int) -> None:
 
 
 def main() -> int:
-    from mixmoe.comm.launch import spawn_gloo
-
-    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-    world = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    n = int(sys.argv[3]) if len(sys.argv) > 3 else 100
-    rng = random.Random(seed)
-    cases = [draw_case(rng, world, seed * 1000 + i) for i in range(n)]
-    per_rank = spawn_gloo(_rank, world, cases, timeout_s=3600)
-    failed = 0
-    for i, case in enumerate(cases):
-        got = [per_rank[r][i] for r in range(world)]
-        errors = [g["error"] for g in got if isinstance(g, dict)]
-        try:
-            assert not errors, errors[0] if errors else ""
-            compare(case, got, world)
-        except AssertionError as e:
-            failed += 1
-            print(f"case {i}: {str(e).splitlines()[0][:200]} {case}")
-    print(f"seed {seed}, W={world}: {n} cases, {failed} failed")
-    return 1 if failed else 0
+    return run(draw_case, _rank, compare)
 
 
 if __name__ == "__main__":

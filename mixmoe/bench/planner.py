@@ -36,12 +36,21 @@ of the same popularity (``gating.synthetic.redrawn_counts``), given both steps' 
 drawn counts. ``ahead_exposed_ms``: what such a step waits for, the fit and the fitted plan's
 bookkeeping (its replicas' route built with the plan on the planning thread, as the layer
 does, where the fit kept the holders).
+
+Cold counts (``cold``, the default): before each timed call C's cache lines are flushed
+(untimed; ``CacheEvictor``), so the call reads C from memory, as the layer's planning thread
+reads the counts the device has just copied to the host each step, the planner's own code and
+buffers staying as warm as the calls before left them (``cold_caches`` "lines"; "caches" where
+the flush is not built: every cache evicted, a slower bound). Timed warm (``cold`` False) every
+call but the first reads C's hot columns from the cache the call before filled, faster than
+the layer would see them.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,11 +109,13 @@ class PlannerBenchConfig:
     old_max_world: int = 1024
     shuffle_experts: bool = True
     seed: int = 0
+    cold: bool = True
     jsonl: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPE_NAMES)
         check_bool("shuffle_experts", self.shuffle_experts)
+        check_bool("cold", self.cold)
         check_str("jsonl", self.jsonl, none=True)
         load_profile(self.profile)  # a preset name or a calibrate JSON; clear error otherwise
         for name, value, lo in (
@@ -143,10 +154,56 @@ def target_ms(world_size: int, step_ms: float) -> float:
     return max(0.02 * step_ms, 0.25) if world_size <= 64 else 5.0
 
 
-def _time_ms(fn, repeats: int) -> tuple[float, Plan]:
+def last_level_cache_bytes(base: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """This CPU's last-level cache as one core sees it (Linux sysfs), else 32 MiB."""
+    sizes = []
+    for entry in base.glob("index*"):
+        try:
+            text = (entry / "size").read_text().strip()
+            level = int((entry / "level").read_text())
+        except (OSError, ValueError):
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append((level, int(digits) * unit))
+    return max(sizes)[1] if sizes else 32 << 20
+
+
+class CacheEvictor:
+    """``evict()`` drops ``tensors`` (the counts the device copies to the host each step) from
+    every cache level, line by line (the compiled ``mixmoe_flush_lines``), as that copy leaves
+    them; where it is not built (``how`` "caches"), writes a buffer of twice the last-level
+    cache (capped at 512 MiB) instead, which evicts the planner's own data and code too."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
+        self.flush = native_lib.function("mixmoe_flush_lines", native_lib.I64,
+                                         [native_lib.P, native_lib.I64])  # fmt: skip
+        self.buffer: torch.Tensor | None = None
+        if self.flush is None or any(self.flush(t.data_ptr(), 0) != 0 for t in self.tensors):
+            size = min(2 * last_level_cache_bytes(), 512 << 20)
+            self.buffer = torch.zeros(size // 8, dtype=torch.int64)
+
+    @property
+    def how(self) -> str:
+        """ "lines": the tensors' lines flushed; "caches": every cache evicted."""
+        return "caches" if self.buffer is not None else "lines"
+
+    def evict(self) -> None:
+        if self.buffer is not None:
+            self.buffer.add_(1)
+            return
+        for t in self.tensors:  # contiguous: one span each
+            self.flush(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _time_ms(fn, repeats: int, evictor: CacheEvictor | None = None) -> tuple[float, Plan]:
     plan = fn()  # untimed: first-call effects
     times = []
     for _ in range(repeats):
+        if evictor is not None:
+            evictor.evict()  # untimed
         start = time.perf_counter()
         plan = fn()
         times.append((time.perf_counter() - start) * 1e3)
@@ -183,16 +240,19 @@ def run_case(
     profile = load_profile(cfg.profile)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    after_WN = redrawn_counts(counts_WN, cfg.seed + 1)  # plan_ahead's next step (below)
+    evictor = CacheEvictor([counts_WN, after_WN]) if cfg.cold else None
     try:
         new_ms, new = _time_ms(
             lambda: plan_mix(
                 counts_WN, shape, profile, cfg.max_replicas, search_width=cfg.search_width
             ),
             cfg.repeats,
+            evictor,
         )
         # the layer's planning thread: C's sums (from the device, or one pass here), the plan
         # given them, and one rank's bookkeeping of it, the relay split by node as the layer's
-        sums_ms, sums = _time_ms(lambda: count_sums(counts_WN, N // W), cfg.repeats)
+        sums_ms, sums = _time_ms(lambda: count_sums(counts_WN, N // W), cfg.repeats, evictor)
         given_ms, given = _time_ms(
             lambda: plan_mix(
                 counts_WN,
@@ -203,22 +263,25 @@ def run_case(
                 sums=sums,
             ),
             cfg.repeats,
+            evictor,
         )
         if repr(given) != repr(new):
             raise RuntimeError("plan_mix given C's sums planned differently: a planner bug")
         rank, distance = W // 3, node_distance(profile)
         keeping_ms, _ = _time_ms(
-            lambda: build_step_plan(counts_WN, new, rank, N // W, distance, sums), cfg.repeats
+            lambda: build_step_plan(counts_WN, new, rank, N // W, distance, sums),
+            cfg.repeats,
+            evictor,
         )
         # plan_ahead: the plan fitted to the next step's counts (a fresh draw of the same
         # popularity), as the layer runs it, given both steps' sums
-        after_WN = redrawn_counts(counts_WN, cfg.seed + 1)
         after_sums = count_sums(after_WN, N // W)
         fit_ms, fit = _time_ms(
             lambda: refit_plan(
                 new, counts_WN, after_WN, shape, profile, before_sums=sums, after_sums=after_sums
             ),  # fmt: skip
             cfg.repeats,
+            evictor,
         )
         # and the fitted plan's bookkeeping, its replicas' route built with the plan (on the
         # planning thread) where the fit kept the holders, as the layer's step does
@@ -228,6 +291,7 @@ def run_case(
         ahead_keeping_ms, _ = _time_ms(
             lambda: build_step_plan(after_WN, fit, rank, N // W, distance, after_sums, route),
             cfg.repeats,
+            evictor,
         )
         fresh = plan_mix(after_WN, shape, profile, cfg.max_replicas, search_width=cfg.search_width)
         old_ms, old = None, None
@@ -235,6 +299,7 @@ def run_case(
             old_ms, old = _time_ms(
                 lambda: plan_mix_rescan(counts_WN, shape, profile, cfg.max_replicas),
                 cfg.old_repeats,
+                evictor,
             )
     finally:
         torch.set_num_threads(threads)
@@ -266,6 +331,7 @@ def run_case(
         "hot": len(new.hot),
         # whether the fill ran compiled (``native_lib``) or in Python: planning time differs ~5x
         "compiled_fill": native_lib.available(),
+        "cold_caches": evictor.how if evictor is not None else None,
         "old_planner_ms": old_ms,
         "old_step_ms": old.prediction.step_s * 1e3 if old else None,
         "old_mix_over_a2a": old.prediction.step_s * 1e3 / a2a_ms if old and a2a_ms else None,

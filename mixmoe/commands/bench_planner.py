@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="hottest experts first (all on rank 0) instead of a shuffled popularity order",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the counts")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="time with warm caches (C read from the cache the call before filled) instead of "
+        "flushing C from the caches before each timed call, as it arrives from the device",
+    )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     add_jsonl(p, "runs/bench-planner.jsonl", "one record per case")
 
@@ -114,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> PlannerBenchConfig:
         old_max_world=args.old_max_world,
         shuffle_experts=not args.contiguous_experts,
         seed=args.seed,
+        cold=not args.warm,
         jsonl=args.jsonl or None,
     )
 
@@ -189,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         f"bench planner: D={cfg.model_dim} F={cfg.hidden_size} {cfg.dtype}, {cfg.tokens} tokens "
         f"per rank, top-{cfg.top_k}, profile {cfg.profile}, max_replicas {cfg.max_replicas}, "
         f"search width {cfg.search_width}; one CPU thread, median of {cfg.repeats} calls "
-        f"(today's planner: {cfg.old_repeats})",
+        f"(today's planner: {cfg.old_repeats}), "
+        + ("counts flushed from the caches before each call" if cfg.cold else "warm caches"),
         file=sys.stderr,
     )
     from mixmoe.placement import native_lib  # the library is built here, before any timing

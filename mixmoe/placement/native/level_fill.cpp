@@ -953,6 +953,8 @@ void read_block(const Fill& f, const std::vector<Stream*>& active, int64_t s0, i
   if (todo.empty()) return;
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t* row = f.C + s * f.N;
+    if (s + COLUMN_AHEAD < f.W)
+      for (const auto& [a, from] : todo) prefetch_count(f.C, f.N, s + COLUMN_AHEAD, active[a]->g);
     for (const auto& [a, from] : todo)
       if (s >= from) chunk[a * rows + (s - s0)] = row[active[a]->g];
   }
@@ -1014,6 +1016,8 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
     if (f.prefix == nullptr) {
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t* row = f.C + s * f.N;
+        if (s + COLUMN_AHEAD < W)
+          for (const Stream* st : active) prefetch_count(f.C, f.N, s + COLUMN_AHEAD, st->g);
         for (size_t a = 0; a < active.size(); ++a) chunk[a * ROWS + (s - s0)] = row[active[a]->g];
       }
     } else {

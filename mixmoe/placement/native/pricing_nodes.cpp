@@ -128,6 +128,8 @@ void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>*
   const int64_t* read = held ? counts.prefix->data(g) : nullptr;
   int64_t at = 0, s = 0;  // the stream's rows so far; the next source
   for (; s < counts.W && at < reach; ++s) {
+    if (s + COLUMN_AHEAD >= held && s + COLUMN_AHEAD < counts.W)
+      prefetch_count(counts.C, counts.N, s + COLUMN_AHEAD, g);
     if (s == o) continue;  // the owner's segment comes last
     const int64_t c = s < held ? read[s] : counts.c(s, g);  // else a strided read of column g
     if (!x.holder[s] && x.node[s] != home) {  // under the replica rule these rows crossed to o

@@ -230,6 +230,11 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
     }
     for (int64_t s = s0; s < s0 + n; ++s) {
       const int64_t* row = C + s * N;
+      if (given && s + mixmoe_native::COLUMN_AHEAD < W) {  // (not given: add_row_block read it)
+        const int64_t ahead = s + mixmoe_native::COLUMN_AHEAD;
+        for (int64_t g : ranged_g) mixmoe_native::prefetch_count(C, N, ahead, g);
+        for (int64_t g : full_g) mixmoe_native::prefetch_count(C, N, ahead, g);
+      }
       if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
       for (int64_t k = 0; k < G; ++k) out.col_G[k] += row[ranged_g[k]];
       for (int64_t f = 0; f < F; ++f) out.full_FW[f * W + s] = row[full_g[f]];

@@ -37,20 +37,18 @@ drawn counts. ``ahead_exposed_ms``: what such a step waits for, the fit and the 
 bookkeeping (its replicas' route built with the plan on the planning thread, as the layer
 does, where the fit kept the holders).
 
-Cold counts (``cold``, the default): before each timed call C's cache lines are flushed
-(untimed; ``CacheEvictor``), so the call reads C from memory, as the layer's planning thread
-reads the counts the device has just copied to the host each step, the planner's own code and
-buffers staying as warm as the calls before left them (``cold_caches`` "lines"; "caches" where
-the flush is not built: every cache evicted, a slower bound). Timed warm (``cold`` False) every
-call but the first reads C's hot columns from the cache the call before filled, faster than
-the layer would see them.
+Cold counts (``cold``, the default): before each timed call the counts' cache lines are
+flushed (untimed; ``placement.native_cache_lines``), so the call reads C from memory, as the
+layer's planning thread reads the counts the device has just copied to the host each step
+(``cold_caches``: "lines", or "caches" where every cache was evicted instead). Timed warm
+(``cold`` False) every call but the first reads C's hot columns from the cache the call before
+filled, faster than the layer would see them.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +68,7 @@ from mixmoe.placement import (
     plan_none,
 )
 from mixmoe.placement.cost_model import step_model
+from mixmoe.placement.native_cache_lines import CacheEvictor
 from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.planner import SEARCH_WIDTH
 from mixmoe.placement.profile_io import load_profile
@@ -152,50 +151,6 @@ class PlannerBenchConfig:
 def target_ms(world_size: int, step_ms: float) -> float:
     """Issue 15's budget for one plan: max(2% of the step, 0.25 ms) up to 64 ranks, else 5 ms."""
     return max(0.02 * step_ms, 0.25) if world_size <= 64 else 5.0
-
-
-def last_level_cache_bytes(base: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
-    """This CPU's last-level cache as one core sees it (Linux sysfs), else 32 MiB."""
-    sizes = []
-    for entry in base.glob("index*"):
-        try:
-            text = (entry / "size").read_text().strip()
-            level = int((entry / "level").read_text())
-        except (OSError, ValueError):
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append((level, int(digits) * unit))
-    return max(sizes)[1] if sizes else 32 << 20
-
-
-class CacheEvictor:
-    """``evict()`` drops ``tensors`` (the counts the device copies to the host each step) from
-    every cache level, line by line (the compiled ``mixmoe_flush_lines``), as that copy leaves
-    them; where it is not built (``how`` "caches"), writes a buffer of twice the last-level
-    cache (capped at 512 MiB) instead, which evicts the planner's own data and code too."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
-        self.flush = native_lib.function("mixmoe_flush_lines", native_lib.I64,
-                                         [native_lib.P, native_lib.I64])  # fmt: skip
-        self.buffer: torch.Tensor | None = None
-        if self.flush is None or any(self.flush(t.data_ptr(), 0) != 0 for t in self.tensors):
-            size = min(2 * last_level_cache_bytes(), 512 << 20)
-            self.buffer = torch.zeros(size // 8, dtype=torch.int64)
-
-    @property
-    def how(self) -> str:
-        """ "lines": the tensors' lines flushed; "caches": every cache evicted."""
-        return "caches" if self.buffer is not None else "lines"
-
-    def evict(self) -> None:
-        if self.buffer is not None:
-            self.buffer.add_(1)
-            return
-        for t in self.tensors:  # contiguous: one span each
-            self.flush(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _time_ms(fn, repeats: int, evictor: CacheEvictor | None = None) -> tuple[float, Plan]:

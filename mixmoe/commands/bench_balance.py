@@ -89,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="add mix-ahead: each step planned from the step before's counts, fitted to its own "
         "(placement.refit; the step before a one-step workload: a fresh draw of its popularity)",
     )
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="time the planners with warm caches (the counts read from the cache the call "
+        "before filled) instead of flushing the counts before each call",
+    )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     add_jsonl(p, "runs/bench-balance.jsonl", "one record per case")
     p.add_argument("--png", default="runs/bench-balance.png", help="the plot here ('' for none)")
@@ -118,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> BalanceConfig:
         seed=args.seed,
         profile=args.profile,
         ahead=args.ahead,
+        cold=not args.warm,
     )
 
 
@@ -181,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"bench balance: predicted by the planners' cost model; {cfg.tokens} tokens per rank, "
         f"max_replicas {cfg.max_replicas}, seed {cfg.seed}; planning: median of {cfg.repeats} "
-        "calls per step on one CPU thread",
+        "calls per step on one CPU thread, "
+        + ("the counts flushed from the caches before each" if cfg.cold else "warm caches"),
         file=sys.stderr,
     )
     t0 = time.perf_counter()

@@ -24,7 +24,10 @@ cost model's) gives every figure:
   gradients in backward (half the sum over ranks of ``Prediction.weight_bytes``, which counts
   every byte at its sender and its receiver), the mean over steps;
 - planning_ms: the median wall-clock time of the planner call on one CPU thread
-  (``torch.set_num_threads(1)``; ``repeats`` timed calls per step after one untimed call);
+  (``torch.set_num_threads(1)``; ``repeats`` timed calls per step after one untimed call, the
+  step's counts flushed from the caches before each, as the device's copy leaves them:
+  ``placement.native_cache_lines``; ``cold`` False: warm, read from the cache the call before
+  filled);
 - pct_with_planning: balanced_ms / (step_ms + planning_ms): the layer waits for its plan
   (its background thread overlaps only each rank's own rows, ~1/W of them: ``mixmoe bench
   planner``'s "exposed ms"), so the step a user sees carries the planning time of this host's
@@ -60,6 +63,7 @@ from mixmoe.dispatch.strategies import planning_spec, strategy_spec
 from mixmoe.gating.imbalance import Workload, check_workload
 from mixmoe.gating.synthetic import redrawn_counts
 from mixmoe.placement.cost_model import LayerShape
+from mixmoe.placement.native_cache_lines import CacheEvictor
 from mixmoe.placement.native_pricing import count_sums
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile
@@ -145,6 +149,7 @@ class BalanceConfig:
     seed: int = 0
     profile: str | None = None
     ahead: bool = False
+    cold: bool = True
 
     def __post_init__(self) -> None:
         for name, value, lo in (
@@ -176,8 +181,9 @@ class BalanceConfig:
                         raise ValueError(f"shape {spec.name!r} at W={W}: {exc}") from None
         for name in self.strategies:
             strategy_spec(name)
-        if not isinstance(self.ahead, bool):
-            raise TypeError(f"ahead must be True or False, got {self.ahead!r}")
+        for name, flag in (("ahead", self.ahead), ("cold", self.cold)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if self.profile is not None:
             load_profile(self.profile)
 
@@ -220,14 +226,19 @@ def layer_shape(spec: ShapeSpec, world_size: int) -> LayerShape:
     )
 
 
-def _timed_plans(planner, counts_WN: torch.Tensor, repeats: int) -> tuple[Any, list[float]]:
-    """The plan and ``repeats`` wall-clock times (ms) of ``planner(counts_WN)`` on one thread."""
+def _timed_plans(
+    planner, counts_WN: torch.Tensor, repeats: int, evictor: CacheEvictor | None = None
+) -> tuple[Any, list[float]]:
+    """The plan and ``repeats`` wall-clock times (ms) of ``planner(counts_WN)`` on one thread,
+    ``evictor.evict()`` before each (untimed; None: warm)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         plan = planner(counts_WN)  # untimed: first-call effects
         times = []
         for _ in range(repeats):
+            if evictor is not None:
+                evictor.evict()
             start = time.perf_counter()
             plan = planner(counts_WN)
             times.append((time.perf_counter() - start) * 1e3)
@@ -244,23 +255,27 @@ def _planner(name: str, shape: LayerShape, profile: HardwareProfile, cfg: Balanc
 
 def _step_planners(
     name: str, shape: LayerShape, profile: HardwareProfile, cfg: BalanceConfig, K: int, steps
-) -> list:
-    """The planner of each step: the strategy's; for ``mix-ahead`` the fit of ``mix``'s plan of
-    the step before (module doc) to the step's counts."""
+) -> list[tuple[Any, list[torch.Tensor]]]:
+    """The planner of each step, with the counts it reads besides the step's own: the
+    strategy's (none); for ``mix-ahead`` the fit of ``mix``'s plan of the step before (module
+    doc) to the step's counts (the step before's)."""
     if name != "mix-ahead":
-        return [_planner(name, shape, profile, cfg, K)] * len(steps)
+        return [(_planner(name, shape, profile, cfg, K), [])] * len(steps)
     mix = _planner("mix", shape, profile, cfg, K)
     before = [redrawn_counts(steps[0], cfg.seed), *steps[:-1]]
     E = shape.experts_per_rank
     return [
-        functools.partial(
-            _carried,
-            mix(B_WN),
-            B_WN,
-            mix=mix,
-            shape=shape,
-            profile=profile,
-            before_sums=count_sums(B_WN, E),
+        (
+            functools.partial(
+                _carried,
+                mix(B_WN),
+                B_WN,
+                mix=mix,
+                shape=shape,
+                profile=profile,
+                before_sums=count_sums(B_WN, E),
+            ),
+            [B_WN],
         )
         for B_WN in before
     ]
@@ -308,8 +323,9 @@ def case_records(
     for name in strategies:
         planners = _step_planners(name, shape, profile, cfg, spec.top_k, steps)
         step_s, imbalance, seconds, moved, copies, hot, times = [], [], [], [], [], [], []
-        for planner, C_WN in zip(planners, steps, strict=True):
-            plan, ms = _timed_plans(planner, C_WN, cfg.repeats)
+        for (planner, reads), C_WN in zip(planners, steps, strict=True):
+            evictor = CacheEvictor([C_WN, *reads]) if cfg.cold else None
+            plan, ms = _timed_plans(planner, C_WN, cfg.repeats, evictor)
             rows_W = plan.prediction.rows
             step_s.append(plan.prediction.step_s)
             imbalance.append(max(rows_W) * len(rows_W) / sum(rows_W))  # max / mean
@@ -341,6 +357,7 @@ def case_records(
                 "replica_bytes": sum(moved) / len(moved),
                 "replicas": sum(copies) / len(copies),
                 "planning_ms": planning_ms,
+                "cold_caches": evictor.how if evictor is not None else None,
                 "pct_with_planning": balanced / (mean_step + planning_ms / 1e3),
                 "hot_steps": hot,
             }

@@ -10,9 +10,9 @@ import torch
 
 from mixmoe import cli
 from mixmoe.bench import planner as planner_bench
-from mixmoe.bench.planner import PlannerBenchConfig, last_level_cache_bytes, target_ms
+from mixmoe.bench.planner import PlannerBenchConfig, target_ms
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
-from mixmoe.placement import native_lib
+from mixmoe.placement.native_cache_lines import CacheEvictor
 
 
 def test_bench_planner_table_and_jsonl(tmp_path, capsys) -> None:
@@ -94,45 +94,15 @@ def test_config_defaults_are_the_issue_table() -> None:
     assert (cfg.dtype, cfg.profile, cfg.max_replicas) == ("fp16", "gpu", 4)
 
 
-def test_cache_size_read_from_sysfs(tmp_path) -> None:
-    caches = (("index0", "1", "48K"), ("index2", "2", "1024K"), ("index3", "3", "32768K"))
-    for index, level, size in caches:
-        (tmp_path / index).mkdir()
-        (tmp_path / index / "level").write_text(level + "\n")
-        (tmp_path / index / "size").write_text(size + "\n")
-    assert last_level_cache_bytes(tmp_path) == 32 << 20
-    (tmp_path / "index4").mkdir()  # unreadable entries are skipped
-    assert last_level_cache_bytes(tmp_path) == 32 << 20
-    assert last_level_cache_bytes(tmp_path / "absent") == 32 << 20
-
-
-def test_counts_flushed_before_every_timed_call(monkeypatch) -> None:
-    counts = torch.arange(1000, dtype=torch.int64)
-    evictor = planner_bench.CacheEvictor([counts, torch.empty(0, dtype=torch.int64)])
-    assert evictor.how == "lines" and evictor.buffer is None  # built here (CI: g++)
-    before = counts.clone()
-    evictor.evict()
-    assert torch.equal(counts, before)  # written back, never changed
-    flush = native_lib.function(
-        "mixmoe_flush_lines", native_lib.I64, [native_lib.P, native_lib.I64]
-    )
-    assert flush(counts.data_ptr() + 3, 70) == 0 and torch.equal(counts, before)  # unaligned
+def test_timed_calls_follow_an_eviction_each(monkeypatch) -> None:
     events = []
+    evictor = CacheEvictor([torch.ones(4, dtype=torch.int64)])
     monkeypatch.setattr(evictor, "evict", lambda: events.append("evict"))
     planner_bench._time_ms(lambda: events.append("call"), 3, evictor)
     assert events == ["call"] + ["evict", "call"] * 3  # the untimed first call, then each pair
     events.clear()
     planner_bench._time_ms(lambda: events.append("call"), 2)  # warm: no eviction
     assert events == ["call"] * 3
-
-
-def test_without_the_flush_every_cache_is_evicted(monkeypatch) -> None:
-    monkeypatch.setattr(planner_bench.native_lib, "function", lambda *args: None)
-    monkeypatch.setattr(planner_bench, "last_level_cache_bytes", lambda: 1 << 20)
-    evictor = planner_bench.CacheEvictor([torch.ones(8, dtype=torch.int64)])
-    assert evictor.how == "caches" and evictor.buffer.numel() * 8 == 2 << 20
-    evictor.evict()
-    assert int(evictor.buffer[0]) == 1
 
 
 @pytest.mark.parametrize("warm", [False, True])

@@ -15,6 +15,7 @@ from mixmoe.placement import plan_mix
 from mixmoe.placement.profile import HardwareProfile
 from mixmoe.placement.profile_io import load_profile, profile_record, save_profile
 from mixmoe.placement.refit import carried_plan
+from mixmoe.simulate import workloads
 from mixmoe.simulate.routing import counts_source
 from mixmoe.simulate.workloads import (
     BalanceConfig,
@@ -206,6 +207,40 @@ def test_mix_ahead_is_the_step_befores_plan_fitted(cfg) -> None:
     assert case_records(cfg, "seeds", 4, "rotate:2:0.5:3")[-1]["step_ms_per_step"] == want
     plain = case_records(dataclasses.replace(cfg, ahead=False), "seeds", 4, "hot:0.5")
     assert [r["strategy"] for r in plain] == ["a2a", "shadow", "mix"]
+
+
+def test_planners_timed_on_counts_flushed_before_each_call(cfg, monkeypatch) -> None:
+    """Cold counts: before each timed planner call the step's counts are flushed from the
+    caches, and under ``mix-ahead`` the step before's too (the fit reads both)."""
+    made = []
+
+    class Recorder:  # CacheEvictor's interface, counting the evictions
+        how = "lines"
+
+        def __init__(self, tensors: list[torch.Tensor]) -> None:
+            self.tensors, self.evictions = tensors, 0
+            made.append(self)
+
+        def evict(self) -> None:
+            self.evictions += 1
+
+    monkeypatch.setattr(workloads, "CacheEvictor", Recorder)
+    cfg = dataclasses.replace(cfg, ahead=True, repeats=2, shapes=("seeds",), tokens=256)
+    steps = counts_source("rotate:2:0.5:3", 4, 16, 256, 2, seed=cfg.seed)
+    records = case_records(cfg, "seeds", 4, "rotate:2:0.5:3")
+    assert [r["cold_caches"] for r in records] == ["lines"] * 4
+    assert len(made) == 4 * 3 and all(e.evictions == 2 for e in made)  # 4 strategies x 3 steps
+    for k, e in enumerate(made[:9]):  # a2a, shadow, mix: the step's counts
+        assert len(e.tensors) == 1 and torch.equal(e.tensors[0], steps[k % 3])
+    for k, e in enumerate(made[9:]):  # mix-ahead: the step's and the step before's
+        assert torch.equal(e.tensors[0], steps[k]) and len(e.tensors) == 2
+        if k:
+            assert torch.equal(e.tensors[1], steps[k - 1])
+        else:  # a fresh draw of step 0's popularity
+            assert torch.equal(e.tensors[1], redrawn_counts(steps[0], cfg.seed))
+    made.clear()
+    warm = case_records(dataclasses.replace(cfg, cold=False), "seeds", 4, "hot:0.5")
+    assert not made and {r["cold_caches"] for r in warm} == {None}
 
 
 def test_bench_balance_experts_override(tmp_path, capsys) -> None:

@@ -157,7 +157,8 @@ def refit_python(
     priced = reprice(after, fitted, step_model(shape, profile, overlap), profile)
     if priced.prediction.step_s < priced.baseline.step_s:
         return priced
-    none = dataclasses.replace(priced, hot=(), replicas=(), relay=False, ranges=())
+    # nothing replicated: no helper, and no kept holder either (it would hold no replica)
+    none = dataclasses.replace(priced, hot=(), replicas=(), relay=False, ranges=(), kept=())
     return dataclasses.replace(none, prediction=priced.baseline)
 
 

@@ -188,6 +188,27 @@ def test_a_plan_for_other_hot_experts_falls_back_to_nothing_replicated():
     assert dataclasses.replace(got) == got  # passes Plan's own checks
 
 
+def test_a_kept_plan_falling_back_to_nothing_replicated_keeps_no_kept_holder(monkeypatch):
+    """A plan with a kept holder whose fit is no cheaper than nothing replicated: the fallback
+    plan holds no replica, so no kept holder either (``scripts/fuzz/planner.py`` seed 81 case
+    180: the Python fit kept the kept entry of a replica it dropped, a plan that sends a rank
+    rows of an expert whose weights it does not hold); the compiled fit is the same plan."""
+    C1 = torch.tensor([[98, 276, 111, 33, 18, 117, 91, 289], [50, 35, 175, 263, 223, 296, 39, 80],
+                       [132, 99, 206, 4, 133, 237, 33, 134], [44, 219, 3, 127, 111, 74, 202, 241]])  # fmt: skip
+    C2 = torch.tensor([[110, 247, 115, 43, 23, 137, 91, 267], [53, 37, 180, 287, 216, 273, 35, 80],
+                       [143, 101, 182, 6, 129, 255, 39, 123], [48, 215, 3, 130, 108, 74, 184, 259]])  # fmt: skip
+    shape = LayerShape(256, 512, 2, 4, 2)
+    prof = HardwareProfile("loopback", 5e10, 1.2e9, 2e-4, replica_fixed_s=0.002)  # the fuzzer's
+    plan = plan_mix(C1, shape, prof, 1, block_size=16)
+    assert plan.hot == (5,) and plan.kept == ((5, ((0, 16), (1, 128))),)
+    want = refit_python(plan, C1, C2, shape, prof, True, 16)
+    assert (want.hot, want.replicas, want.ranges, want.kept, want.relay) == ((), (), (), (), False)
+    assert want.prediction == want.baseline
+    want.check_shares(C2, 2, 16)
+    ran = _spied(monkeypatch)
+    assert repr(refit_plan(plan, C1, C2, shape, prof, True, 16)) == repr(want) and ran == [True]
+
+
 def test_bad_input_is_named():
     C, shape = _counts("zipf:1.2", 4, 2, seed=0), _shape(4, 2)
     plan = plan_mix(C, shape, GPU_PROFILE, 4)

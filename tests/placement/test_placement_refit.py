@@ -250,6 +250,23 @@ def test_the_compiled_fit_is_the_python_one(monkeypatch, profile, routing, W, E)
     want = refit_python(plan, C1, C2, shape, prof)
     assert repr(got[0]) == repr(want) and repr(got[1]) == repr(want)
     assert got[0].packed == step_native._pack(want)  # what the step's bookkeeping reads
+    if got[0].hot:  # the holders kept: the plan's replicas, not decoded again
+        assert got[0].replicas is plan.replicas
+
+
+def test_a_fit_whose_replicas_are_not_the_plans_is_an_error():
+    """The compiled fit reads the holders from ``Plan.packed`` and hands the plan's replicas
+    back undecoded; a packed plan whose experts differ from its replicas' is a bug, named."""
+    C1, shape = _counts("zipf:1.2", 16, 2, seed=3, tokens=4096), _shape(16, 2)
+    flipped = C1.flip(1).contiguous()  # other hot experts
+    plan, other = plan_mix(C1, shape, GPU_PROFILE, 4), plan_mix(flipped, shape, GPU_PROFILE, 4)
+    assert plan.hot and other.hot and plan.hot != other.hot
+    fit = refit_plan(other, flipped, _resampled(flipped, seed=5), shape, GPU_PROFILE)
+    assert fit.hot == other.hot  # other's fit keeps its holders: its replicas section is written
+    mixed = dataclasses.replace(plan)
+    object.__setattr__(mixed, "packed", other.packed)  # a packed plan of other experts
+    with pytest.raises(RuntimeError, match="not the plan's"):
+        refit_plan(mixed, flipped, _resampled(flipped, seed=5), shape, GPU_PROFILE)
 
 
 def test_where_the_compiled_fit_does_not_run_the_python_fits(monkeypatch):

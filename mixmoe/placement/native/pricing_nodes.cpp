@@ -206,6 +206,11 @@ std::vector<int64_t> inter_baseline(const Counts& counts, const Baseline& base, 
     const int64_t g_lo = lo * E, g_hi = std::min(N, hi * E);  // the node's experts
     for (int64_t s = lo; s < hi; ++s) {
       const int64_t* row = counts.C + s * N;
+      if (s + COLUMN_AHEAD < W) {  // the block COLUMN_AHEAD rows down: rows N * 8 bytes apart
+        const int64_t ahead = s + COLUMN_AHEAD, a_lo = (ahead / P) * P * E;
+        const int64_t a_hi = std::min(N, a_lo + P * E);
+        for (int64_t g = a_lo; g < a_hi; g += 8) prefetch_count(counts.C, N, ahead, g);
+      }
       int64_t home = 0;
       for (int64_t g = g_lo; g < g_hi; ++g) {
         home += row[g];

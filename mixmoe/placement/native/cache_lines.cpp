@@ -1,7 +1,8 @@
-// What the planner benchmark needs to time the planner as the layer runs it (mixmoe.bench.planner,
-// cold caches): the counts the device copies to the host each step arrive in memory, not in this
-// CPU's caches, so before each timed call the benchmark writes them back and drops them from every
-// cache level, line by line, as that copy leaves them.
+// What the planning benchmarks need to time the planner as the layer runs it (its Python side:
+// mixmoe/placement/native_cache_lines.py; bench planner, bench balance): the counts the device
+// copies to the host each step arrive in memory, not in this CPU's caches, so before each timed
+// call the benchmark writes them back and drops them from every cache level, line by line, as
+// that copy leaves them.
 
 #include <cstdint>
 

@@ -12,7 +12,7 @@ One step on rank r, as three calls (``MoE.forward`` makes them):
        Under ``mix`` (``MoEConfig.plan_async``) the plan runs on this dispatcher's background
        thread while this rank's rows for its own experts are sorted and computed (when the last
        plan kept them all here: a plan with share entries may send some to helpers); the step
-       then waits for the plan.
+       then waits for the plan (``moe.plan.wait``; ``plan_wait_ms`` in the step's stats).
     3. replica fetch: the relay rounds of packed weights (whole rows or chunks), one all_to_all
        each (``replicas.py``; cached under ``mix`` while the plan's replicas, its relay flag
        and the owners' versions are unchanged);
@@ -35,6 +35,7 @@ reduced into the owner's ``.grad``. Every rank joins every collective, with zero
 from __future__ import annotations
 
 import contextvars
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -87,6 +88,15 @@ def _check_sums(C: torch.Tensor, sums: CountSums) -> None:
         )
 
 
+def _waited(job: Future) -> tuple[object, float]:
+    """The planning thread's ``job`` result, and the seconds this thread blocked for it: the
+    part of an async plan the step did not hide (``moe.plan.wait`` in a trace)."""
+    start = time.perf_counter()
+    with trace_span("moe.plan.wait", kind="host"):
+        result = job.result()
+    return result, time.perf_counter() - start
+
+
 @dataclass(frozen=True)
 class StepMeta:
     """Frozen record of one expert-parallel step on this rank (what ``combine`` needs, and what
@@ -98,7 +108,8 @@ class StepMeta:
     weights_TK: the routing's combine weights (applied to the returned rows here).
     moving:     whether any row crosses ranks anywhere (all ranks agree; else no all_to_all).
     counts_N:   rows this rank routed to each global expert (device tensor).
-    stats:      rows moved, replicas, rows per rank, whether the replicas came from the cache.
+    stats:      rows moved, replicas, rows per rank, whether the replicas came from the cache,
+                whether the plan was fitted and what the step waited for the planning thread.
     global_counts_N: rows every rank of the group routed to each expert (int64 CPU, C summed
                 over ranks: the step's load for balance metrics and the selection-bias update).
     """
@@ -336,14 +347,16 @@ class ExpertParallelDispatcher:
         dtype: torch.dtype,
         device: torch.device,
         sums: CountSums | None = None,
-    ) -> tuple[Plan, StepPlan, bool]:
+    ) -> tuple[Plan, StepPlan, bool, float]:
         """``plan_ahead``'s step: the plan of the step before's counts (made on the planning
         thread while that step ran) fitted to C (``refit.carried_plan``), or, on the first step
         or when the fit is stale, C's own plan; then this rank's bookkeeping, and C's plan
         started on the thread for the next step (kept as it is when it was just made here).
-        Whether the plan was fitted comes third. Every rank takes the same branch: each is a
-        function of the same counts. An error of the background plan is raised here, on every
-        rank, before any further collective."""
+        Whether the plan was fitted comes third, the seconds waited for the planning thread
+        fourth. Every rank takes the same branch: each is a function of the same counts. An
+        error of the background plan is raised here, on every rank, before any further
+        collective."""
+        waited = 0.0
         with trace_span("moe.plan", kind="host"):
             E = self.experts_per_rank
             if sums is None and C.numel() >= self.shared_sums_min:
@@ -353,7 +366,7 @@ class ExpertParallelDispatcher:
                 made, before, before_sums = self._ahead
                 self._ahead = None  # (a raise below leaves the next step to plan afresh)
                 profile = self.profile or default_profile(device.type)
-                ahead, ahead_fetch = made.result()
+                (ahead, ahead_fetch), waited = _waited(made)
                 plan = carried_plan(ahead, before, C, self._shape(dtype), profile,
                                     block_size=self.config.block_size, before_sums=before_sums,
                                     after_sums=sums)  # fmt: skip
@@ -372,7 +385,7 @@ class ExpertParallelDispatcher:
             made = Future()
             made.set_result((plan, step.fetch))
         self._ahead = (made, C, sums)
-        return plan, step, fitted
+        return plan, step, fitted, waited
 
     def _plan_routed(
         self,
@@ -461,9 +474,9 @@ class ExpertParallelDispatcher:
         counts_r = C[r].tolist()
         B = self.config.block_size
         local_done_TD = None
-        fitted = False
+        fitted, waited = False, 0.0  # (waited: seconds this thread waited for the planning one)
         if self.plans_ahead():  # the fit of the step before's plan: short, on this thread
-            plan, step, fitted = self._plan_ahead_step(C, x_TD.dtype, x_TD.device, sums)
+            plan, step, fitted, waited = self._plan_ahead_step(C, x_TD.dtype, x_TD.device, sums)
             own = None
         elif self.plans_async(x_TD.device) and self._owned_rows_stayed:
             planned = self._submit_plan(C, x_TD.dtype, x_TD.device, sums)
@@ -478,7 +491,7 @@ class ExpertParallelDispatcher:
                 # wait even if the own rows failed: no plan is left running behind an error.
                 # A planner error is raised here; it is a function of C alone (the planner is
                 # deterministic), so every rank raises it before any further collective
-                plan, step = planned.result()
+                (plan, step), waited = _waited(planned)
         else:
             plan, step = self._plan_step(C, x_TD.dtype, x_TD.device, sums)
             own = None
@@ -522,6 +535,8 @@ class ExpertParallelDispatcher:
             "mean_rows": sum(rows_W) / W,
             "replica_cached": cached,
             "plan_fitted": fitted,  # plan_ahead: the step before's plan, fitted to C
+            # an async plan: what this step waited for the planning thread (its exposed part)
+            "plan_wait_ms": waited * 1e3,
             # helper entries: segments, ranges, experts with kept holders
             "shares": len(plan.shares) + len(plan.ranges) + len(plan.kept),
         }

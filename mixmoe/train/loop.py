@@ -233,7 +233,9 @@ class StepRecord:
     before clipping; ``step_ms``: the slowest rank's step; ``replicas``: expert replicas used by
     the MoE layers of this step, summed over layers and ranks (mix / shadow); ``plans_fitted``:
     the MoE layers' forwards whose plan was the step before's, fitted (``plan_ahead``; the
-    same on every rank). ``moe``: one dict
+    same on every rank); ``plan_wait_ms``: what the MoE layers' forwards waited for their
+    planning threads (an async or ahead plan's unhidden part), summed, the slowest rank's.
+    ``moe``: one dict
     per MoE layer (``mixmoe.train.balance_log``): its global load this step, busiest expert /
     mean, coefficient of variation, dead experts, replicas, selection-bias range."""
 
@@ -250,6 +252,7 @@ class StepRecord:
     eval_loss: float | None = None
     moe: tuple[dict, ...] = ()
     plans_fitted: int = 0
+    plan_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -483,7 +486,7 @@ class Trainer:
         )
         if self.objective == "stream" and starts_stream(self.train_data, step, G, L):
             self.mems = [None] * cfg.micro_batches
-        ce_local, aux_local, replicas, fitted, fwd_s = 0.0, 0.0, 0, 0, 0.0
+        ce_local, aux_local, replicas, fitted, fwd_s, wait_ms = 0.0, 0.0, 0, 0, 0.0, 0.0
         for m in range(cfg.micro_batches):
             b = shard(inputs, targets, self._shard(m), S)
             t_fwd = self.clock.now()
@@ -496,8 +499,10 @@ class Trainer:
             objective_s.backward()
             ce_local += float(ce.detach()) / b.num_targets
             aux_local += float(aux.detach()) / S
-            replicas += sum(int((a.stats or {}).get("replicas", 0)) for a in moe_auxes(model))
-            fitted += sum(bool((a.stats or {}).get("plan_fitted")) for a in moe_auxes(model))
+            layers = [a.stats or {} for a in moe_auxes(model)]  # this forward's MoE layers
+            replicas += sum(int(s.get("replicas", 0)) for s in layers)
+            fitted += sum(bool(s.get("plan_fitted")) for s in layers)
+            wait_ms += sum(float(s.get("plan_wait_ms", 0.0)) for s in layers)
         sync_gradients(self.dense, self.experts, self.world, self.edp)
         norm = float(clip_global_norm(self.dense, self.experts, self.ep, cfg.clip))
         for group in self.opt.param_groups:
@@ -509,7 +514,9 @@ class Trainer:
         loss, aux_loss, replicas_all = _reduce(
             self.world, [ce_local, aux_local, replicas], "sum", device
         )
-        step_s, fwd_s, bwd_s = _reduce(self.world, [step_s, fwd_s, step_s - fwd_s], "max", device)
+        step_s, fwd_s, bwd_s, wait_ms = _reduce(
+            self.world, [step_s, fwd_s, step_s - fwd_s, wait_ms], "max", device
+        )
         return StepRecord(
             step=step,
             loss=loss,
@@ -523,6 +530,7 @@ class Trainer:
             bwd_ms=bwd_s * 1e3,
             moe=moe,
             plans_fitted=fitted,
+            plan_wait_ms=wait_ms,
         )
 
     def _end_balance_step(self) -> tuple[dict, ...]:

@@ -1,12 +1,15 @@
 """The ``mix`` dispatcher's background plan on one rank (``LocalCommunicator``): the plan span
-overlaps the own rows' compute in the trace, a planner error surfaces on the caller and leaves
-the dispatcher usable, the thread is started lazily and shut down, and the layer still copies."""
+overlaps the own rows' compute in the trace, what the step waited for the plan is recorded
+(``plan_wait_ms``, ``moe.plan.wait``) with and without ``plan_ahead``, a planner error surfaces
+on the caller and leaves the dispatcher usable, the thread is started lazily and shut down, and
+the layer still copies."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -72,6 +75,82 @@ def test_plan_span_overlaps_the_own_rows_compute(monkeypatch) -> None:
     events = chrome_trace_events(rec.records())
     tid = {e["name"]: e["tid"] for e in events if e.get("cat") == "mixmoe.sub"}
     assert tid["moe.plan"] == TID_HOST and tid["moe.experts_local"] == TID_COMPUTE
+
+
+PLAN_S = 0.3  # the slow planner below: its sleep after the step could have started waiting
+
+
+def _waits(rec: TraceRecorder) -> list:
+    return [s for r in rec.records() for s in r.sub_ops if s.name == "moe.plan.wait"]
+
+
+def test_the_wait_for_a_slow_plan_is_recorded(monkeypatch) -> None:
+    """The plan ends PLAN_S after the own rows are done: the step waits at least ~that long,
+    in its stats and in a host span after the own rows' (the plan's unhidden part)."""
+    layer = _layer()
+    own_done = threading.Event()
+    spec = layer.dispatcher.spec
+
+    def planner(C, shape, profile, config, sums=None):
+        assert own_done.wait(WAIT_S), "the own rows were not computed while the plan ran"
+        time.sleep(PLAN_S)
+        return spec.planner(C, shape, profile, config, sums=sums)
+
+    real_run_work = expert_parallel.run_work
+
+    def run_work(*args, **kwargs):
+        out = real_run_work(*args, **kwargs)
+        own_done.set()
+        return out
+
+    layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
+    monkeypatch.setattr(expert_parallel, "run_work", run_work)
+    rec = TraceRecorder(rank=0, device="cpu")
+    with rec.activate(), rec.op("forward_step", batch_id=0):
+        _, aux = layer(_x())
+    layer.dispatcher.close()
+    waited_ms = aux.stats["plan_wait_ms"]
+    assert PLAN_S * 1e3 / 3 <= waited_ms < WAIT_S * 1e3, waited_ms
+    (wait,) = _waits(rec)
+    own = [s for s in rec.records()[0].sub_ops if s.name == "moe.experts_local"]
+    assert wait.kind == "host" and own[0].timestamp_ms <= wait.start_ms
+    assert wait.timestamp_ms - wait.start_ms == pytest.approx(waited_ms, abs=5.0)
+
+
+def test_plan_ahead_records_the_wait_for_the_step_befores_plan() -> None:
+    """Under plan_ahead the first step plans its own counts here and the second fits that plan
+    (no wait), starting its own counts' plan on the thread; the third, called at once, waits for
+    that plan (PLAN_S of it); the fourth, called once the third's plan is done (the layer's other
+    work hid it), waits for nothing."""
+    torch.manual_seed(0)
+    config = MoEConfig(model_dim=8, hidden_dim=12, num_experts=4, plan_async=True, plan_ahead=True)
+    layer = parallelize_moe(MoE(config, dtype=torch.float64), LocalCommunicator(), "mix")
+    spec = layer.dispatcher.spec
+    planned = threading.Semaphore(0)  # released by each plan made on the thread
+
+    def planner(C, shape, profile, config, sums=None):
+        on_thread = threading.current_thread().name.startswith("mixmoe-plan")
+        if on_thread:
+            time.sleep(PLAN_S)
+        plan = spec.planner(C, shape, profile, config, sums=sums)
+        if on_thread:
+            planned.release()
+        return plan
+
+    layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
+    x = _x()
+    rec = TraceRecorder(rank=0, device="cpu")
+    with rec.activate(), rec.op("forward_step", batch_id=0):
+        stats = [layer(x)[1].stats for _ in range(3)]  # back to back
+    assert [s["plan_fitted"] for s in stats] == [False, True, True]
+    assert stats[0]["plan_wait_ms"] == 0.0  # nothing asked of the thread yet
+    assert stats[1]["plan_wait_ms"] < PLAN_S * 1e3 / 3  # the first step's plan, made here
+    assert PLAN_S * 1e3 / 3 <= stats[2]["plan_wait_ms"] < WAIT_S * 1e3
+    assert len(_waits(rec)) == 2  # the fitting steps' (the first made its plan here)
+    assert planned.acquire(timeout=WAIT_S) and planned.acquire(timeout=WAIT_S)
+    fourth = layer(x)[1].stats  # the third step's plan is done: nothing left to wait for
+    layer.dispatcher.close()
+    assert fourth["plan_fitted"] and fourth["plan_wait_ms"] < PLAN_S * 1e3 / 3
 
 
 class PlanError(ValueError):

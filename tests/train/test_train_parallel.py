@@ -102,6 +102,10 @@ def test_mix_planned_ahead_equals_one_rank(two_ranks):
     fitted = [[s.plans_fitted for s in two_ranks[r]["ahead"].steps] for r in range(2)]
     assert fitted[0] == fitted[1] and fitted[0][0] < fitted[0][-1], fitted
     assert all(s.plans_fitted == 0 for s in two_ranks[0]["gpt2", "mix"].steps)
+    # what the forwards waited for the planning threads: the slowest rank's, on both
+    waits = [[s.plan_wait_ms for s in two_ranks[r]["ahead"].steps] for r in range(2)]
+    assert waits[0] == waits[1] and all(w >= 0.0 for w in waits[0]), waits
+    assert all(s.plan_wait_ms == 0.0 for s in two_ranks[0]["gpt2", "a2a"].steps)  # no thread
 
 
 def test_plan_ahead_needs_mix():

@@ -35,7 +35,15 @@ of the same popularity (``gating.synthetic.redrawn_counts``), given both steps' 
 ``fit_over_fresh_step`` is the fitted plan's predicted step over that of a plan made for the
 drawn counts. ``ahead_exposed_ms``: what such a step waits for, the fit and the fitted plan's
 bookkeeping (its replicas' route built with the plan on the planning thread, as the layer
-does, where the fit kept the holders).
+does, where the fit kept the holders). ``ahead_thread_ms``: the planning thread's job under
+``plan_ahead`` (``_plan_routed``: the plan given the sums, its replicas' route), which must end
+before the layer's next forward: after the rest of the iteration (the other layers' forwards,
+every backward, the optimizer), so a model of L MoE layers of this step hides it where it is
+under ~L steps (``ahead_layers``: the fewest such L, from the busy figure). The job holds the
+GIL between its compiled calls (the plan's decode, the route's Python), so a main thread busy
+in Python delays it: ``ahead_thread_busy_ms`` times it on the thread, from its submission to
+its end, while the calling thread issues small torch ops (a stand-in for a step's main thread
+launching kernels; each op releases the GIL).
 
 Cold counts (``cold``, the default): before each timed call the counts' cache lines are
 flushed (untimed; ``placement.native_cache_lines``), so the call reads C from memory, as the
@@ -47,7 +55,9 @@ filled, faster than the layer would see them.
 
 from __future__ import annotations
 
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +175,33 @@ def _time_ms(fn, repeats: int, evictor: CacheEvictor | None = None) -> tuple[flo
     return median(times), plan
 
 
+def _busy_thread_ms(fn, repeats: int, evictor: CacheEvictor | None = None) -> float:
+    """Median ms from submitting ``fn`` to a worker thread to its end while this thread issues
+    small torch ops until it is done (module doc: ``ahead_thread_busy_ms``), after one untimed
+    call."""
+    x = torch.zeros(16)
+
+    def timed() -> float:
+        fn()
+        return time.perf_counter()
+
+    def busy_ms(worker: ThreadPoolExecutor) -> float:
+        start = time.perf_counter()
+        job = worker.submit(timed)
+        while not job.done():
+            x.add_(1.0)
+        return (job.result() - start) * 1e3
+
+    times = []
+    with ThreadPoolExecutor(1) as worker:
+        busy_ms(worker)  # untimed: first-call effects, the worker started
+        for _ in range(repeats):
+            if evictor is not None:
+                evictor.evict()  # untimed
+            times.append(busy_ms(worker))
+    return median(times)
+
+
 def _overlap_ms(counts_WN: torch.Tensor, shape: LayerShape, profile: HardwareProfile) -> float:
     """The predicted forward compute (ms) of the fewest rows any rank routes to its own experts:
     what every rank's planning thread overlaps at most (module doc)."""
@@ -249,6 +286,15 @@ def run_case(
             evictor,
         )
         fresh = plan_mix(after_WN, shape, profile, cfg.max_replicas, search_width=cfg.search_width)
+
+        def ahead_job() -> Plan:  # plan_ahead's planning thread (module doc)
+            plan = plan_mix(counts_WN, shape, profile, cfg.max_replicas,
+                            search_width=cfg.search_width, sums=sums)  # fmt: skip
+            RelayPlan.build(plan.replicas, rank, W, N // W, distance, relay=plan.relay)
+            return plan
+
+        job_ms, _ = _time_ms(ahead_job, cfg.repeats, evictor)
+        job_busy_ms = _busy_thread_ms(ahead_job, cfg.repeats, evictor)
         old_ms, old = None, None
         if W <= cfg.old_max_world:
             old_ms, old = _time_ms(
@@ -279,6 +325,9 @@ def run_case(
         "fit_ms": fit_ms,
         "fit_over_fresh_step": fit.prediction.step_s / fresh.prediction.step_s,
         "ahead_exposed_ms": fit_ms + ahead_keeping_ms,
+        "ahead_thread_ms": job_ms,
+        "ahead_thread_busy_ms": job_busy_ms,
+        "ahead_layers": max(1, math.ceil(job_busy_ms / step_ms)) if step_ms else None,
         "overlap_ms": overlap_ms,
         "exposed_ms": max(0.0, given_ms + keeping_ms - overlap_ms),
         "a2a_step_ms": a2a_ms,

@@ -4,6 +4,8 @@ and the synthetic counts it plans on."""
 from __future__ import annotations
 
 import json
+import math
+import threading
 
 import pytest
 import torch
@@ -40,6 +42,9 @@ def test_bench_planner_table_and_jsonl(tmp_path, capsys) -> None:
         assert r["exposed_ms"] == max(0.0, r["host_device_sums_ms"] - r["overlap_ms"])
         assert r["fit_ms"] > 0 and 0 < r["fit_over_fresh_step"] < 2
         assert r["ahead_exposed_ms"] > r["fit_ms"]
+        assert r["ahead_thread_ms"] > 0 and r["ahead_thread_busy_ms"] > 0
+        want_layers = max(1, math.ceil(r["ahead_thread_busy_ms"] / r["step_ms"]))
+        assert r["ahead_layers"] == want_layers
         assert r["meets_target_given"] == (r["planner_given_ms"] <= r["target_ms"])
         assert 0 < r["mix_over_a2a"] <= 1.5 and r["old_mix_over_a2a"] is not None
         assert r["target_ms"] == target_ms(r["world_size"], r["step_ms"])
@@ -116,3 +121,27 @@ def test_bench_planner_records_the_cache_state(tmp_path, warm: bool, capsys) -> 
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["cold_caches"] == (None if warm else "lines")
     assert record["config"]["cold"] is (not warm)
+
+
+def test_the_busy_thread_timing_runs_the_job_on_a_worker_while_the_caller_issues_ops(
+    monkeypatch,
+) -> None:
+    """Each timed call: an eviction, then the job on another thread, from its submission to its
+    end, while this thread runs torch ops until the job is done (the job waits for one here)."""
+    events, ops = [], []
+    evictor = CacheEvictor([torch.ones(4, dtype=torch.int64)])
+    monkeypatch.setattr(evictor, "evict", lambda: events.append("evict"))
+    caller = threading.current_thread()
+    real_add = torch.Tensor.add_
+    monkeypatch.setattr(torch.Tensor, "add_", lambda t, *a: ops.append(1) or real_add(t, *a))
+
+    def job() -> None:
+        assert threading.current_thread() is not caller
+        seen = len(ops)
+        while len(ops) < seen + 3:  # the caller keeps issuing ops while the job runs
+            pass
+        events.append("job")
+
+    ms = planner_bench._busy_thread_ms(job, 2, evictor)
+    assert events == ["job"] + ["evict", "job"] * 2  # the untimed first call, then each pair
+    assert ms > 0 and len(ops) >= 6

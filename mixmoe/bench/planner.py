@@ -85,6 +85,7 @@ from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.refit import refit_plan
 from mixmoe.placement.relay import node_distance
 from mixmoe.reference.planner import plan_mix_rescan
+from mixmoe.tracing.heap import frozen_heap
 from mixmoe.validation import (
     DTYPE_NAMES,
     check_bool,
@@ -164,14 +165,15 @@ def target_ms(world_size: int, step_ms: float) -> float:
 
 
 def _time_ms(fn, repeats: int, evictor: CacheEvictor | None = None) -> tuple[float, Plan]:
-    plan = fn()  # untimed: first-call effects
-    times = []
-    for _ in range(repeats):
-        if evictor is not None:
-            evictor.evict()  # untimed
-        start = time.perf_counter()
-        plan = fn()
-        times.append((time.perf_counter() - start) * 1e3)
+    with frozen_heap():  # (the process's earlier objects out of the collector's walks)
+        plan = fn()  # untimed: first-call effects
+        times = []
+        for _ in range(repeats):
+            if evictor is not None:
+                evictor.evict()  # untimed
+            start = time.perf_counter()
+            plan = fn()
+            times.append((time.perf_counter() - start) * 1e3)
     return median(times), plan
 
 
@@ -193,7 +195,7 @@ def _busy_thread_ms(fn, repeats: int, evictor: CacheEvictor | None = None) -> fl
         return (job.result() - start) * 1e3
 
     times = []
-    with ThreadPoolExecutor(1) as worker:
+    with ThreadPoolExecutor(1) as worker, frozen_heap():
         busy_ms(worker)  # untimed: first-call effects, the worker started
         for _ in range(repeats):
             if evictor is not None:

@@ -70,6 +70,7 @@ from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.refit import carried_plan
 from mixmoe.simulate.layer import layer_config
 from mixmoe.simulate.routing import counts_source
+from mixmoe.tracing.heap import frozen_heap
 from mixmoe.validation import check_int
 
 __all__ = [
@@ -230,18 +231,20 @@ def _timed_plans(
     planner, counts_WN: torch.Tensor, repeats: int, evictor: CacheEvictor | None = None
 ) -> tuple[Any, list[float]]:
     """The plan and ``repeats`` wall-clock times (ms) of ``planner(counts_WN)`` on one thread,
-    ``evictor.evict()`` before each (untimed; None: warm)."""
+    ``evictor.evict()`` before each (untimed; None: warm), the heap the process held before
+    frozen out of the collector (``tracing.heap``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        plan = planner(counts_WN)  # untimed: first-call effects
-        times = []
-        for _ in range(repeats):
-            if evictor is not None:
-                evictor.evict()
-            start = time.perf_counter()
-            plan = planner(counts_WN)
-            times.append((time.perf_counter() - start) * 1e3)
+        with frozen_heap():
+            plan = planner(counts_WN)  # untimed: first-call effects
+            times = []
+            for _ in range(repeats):
+                if evictor is not None:
+                    evictor.evict()
+                start = time.perf_counter()
+                plan = planner(counts_WN)
+                times.append((time.perf_counter() - start) * 1e3)
     finally:
         torch.set_num_threads(threads)
     return plan, times

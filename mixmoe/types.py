@@ -32,7 +32,10 @@ class MoEAux:
     z_loss:       router z-loss (unscaled).
     loss:         aux_loss_coef * balance_loss + z_loss_coef * z_loss: add it to the task loss.
     counts_N:     int64 rows routed to each global expert by this rank (dropped choices excluded).
-    stats:        what the strategy did this step (rows moved, replicas, ...), for benchmarks.
+    stats:        what the strategy did this step (rows moved, replicas, ...), for benchmarks;
+                  the same on every rank.
+    plan_wait_ms: what this rank's forward waited for the dispatcher's planning thread (an
+                  async plan's unhidden part; 0 without one): a timing, this rank's own.
     """
 
     balance_loss: torch.Tensor
@@ -40,6 +43,7 @@ class MoEAux:
     loss: torch.Tensor
     counts_N: torch.Tensor
     stats: dict | None = None
+    plan_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)

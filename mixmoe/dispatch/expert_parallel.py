@@ -12,7 +12,7 @@ One step on rank r, as three calls (``MoE.forward`` makes them):
        Under ``mix`` (``MoEConfig.plan_async``) the plan runs on this dispatcher's background
        thread while this rank's rows for its own experts are sorted and computed (when the last
        plan kept them all here: a plan with share entries may send some to helpers); the step
-       then waits for the plan (``moe.plan.wait``; ``plan_wait_ms`` in the step's stats).
+       then waits for the plan (``moe.plan.wait``; ``StepMeta.plan_wait_ms``).
     3. replica fetch: the relay rounds of packed weights (whole rows or chunks), one all_to_all
        each (``replicas.py``; cached under ``mix`` while the plan's replicas, its relay flag
        and the owners' versions are unchanged);
@@ -109,9 +109,11 @@ class StepMeta:
     moving:     whether any row crosses ranks anywhere (all ranks agree; else no all_to_all).
     counts_N:   rows this rank routed to each global expert (device tensor).
     stats:      rows moved, replicas, rows per rank, whether the replicas came from the cache,
-                whether the plan was fitted and what the step waited for the planning thread.
+                whether the plan was fitted: the same on every rank.
     global_counts_N: rows every rank of the group routed to each expert (int64 CPU, C summed
                 over ranks: the step's load for balance metrics and the selection-bias update).
+    plan_wait_ms: what this rank's step waited for its planning thread (an async plan's
+                unhidden part; ``moe.plan.wait`` in a trace): a timing, this rank's own.
     """
 
     layout: StepLayout
@@ -122,6 +124,7 @@ class StepMeta:
     counts_N: torch.Tensor
     stats: dict
     global_counts_N: torch.Tensor | None = None
+    plan_wait_ms: float = 0.0
 
 
 class ExpertParallelDispatcher:
@@ -535,15 +538,14 @@ class ExpertParallelDispatcher:
             "mean_rows": sum(rows_W) / W,
             "replica_cached": cached,
             "plan_fitted": fitted,  # plan_ahead: the step before's plan, fitted to C
-            # an async plan: what this step waited for the planning thread (its exposed part)
-            "plan_wait_ms": waited * 1e3,
             # helper entries: segments, ranges, experts with kept holders
             "shares": len(plan.shares) + len(plan.ranges) + len(plan.kept),
         }
         # every rank's rows of each expert: summed on the planning thread's pass over C when
         # the bookkeeping ran compiled (W = 1024: C.sum(dim=0) here takes ~3.4 ms)
         global_N = C.sum(dim=0) if step.expert_rows_N is None else step.expert_rows_N
-        meta = StepMeta(layout, step, plan, routing.weights_TK, moving, counts_N, stats, global_N)
+        meta = StepMeta(layout, step, plan, routing.weights_TK, moving, counts_N, stats, global_N,
+                        plan_wait_ms=waited * 1e3)  # fmt: skip
         rows = DispatchedRows(x_TD, replicas, receive, local_done_TD)
         return rows, ExpertLayout(work), meta
 

@@ -70,7 +70,8 @@ class MixmoeEP:
     ``last_stats``: the dispatcher's stats of the last call (rows moved, replicas, ...);
     ``replicas_seen``: replicas summed over every call; ``cached_fetches``: calls whose
     replicas came from the cache; ``plans_fitted``: calls whose plan was the step before's,
-    fitted (``plan_ahead``; tests read them)."""
+    fitted (``plan_ahead``; tests read them); ``plan_wait_ms``: what the calls waited for the
+    planning thread, summed (this rank's timing)."""
 
     # set by ``ep_implementation_class``
     strategy = "mix"
@@ -103,6 +104,7 @@ class MixmoeEP:
         self.replicas_seen = 0
         self.cached_fetches = 0
         self.plans_fitted = 0
+        self.plan_wait_ms = 0.0
         experts.mixmoe_ep = self  # found again by ``ep_implementations(model)``
 
     @property
@@ -201,6 +203,7 @@ class MixmoeEP:
         self.replicas_seen += int(meta.stats["replicas"])
         self.cached_fetches += bool(meta.stats["replica_cached"])
         self.plans_fitted += bool(meta.stats.get("plan_fitted"))
+        self.plan_wait_ms += meta.plan_wait_ms
         return y_TD.to(x_TD.dtype)
 
 

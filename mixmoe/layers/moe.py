@@ -210,6 +210,7 @@ class MoE(nn.Module):
             loss=loss,
             counts_N=meta.counts_N,
             stats=meta.stats or None,
+            plan_wait_ms=getattr(meta, "plan_wait_ms", 0.0),  # (an expert-parallel step's)
         )
         return y_TD.to(x.dtype).reshape(x.shape), aux
 

@@ -499,10 +499,10 @@ class Trainer:
             objective_s.backward()
             ce_local += float(ce.detach()) / b.num_targets
             aux_local += float(aux.detach()) / S
-            layers = [a.stats or {} for a in moe_auxes(model)]  # this forward's MoE layers
-            replicas += sum(int(s.get("replicas", 0)) for s in layers)
-            fitted += sum(bool(s.get("plan_fitted")) for s in layers)
-            wait_ms += sum(float(s.get("plan_wait_ms", 0.0)) for s in layers)
+            auxes = moe_auxes(model)  # this forward's MoE layers
+            replicas += sum(int((a.stats or {}).get("replicas", 0)) for a in auxes)
+            fitted += sum(bool((a.stats or {}).get("plan_fitted")) for a in auxes)
+            wait_ms += sum(a.plan_wait_ms for a in auxes)
         sync_gradients(self.dense, self.experts, self.world, self.edp)
         norm = float(clip_global_norm(self.dense, self.experts, self.ep, cfg.clip))
         for group in self.opt.param_groups:

@@ -89,10 +89,9 @@ def test_nothing_moves_so_no_all_to_all_runs_and_the_stats_are_exact(strategy) -
     y.sum().backward()
     layer.dispatcher.close()
     assert calls == []  # neither the token exchange, its return, nor their backward
-    stats = dict(aux.stats)
-    waited = stats.pop("plan_wait_ms")  # mix plans on its thread (plan_async): waited >= 0
-    assert waited >= 0.0 if strategy == "mix" else waited == 0.0
-    assert stats == {
+    # mix plans on its thread (plan_async): it waited for it, if at all, >= 0
+    assert aux.plan_wait_ms >= 0.0 if strategy == "mix" else aux.plan_wait_ms == 0.0
+    assert aux.stats == {
         "rows_moved": 0,
         "replicas": 0,
         "max_rows": T * K,  # every routed row computed on the one rank

@@ -1,6 +1,6 @@
 """The ``mix`` dispatcher's background plan on one rank (``LocalCommunicator``): the plan span
 overlaps the own rows' compute in the trace, what the step waited for the plan is recorded
-(``plan_wait_ms``, ``moe.plan.wait``) with and without ``plan_ahead``, a planner error surfaces
+(``MoEAux.plan_wait_ms``, ``moe.plan.wait``) with and without ``plan_ahead``, a planner error surfaces
 on the caller and leaves the dispatcher usable, the thread is started lazily and shut down, and
 the layer still copies."""
 
@@ -109,7 +109,7 @@ def test_the_wait_for_a_slow_plan_is_recorded(monkeypatch) -> None:
     with rec.activate(), rec.op("forward_step", batch_id=0):
         _, aux = layer(_x())
     layer.dispatcher.close()
-    waited_ms = aux.stats["plan_wait_ms"]
+    waited_ms = aux.plan_wait_ms
     assert PLAN_S * 1e3 / 3 <= waited_ms < WAIT_S * 1e3, waited_ms
     (wait,) = _waits(rec)
     own = [s for s in rec.records()[0].sub_ops if s.name == "moe.experts_local"]
@@ -141,16 +141,16 @@ def test_plan_ahead_records_the_wait_for_the_step_befores_plan() -> None:
     x = _x()
     rec = TraceRecorder(rank=0, device="cpu")
     with rec.activate(), rec.op("forward_step", batch_id=0):
-        stats = [layer(x)[1].stats for _ in range(3)]  # back to back
-    assert [s["plan_fitted"] for s in stats] == [False, True, True]
-    assert stats[0]["plan_wait_ms"] == 0.0  # nothing asked of the thread yet
-    assert stats[1]["plan_wait_ms"] < PLAN_S * 1e3 / 3  # the first step's plan, made here
-    assert PLAN_S * 1e3 / 3 <= stats[2]["plan_wait_ms"] < WAIT_S * 1e3
+        auxes = [layer(x)[1] for _ in range(3)]  # back to back
+    assert [a.stats["plan_fitted"] for a in auxes] == [False, True, True]
+    assert auxes[0].plan_wait_ms == 0.0  # nothing asked of the thread yet
+    assert auxes[1].plan_wait_ms < PLAN_S * 1e3 / 3  # the first step's plan, made here
+    assert PLAN_S * 1e3 / 3 <= auxes[2].plan_wait_ms < WAIT_S * 1e3
     assert len(_waits(rec)) == 2  # the fitting steps' (the first made its plan here)
     assert planned.acquire(timeout=WAIT_S) and planned.acquire(timeout=WAIT_S)
-    fourth = layer(x)[1].stats  # the third step's plan is done: nothing left to wait for
+    fourth = layer(x)[1]  # the third step's plan is done: nothing left to wait for
     layer.dispatcher.close()
-    assert fourth["plan_fitted"] and fourth["plan_wait_ms"] < PLAN_S * 1e3 / 3
+    assert fourth.stats["plan_fitted"] and fourth.plan_wait_ms < PLAN_S * 1e3 / 3
 
 
 class PlanError(ValueError):

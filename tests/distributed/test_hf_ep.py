@@ -129,6 +129,7 @@ def _rank(comm, path: str, data, ep_size: int | None = None, impls=IMPLS) -> dic
             "grads": grads,
             "replicas": [sum(ep.replicas_seen for ep in eps)],
             "fitted": sum(ep.plans_fitted for ep in eps),
+            "waited_ms": sum(ep.plan_wait_ms for ep in eps),
             "ep_modules": len(eps),
         }
     return out
@@ -233,6 +234,8 @@ def _check_equal(
         fitted = [per_rank["mixmoe_mix_ahead"]["fitted"] for per_rank in got]
         assert fitted[0] > 0 and len(set(fitted)) == 1, fitted
         assert all(per_rank["mixmoe_mix"]["fitted"] == 0 for per_rank in got)
+        assert all(per_rank["mixmoe_mix_ahead"]["waited_ms"] >= 0.0 for per_rank in got)
+    assert all(per_rank["mixmoe_a2a"]["waited_ms"] == 0.0 for per_rank in got)  # no thread
 
 
 BF16_IMPLS = ("all_to_all", "mixmoe_mix_replicate")

@@ -99,7 +99,6 @@ struct Scratch {  // per-rank marks of range_crossing, reset after each expert
   std::vector<int64_t> node;           // r / P, once per pricing (no division per row)
   std::vector<char> holder, is_kept;   // the expert's holders, its kept holders
   std::vector<int64_t> rest;           // a kept holder's rows left in the stream
-  std::vector<std::pair<int64_t, int64_t>> stream;  // (source, rows) segments in order
 };
 
 void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>* hs,
@@ -117,12 +116,39 @@ void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>*
   int64_t reach = 0;
   if (ranges)
     for (const auto& [y, n] : *ranges) reach += n;
-  // the stream up to the segment that passes `reach`: past it every row is the owner's, and a
-  // source whose segment goes whole to the owner adds nothing (the replica rule's crossing,
-  // undone below, is the same crossing again), so C's column is read only that far (W = 1024
-  // zipf:1.2 plans: ~60% of it) and the sources past it are only the kept holders (their rest
-  // crosses to the owner, where the replica rule computed it at the holder)
-  x.stream.clear();
+  // the ranges' entry computing the stream's next row (past their end: the owner's rest)
+  size_t piece = 0;
+  int64_t piece_left = ranges && !ranges->empty() ? (*ranges)[0].second : -1;
+  const auto next_piece = [&]() {
+    while (piece_left == 0) {  // empty ranges hold no row
+      ++piece;
+      piece_left = piece < ranges->size() ? (*ranges)[piece].second : -1;
+    }
+  };
+  next_piece();
+  // one segment of the stream (n rows from src, in stream order) handed to the entries, each
+  // crossing row counted at both ends (integer sums: the same loads in any order)
+  const auto hand = [&](int64_t src, int64_t n) {
+    while (n > 0) {
+      const bool helper = piece_left > 0;  // -1: past the ranges, the owner's rest
+      const int64_t dst = helper ? (*ranges)[piece].first : o;
+      const int64_t len = helper ? std::min(n, piece_left) : n;
+      if (x.node[src] != x.node[dst]) {
+        inter[src] += len;
+        inter[dst] += len;
+      }
+      n -= len;
+      if (!helper) continue;
+      piece_left -= len;
+      next_piece();
+    }
+  };
+  // the stream up to the segment that passes `reach`, each segment handed on as it is read:
+  // past it every row is the owner's, and a source whose segment goes whole to the owner adds
+  // nothing (the replica rule's crossing, undone below, is the same crossing again), so C's
+  // column is read only that far (W = 1024 zipf:1.2 plans: ~60% of it) and the sources past it
+  // are only the kept holders (their rest crosses to the owner, where the replica rule
+  // computed it at the holder)
   // the column's prefix the plan fields read (plan_mix with a topology), else C itself
   const int64_t held = counts.prefix ? counts.prefix->len(g) : 0;
   const int64_t* read = held ? counts.prefix->data(g) : nullptr;
@@ -138,10 +164,10 @@ void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>*
     }
     // a holder's rows stay at it, but a kept holder's rest joins the stream
     const int64_t n = x.is_kept[s] ? x.rest[s] : x.holder[s] ? 0 : c;
-    if (n > 0) x.stream.emplace_back(s, n), at += n;
+    if (n > 0) hand(s, n), at += n;
   }
   if (at < reach) {  // every source read: the owner's segment closes the stream
-    x.stream.emplace_back(o, counts.c(o, g));
+    hand(o, counts.c(o, g));
   } else if (kept) {  // the kept holders past the stream read (distinct: Plan's check)
     for (const auto& [y, local] : *kept) {
       if (y < s || y == o || x.node[y] == home) continue;
@@ -155,30 +181,6 @@ void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>*
     for (int64_t h : *hs) x.holder[h] = 0;
   if (kept)
     for (const auto& [y, local] : *kept) x.is_kept[y] = 0;
-  size_t piece = 0;  // the ranges' entry computing the stream's next row (its end: the owner)
-  int64_t piece_left = ranges && !ranges->empty() ? (*ranges)[0].second : -1;
-  while (piece_left == 0) {  // empty ranges hold no row
-    ++piece;
-    piece_left = piece < ranges->size() ? (*ranges)[piece].second : -1;
-  }
-  for (auto [src, n] : x.stream) {
-    while (n > 0) {
-      const bool helper = piece_left > 0;  // -1: past the ranges, the owner's rest
-      const int64_t dst = helper ? (*ranges)[piece].first : o;
-      const int64_t len = helper ? std::min(n, piece_left) : n;
-      if (x.node[src] != x.node[dst]) {  // a crossing row counts at both ends
-        inter[src] += len;
-        inter[dst] += len;
-      }
-      n -= len;
-      if (!helper) continue;
-      piece_left -= len;
-      while (piece_left == 0) {
-        ++piece;
-        piece_left = piece < ranges->size() ? (*ranges)[piece].second : -1;
-      }
-    }
-  }
 }
 
 const std::vector<int64_t>* holders_of(const Replicas& replicas, int64_t g) {

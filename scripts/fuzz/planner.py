@@ -12,8 +12,8 @@ or nodes of 2, 3, 5 and 8 ranks), then checks:
   replica budget, ranges valid for the counts (``Plan.check_shares``);
 - its fit to a fresh draw of the same popularity (``refit_plan``) equals ``refit_python``, is
   never predicted slower than a2a on the new counts, and is valid for them;
-- the step's bookkeeping of the plan and of the fit (``build_step_plan``, compiled) equals
-  ``step_plan_python`` at every rank (6 sampled ranks above W = 16).
+- the step's bookkeeping of the plan and of the fit (``build_step_plan``, compiled, with and
+  without C's sums given) equals ``step_plan_python`` at every rank (6 sampled ranks above W = 16).
 
 A failing case prints one line and is saved to ``/tmp/mixmoe-fuzz/planner_SEED_I.pt`` (counts,
 shape, budget, knobs, profile) to replay. Found with it: a topology's repriced source-replica
@@ -43,6 +43,7 @@ from mixmoe.placement import (
     plan_mix,
     plan_none,
 )
+from mixmoe.placement.counts import CountSums
 from mixmoe.placement.planner import replica_slots
 from mixmoe.placement.profile_io import load_profile
 from mixmoe.placement.refit import refit_plan, refit_python
@@ -138,11 +139,14 @@ def check(C, shape: LayerShape, budget: int, knobs: dict, profile: HardwareProfi
     distance = node_distance(profile)
     ranks = range(W) if W <= 16 else random.sample(range(W), 6)
     for counts, p in ((C, plan), (after, fit)):
+        sums = CountSums(counts.sum(0), counts.sum(1))  # given, as the layer's device sums them
         for r in ranks:
-            got = dataclasses.replace(
-                build_step_plan(counts, p, r, E, distance), expert_rows_N=None
-            )
-            assert canon(got) == canon(step_plan_python(counts, p, r, E, distance)), f"step {r}"
+            want = canon(step_plan_python(counts, p, r, E, distance))
+            for given in (None, sums):
+                got = dataclasses.replace(
+                    build_step_plan(counts, p, r, E, distance, given), expert_rows_N=None
+                )
+                assert canon(got) == want, f"step {r}" + (" given the sums" if given else "")
 
 
 def main() -> int:

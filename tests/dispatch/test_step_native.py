@@ -144,22 +144,34 @@ def test_plan_mix_at_1024_ranks() -> None:
         _same(C_WN, plan, r, E)
 
 
-def test_given_sums_that_differ_from_a_ranged_column_fall_back() -> None:
-    """The compiled bookkeeping given C's sums still sums the ranged experts' columns it
-    gathers; one that differs from its given sum runs the Python (which sums C itself)."""
+def test_given_sums_spare_the_ranged_columns_below_the_rank() -> None:
+    """Given C's sums (trusted, as the planner trusts them), the compiled bookkeeping of rank r
+    reads a ranged expert's column only in the rows s < r (and at its owner, holders and kept
+    holders): counts planted in the other rows change nothing, while the Python, summing C
+    itself, sees them."""
     W, E = 16, 2
     C_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), W, 512, 2, W * E,
                             torch.Generator().manual_seed(3), shuffle_experts=True)  # fmt: skip
     plan = plan_mix(C_WN, LayerShape(1024, 4096, E, W, 2), GPU_PROFILE, B)
     assert plan.ranges
-    g = plan.ranges[0][0]
-    colsum, rowsum = C_WN.sum(0), C_WN.sum(1)
-    colsum[g] += 1
-    rowsum[0] += 1  # equal totals: only the column check can tell
-    wrong = CountSums(colsum, rowsum)
-    assert native.step_fields(C_WN, plan, 0, E, wrong) is None
-    want = step_plan_python(C_WN, plan, 0, E)
-    assert build_step_plan(C_WN, plan, 0, E, sums=wrong) == want
+    sums = CountSums(C_WN.sum(0), C_WN.sum(1))
+    holders = dict(plan.replicas)
+    kept = {g: {y for y, _ in entries} for g, entries in plan.kept}
+    checked, seen = 0, 0
+    for r in range(W):
+        want = build_step_plan(C_WN, plan, r, E, sums=sums)
+        planted = C_WN.clone()
+        for g, _ in plan.ranges:
+            if g // E == r or r in holders.get(g, ()):
+                continue  # r's own or held expert: its stream is read whole (every segment)
+            spared = [s for s in range(r + 1, W)
+                      if s != g // E and s not in holders.get(g, ()) and s not in kept.get(g, ())]  # fmt: skip
+            planted[spared, g] += 1000  # rows below r's segment in g's stream
+            checked += len(spared)
+        got = build_step_plan(planted, plan, r, E, sums=sums)
+        assert got == want and repr(got) == repr(want), r
+        seen += step_plan_python(planted, plan, r, E) != want  # summing C: the plants count
+    assert checked > 0 and seen > 0
 
 
 def _counts(rng: random.Random, W: int, E: int, zeros: float = 0.3) -> torch.Tensor:

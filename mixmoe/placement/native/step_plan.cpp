@@ -200,9 +200,11 @@ struct Pass {
 // `ranged_g`: the ranged experts' ids (ascending); `full_g`: those whose columns are kept whole;
 // `colsum_N`: N int64 that get C's column sums (zeros in; null: summed in a scratch), or, when
 // `given`, hold them (CountSums: the rows are then only gathered from, ~1/3 of the time at
-// W = 1024). Eight rows at a time: their sums and columns by baseline's pass (pricing.h's
-// add_row_block), then each row's gathers from those rows, just read (W = 1024: the block's
-// 256 KiB are in L2).
+// W = 1024, and a ranged expert's column only in the rows s < r: its sum is the given one,
+// trusted as the planner trusts it; `dispatcher.check_plans` checks the sums against C).
+// Eight rows at a
+// time: their sums and columns by baseline's pass (pricing.h's add_row_block), then each row's
+// gathers from those rows, just read (W = 1024: the block's 256 KiB are in L2).
 Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
                  const std::vector<int64_t>& ranged_g, const std::vector<int64_t>& full_g,
                  int64_t* colsum_N, bool given) {
@@ -218,8 +220,10 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
     scratch.assign(N, 0);
     colsum_N = scratch.data();
   }
-  if (given)
+  if (given) {
     for (int64_t g = 0; g < N; ++g) out.total += colsum_N[g];
+    for (int64_t k = 0; k < G; ++k) out.col_G[k] = colsum_N[ranged_g[k]];
+  }
   constexpr int64_t BLOCK = 8;
   int64_t sent[BLOCK];  // the block's row sums
   for (int64_t s0 = 0; s0 < W; s0 += BLOCK) {
@@ -232,11 +236,17 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
       const int64_t* row = C + s * N;
       if (given && s + mixmoe_native::COLUMN_AHEAD < W) {  // (not given: add_row_block read it)
         const int64_t ahead = s + mixmoe_native::COLUMN_AHEAD;
-        for (int64_t g : ranged_g) mixmoe_native::prefetch_count(C, N, ahead, g);
+        if (ahead < r)  // the ranged columns: read in the rows s < r only (their sums are given)
+          for (int64_t g : ranged_g) mixmoe_native::prefetch_count(C, N, ahead, g);
         for (int64_t g : full_g) mixmoe_native::prefetch_count(C, N, ahead, g);
       }
-      if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
-      for (int64_t k = 0; k < G; ++k) out.col_G[k] += row[ranged_g[k]];
+      if (given) {  // below_G: the sources s < r (the rest of a ranged column is never read)
+        if (s < r)
+          for (int64_t k = 0; k < G; ++k) out.below_G[k] += row[ranged_g[k]];
+      } else {
+        if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
+        for (int64_t k = 0; k < G; ++k) out.col_G[k] += row[ranged_g[k]];
+      }
       for (int64_t f = 0; f < F; ++f) out.full_FW[f * W + s] = row[full_g[f]];
       for (int64_t e = 0; e < E; ++e) {
         out.diag += row[s * E + e];  // s's own experts
@@ -380,9 +390,6 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
     if (full.back()) full_g.push_back(x.g);
   }
   const Pass pass = read_counts(C, W, E, r, ranged_g, full_g, colsum_N, given);
-  if (given)  // the given sums where this pass summed columns too: a mismatch runs the Python
-    for (int64_t k = 0; k < static_cast<int64_t>(ranged_g.size()); ++k)
-      if (pass.col_G[k] != colsum_N[ranged_g[k]]) return false;
 
   // the replica rule (build_step_plan's vectorised part): a segment (s, g) stays at s when s
   // owns g or holds its replica; r receives its own experts' rows from the other sources
@@ -513,8 +520,8 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
 // FALLBACK (the caller runs the Python). `colsum_N`: null, or N int64 that get C's column sums
 // (the rows routed to each expert over the group; read off the same pass; meaningful only when
 // the entry returns the fields); `given` != 0: they hold C's column sums already (CountSums;
-// left as they are; no pass sums C, and a ranged expert's column summed here that differs
-// from its given sum returns FALLBACK).
+// left as they are, trusted: no pass sums C, and a ranged expert's column is read in the
+// rows s < r only).
 extern "C" int64_t mixmoe_step_plan(const int64_t* C, int64_t W, int64_t E, int64_t r,
                                     const int64_t* packed, int64_t packed_len, int64_t* out,
                                     int64_t cap, int64_t* colsum_N, int64_t given) {

@@ -3,7 +3,7 @@
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu/check.sh STAGE...
 # Stages: env, install, gpu-tests, ep-cuda, correctness (gpu-tests and ep-cuda side by side), train, modern,
 #   suite, kernels, kernels-fine, layer, layer-ab, hf, hf-ab, hf-bench, calibrate, count-exchange,
-#   relay-fetch, ep-ahead, planner, plan-overlap.
+#   relay-fetch, ep-ahead, planner, plan-overlap, ahead-pipeline.
 # install: the project from this tree (PYTHONPATH) and, when .whl/ holds them, the pinned wheels the
 #   image lacks (transformers), unpacked into /tmp/site (no registry is reachable there).
 # ep-cuda: a2a/shadow/mix on CUDA tensors, 2 and 3 gloo ranks on the one GPU, vs the single-rank layer.
@@ -13,6 +13,8 @@
 #   the plan, its bookkeeping, "exposed ms" (planning the step's counts) and "ahead exposed ms" (plan_ahead).
 # plan-overlap: a one-GPU layer step alone and while threads plan W = 256 / 1024 back to back (does
 #   plan_ahead's background planning delay the main thread's launches? 1 and 4 threads).
+# ahead-pipeline: plan_ahead's planning threads for 1-8 MoE layers at W = 1024 under nodes on this
+#   host's CPU (scripts/ahead_pipeline.py, the device time simulated): the step's wait for them.
 # train: the first GPU training run (gpt2 base, bf16 autocast, ~100 steps).
 # modern: the DeepSeek-style layer on CUDA (fp32 router under bf16) and `train --model deepseek`.
 # kernels-fine: the fine-grained shape (256 experts, top-8, D2048 F1024, SwiGLU).
@@ -51,6 +53,8 @@ for stage in "$@"; do case $stage in
          --profile $p --markdown --jsonl "$OUT/planner.jsonl"; done;;
   plan-overlap) for n in 1 4; do run plan-overlap-$n "${PO_S:-120}" $PY scripts/gpu/plan_overlap.py \
          --device cuda --layers $n; done;;
+  ahead-pipeline) for d in sleep busy; do run ahead-pipeline-$d "${AP_S:-90}" $PY scripts/ahead_pipeline.py \
+         --layers 1,2,4,8 --iterations 22 --device $d; done;;
   ep-ahead) run ep-ahead "${EP_S:-240}" $PY scripts/gpu/ep_one_gpu.py --world ${EP_WORLD:-2,3} --device cuda --plan-ahead;;
   correctness) GPU_N=${GPU_N:-4}
        ( run gpu-tests "${GPU_TESTS_S:-240}" $PY -m pytest tests/kernels tests/tracing tests/dispatch/test_count_matrix_to_host.py tests/dispatch/test_replicas.py -m gpu -o addopts= -q -ra -p no:cacheprovider -n $GPU_N ) > "$OUT/correctness-a.txt" 2>&1 &

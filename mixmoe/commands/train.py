@@ -208,8 +208,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def summary(result: TrainResult) -> str:
-    """A one-row table: steps, first and last loss, eval loss, median tokens/s and step time
-    (the first step of the run, warm-up, excluded when there are more)."""
+    """A one-row table: steps, first and last loss, eval loss, median tokens/s, step time and
+    the step's wait for the MoE layers' planning threads (``plan_wait_ms``: the planning a
+    step did not hide; 0 without an async plan) (the first step of the run, warm-up, excluded
+    when there are more)."""
     from mixmoe.bench.timing import median
     from mixmoe.report.text_table import render_table
 
@@ -227,9 +229,10 @@ def summary(result: TrainResult) -> str:
         None if result.final_eval_loss is None else f"{result.final_eval_loss:.4f}",
         f"{median([s.tokens_per_s for s in steady]):,.0f}",
         f"{median([s.step_ms for s in steady]):.1f}",
+        f"{median([s.plan_wait_ms for s in steady]):.2f}",
     ]
     headers = ["model", "strategy", "W", "steps", "first loss", "last loss", "eval loss"]
-    headers += ["tokens/s", "step ms"]
+    headers += ["tokens/s", "step ms", "plan wait ms"]
     return render_table(headers, [row])
 
 

@@ -19,11 +19,12 @@ def test_cli_smoke_writes_jsonl_png_and_a_checkpoint(tmp_path, capsys):
     argv = ["train", "--model", "gpt2", *TINY, "--max-steps", "3", "--eval-every", "2"]
     assert cli.main([*argv, "--out", str(out), "--save", str(ckpt)]) == 0
     printed = capsys.readouterr().out
-    assert "first loss" in printed and "tokens/s" in printed
+    assert "first loss" in printed and "tokens/s" in printed and "plan wait ms" in printed
     lines = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]
     for r in lines:
         assert r["kind"] == "train" and r["strategy"] == "local" and r["world_size"] == 1
+        assert r["plan_wait_ms"] == 0.0  # one device: no planning thread
         assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and "torch" in r["environment"]
     assert lines[1]["eval_loss"] is not None and math.isfinite(lines[1]["eval_loss"])
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

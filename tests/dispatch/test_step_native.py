@@ -144,10 +144,11 @@ def test_plan_mix_at_1024_ranks() -> None:
         _same(C_WN, plan, r, E)
 
 
-def test_given_sums_spare_the_ranged_columns_below_the_rank() -> None:
+def test_given_sums_spare_the_ranged_columns_on_the_longer_side_of_the_rank() -> None:
     """Given C's sums (trusted, as the planner trusts them), the compiled bookkeeping of rank r
-    reads a ranged expert's column only in the rows s < r (and at its owner, holders and kept
-    holders): counts planted in the other rows change nothing, while the Python, summing C
+    reads a ranged expert's column only on the shorter side of r (the rows s < r where
+    r <= W - r, else the rows s >= r, its sum less them), and at its owner, holders and kept
+    holders: counts planted in the other rows change nothing, while the Python, summing C
     itself, sees them."""
     W, E = 16, 2
     C_WN = synthetic_counts(RoutingSpec.parse("zipf:1.2"), W, 512, 2, W * E,
@@ -164,9 +165,10 @@ def test_given_sums_spare_the_ranged_columns_below_the_rank() -> None:
         for g, _ in plan.ranges:
             if g // E == r or r in holders.get(g, ()):
                 continue  # r's own or held expert: its stream is read whole (every segment)
-            spared = [s for s in range(r + 1, W)
+            unread = range(r + 1, W) if r <= W - r else range(r)  # the longer side of r
+            spared = [s for s in unread
                       if s != g // E and s not in holders.get(g, ()) and s not in kept.get(g, ())]  # fmt: skip
-            planted[spared, g] += 1000  # rows below r's segment in g's stream
+            planted[spared, g] += 1000
             checked += len(spared)
         got = build_step_plan(planted, plan, r, E, sums=sums)
         assert got == want and repr(got) == repr(want), r

@@ -200,9 +200,10 @@ struct Pass {
 // `ranged_g`: the ranged experts' ids (ascending); `full_g`: those whose columns are kept whole;
 // `colsum_N`: N int64 that get C's column sums (zeros in; null: summed in a scratch), or, when
 // `given`, hold them (CountSums: the rows are then only gathered from, ~1/3 of the time at
-// W = 1024, and a ranged expert's column only in the rows s < r: its sum is the given one,
-// trusted as the planner trusts it; `dispatcher.check_plans` checks the sums against C).
-// Eight rows at a
+// W = 1024). Given, they are trusted as the planner trusts them (`dispatcher.check_plans`
+// checks them against C), and a ranged expert's column is read on the shorter side of r only:
+// below_G sums the rows s < r where r <= W - r, else is the column's sum less the rows s >= r
+// (every rank reads at most half of it: the step waits for the slowest rank). Eight rows at a
 // time: their sums and columns by baseline's pass (pricing.h's add_row_block), then each row's
 // gathers from those rows, just read (W = 1024: the block's 256 KiB are in L2).
 Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
@@ -220,6 +221,10 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
     scratch.assign(N, 0);
     colsum_N = scratch.data();
   }
+  // given the sums: the rows of the ranged columns read, [lo, hi) (the shorter side of r)
+  const bool below = r <= W - r;
+  const int64_t lo = below ? 0 : r, hi = below ? r : W;
+  std::vector<int64_t> side_G(G, 0);  // those rows' sums
   if (given) {
     for (int64_t g = 0; g < N; ++g) out.total += colsum_N[g];
     for (int64_t k = 0; k < G; ++k) out.col_G[k] = colsum_N[ranged_g[k]];
@@ -236,13 +241,13 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
       const int64_t* row = C + s * N;
       if (given && s + mixmoe_native::COLUMN_AHEAD < W) {  // (not given: add_row_block read it)
         const int64_t ahead = s + mixmoe_native::COLUMN_AHEAD;
-        if (ahead < r)  // the ranged columns: read in the rows s < r only (their sums are given)
+        if (lo <= ahead && ahead < hi)  // the ranged columns: their side of r only
           for (int64_t g : ranged_g) mixmoe_native::prefetch_count(C, N, ahead, g);
         for (int64_t g : full_g) mixmoe_native::prefetch_count(C, N, ahead, g);
       }
-      if (given) {  // below_G: the sources s < r (the rest of a ranged column is never read)
-        if (s < r)
-          for (int64_t k = 0; k < G; ++k) out.below_G[k] += row[ranged_g[k]];
+      if (given) {  // the ranged columns' side of r (the rest of them is never read)
+        if (lo <= s && s < hi)
+          for (int64_t k = 0; k < G; ++k) side_G[k] += row[ranged_g[k]];
       } else {
         if (s == r) std::copy(out.col_G.begin(), out.col_G.end(), out.below_G.begin());
         for (int64_t k = 0; k < G; ++k) out.col_G[k] += row[ranged_g[k]];
@@ -254,6 +259,8 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
       }
     }
   }
+  if (given)  // below_G: the rows s < r, summed or the column's sum less the rows s >= r
+    for (int64_t k = 0; k < G; ++k) out.below_G[k] = below ? side_G[k] : out.col_G[k] - side_G[k];
   return out;
 }
 
@@ -520,8 +527,8 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
 // FALLBACK (the caller runs the Python). `colsum_N`: null, or N int64 that get C's column sums
 // (the rows routed to each expert over the group; read off the same pass; meaningful only when
 // the entry returns the fields); `given` != 0: they hold C's column sums already (CountSums;
-// left as they are, trusted: no pass sums C, and a ranged expert's column is read in the
-// rows s < r only).
+// left as they are, trusted: no pass sums C, and a ranged expert's column is read on the
+// shorter side of r only: read_counts).
 extern "C" int64_t mixmoe_step_plan(const int64_t* C, int64_t W, int64_t E, int64_t r,
                                     const int64_t* packed, int64_t packed_len, int64_t* out,
                                     int64_t cap, int64_t* colsum_N, int64_t given) {

@@ -34,12 +34,29 @@ def _x(T: int = 40) -> torch.Tensor:
     return torch.randn(T, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(T))
 
 
+def _own_rows_signal(monkeypatch, after: threading.Event | None = None) -> threading.Event:
+    """The dispatcher's own-rows compute patched to wait for ``after`` (when given), run, then
+    set the event returned."""
+    done, real_run_work = threading.Event(), expert_parallel.run_work
+
+    def run_work(*args, **kwargs):
+        if after is not None:
+            assert after.wait(WAIT_S), "the plan did not start before the own rows"
+        out = real_run_work(*args, **kwargs)
+        done.set()
+        return out
+
+    monkeypatch.setattr(expert_parallel, "run_work", run_work)
+    return done
+
+
 def test_plan_span_overlaps_the_own_rows_compute(monkeypatch) -> None:
     """Made deterministic with two events: the own rows start only once the plan has started,
     and the plan ends only once the own rows are done. A synchronous plan would wait for the own
     rows forever (here: WAIT_S, then fail)."""
     layer = _layer()
-    plan_started, own_done = threading.Event(), threading.Event()
+    plan_started = threading.Event()
+    own_done = _own_rows_signal(monkeypatch, after=plan_started)
     spec = layer.dispatcher.spec
     planner_threads = []
 
@@ -49,16 +66,7 @@ def test_plan_span_overlaps_the_own_rows_compute(monkeypatch) -> None:
         assert own_done.wait(WAIT_S), "the own rows were not computed while the plan ran"
         return spec.planner(C, shape, profile, config, sums=sums)
 
-    real_run_work = expert_parallel.run_work
-
-    def run_work(*args, **kwargs):
-        assert plan_started.wait(WAIT_S), "the plan did not start before the own rows"
-        out = real_run_work(*args, **kwargs)
-        own_done.set()
-        return out
-
     layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
-    monkeypatch.setattr(expert_parallel, "run_work", run_work)
     rec = TraceRecorder(rank=0, device="cpu")
     with rec.activate(), rec.op("forward_step", batch_id=0):
         y, _ = layer(_x())
@@ -88,7 +96,7 @@ def test_the_wait_for_a_slow_plan_is_recorded(monkeypatch) -> None:
     """The plan ends PLAN_S after the own rows are done: the step waits at least ~that long,
     in its stats and in a host span after the own rows' (the plan's unhidden part)."""
     layer = _layer()
-    own_done = threading.Event()
+    own_done = _own_rows_signal(monkeypatch)
     spec = layer.dispatcher.spec
 
     def planner(C, shape, profile, config, sums=None):
@@ -96,15 +104,7 @@ def test_the_wait_for_a_slow_plan_is_recorded(monkeypatch) -> None:
         time.sleep(PLAN_S)
         return spec.planner(C, shape, profile, config, sums=sums)
 
-    real_run_work = expert_parallel.run_work
-
-    def run_work(*args, **kwargs):
-        out = real_run_work(*args, **kwargs)
-        own_done.set()
-        return out
-
     layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
-    monkeypatch.setattr(expert_parallel, "run_work", run_work)
     rec = TraceRecorder(rank=0, device="cpu")
     with rec.activate(), rec.op("forward_step", batch_id=0):
         _, aux = layer(_x())

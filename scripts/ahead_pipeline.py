@@ -3,13 +3,14 @@ layer's plan end before that layer's next forward, or does the step wait for it?
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python scripts/ahead_pipeline.py \
         [--layers 1,2,4] [--world 1024] [--experts 4096] [--profile h100-nvlink-ib] \
-        [--routing zipf:1.2] [--iterations 12] [--device sleep|busy]
+        [--routing zipf:1.2] [--iterations 12] [--device sleep|busy] [--layout columns|rows]
 
 Legend: W ranks, N experts, L MoE layers. One dispatcher per layer, as a model has (each with
 its own planning thread), at rank W // 3 of a stub communicator of W ranks. Per iteration and
 layer, in order: that layer's counts (a fresh draw of the same popularity each iteration,
 ``gating.synthetic.redrawn_counts``; flushed from the caches, as the device's copy leaves them;
-their sums given, as the device reduces them; the flush's time comes off the device time
+their sums given, as the device reduces them; stored by columns as the mixed strategy's count
+exchange brings them, ``--layout rows``: row-major; the flush's time comes off the device time
 below), the dispatcher's own ``plan_ahead`` step
 (``ExpertParallelDispatcher._plan_ahead_step``: the wait for the plan its thread made from the
 step before's counts, the fit, this rank's bookkeeping, the next plan submitted), then the
@@ -68,7 +69,9 @@ def run(L: int, args: argparse.Namespace) -> dict:
     base = synthetic_counts(RoutingSpec.parse(args.routing), W, 8192, 2, N, gen)
     draws = [redrawn_counts(base, seed) for seed in range(1, 4)]  # cycled: a new draw each step
     sums = [count_sums(C, E) for C in draws]
-    evictors = [CacheEvictor([C]) for C in draws]
+    if args.layout == "columns":  # the layer's (dispatch.layout): C.t() contiguous
+        draws = [C.t().contiguous().t() for C in draws]
+    evictors = [CacheEvictor([C.t() if args.layout == "columns" else C]) for C in draws]
     x = torch.zeros(16)
     waits, hosts, steps, iterations = [], [], [], []
     try:
@@ -115,10 +118,12 @@ def main() -> None:
     parser.add_argument("--routing", default="zipf:1.2")
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--device", choices=("sleep", "busy"), default="sleep")
+    parser.add_argument("--layout", choices=("columns", "rows"), default="columns")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"W={args.world} N={args.experts} {args.routing} profile {args.profile}, "
-          f"device time {args.device}, {args.iterations} iterations (2 left out)")  # fmt: skip
+          f"device time {args.device}, C by {args.layout}, {args.iterations} iterations "
+          "(2 left out)")  # fmt: skip
     print("L  wait median ms  wait max ms  host median ms  step ms  host share")
     for L in (int(v) for v in args.layers.split(",")):
         r = run(L, args)

@@ -51,6 +51,9 @@ layer's planning thread reads the counts the device has just copied to the host 
 (``cold_caches``: "lines", or "caches" where every cache was evicted instead). Timed warm
 (``cold`` False) every call but the first reads C's hot columns from the cache the call before
 filled, faster than the layer would see them.
+
+C is stored by columns (``layout`` "columns", the default), as the mixed strategy's count
+exchange brings it to the host (``dispatch.layout``); "rows": row-major, as before 2026-11-27.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ from mixmoe.validation import (
 __all__ = ["PROFILES", "PlannerBenchConfig", "run_case", "target_ms"]
 
 PROFILES: dict[str, HardwareProfile] = {"gpu": GPU_PROFILE, "cpu": CPU_PROFILE}
+LAYOUTS = ("columns", "rows")  # C's storage (module doc)
 
 
 @dataclass(frozen=True)
@@ -120,10 +124,12 @@ class PlannerBenchConfig:
     shuffle_experts: bool = True
     seed: int = 0
     cold: bool = True
+    layout: str = "columns"
     jsonl: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPE_NAMES)
+        check_choice("layout", self.layout, LAYOUTS)
         check_bool("shuffle_experts", self.shuffle_experts)
         check_bool("cold", self.cold)
         check_str("jsonl", self.jsonl, none=True)
@@ -235,7 +241,10 @@ def run_case(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     after_WN = redrawn_counts(counts_WN, cfg.seed + 1)  # plan_ahead's next step (below)
-    evictor = CacheEvictor([counts_WN, after_WN]) if cfg.cold else None
+    if cfg.layout == "columns":  # the same counts, stored as the layer's count exchange stores them
+        counts_WN, after_WN = (C.t().contiguous().t() for C in (counts_WN, after_WN))
+    storage = [C.t() if cfg.layout == "columns" else C for C in (counts_WN, after_WN)]
+    evictor = CacheEvictor(storage) if cfg.cold else None
     try:
         new_ms, new = _time_ms(
             lambda: plan_mix(
@@ -338,6 +347,7 @@ def run_case(
         # whether the fill ran compiled (``native_lib``) or in Python: planning time differs ~5x
         "compiled_fill": native_lib.available(),
         "cold_caches": evictor.how if evictor is not None else None,
+        "layout": cfg.layout,
         "old_planner_ms": old_ms,
         "old_step_ms": old.prediction.step_s * 1e3 if old else None,
         "old_mix_over_a2a": old.prediction.step_s * 1e3 / a2a_ms if old and a2a_ms else None,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixmoe.bench.planner import PlannerBenchConfig, run_case
+from mixmoe.bench.planner import LAYOUTS, PlannerBenchConfig, run_case
 from mixmoe.commands.options import add_jsonl
 from mixmoe.formats.results import append_jsonl
 from mixmoe.report.text_table import render_table
@@ -99,6 +99,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="time with warm caches (C read from the cache the call before filled) instead of "
         "flushing C from the caches before each timed call, as it arrives from the device",
     )
+    p.add_argument(
+        "--layout",
+        default=d.layout,
+        choices=list(LAYOUTS),
+        help="C's storage: by columns, as the mixed strategy's count exchange brings it, or "
+        "row-major",
+    )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     add_jsonl(p, "runs/bench-planner.jsonl", "one record per case")
 
@@ -121,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> PlannerBenchConfig:
         shuffle_experts=not args.contiguous_experts,
         seed=args.seed,
         cold=not args.warm,
+        layout=args.layout,
         jsonl=args.jsonl or None,
     )
 

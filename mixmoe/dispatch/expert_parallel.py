@@ -262,7 +262,9 @@ class ExpertParallelDispatcher:
             counts=counts_N,  # this rank's row of C, for the simulator (converted at flush)
         ):
             gathered = self.comm.all_gather_rows(torch.cat([header, counts_N]))
-            C_WN, headers_WH, sums = count_matrix_to_host(gathered, _HEADER)
+            C_WN, headers_WH, sums = count_matrix_to_host(
+                gathered, _HEADER, self.spec.counts_by_column
+            )
         fingerprints_W = headers_WH[:, 0]
         if bool((fingerprints_W != fingerprints_W[0]).any()):
             raise ValueError(

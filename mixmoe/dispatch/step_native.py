@@ -10,7 +10,8 @@ file's doc; ``tests/dispatch/test_step_native.py`` compares them with the Python
 ``step_plan.step_plan_python``, the slow twin). One C call: it reads C in one pass over its rows
 (the total rows moved needs all of it), where the Python's tensor ops and loops read it several
 times and walk the plan's entries one by one. None: the Python runs instead (the library
-unavailable or off, ``MIXMOE_NATIVE=0``; C not a contiguous int64 CPU tensor [W, W*E]; a rank
+unavailable or off, ``MIXMOE_NATIVE=0``; C not an int64 CPU tensor [W, W*E] stored row-major or
+by columns (``C_WN.t()`` contiguous); a rank
 or E not a Python int; a plan the Python would reject or reads out of range, which the C++
 reports).
 """
@@ -33,7 +34,7 @@ __all__ = ["step_fields"]
 
 HEADER = 8  # native/step_plan.cpp's HEADER
 SHORT, FALLBACK = -1, -2  # its return codes: a larger buffer; the Python
-_ARGTYPES = [_P, I64, I64, I64, _P, I64, _P, I64, _P, I64]
+_ARGTYPES = [_P, I64, I64, I64, _P, I64, _P, I64, _P, I64, I64]
 
 
 def step_fields(
@@ -54,7 +55,12 @@ def step_fields(
     E = experts_per_rank
     if not isinstance(rank, int) or not isinstance(E, int):  # (ctypes takes Python ints)
         return None
-    if C_WN.dim() != 2 or not C_WN.is_contiguous() or C_WN.shape[1] != C_WN.shape[0] * E:
+    if C_WN.dim() != 2 or C_WN.shape[1] != C_WN.shape[0] * E:
+        return None
+    # row-major, or stored by columns (the layer's counts from an accelerator: C_WN.t() is
+    # contiguous; the C++ then reads each column it needs as consecutive counts)
+    by_column = not C_WN.is_contiguous()
+    if by_column and not C_WN.t().is_contiguous():
         return None
     W, N = C_WN.shape
     packed = plan.packed if plan.packed is not None else _pack(plan)  # (the compiled planner's)
@@ -69,7 +75,7 @@ def step_fields(
     while True:
         out = (I64 * cap)()
         got = fn(C_WN.data_ptr(), W, E, rank, packed.buffer_info()[0], len(packed), out, cap,
-                 rows_N.data_ptr(), int(sums is not None))  # fmt: skip
+                 rows_N.data_ptr(), int(sums is not None), int(by_column))  # fmt: skip
         if got != SHORT:
             break
         cap = out[0]

@@ -45,13 +45,16 @@ class StrategySpec:
     overlap: local blocks computed while the token all_to_all is in flight;
     cache_replicas: reuse fetched replicas while their owners' weights are unchanged;
     plan_async: the plan may run on a background thread while the own rows are computed (when
-    ``MoEConfig.plan_async`` is set too)."""
+    ``MoEConfig.plan_async`` is set too);
+    counts_by_column: the count exchange brings C stored by columns (``dispatch.layout``): its
+    compiled planner, fit and bookkeeping walk down C's columns."""
 
     name: str
     planner: Planner
     overlap: bool
     cache_replicas: bool
     plan_async: bool = False
+    counts_by_column: bool = False
 
 
 STRATEGY_SPECS: dict[str, StrategySpec] = {
@@ -79,6 +82,7 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
             balance=getattr(cfg, "plan_helpers", True),
             sums=sums,
         ),
+        True,
         True,
         True,
         True,

@@ -31,7 +31,7 @@ from mixmoe.placement.cost_model import LayerShape, Prediction, step_model
 from mixmoe.placement.counts import (
     BAD_SUMS,
     CountSums,
-    counts_tensor_unsigned,
+    counts_storage,
     raise_bad_sums,
     sums_pointers,
 )
@@ -44,9 +44,9 @@ from mixmoe.placement.shadow import shadow_terms
 
 __all__ = ["HOT_MOVED", "planned", "refitted"]
 
-_ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P, _P, _P]
+_ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P, _P, _P, ctypes.c_int64]
 _REFIT_ARGTYPES = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64,
-                   _P, _P, _P, _P, ctypes.c_int64]  # fmt: skip
+                   _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
 HOT_MOVED = "hot experts moved"  # refitted's answer when they did (its ``moved`` test)
 
 _DOUBLE = struct.Struct("d")  # the step after a prediction's reals
@@ -80,7 +80,7 @@ def planned(
     if args is None:
         return None
     ints, reals = args
-    C_WN = counts_tensor_unsigned(counts_WN, shape)  # the checks but the signs (the C++'s)
+    C_WN, by_column = counts_storage(counts_WN, shape)  # the checks but the signs (the C++'s)
     W, N = shape.world_size, shape.num_experts
     colsum, rowsum = (None, None) if sums is None else sums_pointers(sums, W, N)
     # each rank holds at most `slots` replicas: holders, ranges and kept entries are bounded
@@ -88,7 +88,7 @@ def planned(
     out_i, out_d, counts = _output(2 * (6 * N + 5 * W * slots) + 6 * W + 16, 4 * W + 2)
     status = fn(
         C_WN.data_ptr(), ints, reals, ctypes.addressof(out_i), len(out_i),
-        ctypes.addressof(out_d), counts, colsum, rowsum,
+        ctypes.addressof(out_d), counts, colsum, rowsum, by_column,
     )  # fmt: skip
     return _decoded(status, W, out_i, out_d, counts)
 
@@ -127,8 +127,8 @@ def refitted(
     if args is None:
         return None
     ints, reals = args
-    before = counts_tensor_unsigned(before_WN, shape)
-    after = counts_tensor_unsigned(after_WN, shape)
+    before, before_by_column = counts_storage(before_WN, shape)
+    after, after_by_column = counts_storage(after_WN, shape)
     W, N = shape.world_size, shape.num_experts
     if before_sums is None:  # one compiled pass (torch's sum(0) took ~2.5x: 4.4 ms at [1024, 4096])
         before_sums = count_sums(before, shape.experts_per_rank)
@@ -144,7 +144,7 @@ def refitted(
         after.data_ptr(), before.data_ptr(), colsum1.data_ptr(), ints, reals,
         plan.packed.buffer_info()[0], len(plan.packed), int(plan.relay),
         ctypes.addressof(out_i), len(out_i), ctypes.addressof(out_d), counts, colsum, rowsum,
-        moved,
+        moved, before_by_column, after_by_column,
     )  # fmt: skip
     if status == -5:  # a plan the C++ does not read: the Python fits it
         return None

@@ -40,12 +40,21 @@ _F64, _I64 = torch.float64, torch.int64
 
 def _counts_ok(C_WN: torch.Tensor, E: int) -> bool:
     """Counts as the C++ reads them: int64 [W, W*E], contiguous."""
-    return (
-        C_WN.dtype == _I64
-        and C_WN.dim() == 2
-        and C_WN.shape[1] == C_WN.shape[0] * E
-        and C_WN.is_contiguous()
-    )
+    return _shape_ok(C_WN, E) and C_WN.is_contiguous()
+
+
+def _shape_ok(C_WN: torch.Tensor, E: int) -> bool:
+    return C_WN.dtype == _I64 and C_WN.dim() == 2 and C_WN.shape[1] == C_WN.shape[0] * E
+
+
+def _by_column(C_WN: torch.Tensor, E: int) -> bool | None:
+    """Whether ``baseline``'s C++ reads these counts by columns (``C_WN.t()`` contiguous: the
+    layer's, ``dispatch.layout``), row-major (False), or None: it does not read them."""
+    if not _shape_ok(C_WN, E):
+        return None
+    if C_WN.is_contiguous():
+        return False
+    return True if C_WN.t().is_contiguous() else None
 
 
 def baseline(
@@ -56,8 +65,9 @@ def baseline(
     ``CountSums``, used instead of the pass (returned as they are; ValueError when a sum is
     negative or the totals differ). None: the compiled part cannot run (module doc), or a
     count is negative (the caller's Python raises its error)."""
-    fn = native_lib.function("mixmoe_baseline", I64, [_P, I64, I64, _P, _P, _P, _P, I64])
-    if fn is None or not _counts_ok(C_WN, experts_per_rank):
+    fn = native_lib.function("mixmoe_baseline", I64, [_P, I64, I64, _P, _P, _P, _P, I64, I64])
+    by_column = None if fn is None else _by_column(C_WN, experts_per_rank)
+    if by_column is None:
         return None
     W, N = C_WN.shape
     loads_4W = torch.empty(4, W, dtype=_F64)
@@ -68,7 +78,7 @@ def baseline(
         sums_pointers(sums, W, N)  # checked: types and shapes
         colsum_N, rowsum_W = sums.colsum_N, sums.rowsum_W
     args = (C_WN.data_ptr(), W, experts_per_rank, loads_4W.data_ptr(), colsum_N.data_ptr())
-    status = fn(*args, own_N.data_ptr(), rowsum_W.data_ptr(), int(sums is not None))
+    status = fn(*args, own_N.data_ptr(), rowsum_W.data_ptr(), int(sums is not None), int(by_column))
     if status == BAD_SUMS:
         raise_bad_sums()
     if status < 0:
@@ -89,9 +99,9 @@ def counted_baseline(
     """(``counts_with_sums(counts_WN, shape)``, ``baseline_loads(C_WN, E, sums)``) from one
     compiled pass over C (none with ``sums``, C's ``CountSums``): ((C_WN, colsum_N, rowsum_W),
     (loads_4W, colsum_N, own_N)), the same tensors' values. Only for counts already in the
-    validated form (an int64 CPU tensor [W, N], contiguous: ``counts_with_sums`` would return
-    it as it is); None otherwise, or when a count is negative or the compiled part cannot run:
-    the caller's Python validates (and raises)."""
+    validated form (an int64 CPU tensor [W, N], row-major or by columns: ``C_WN.t()``
+    contiguous, the layer's ``dispatch.layout``) as it is; None otherwise, or when a count is
+    negative or the compiled part cannot run: the caller's Python validates (and raises)."""
     W, N = shape.world_size, shape.num_experts
     if (
         not isinstance(counts_WN, torch.Tensor)

@@ -53,6 +53,12 @@ def _same(C_WN: torch.Tensor, plan: Plan, r: int, E: int) -> None:
     route = RelayPlan.build(plan.replicas, r, C_WN.shape[0], E, relay=plan.relay)
     prebuilt = build_step_plan(C_WN, plan, r, E, sums=sums, fetch=route)
     assert prebuilt.fetch is route and prebuilt == want, (r, plan)
+    # C stored by columns (the mixed strategy's count exchange): read as it is, the same
+    by_column = C_WN.T.contiguous().T
+    for with_sums in (None, sums):
+        assert native.step_fields(by_column, plan, r, E, with_sums) is not None, (r, plan)
+        got = build_step_plan(by_column, plan, r, E, sums=with_sums)
+        assert got == want and repr(got) == repr(want), (r, plan)
 
 
 def _same_or_same_error(C_WN: torch.Tensor, plan: Plan, r: int, E: int) -> str | None:
@@ -332,15 +338,20 @@ def test_out_of_range_plans_fall_back() -> None:
 
 
 def test_fallbacks_give_the_same_plan(monkeypatch) -> None:
-    """``MIXMOE_NATIVE=0``, an int32 or non-contiguous C, a shape that is not [W, W*E] and an
-    output buffer too small at first (the C entry asks for more: one more call)."""
+    """``MIXMOE_NATIVE=0``, an int32 C or one neither row-major nor by columns, a shape that is
+    not [W, W*E] and an output buffer too small at first (the C entry asks for more: one more
+    call). C stored by columns is read as it is: the same fields."""
     rng = random.Random(3)
     W, E = 4, 2
     C_WN = _counts(rng, W, E, zeros=0.1)
     plan = _hand_made(rng, W, E, C_WN)
     want = [step_plan_python(C_WN, plan, r, E) for r in range(W)]
     assert native.step_fields(C_WN.to(torch.int32), plan, 0, E) is None
-    assert native.step_fields(C_WN.T.contiguous().T, plan, 0, E) is None
+    every_other = torch.zeros(W, 2 * W * E, dtype=torch.int64)[:, ::2]
+    every_other.copy_(C_WN)
+    assert native.step_fields(every_other, plan, 0, E) is None
+    by_column = C_WN.T.contiguous().T  # read as it is (_same compares it with the Python)
+    assert native.step_fields(by_column, plan, 0, E) is not None
     assert native.step_fields(C_WN, plan, 0, 3) is None
     calls = []
     real = lib.function("mixmoe_step_plan", native.I64, native._ARGTYPES)

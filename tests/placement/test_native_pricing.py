@@ -295,7 +295,8 @@ def test_predictions_of_random_loads_equal():
 
 def test_negative_counts_and_odd_layouts_fall_back():
     """``baseline`` gives None for a negative count (the caller's Python raises its error) and
-    for counts not int64 and contiguous; the same on the other entries."""
+    for counts not int64, row-major or by columns; the other entries for counts not int64 and
+    row-major."""
     C = torch.randint(0, 9, (4, 8))
     C[2, 5] = -1
     assert native.baseline(C, 2) is None
@@ -309,12 +310,14 @@ def test_negative_counts_and_odd_layouts_fall_back():
     assert native.baseline(C5, 2) is None
     assert native.baseline(C5[:, :8].contiguous(), 2) is None  # N != W * E: not read
     shape = LayerShape(8, 8, 2, 4, 2)  # counts not in the validated form: the Python checks
-    for odd in (C.tolist(), C.to(torch.int32), C.t().contiguous().t(), C[:3]):
+    every_other = torch.zeros(4, 16, dtype=torch.int64)[:, ::2]  # neither layout
+    every_other.copy_(C)
+    for odd in (C.tolist(), C.to(torch.int32), every_other, C[:3]):
         assert native.counted_baseline(odd, shape) is None
     C = torch.randint(0, 9, (4, 8))
     base_4W, colsum_N, _ = baseline_loads(C, 2)
     plan = Plan((3,), ((3, (0, 2)),), P, P, relay=True)
-    assert native.baseline(C.t().contiguous().t(), 2) is None  # strided counts
+    assert native.baseline(every_other, 2) is None  # strided counts
     assert native.baseline(C.to(torch.int32), 2) is None
     assert native.plan_loads(C.to(torch.int32), plan, 2, base_4W, colsum_N) is None
     assert native.plan_loads(C, plan, 2, base_4W.to(torch.float32), colsum_N) is None

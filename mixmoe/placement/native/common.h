@@ -2,7 +2,8 @@
 // per-rank seconds, and the shapes of counts, loads and holders.
 //
 // Legend: W ranks, E experts per rank, N = W*E experts, C = counts_WN (row-major int64,
-// C[s*N + g] = rows rank s routes to expert g; g's owner is g / E). Loads in LOADS order
+// C[s*N + g] = rows rank s routes to expert g; g's owner is g / E; or stored by columns where a
+// part reads it through Counts / Layout, below). Loads in LOADS order
 // (mixmoe.placement.cost_model): rows computed, local rows, remote rows, replica copies.
 //
 // Each part runs the same integer arithmetic and the same float expressions in the same order as
@@ -167,16 +168,30 @@ class ColumnPrefix {
 // hardware's prefetchers do not follow: the walks prefetch the counts COLUMN_AHEAD rows ahead
 // (C fresh from the device is in memory, not in the caches).
 constexpr int64_t COLUMN_AHEAD = 8;
-inline void prefetch_count(const int64_t* C, int64_t N, int64_t s, int64_t g) {
-  __builtin_prefetch(C + s * N + g);  // no fault: a prefetch past C is never issued (callers)
+
+// Where C[s][g] lies in C's storage: row-major (C[s * N + g]), or by columns (C[g * W + s]: the
+// layer's counts from an accelerator, transposed there, so that a walk down a column reads
+// consecutive counts, eight to a cache line, instead of a line per count)
+struct Layout {
+  int64_t W, N;
+  bool by_column;
+  int64_t at(int64_t s, int64_t g) const { return by_column ? g * W + s : s * N + g; }
+};
+
+// no fault: a prefetch past C is never issued (callers)
+inline void prefetch_count(const int64_t* C, const Layout& x, int64_t s, int64_t g) {
+  __builtin_prefetch(C + x.at(s, g));
 }
 
 // The validated counts (counts.counts_with_sums) and baseline_loads' aggregates of them.
 struct Counts {
   int64_t W, E, N;
-  const int64_t* C;  // [W, N], row-major, not owned
+  const int64_t* C;  // [W, N], not owned: row-major, or by columns (by_column)
   ColumnPrefix* prefix = nullptr;  // the plan's column prefixes (plan_mix with a topology)
-  int64_t c(int64_t s, int64_t g) const { return C[s * N + g]; }
+  bool by_column = false;
+  Layout layout() const { return Layout{W, N, by_column}; }
+  int64_t c(int64_t s, int64_t g) const { return C[layout().at(s, g)]; }
+  void prefetch(int64_t s, int64_t g) const { prefetch_count(C, layout(), s, g); }
 };
 
 // Per-rank aggregates in LOADS order; replica copies as doubles (whole, or the relay's chunks).

@@ -74,6 +74,7 @@ int64_t touched_checks = 0, touched_misses = 0, excess_keeps = 0;
 struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of length N
   int64_t W, E, N, slots, blk, per_node;  // per_node 0: no topology
   const int64_t* C;
+  Layout layout{0, 0, false};      // C's (Counts.by_column)
   ColumnPrefix* prefix = nullptr;  // Counts.prefix: plan_fields reads and extends it
   bool any_remote;
   Model m;
@@ -91,7 +92,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   mutable std::vector<int64_t> near_;                    // relay_degrees' near holders
   mutable std::vector<std::pair<size_t, size_t>> runs_;  // and far nodes' runs
 
-  int64_t c(int64_t y, int64_t g) const { return C[y * N + g]; }
+  int64_t c(int64_t y, int64_t g) const { return C[layout.at(y, g)]; }
 
   bool holds(int64_t g, int64_t y) const {
     const auto& h = holders[g];
@@ -951,12 +952,19 @@ void read_block(const Fill& f, const std::vector<Stream*>& active, int64_t s0, i
     if (have < s1) todo.emplace_back(a, have);
   }
   if (todo.empty()) return;
-  for (int64_t s = s0; s < s1; ++s) {
-    const int64_t* row = f.C + s * f.N;
-    if (s + COLUMN_AHEAD < f.W)
-      for (const auto& [a, from] : todo) prefetch_count(f.C, f.N, s + COLUMN_AHEAD, active[a]->g);
-    for (const auto& [a, from] : todo)
-      if (s >= from) chunk[a * rows + (s - s0)] = row[active[a]->g];
+  if (f.layout.by_column) {  // each column's rows [from, s1): consecutive counts
+    for (const auto& [a, from] : todo) {
+      const int64_t* col = f.C + f.layout.at(0, active[a]->g);
+      std::copy(col + from, col + s1, &chunk[a * rows + (from - s0)]);
+    }
+  } else {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t* row = f.C + s * f.N;
+      if (s + COLUMN_AHEAD < f.W)
+        for (const auto& [a, from] : todo) prefetch_count(f.C, f.layout, s + COLUMN_AHEAD, active[a]->g);
+      for (const auto& [a, from] : todo)
+        if (s >= from) chunk[a * rows + (s - s0)] = row[active[a]->g];
+    }
   }
   for (const auto& [a, from] : todo) {
     std::vector<int64_t>& col = prefix.column(active[a]->g);
@@ -1013,11 +1021,16 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
   if (chunk.size() < active.size() * ROWS) chunk.resize(active.size() * ROWS);
   for (int64_t s0 = 0; s0 < W && !active.empty(); s0 += ROWS) {
     const int64_t s1 = std::min(W, s0 + ROWS);
-    if (f.prefix == nullptr) {
+    if (f.prefix == nullptr && f.layout.by_column) {  // each column's rows: consecutive
+      for (size_t a = 0; a < active.size(); ++a) {
+        const int64_t* col = f.C + f.layout.at(0, active[a]->g);
+        std::copy(col + s0, col + s1, &chunk[a * ROWS]);
+      }
+    } else if (f.prefix == nullptr) {
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t* row = f.C + s * f.N;
         if (s + COLUMN_AHEAD < W)
-          for (const Stream* st : active) prefetch_count(f.C, f.N, s + COLUMN_AHEAD, st->g);
+          for (const Stream* st : active) prefetch_count(f.C, f.layout, s + COLUMN_AHEAD, st->g);
         for (size_t a = 0; a < active.size(); ++a) chunk[a * ROWS + (s - s0)] = row[active[a]->g];
       }
     } else {
@@ -1068,6 +1081,7 @@ void set_start(Fill& f, const Counts& k, const Model& m, bool any_remote, int64_
   f.E = k.E;
   f.N = k.N;
   f.C = k.C;
+  f.layout = k.layout();
   f.prefix = k.prefix;
   f.m = m;
   f.any_remote = any_remote;
@@ -1083,6 +1097,7 @@ void plan_from(const Counts& k, int64_t blk, const Replicas& holders, const Expe
                const ExpertEntries& kept_local, ExpertEntries& ranges, ExpertEntries& kept) {
   Fill& f = thread_fill();  // the fills' state, done with: its per-expert buffers reused
   f.W = k.W, f.E = k.E, f.N = k.N, f.blk = blk, f.C = k.C, f.prefix = k.prefix;
+  f.layout = k.layout();
   const size_t N = static_cast<size_t>(k.N);
   reset_each(f.holders, N);
   reset_each(f.amounts, N);

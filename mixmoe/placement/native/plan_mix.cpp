@@ -425,17 +425,18 @@ int64_t write_plan(const Candidate& plan, const Prediction& baseline, int64_t W,
   return 0;
 }
 
-// What both C entries read first: C's counts (`ints`, `reals`: plan_mix's layout), the model,
-// the settings, C's baseline (from its sums when given) and, with a topology, this thread's
-// column prefixes (every fill's cuts and the 6-row pricing read the hot columns once).
+// What both C entries read first: C's counts (`ints`, `reals`: plan_mix's settings; C's storage
+// row-major, or by columns), the model, the settings, C's baseline (from its sums when given)
+// and, with a topology and C row-major, this thread's column prefixes (every fill's cuts and
+// the 6-row pricing read the hot columns once; by columns they are C's own columns).
 struct Entry {
   Counts k;
   Model m;
   Settings s;
   Baseline base;
 
-  Entry(const int64_t* C, const int64_t* ints, const double* reals)
-      : k{ints[0], ints[1], ints[0] * ints[1], C},
+  Entry(const int64_t* C, const int64_t* ints, const double* reals, bool by_column)
+      : k{ints[0], ints[1], ints[0] * ints[1], C, nullptr, by_column},
         m(Model::from(ints + 7, reals)),
         s(settings_of(ints, reals)) {}
 
@@ -444,7 +445,7 @@ struct Entry {
     const int64_t status = baseline_checked(k, m, colsum_N, rowsum_W, base);
     if (status != 0) return status;
     thread_local ColumnPrefix prefix;
-    if (s.per_node > 0) {
+    if (s.per_node > 0 && !k.by_column) {
       prefix.reset(k.N);
       k.prefix = &prefix;
     }
@@ -472,11 +473,12 @@ extern "C" {
 // caller's Python then raises its error (nothing written is meaningful). `colsum_N`,
 // `rowsum_W`: null (C's sums and signs from one pass over it), or C's column and row sums
 // (CountSums: the pass is skipped, C's signs taken as checked; -4 when a sum is negative or
-// the totals differ).
+// the totals differ). `by_column` != 0: C stored by columns (C[s][g] at C[g * W + s]; common.h's
+// Layout), the same plan.
 int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* reals,
                         int64_t* out_i, int64_t cap_i, double* out_d, int64_t* counts,
-                        const int64_t* colsum_N, const int64_t* rowsum_W) {
-  Entry e(C, ints, reals);
+                        const int64_t* colsum_N, const int64_t* rowsum_W, int64_t by_column) {
+  Entry e(C, ints, reals, by_column != 0);
   const int64_t status = e.open(colsum_N, rowsum_W);
   if (status != 0) return status;
   const Counts& k = e.k;
@@ -501,13 +503,15 @@ int64_t mixmoe_plan_mix(const int64_t* C, const int64_t* ints, const double* rea
 // experts' rows on C2 are below 1/moved of their share on C1 (refit.moved, in integers: moved *
 // hot2 * total1 < hot1 * total2). Output and returns as plan_mix's; -5: a plan this does not
 // read (helpers not ascending, out of range, a share entry, an empty stream before): the
-// Python runs.
+// Python runs. `by_column1`, `by_column2`: C1, C2 stored by columns (plan_mix's `by_column`).
 int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* colsum1,
                           const int64_t* ints, const double* reals, const int64_t* plan,
                           int64_t plan_len, int64_t relay, int64_t* out_i, int64_t cap_i,
                           double* out_d, int64_t* counts, const int64_t* colsum_N,
-                          const int64_t* rowsum_W, int64_t moved) {
-  Entry e(C2, ints, reals);
+                          const int64_t* rowsum_W, int64_t moved, int64_t by_column1,
+                          int64_t by_column2) {
+  Entry e(C2, ints, reals, by_column2 != 0);
+  const Layout before{ints[0], ints[0] * ints[1], by_column1 != 0};  // C1's
   const int64_t status = e.open(colsum_N, rowsum_W);
   if (status != 0) return status;
   const Counts& k = e.k;
@@ -558,11 +562,11 @@ int64_t mixmoe_refit_plan(const int64_t* C2, const int64_t* C1, const int64_t* c
     const std::vector<int64_t>& hs = replicas[h].second;
     // T before: the stream the ranges were cut from; T after: the fitted kept holders' rests
     const int64_t t1 = colsum1[g] - held(
-        hs, find(kept, q1, g), [&](int64_t y) { return C1[y * k.N + g]; },  // (at holders only)
-        [&](int64_t y) { prefetch_count(C1, k.N, y, g); });
+        hs, find(kept, q1, g), [&](int64_t y) { return C1[before.at(y, g)]; },  // (holders only)
+        [&](int64_t y) { prefetch_count(C1, before, y, g); });
     const int64_t t2 = base.colsum[g] - held(
         hs, find(out.kept_local, q2, g), [&](int64_t y) { return k.c(y, g); },
-        [&](int64_t y) { prefetch_count(k.C, k.N, y, g); });
+        [&](int64_t y) { k.prefetch(y, g); });
     if (t1 <= 0 || t2 < 0) return -5;
     Entries scaled;
     scaled.reserve(pairs.size());

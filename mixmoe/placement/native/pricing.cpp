@@ -215,7 +215,12 @@ bool baseline(const Counts& counts, Baseline& out) {
   // one pass over C in memory order, eight rows at a time, then the last W % 8 one by one
   // (measured at [1024, 4096] on a 2-core EPYC VM: ~1.4 ms, a plain sum of C ~1.3 ms; four
   // scalar rows at a time took ~2.3 ms)
-  if (!add_row_block(counts.C, counts.W, counts.N, out.colsum.data(), sent.data())) return false;
+  // (by columns: C's storage is C transposed, whose rows are C's columns: the same pass gives
+  // the row sums as its column sums and the column sums as its row sums)
+  const bool ok = counts.by_column
+                      ? add_row_block(counts.C, counts.N, counts.W, sent.data(), out.colsum.data())
+                      : add_row_block(counts.C, counts.W, counts.N, out.colsum.data(), sent.data());
+  if (!ok) return false;
   loads_from_sums(counts, sent.data(), out);
   return true;
 }
@@ -252,7 +257,7 @@ int64_t plan_pricing(const Counts& counts, const Baseline& base, const Replicas&
     for (size_t i = 0; i < n; ++i) {
       // the holders' counts: rows of column g far apart, a cache line each (W = 1024 under
       // nodes: ~5,000 holders), read COLUMN_AHEAD holders ahead
-      if (i + COLUMN_AHEAD < n) prefetch_count(counts.C, counts.N, hs[i + COLUMN_AHEAD], g);
+      if (i + COLUMN_AHEAD < n) counts.prefetch(hs[i + COLUMN_AHEAD], g);
       const int64_t h = hs[i];
       const int64_t c = counts.c(h, g);
       out.rows[h] += c;
@@ -304,10 +309,12 @@ extern "C" {
 // [N]), own (int64 [N]) and, unless null, rowsum (int64 [W]: counts_with_sums' row sums). Returns
 // 0, or -1 when a count is negative (nothing written is meaningful then). `given` != 0: colsum
 // and rowsum are inputs, C's sums (CountSums; baseline_from_sums: no pass over C), left as
-// they are; -4 when a sum is negative or the totals differ.
+// they are; -4 when a sum is negative or the totals differ. `by_column` != 0: C stored by
+// columns (common.h's Layout).
 int64_t mixmoe_baseline(const int64_t* C, int64_t W, int64_t E, double* loads_4W,
-                        int64_t* colsum_N, int64_t* own_N, int64_t* rowsum_W, int64_t given) {
-  const Counts counts{W, E, W * E, C};
+                        int64_t* colsum_N, int64_t* own_N, int64_t* rowsum_W, int64_t given,
+                        int64_t by_column) {
+  const Counts counts{W, E, W * E, C, nullptr, by_column != 0};
   Baseline base;
   if (given) {
     if (rowsum_W == nullptr || !baseline_from_sums(counts, colsum_N, rowsum_W, base)) return -4;

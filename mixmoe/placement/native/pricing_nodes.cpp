@@ -155,7 +155,7 @@ void range_crossing(const Counts& counts, int64_t g, const std::vector<int64_t>*
   int64_t at = 0, s = 0;  // the stream's rows so far; the next source
   for (; s < counts.W && at < reach; ++s) {
     if (s + COLUMN_AHEAD >= held && s + COLUMN_AHEAD < counts.W)
-      prefetch_count(counts.C, counts.N, s + COLUMN_AHEAD, g);
+      counts.prefetch(s + COLUMN_AHEAD, g);
     if (s == o) continue;  // the owner's segment comes last
     const int64_t c = s < held ? read[s] : counts.c(s, g);  // else a strided read of column g
     if (!x.holder[s] && x.node[s] != home) {  // under the replica rule these rows crossed to o
@@ -202,21 +202,25 @@ std::vector<int64_t> inter_baseline(const Counts& counts, const Baseline& base, 
   // less its owner's node's rows. Both "home" sums lie in C's diagonal blocks (a node's rows x
   // that node's experts), read here block by block in memory order: P * E contiguous counts a
   // row (a column read down the node's rows instead would touch a cache line per count: all
-  // of C's lines at W = 64, where C is often no longer in cache)
+  // of C's lines at W = 64, where C is often no longer in cache). By columns a block is P * E
+  // runs of P contiguous counts, prefetched a block ahead.
+  const Layout x = counts.layout();
   for (int64_t lo = 0; lo < W; lo += P) {
     const int64_t hi = std::min(W, lo + P);
     const int64_t g_lo = lo * E, g_hi = std::min(N, hi * E);  // the node's experts
+    if (x.by_column && hi < W)  // the next block's columns, from its first row
+      for (int64_t g = hi * E; g < std::min(N, (hi + P) * E); ++g) prefetch_count(counts.C, x, hi, g);
     for (int64_t s = lo; s < hi; ++s) {
-      const int64_t* row = counts.C + s * N;
-      if (s + COLUMN_AHEAD < W) {  // the block COLUMN_AHEAD rows down: rows N * 8 bytes apart
+      if (!x.by_column && s + COLUMN_AHEAD < W) {  // the block COLUMN_AHEAD rows down: rows N * 8 bytes apart
         const int64_t ahead = s + COLUMN_AHEAD, a_lo = (ahead / P) * P * E;
         const int64_t a_hi = std::min(N, a_lo + P * E);
-        for (int64_t g = a_lo; g < a_hi; g += 8) prefetch_count(counts.C, N, ahead, g);
+        for (int64_t g = a_lo; g < a_hi; g += 8) prefetch_count(counts.C, x, ahead, g);
       }
       int64_t home = 0;
       for (int64_t g = g_lo; g < g_hi; ++g) {
-        home += row[g];
-        inter[g / E] -= row[g];  // g's owner: this node's rows of g never cross
+        const int64_t c = counts.C[x.at(s, g)];
+        home += c;
+        inter[g / E] -= c;  // g's owner: this node's rows of g never cross
       }
       inter[s] += l.remote[s] - (l.rows[s] - l.local[s]) + l.local[s] - home;
     }

@@ -115,9 +115,8 @@ struct Search {  // _ListMixSearch's state
     moved.resize(N);
     open.assign(N, 0);
     for (int64_t o = 0; o < W; ++o) {
-      const int64_t* own = cn.C + o * N + o * E;  // C[o][g] for o's experts g: one cache line
-      for (int64_t g = o * E; g < (o + 1) * E; ++g) {
-        moved[g] = colsum[g] - own[g - o * E];  // all rows of g but its owner's own
+      for (int64_t g = o * E; g < (o + 1) * E; ++g) {  // C[o][g] for o's experts g
+        moved[g] = colsum[g] - cn.c(o, g);  // all rows of g but its owner's own
         total_remote += moved[g];
         if (moved[g] > 0) {
           open[g] = 1;
@@ -167,14 +166,15 @@ struct Search {  // _ListMixSearch's state
       auto& seg = sources.emplace_back(static_cast<size_t>(E));
       for (int64_t i = 0; i < E; ++i) {  // sized first: one allocation a source list
         int64_t n = 0;
-        for (int64_t s = 0; s < cn.W; ++s) n += s != o && cn.C[s * cn.N + o * E + i] > 0;
+        for (int64_t s = 0; s < cn.W; ++s) n += s != o && cn.c(s, o * E + i) > 0;
         seg[i].reserve(static_cast<size_t>(n));
       }
       for (int64_t s = 0; s < cn.W; ++s) {
         if (s == o) continue;  // the owner computes its own rows wherever g is replicated
-        const int64_t* row = cn.C + s * cn.N + o * E;  // C[s][o*E .. o*E + E)
-        for (int64_t i = 0; i < E; ++i)
-          if (row[i] > 0) seg[i].emplace_back(s, row[i]);
+        for (int64_t i = 0; i < E; ++i) {  // C[s][o*E .. o*E + E)
+          const int64_t n = cn.c(s, o * E + i);
+          if (n > 0) seg[i].emplace_back(s, n);
+        }
       }
     }
     return sources[seg_at[o]][g - o * E];
@@ -182,10 +182,9 @@ struct Search {  // _ListMixSearch's state
 
   int64_t cmax_of(int64_t b) {  // max of b's row outside its own segment [b*E, (b+1)*E)
     if (cmax[b] < 0) {
-      const int64_t* row = cn.C + b * cn.N;
       int64_t best = 0;
-      for (int64_t g = 0; g < b * cn.E; ++g) best = std::max(best, row[g]);
-      for (int64_t g = (b + 1) * cn.E; g < cn.N; ++g) best = std::max(best, row[g]);
+      for (int64_t g = 0; g < b * cn.E; ++g) best = std::max(best, cn.c(b, g));
+      for (int64_t g = (b + 1) * cn.E; g < cn.N; ++g) best = std::max(best, cn.c(b, g));
       cmax[b] = best;
     }
     return cmax[b];

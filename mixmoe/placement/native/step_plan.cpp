@@ -206,9 +206,15 @@ struct Pass {
 // (every rank reads at most half of it: the step waits for the slowest rank). Eight rows at a
 // time: their sums and columns by baseline's pass (pricing.h's add_row_block), then each row's
 // gathers from those rows, just read (W = 1024: the block's 256 KiB are in L2).
-Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
+Pass read_columns(const int64_t* C, int64_t W, int64_t E, int64_t r,
+                  const std::vector<int64_t>& ranged_g, const std::vector<int64_t>& full_g,
+                  int64_t* colsum_N, bool given);
+
+Pass read_counts(const int64_t* C, const mixmoe_native::Layout& x, int64_t E, int64_t r,
                  const std::vector<int64_t>& ranged_g, const std::vector<int64_t>& full_g,
                  int64_t* colsum_N, bool given) {
+  const int64_t W = x.W;
+  if (x.by_column) return read_columns(C, W, E, r, ranged_g, full_g, colsum_N, given);
   const int64_t N = W * E, G = static_cast<int64_t>(ranged_g.size());
   const int64_t F = static_cast<int64_t>(full_g.size());
   Pass out;
@@ -242,8 +248,8 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
       if (given && s + mixmoe_native::COLUMN_AHEAD < W) {  // (not given: add_row_block read it)
         const int64_t ahead = s + mixmoe_native::COLUMN_AHEAD;
         if (lo <= ahead && ahead < hi)  // the ranged columns: their side of r only
-          for (int64_t g : ranged_g) mixmoe_native::prefetch_count(C, N, ahead, g);
-        for (int64_t g : full_g) mixmoe_native::prefetch_count(C, N, ahead, g);
+          for (int64_t g : ranged_g) mixmoe_native::prefetch_count(C, x, ahead, g);
+        for (int64_t g : full_g) mixmoe_native::prefetch_count(C, x, ahead, g);
       }
       if (given) {  // the ranged columns' side of r (the rest of them is never read)
         if (lo <= s && s < hi)
@@ -261,6 +267,51 @@ Pass read_counts(const int64_t* C, int64_t W, int64_t E, int64_t r,
   }
   if (given)  // below_G: the rows s < r, summed or the column's sum less the rows s >= r
     for (int64_t k = 0; k < G; ++k) out.below_G[k] = below ? side_G[k] : out.col_G[k] - side_G[k];
+  return out;
+}
+
+// read_counts of a C stored by columns (C[s][g] at C[g * W + s]): the same Pass, read column by
+// column, each a run of consecutive counts: a ranged expert's rows below r (fewer than half
+// its column, or its sum less the rows from r on, as read_counts), a full expert's column, r's
+// experts' columns; the diagonal (each rank's own experts) a count a cache line. Without the
+// sums, one pass over C's storage in memory order sums it first (baseline's, transposed).
+Pass read_columns(const int64_t* C, int64_t W, int64_t E, int64_t r,
+                  const std::vector<int64_t>& ranged_g, const std::vector<int64_t>& full_g,
+                  int64_t* colsum_N, bool given) {
+  const int64_t N = W * E, G = static_cast<int64_t>(ranged_g.size());
+  const int64_t F = static_cast<int64_t>(full_g.size());
+  Pass out;
+  std::vector<int64_t> scratch;
+  if (colsum_N == nullptr) {
+    scratch.assign(N, 0);
+    colsum_N = scratch.data();
+  }
+  if (!given) {  // the storage's rows are C's columns: its row sums are C's column sums
+    std::vector<int64_t> rowsum_W(W, 0);
+    mixmoe_native::add_row_block(C, N, W, rowsum_W.data(), colsum_N);  // signs: r's row, below
+  }
+  for (int64_t g = 0; g < N; ++g) out.total += colsum_N[g];
+  const auto column = [&](int64_t g) { return C + g * W; };  // C[0..W)[g]
+  out.col_G.resize(G);
+  out.below_G.resize(G);
+  const bool below = r <= W - r;
+  for (int64_t k = 0; k < G; ++k) {
+    const int64_t* col = column(ranged_g[k]);
+    out.col_G[k] = colsum_N[ranged_g[k]];
+    int64_t side = 0;
+    for (int64_t s = below ? 0 : r; s < (below ? r : W); ++s) side += col[s];
+    out.below_G[k] = below ? side : out.col_G[k] - side;
+  }
+  out.full_FW.resize(F * W);
+  for (int64_t f = 0; f < F; ++f)
+    std::copy(column(full_g[f]), column(full_g[f]) + W, out.full_FW.begin() + f * W);
+  out.own_WE.resize(W * E);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t* col = column(r * E + e);
+    for (int64_t s = 0; s < W; ++s) out.own_WE[s * E + e] = col[s];
+  }
+  for (int64_t s = 0; s < W; ++s)
+    for (int64_t e = 0; e < E; ++e) out.diag += C[(s * E + e) * W + s];  // C[s][sE + e]
   return out;
 }
 
@@ -312,10 +363,11 @@ bool stream_entries(const Plan& plan, const Ranged& x, const int64_t* col_W,
 
 // Plan.expanded(C, E, r)'s range entries (ranges.range_shares(C, plan, E, r)), unsorted, and
 // ranges.range_rows_moved(C, plan, E) into `moved`. False: Plan.expanded would raise.
-bool expand_ranges(const Plan& plan, const int64_t* C, int64_t r, const Pass& pass,
-                   const std::vector<char>& full, Entries& out, int64_t& moved) {
-  const int64_t W = plan.W, E = plan.E, N = plan.N;
-  auto c = [&](int64_t s, int64_t g) { return C[s * N + g]; };
+bool expand_ranges(const Plan& plan, const int64_t* C, const mixmoe_native::Layout& lay,
+                   int64_t r, const Pass& pass, const std::vector<char>& full, Entries& out,
+                   int64_t& moved) {
+  const int64_t W = plan.W, E = plan.E;
+  auto c = [&](int64_t s, int64_t g) { return C[lay.at(s, g)]; };
   std::vector<int64_t> ends;
   std::vector<int64_t> ys;  // the ranks whose cells of g's column the stream changes
   int64_t f = 0;            // full experts so far (their columns in pass.full_FW, in order)
@@ -374,11 +426,16 @@ struct Fields {
 };
 
 // build_step_plan's fields for rank r; false: run the Python.
-bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_N, bool given,
-                 Fields& out) {
+bool step_fields(const int64_t* C, const mixmoe_native::Layout& lay, const Plan& plan,
+                 int64_t r, int64_t* colsum_N, bool given, Fields& out) {
   const int64_t W = plan.W, E = plan.E, N = plan.N;
-  auto c = [&](int64_t s, int64_t g) { return C[s * N + g]; };
-  const int64_t* row_r = C + r * N;
+  auto c = [&](int64_t s, int64_t g) { return C[lay.at(s, g)]; };
+  std::vector<int64_t> gathered;  // by columns: r's row, gathered once (a count a cache line)
+  if (lay.by_column) {
+    gathered.resize(N);
+    for (int64_t g = 0; g < N; ++g) gathered[g] = c(r, g);
+  }
+  const int64_t* row_r = lay.by_column ? gathered.data() : C + r * N;
   for (int64_t g = 0; g < N; ++g)
     if (row_r[g] < 0) return false;  // (negative counts: the Python's business)
   // r's replica slots: the hot experts it holds, ascending (Plan.replica_slots)
@@ -396,7 +453,7 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
     full.push_back(x.g / E == r || plan.holds(x.g, r));
     if (full.back()) full_g.push_back(x.g);
   }
-  const Pass pass = read_counts(C, W, E, r, ranged_g, full_g, colsum_N, given);
+  const Pass pass = read_counts(C, lay, E, r, ranged_g, full_g, colsum_N, given);
 
   // the replica rule (build_step_plan's vectorised part): a segment (s, g) stays at s when s
   // owns g or holds its replica; r receives its own experts' rows from the other sources
@@ -411,7 +468,7 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
   std::fill(recv_WE.begin() + r * E, recv_WE.begin() + (r + 1) * E, 0);
   Entries expanded;
   int64_t ranges_moved = 0;
-  if (!expand_ranges(plan, C, r, pass, full, expanded, ranges_moved)) return false;
+  if (!expand_ranges(plan, C, lay, r, pass, full, expanded, ranges_moved)) return false;
   out.rows_moved = pass.total - stay + ranges_moved;
   out.shared = !plan.shares.items.empty() || !plan.ranged.empty();
   out.in_splits.assign(W, 0);
@@ -517,7 +574,8 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
 }  // namespace
 
 // build_step_plan(C, plan, r, E)'s fields but the fetch, for the plan packed at `packed`
-// (`packed_len` ints: Plan's parse) and C [W, W*E] (row-major int64). Writes into out (`cap`
+// (`packed_len` ints: Plan's parse) and C [W, W*E] (int64: row-major, or by columns where
+// `by_column` != 0: C[s][g] at C[g * W + s], read_columns). Writes into out (`cap`
 // ints): the header [shared, rows_moved, n_send, owned_rows_stay, H, M (E when not shared),
 // R (runs; the replica rule: the sent experts), 0], then the replica slots [H] (Plan.replica_slots),
 // in_splits [W], out_splits [W], recv_counts [W * M] (source-major, then column) and, with
@@ -531,7 +589,8 @@ bool step_fields(const int64_t* C, const Plan& plan, int64_t r, int64_t* colsum_
 // shorter side of r only: read_counts).
 extern "C" int64_t mixmoe_step_plan(const int64_t* C, int64_t W, int64_t E, int64_t r,
                                     const int64_t* packed, int64_t packed_len, int64_t* out,
-                                    int64_t cap, int64_t* colsum_N, int64_t given) {
+                                    int64_t cap, int64_t* colsum_N, int64_t given,
+                                    int64_t by_column) {
   if (W < 1 || E < 1 || r < 0 || r >= W || (given && colsum_N == nullptr)) return FALLBACK;
   Plan plan;
   plan.W = W;
@@ -540,7 +599,8 @@ extern "C" int64_t mixmoe_step_plan(const int64_t* C, int64_t W, int64_t E, int6
   if (!plan.parse(packed, packed_len)) return FALLBACK;
   Fields f;
   if (colsum_N && !given) std::fill(colsum_N, colsum_N + plan.N, 0);
-  if (!step_fields(C, plan, r, colsum_N, given != 0, f)) return FALLBACK;
+  const mixmoe_native::Layout lay{W, W * E, by_column != 0};
+  if (!step_fields(C, lay, plan, r, colsum_N, given != 0, f)) return FALLBACK;
   const std::vector<int64_t>* parts[] = {&f.rep, &f.in_splits, &f.out_splits, &f.recv_counts,
                                          &f.col_slot,  &f.col_replica, &f.run_len,
                                          &f.run_key,   &f.own_c,      &f.rep_c,

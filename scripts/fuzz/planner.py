@@ -13,7 +13,9 @@ or nodes of 2, 3, 5 and 8 ranks), then checks:
 - its fit to a fresh draw of the same popularity (``refit_plan``) equals ``refit_python``, is
   never predicted slower than a2a on the new counts, and is valid for them;
 - the step's bookkeeping of the plan and of the fit (``build_step_plan``, compiled, with and
-  without C's sums given) equals ``step_plan_python`` at every rank (6 sampled ranks above W = 16).
+  without C's sums given) equals ``step_plan_python`` at every rank (6 sampled ranks above W = 16);
+- the plan, the fit and the bookkeeping of C stored by columns (the mixed strategy's count
+  exchange) equal those of C row-major.
 
 A failing case prints one line and is saved to ``/tmp/mixmoe-fuzz/planner_SEED_I.pt`` (counts,
 shape, budget, knobs, profile) to replay. Found with it: a topology's repriced source-replica
@@ -133,6 +135,10 @@ def check(C, shape: LayerShape, budget: int, knobs: dict, profile: HardwareProfi
     fit = refit_plan(plan, C, after, shape, profile, overlap, block)
     want = refit_python(plan, C, after, shape, profile, overlap, block, 0)
     assert canon(fit) == canon(want), "refit twin"
+    by_column = [x.t().contiguous().t() for x in (C, after)]
+    assert canon(plan_mix(by_column[0], shape, profile, budget, **knobs)) == canon(plan), "by cols"
+    by_column_fit = refit_plan(plan, *by_column, shape, profile, overlap, block)
+    assert canon(by_column_fit) == canon(fit), "refit by columns"
     a2a_after = plan_none(after, shape, profile, overlap=overlap).prediction.step_s
     assert fit.prediction.step_s <= a2a_after, "fit slower than a2a"
     dataclasses.replace(fit).check_shares(after, E, block)
@@ -143,10 +149,11 @@ def check(C, shape: LayerShape, budget: int, knobs: dict, profile: HardwareProfi
         for r in ranks:
             want = canon(step_plan_python(counts, p, r, E, distance))
             for given in (None, sums):
-                got = dataclasses.replace(
-                    build_step_plan(counts, p, r, E, distance, given), expert_rows_N=None
-                )
-                assert canon(got) == want, f"step {r}" + (" given the sums" if given else "")
+                for stored in (counts, counts.t().contiguous().t()):
+                    got = dataclasses.replace(
+                        build_step_plan(stored, p, r, E, distance, given), expert_rows_N=None
+                    )
+                    assert canon(got) == want, f"step {r}" + (" given the sums" if given else "")
 
 
 def main() -> int:

@@ -952,19 +952,12 @@ void read_block(const Fill& f, const std::vector<Stream*>& active, int64_t s0, i
     if (have < s1) todo.emplace_back(a, have);
   }
   if (todo.empty()) return;
-  if (f.layout.by_column) {  // each column's rows [from, s1): consecutive counts
-    for (const auto& [a, from] : todo) {
-      const int64_t* col = f.C + f.layout.at(0, active[a]->g);
-      std::copy(col + from, col + s1, &chunk[a * rows + (from - s0)]);
-    }
-  } else {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t* row = f.C + s * f.N;
-      if (s + COLUMN_AHEAD < f.W)
-        for (const auto& [a, from] : todo) prefetch_count(f.C, f.layout, s + COLUMN_AHEAD, active[a]->g);
-      for (const auto& [a, from] : todo)
-        if (s >= from) chunk[a * rows + (s - s0)] = row[active[a]->g];
-    }
+  for (int64_t s = s0; s < s1; ++s) {  // (C row-major: plan_fields walks C by columns itself)
+    const int64_t* row = f.C + s * f.N;
+    if (s + COLUMN_AHEAD < f.W)
+      for (const auto& [a, from] : todo) prefetch_count(f.C, f.layout, s + COLUMN_AHEAD, active[a]->g);
+    for (const auto& [a, from] : todo)
+      if (s >= from) chunk[a * rows + (s - s0)] = row[active[a]->g];
   }
   for (const auto& [a, from] : todo) {
     std::vector<int64_t>& col = prefix.column(active[a]->g);
@@ -976,11 +969,12 @@ void read_block(const Fill& f, const std::vector<Stream*>& active, int64_t s0, i
 // RangeState.plan_fields: the holders (Plan.replicas; hot is their experts), the kept holders'
 // local rows rounded down to whole blocks (Plan.kept), and each expert's positive amounts by
 // helper rank cut into ranges (ranges.cut_ranges_many: stream_sources, _prefix, _cut; an
-// expert whose cuts all come out empty has no entry). The streams' segments are read off C row
-// by row, every expert at once (a column read down C touches a new page per element), and an
-// expert's walk stops once its segments pass its amounts' sum: every cut then falls inside a
-// segment walked (_cut's arithmetic is the same on the shorter stream: no cut reaches its
-// end). W = 1024 zipf: ~60% of the columns read, ~12 ns an element (memory-bound).
+// expert whose cuts all come out empty has no entry). The streams' segments are read down each
+// expert's column where C is stored by columns (consecutive counts), else off C row by row,
+// every expert at once (a column read down row-major C touches a new line per count: W = 1024
+// zipf ~12 ns a count, memory-bound). An expert's walk stops once its segments pass its
+// amounts' sum: every cut then falls inside a segment walked (_cut's arithmetic is the same on
+// the shorter stream: no cut reaches its end; W = 1024 zipf: ~60% of the columns read).
 void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, ExpertEntries& kept) {
   replicas.clear();
   ranges.clear();
@@ -1012,21 +1006,37 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
     }
   }
   // the stream: sources with rows, neither the owner nor a holder (a kept holder stays, its
-  // rest C[y][g] - local blocks), ascending; the owner last. C's rows ROWS at a time: the
-  // active experts' elements gathered row by row into chunk (chunk[a * ROWS + s - s0]: C[s][g]
-  // of active expert a), then each expert walks its part, and stops once past its amounts
-  constexpr int64_t ROWS = 64;
-  active.clear();
-  for (size_t i = 0; i < n_streams; ++i) active.push_back(&pool[i]);
-  if (chunk.size() < active.size() * ROWS) chunk.resize(active.size() * ROWS);
-  for (int64_t s0 = 0; s0 < W && !active.empty(); s0 += ROWS) {
-    const int64_t s1 = std::min(W, s0 + ROWS);
-    if (f.prefix == nullptr && f.layout.by_column) {  // each column's rows: consecutive
-      for (size_t a = 0; a < active.size(); ++a) {
-        const int64_t* col = f.C + f.layout.at(0, active[a]->g);
-        std::copy(col + s0, col + s1, &chunk[a * ROWS]);
+  // rest C[y][g] - local blocks), ascending; the owner last. Each expert walks its column's
+  // rows [s0, s1) (col[s] = C[s][g]), and stops once past its amounts; false then
+  const auto walk = [blk](Stream& st, const int64_t* col, int64_t s0, int64_t s1) {
+    const auto& h = *st.holders;  // ascending: advanced with s
+    for (int64_t s = s0; s < s1 && st.starts.back() <= st.want; ++s) {
+      const int64_t c = col[s];
+      if (c == 0 || s == st.o) continue;
+      while (st.next_holder < h.size() && h[st.next_holder] < s) ++st.next_holder;
+      if (st.next_holder == h.size() || h[st.next_holder] != s) {
+        st.starts.push_back(st.starts.back() + c);
+      } else {  // a holder: in the stream only when kept (ascending too)
+        while (st.next_kept != st.kept_end && st.next_kept->first < s) ++st.next_kept;
+        if (st.next_kept != st.kept_end && st.next_kept->first == s)
+          st.starts.push_back(st.starts.back() + c - st.next_kept->second / blk * blk);
       }
-    } else if (f.prefix == nullptr) {
+    }
+    return st.starts.back() <= st.want;
+  };
+  active.clear();
+  if (f.layout.by_column) {  // each column's counts in order, in C (no prefix to keep)
+    for (size_t i = 0; i < n_streams; ++i)
+      if (walk(pool[i], f.C + f.layout.at(0, pool[i].g), 0, W)) active.push_back(&pool[i]);
+  } else {  // C's rows ROWS at a time: the active experts' counts gathered row by row into
+    // chunk (chunk[a * ROWS + s - s0]: C[s][g] of active expert a), then each walks its part
+    for (size_t i = 0; i < n_streams; ++i) active.push_back(&pool[i]);
+  }
+  constexpr int64_t ROWS = 64;
+  if (chunk.size() < active.size() * ROWS) chunk.resize(active.size() * ROWS);
+  for (int64_t s0 = 0; s0 < W && !active.empty() && !f.layout.by_column; s0 += ROWS) {
+    const int64_t s1 = std::min(W, s0 + ROWS);
+    if (f.prefix == nullptr) {
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t* row = f.C + s * f.N;
         if (s + COLUMN_AHEAD < W)
@@ -1037,25 +1047,8 @@ void plan_fields(const Fill& f, Replicas& replicas, ExpertEntries& ranges, Exper
       read_block(f, active, s0, s1, ROWS, chunk, buf.todo);
     }
     size_t keep = 0;
-    for (size_t a = 0; a < active.size(); ++a) {
-      Stream& st = *active[a];
-      const int64_t* col = chunk.data() + a * ROWS - s0;  // col[s] = C[s][st.g]
-      const auto& h = *st.holders;  // ascending: advanced with s
-      int64_t s = s0;
-      for (; s < s1 && st.starts.back() <= st.want; ++s) {
-        const int64_t c = col[s];
-        if (c == 0 || s == st.o) continue;
-        while (st.next_holder < h.size() && h[st.next_holder] < s) ++st.next_holder;
-        if (st.next_holder == h.size() || h[st.next_holder] != s) {
-          st.starts.push_back(st.starts.back() + c);
-        } else {  // a holder: in the stream only when kept (ascending too)
-          while (st.next_kept != st.kept_end && st.next_kept->first < s) ++st.next_kept;
-          if (st.next_kept != st.kept_end && st.next_kept->first == s)
-            st.starts.push_back(st.starts.back() + c - st.next_kept->second / blk * blk);
-        }
-      }
-      if (st.starts.back() <= st.want) active[keep++] = &st;  // else: walked far enough
-    }
+    for (size_t a = 0; a < active.size(); ++a)  // col[s] = C[s][g]; false: walked far enough
+      if (walk(*active[a], chunk.data() + a * ROWS - s0, s0, s1)) active[keep++] = active[a];
     active.resize(keep);
   }
   for (Stream* st : active) {  // walked every source: the owner's own rows close the stream

@@ -27,7 +27,8 @@ cost model's) gives every figure:
   (``torch.set_num_threads(1)``; ``repeats`` timed calls per step after one untimed call, the
   step's counts flushed from the caches before each, as the device's copy leaves them:
   ``placement.native_cache_lines``; ``cold`` False: warm, read from the cache the call before
-  filled);
+  filled; C row-major, where the layer's ``mix`` reads it by columns: ``mixmoe bench planner
+  --layout`` times both, within a few percent of each other up to W = 256);
 - pct_with_planning: balanced_ms / (step_ms + planning_ms): the layer waits for its plan
   (its background thread overlaps only each rank's own rows, ~1/W of them: ``mixmoe bench
   planner``'s "exposed ms"), so the step a user sees carries the planning time of this host's

@@ -1,7 +1,8 @@
 """The count exchange (``ExpertParallelDispatcher.exchange_counts``) on 2 gloo ranks: it returns
-the count matrix in rank order and every rank's weights version, ranks whose weights versions
-differ (a rank that wrote its experts in place more often) still run, and a fingerprint that
-changes after the first step's handshake raises on every rank instead of planning differently."""
+the count matrix in rank order (stored by columns under ``mix``, row-major under ``a2a``) and
+every rank's weights version, ranks whose weights versions differ (a rank that wrote its experts
+in place more often) still run, and a fingerprint that changes after the first step's handshake
+raises on every rank instead of planning differently."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def _worker(comm) -> dict:
     counts = torch.tensor([3 + r, 0, 7 * r, 1], dtype=torch.int64)
     C, versions, sums = disp.exchange_counts(counts, 10 + 5 * r)
     assert sums is None  # on the CPU the planning thread sums C (on a device: the device)
+    # mix's planner walks C's columns: stored by columns (StrategySpec.counts_by_column)
+    assert C.t().is_contiguous() and not C.is_contiguous()
+    a2a = parallelize_moe(make_layer(CASE), comm, "a2a").dispatcher
+    C_a2a, _, _ = a2a.exchange_counts(counts, 10 + 5 * r)
+    assert C_a2a.is_contiguous() and torch.equal(C_a2a, C)
     x, _ = rank_inputs(CASE, r)
     y_before, _ = layer(x)
     with torch.no_grad():  # in-place writes that leave the values: only rank 1's version moves

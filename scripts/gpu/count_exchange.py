@@ -25,7 +25,7 @@ from mixmoe.dispatch.layout import count_matrix_to_host
 from mixmoe.gating.synthetic import RoutingSpec, synthetic_counts
 from mixmoe.placement import GPU_PROFILE, LayerShape, plan_mix
 
-HEADER = 2
+HEADER = 3  # the layer's: fingerprint and the version's two words, int32 like the counts
 
 
 def _before(rows_WX: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def _row(W: int, repeats: int, device: torch.device) -> str:
     N = 4 * W
     gen = torch.Generator().manual_seed(0)
     C = synthetic_counts(RoutingSpec.parse("zipf:1.2"), W, 8192, 2, N, gen, shuffle_experts=True)
-    rows = torch.cat([torch.zeros(W, HEADER, dtype=torch.int64), C], 1).to(device)
+    rows = torch.cat([torch.zeros(W, HEADER, dtype=torch.int32), C.to(torch.int32)], 1).to(device)
     C_host, _, sums = _now(rows)
     assert torch.equal(C_host, C) and torch.equal(_before(rows), C)
     before = _median_ms(lambda: _before(rows), repeats, device)

@@ -18,6 +18,7 @@ from mixmoe.dispatch.expert_parallel import ExpertParallelDispatcher
 from mixmoe.parallel import parallelize_moe
 from mixmoe.placement.cost_model import LayerShape
 from mixmoe.placement.profile import CPU_PROFILE, HardwareProfile
+from mixmoe.types import Routing
 
 
 def _planned(
@@ -125,9 +126,39 @@ def test_the_handshake_runs_once_before_the_first_count_exchange() -> None:
     x = torch.randn(9, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         layer(x)
-        assert gathered == [6, 2 + 4]  # the handshake's 6 fields; fingerprint, version, counts
+        # the handshake's 6 fields; then fingerprint, version (two words), counts
+        assert gathered == [6, 3 + 4]
         layer(x)
-    assert gathered == [6, 6, 6]
+    assert gathered == [6, 7, 7]
+
+
+def test_the_count_exchange_sends_int32_words_and_refuses_what_they_cannot_hold() -> None:
+    """The all_gather's row: int32 words (fingerprint, the version's two 31-bit words, the
+    counts), the version back exactly above 2**31; a version outside [0, 2**62) and 2**31
+    routed rows are refused before any collective."""
+    cfg = MoEConfig(model_dim=8, hidden_dim=12, num_experts=4)
+    comm = LocalCommunicator()
+    sent = []
+    comm.all_gather_rows = lambda row: sent.append(row) or row[None].clone()
+    disp = ExpertParallelDispatcher(comm, cfg, "mix")
+    counts = torch.tensor([5, 0, 2**31 - 1, 3])
+    version = 2**40 + 2**31 + 7
+    C, versions, _ = disp.exchange_counts(counts, version)
+    assert sent[0].dtype == torch.int32 and sent[0].shape == (3 + 4,)
+    assert versions == [version] and C.dtype == torch.int64 and C[0].tolist() == counts.tolist()
+    for bad in (-1, 2**62):
+        with pytest.raises(ValueError, match="weights version"):
+            disp.exchange_counts(counts, bad)
+    layer = parallelize_moe(MoE(cfg, dtype=torch.float64), comm, "mix")
+    rows = 2**31  # no memory: one id and one weight, expanded
+    huge = Routing(torch.zeros(1, 1, dtype=torch.int64).expand(rows, 1),
+                   torch.ones(1, 1, dtype=torch.float64).expand(rows, 1),
+                   torch.zeros(1, 4, dtype=torch.float64).expand(rows, 4))  # fmt: skip
+    x = torch.zeros(1, 8, dtype=torch.float64).expand(rows, 8)
+    with pytest.raises(ValueError, match="routed rows"):
+        layer.dispatcher.dispatch(x, huge, layer.experts.weights())
+    # the layer's first call ran its handshake (6 fields), then refused: no count exchange
+    assert [t.numel() for t in sent] == [7, 6]
 
 
 class _ThreeRanks(LocalCommunicator):

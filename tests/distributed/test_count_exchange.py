@@ -37,6 +37,8 @@ def _worker(comm) -> dict:
     a2a = parallelize_moe(make_layer(CASE), comm, "a2a").dispatcher
     C_a2a, _, _ = a2a.exchange_counts(counts, 10 + 5 * r)
     assert C_a2a.is_contiguous() and torch.equal(C_a2a, C)
+    # versions travel as two 31-bit int32 words: exact above 2**31
+    _, big, _ = disp.exchange_counts(counts, 2**40 + 2**31 + r)
     x, _ = rank_inputs(CASE, r)
     y_before, _ = layer(x)
     with torch.no_grad():  # in-place writes that leave the values: only rank 1's version moves
@@ -52,6 +54,7 @@ def _worker(comm) -> dict:
     return {
         "C": C,
         "versions": versions,
+        "big": big,
         "y_before": y_before.detach(),
         "y_after": y_after.detach(),
         "replicas": aux.stats["replicas"],
@@ -68,6 +71,7 @@ def test_count_exchange_versions_and_fingerprints() -> None:
     for r, got in enumerate(out):
         torch.testing.assert_close(got["C"], want_C, rtol=0, atol=0)
         assert got["versions"] == [10, 15], got["versions"]
+        assert got["big"] == [2**40 + 2**31, 2**40 + 2**31 + 1], got["big"]
         assert got["replicas"] > 0  # the versions matter: they key the replica cache
         torch.testing.assert_close(got["y_after"], got["y_before"], rtol=0, atol=0)
         assert "fingerprints differ" in got["error"], (r, got["error"])

@@ -27,8 +27,8 @@ cost model's) gives every figure:
   (``torch.set_num_threads(1)``; ``repeats`` timed calls per step after one untimed call, the
   step's counts flushed from the caches before each, as the device's copy leaves them:
   ``placement.native_cache_lines``; ``cold`` False: warm, read from the cache the call before
-  filled; C row-major, where the layer's ``mix`` reads it by columns: ``mixmoe bench planner
-  --layout`` times both, within a few percent of each other up to W = 256);
+  filled; C stored as the strategy's count exchange stores it: by columns for ``mix`` and
+  ``mix-ahead``, row-major for ``a2a`` and ``shadow``, ``dispatch.strategies``);
 - pct_with_planning: balanced_ms / (step_ms + planning_ms): the layer waits for its plan
   (its background thread overlaps only each rank's own rows, ~1/W of them: ``mixmoe bench
   planner``'s "exposed ms"), so the step a user sees carries the planning time of this host's
@@ -228,6 +228,11 @@ def layer_shape(spec: ShapeSpec, world_size: int) -> LayerShape:
     )
 
 
+def _storage(C_WN: torch.Tensor) -> torch.Tensor:
+    """C's storage as a contiguous tensor: C itself, or C.t() where C is stored by columns."""
+    return C_WN if C_WN.is_contiguous() else C_WN.t()
+
+
 def _timed_plans(
     planner, counts_WN: torch.Tensor, repeats: int, evictor: CacheEvictor | None = None
 ) -> tuple[Any, list[float]]:
@@ -266,7 +271,10 @@ def _step_planners(
     if name != "mix-ahead":
         return [(_planner(name, shape, profile, cfg, K), [])] * len(steps)
     mix = _planner("mix", shape, profile, cfg, K)
-    before = [redrawn_counts(steps[0], cfg.seed), *steps[:-1]]
+    first = redrawn_counts(steps[0], cfg.seed)
+    if not steps[0].is_contiguous():  # stored by columns, as the steps' own counts
+        first = first.t().contiguous().t()
+    before = [first, *steps[:-1]]
     E = shape.experts_per_rank
     return [
         (
@@ -324,11 +332,14 @@ def case_records(
     )
     records = []
     strategies = [*cfg.strategies, *(["mix-ahead"] if cfg.ahead else [])]
+    by_column = [C.t().contiguous().t() for C in steps]  # the same counts (module doc)
     for name in strategies:
-        planners = _step_planners(name, shape, profile, cfg, spec.top_k, steps)
+        stored = by_column if strategy_spec(name.removesuffix("-ahead")).counts_by_column else steps
+        planners = _step_planners(name, shape, profile, cfg, spec.top_k, stored)
         step_s, imbalance, seconds, moved, copies, hot, times = [], [], [], [], [], [], []
-        for (planner, reads), C_WN in zip(planners, steps, strict=True):
-            evictor = CacheEvictor([C_WN, *reads]) if cfg.cold else None
+        for (planner, reads), C_WN in zip(planners, stored, strict=True):
+            # the storage of each count matrix read, flushed line by line
+            evictor = CacheEvictor([_storage(C) for C in (C_WN, *reads)]) if cfg.cold else None
             plan, ms = _timed_plans(planner, C_WN, cfg.repeats, evictor)
             rows_W = plan.prediction.rows
             step_s.append(plan.prediction.step_s)

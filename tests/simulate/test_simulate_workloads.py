@@ -211,7 +211,8 @@ def test_mix_ahead_is_the_step_befores_plan_fitted(cfg) -> None:
 
 def test_planners_timed_on_counts_flushed_before_each_call(cfg, monkeypatch) -> None:
     """Cold counts: before each timed planner call the step's counts are flushed from the
-    caches, and under ``mix-ahead`` the step before's too (the fit reads both)."""
+    caches, and under ``mix-ahead`` the step before's too (the fit reads both); each in the
+    storage its strategy's count exchange gives it (mix: by columns, its transpose flushed)."""
     made = []
 
     class Recorder:  # CacheEvictor's interface, counting the evictions
@@ -230,14 +231,17 @@ def test_planners_timed_on_counts_flushed_before_each_call(cfg, monkeypatch) -> 
     records = case_records(cfg, "seeds", 4, "rotate:2:0.5:3")
     assert [r["cold_caches"] for r in records] == ["lines"] * 4
     assert len(made) == 4 * 3 and all(e.evictions == 2 for e in made)  # 4 strategies x 3 steps
-    for k, e in enumerate(made[:9]):  # a2a, shadow, mix: the step's counts
+    assert all(t.is_contiguous() for e in made for t in e.tensors)  # what a flush reads
+    for k, e in enumerate(made[:6]):  # a2a, shadow: the step's counts, row-major
         assert len(e.tensors) == 1 and torch.equal(e.tensors[0], steps[k % 3])
+    for k, e in enumerate(made[6:9]):  # mix: the step's counts, stored by columns
+        assert len(e.tensors) == 1 and torch.equal(e.tensors[0].t(), steps[k])
     for k, e in enumerate(made[9:]):  # mix-ahead: the step's and the step before's
-        assert torch.equal(e.tensors[0], steps[k]) and len(e.tensors) == 2
+        assert torch.equal(e.tensors[0].t(), steps[k]) and len(e.tensors) == 2
         if k:
-            assert torch.equal(e.tensors[1], steps[k - 1])
+            assert torch.equal(e.tensors[1].t(), steps[k - 1])
         else:  # a fresh draw of step 0's popularity
-            assert torch.equal(e.tensors[1], redrawn_counts(steps[0], cfg.seed))
+            assert torch.equal(e.tensors[1].t(), redrawn_counts(steps[0], cfg.seed))
     made.clear()
     warm = case_records(dataclasses.replace(cfg, cold=False), "seeds", 4, "hot:0.5")
     assert not made and {r["cold_caches"] for r in warm} == {None}

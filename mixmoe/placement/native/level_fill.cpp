@@ -955,7 +955,8 @@ void read_block(const Fill& f, const std::vector<Stream*>& active, int64_t s0, i
   for (int64_t s = s0; s < s1; ++s) {  // (C row-major: plan_fields walks C by columns itself)
     const int64_t* row = f.C + s * f.N;
     if (s + COLUMN_AHEAD < f.W)
-      for (const auto& [a, from] : todo) prefetch_count(f.C, f.layout, s + COLUMN_AHEAD, active[a]->g);
+      for (const auto& [a, from] : todo)
+        prefetch_count(f.C, f.layout, s + COLUMN_AHEAD, active[a]->g);
     for (const auto& [a, from] : todo)
       if (s >= from) chunk[a * rows + (s - s0)] = row[active[a]->g];
   }

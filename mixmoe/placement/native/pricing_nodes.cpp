@@ -209,9 +209,11 @@ std::vector<int64_t> inter_baseline(const Counts& counts, const Baseline& base, 
     const int64_t hi = std::min(W, lo + P);
     const int64_t g_lo = lo * E, g_hi = std::min(N, hi * E);  // the node's experts
     if (x.by_column && hi < W)  // the next block's columns, from its first row
-      for (int64_t g = hi * E; g < std::min(N, (hi + P) * E); ++g) prefetch_count(counts.C, x, hi, g);
+      for (int64_t g = hi * E; g < std::min(N, (hi + P) * E); ++g)
+        prefetch_count(counts.C, x, hi, g);
     for (int64_t s = lo; s < hi; ++s) {
-      if (!x.by_column && s + COLUMN_AHEAD < W) {  // the block COLUMN_AHEAD rows down: rows N * 8 bytes apart
+      // row-major: the block COLUMN_AHEAD rows down (rows N * 8 bytes apart)
+      if (!x.by_column && s + COLUMN_AHEAD < W) {
         const int64_t ahead = s + COLUMN_AHEAD, a_lo = (ahead / P) * P * E;
         const int64_t a_hi = std::min(N, a_lo + P * E);
         for (int64_t g = a_lo; g < a_hi; g += 8) prefetch_count(counts.C, x, ahead, g);

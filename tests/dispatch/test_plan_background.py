@@ -34,6 +34,17 @@ def _x(T: int = 40) -> torch.Tensor:
     return torch.randn(T, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(T))
 
 
+def _wrap_planner(layer, wrap) -> None:
+    """The layer's planner replaced by one returning ``wrap(plan)``, ``plan()`` making the real
+    planner's plan of the step's counts (on whichever thread calls it)."""
+    real = layer.dispatcher.spec.planner
+
+    def planner(C, shape, profile, config, sums=None):
+        return wrap(lambda: real(C, shape, profile, config, sums=sums))
+
+    layer.dispatcher.spec = dataclasses.replace(layer.dispatcher.spec, planner=planner)
+
+
 def _own_rows_signal(monkeypatch, after: threading.Event | None = None) -> threading.Event:
     """The dispatcher's own-rows compute patched to wait for ``after`` (when given), run, then
     set the event returned."""
@@ -57,16 +68,15 @@ def test_plan_span_overlaps_the_own_rows_compute(monkeypatch) -> None:
     layer = _layer()
     plan_started = threading.Event()
     own_done = _own_rows_signal(monkeypatch, after=plan_started)
-    spec = layer.dispatcher.spec
     planner_threads = []
 
-    def planner(C, shape, profile, config, sums=None):
+    def wrap(plan):
         planner_threads.append(threading.current_thread().name)
         plan_started.set()
         assert own_done.wait(WAIT_S), "the own rows were not computed while the plan ran"
-        return spec.planner(C, shape, profile, config, sums=sums)
+        return plan()
 
-    layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
+    _wrap_planner(layer, wrap)
     rec = TraceRecorder(rank=0, device="cpu")
     with rec.activate(), rec.op("forward_step", batch_id=0):
         y, _ = layer(_x())
@@ -97,14 +107,13 @@ def test_the_wait_for_a_slow_plan_is_recorded(monkeypatch) -> None:
     in its stats and in a host span after the own rows' (the plan's unhidden part)."""
     layer = _layer()
     own_done = _own_rows_signal(monkeypatch)
-    spec = layer.dispatcher.spec
 
-    def planner(C, shape, profile, config, sums=None):
+    def wrap(plan):
         assert own_done.wait(WAIT_S), "the own rows were not computed while the plan ran"
         time.sleep(PLAN_S)
-        return spec.planner(C, shape, profile, config, sums=sums)
+        return plan()
 
-    layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
+    _wrap_planner(layer, wrap)
     rec = TraceRecorder(rank=0, device="cpu")
     with rec.activate(), rec.op("forward_step", batch_id=0):
         _, aux = layer(_x())
@@ -125,19 +134,18 @@ def test_plan_ahead_records_the_wait_for_the_step_befores_plan() -> None:
     torch.manual_seed(0)
     config = MoEConfig(model_dim=8, hidden_dim=12, num_experts=4, plan_async=True, plan_ahead=True)
     layer = parallelize_moe(MoE(config, dtype=torch.float64), LocalCommunicator(), "mix")
-    spec = layer.dispatcher.spec
     planned = threading.Semaphore(0)  # released by each plan made on the thread
 
-    def planner(C, shape, profile, config, sums=None):
+    def wrap(plan):
         on_thread = threading.current_thread().name.startswith("mixmoe-plan")
         if on_thread:
             time.sleep(PLAN_S)
-        plan = spec.planner(C, shape, profile, config, sums=sums)
+        made = plan()
         if on_thread:
             planned.release()
-        return plan
+        return made
 
-    layer.dispatcher.spec = dataclasses.replace(spec, planner=planner)
+    _wrap_planner(layer, wrap)
     x = _x()
     rec = TraceRecorder(rank=0, device="cpu")
     with rec.activate(), rec.op("forward_step", batch_id=0):

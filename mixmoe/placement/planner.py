@@ -43,6 +43,7 @@ from mixmoe.placement.relay import node_distance
 from mixmoe.placement.replica_search import LIST_LIMIT, SEARCH_WIDTH, plan_replicas
 from mixmoe.placement.shadow import plan_shadow, shadow_hot
 from mixmoe.placement.spread import spread_start
+from mixmoe.placement.thinned import thinned_starts
 
 __all__ = ["BLOCK_SIZE", "plan_mix", "plan_none", "plan_replicas", "plan_shadow", "replica_slots"]
 
@@ -133,11 +134,15 @@ def plan_mix(
     ``LEVEL_PASSES``), ``fill="moves"`` one move at a time off the bottleneck while the
     predicted step drops (``mixmoe.placement.balance``; slower at scale, kept for
     comparison). When the fills end more than ``SPREAD_WHEN`` above their mean, one more
-    starts from ``spread_start``'s replicas (experts too heavy for one helper); when the step
-    is above the baseline's mean and a fill stalled at a new holder its own rows of an expert
+    starts from ``spread_start``'s replicas (experts too heavy for one helper). When
+    the step is above the baseline's mean and a fill stalled at a new holder its own rows of an expert
     took past the level (or none started from nothing replicated), the *kept* fill starts from
     nothing replicated, its new holders keeping only the whole blocks of their own rows that
-    fit (``Plan.kept``; ``level_fill(kept=True)``). With a topology the fills search on one
+    fit (``Plan.kept``; ``level_fill(kept=True)``). Last, when the best candidate holds each
+    of its experts at every rank (shadow's form), fills start from it thinned, its coldest
+    experts dropped one at a time while each lowers the step of the one before
+    (``thinned_starts``: the slots it fills and its warm experts' copies are out of a fill's
+    reach otherwise). With a topology the fills search on one
     link, the blend of both (``StepModel.fill_link``), and each fill's plan is priced in full
     by the 6-row pricing (``_fill_step``). The balanced
     plan is kept only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
@@ -239,6 +244,7 @@ def plan_mix(
         # each fill's plan is then priced in full (_fill_step)
         search = model.fill_link(W, getattr(profile, "ranks_per_node", None))
         won, won_step = None, best.prediction.step_s
+        from_best = best.prediction.step_s  # the step of the fill from the best candidate
         stalled = False  # a fill's max: a new holder its own rows took past the level
         from_none = False  # whether a fill started from nothing replicated
         for start in starts:
@@ -249,6 +255,8 @@ def plan_mix(
             if state is not None:
                 stalled = stalled or _stalled(state)
                 step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)
+                if start is starts[0]:
+                    from_best = step
                 if step < won_step:
                     won, won_step = state, step
             if won_step <= BALANCED * _fill_mean(won, best):
@@ -279,6 +287,23 @@ def plan_mix(
                 step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)
                 if step < won_step:
                     won, won_step = state, step
+        # the best candidate in shadow's form (each of its experts at every rank): the fill
+        # from it could neither free the slots it fills nor drop a warm expert's copies. Fills
+        # from it thinned, its coldest experts dropped one by one (``thinned_starts``), while
+        # each lowers the step of the one before (the first: the fill from the candidate); last,
+        # so that they change no other fill's test
+        last = from_best
+        for start in thinned_starts(best.replicas, colsum_N, W):
+            state = _water_fill(C_WN, colsum_N, shape, search, start, slots, block_size,
+                                profile, won_step, fill, None, base_4W)  # fmt: skip
+            if state is None:
+                break
+            step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)
+            if not step < last:
+                break
+            last = step
+            if step < won_step:
+                won, won_step = state, step
         if won is None:
             return best
         plan = _fill_plan(won)

@@ -273,8 +273,9 @@ def test_level_fill_prefers_receivers_in_the_owners_node() -> None:
 def test_plan_mix_kept_holders_where_own_rows_do_not_fit(monkeypatch) -> None:
     """seeds W = 8 zipf:2.0 (``bench balance``'s counts): a new holder of the hottest expert
     would compute ~30% of its rows as its own; the kept fill (new holders keep only the whole
-    blocks that fit) wins with kept holders, > 10% below the plan without that fill, and its
-    plan is valid and priced the same expanded into share entries."""
+    blocks that fit) wins with kept holders, > 3% below the plan without that fill (1.64
+    against 1.70 ms: its other fills, the thinned starts' included; > 10% below before them),
+    and its plan is valid and priced the same expanded into share entries."""
     W, E = 8, 4
     shape = LayerShape(1024, 4096, E, W, 2)
     (C,) = counts_source("zipf:2.0", W, E * W, 8192, 2, seed=0)
@@ -295,4 +296,4 @@ def test_plan_mix_kept_holders_where_own_rows_do_not_fit(monkeypatch) -> None:
     monkeypatch.setattr(planner_module, "_water_fill", no_kept)
     without = plan_mix(C, shape, profile, 4)
     assert not without.kept
-    assert plan.prediction.step_s < 0.9 * without.prediction.step_s
+    assert plan.prediction.step_s < 0.97 * without.prediction.step_s

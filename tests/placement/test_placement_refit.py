@@ -144,10 +144,14 @@ def test_kept_holders_fit_compiled_as_in_python(monkeypatch, per_node):
     if per_node is not None:
         prof = dataclasses.replace(prof, ranks_per_node=per_node)
     seen = 0
-    for W, workload in [(8, "zipf:2.0"), (8, "hotrank:0.5"), (8, "zipf:1.2"),
-                        (16, "hotset:8:0.5"), (16, "rotate:8:0.5"), (16, "zipf:2.0")]:  # fmt: skip
+    # (W, workload, seed): under nodes the kept fill wins in few of them (the fills from the
+    # thinned starts win most where it won)
+    cases = [(8, "zipf:2.0", 1), (8, "hotrank:0.5", 1), (8, "zipf:1.2", 1), (16, "hotset:8:0.5", 1),
+             (16, "rotate:8:0.5", 1), (16, "zipf:2.0", 1), (8, "zipf:1.2", 3),
+             (20, "hotset:2:0.5", 3), (32, "hotset:8:0.5", 2), (32, "hotset:8:0.5", 6)]  # fmt: skip
+    for W, workload, seed in cases:
         shape = _shape(W, 4)
-        C1 = counts_source(workload, W, 4 * W, 8192, 2, seed=1)[0]  # (a rotation's first step)
+        C1 = counts_source(workload, W, 4 * W, 8192, 2, seed=seed)[0]  # (a rotation's first step)
         plan = plan_mix(C1, shape, prof, 4)
         if not plan.kept:
             continue

@@ -9,8 +9,8 @@
 // The same steps as plan_mix, in the same order, with the same comparisons (common.h: every part
 // is its Python's twin bit for bit), so the plan it returns is plan_mix's: the best of the source
 // replicas (replica_search) and FasterMoE's shadowing (shadow_hot), then, unless that is balanced
-// already, level fills from the best candidate, from nothing replicated, from the spread start and
-// the kept fill, the winner's plan kept only when its price is strictly below the best
+// already, level fills from the best candidate, from nothing replicated, from the best thinned
+// (thinned_starts), from the spread start and the kept fill, the winner's plan kept only when its price is strictly below the best
 // candidate's. With a topology every candidate and fill is priced by the 6-row pricing
 // (plan_pricing_nodes, predict_nodes; the search and the fills see one link, as in the Python:
 // the search the intra-node one, the fills the blend of both, StepModel.fill_link): the
@@ -20,6 +20,7 @@
 // field by field, floats bit for bit.
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -74,6 +75,33 @@ double max_of(const std::vector<double>& xs) { return *std::max_element(xs.begin
 
 bool any_nonzero(const std::vector<int64_t>& xs) {
   return std::any_of(xs.begin(), xs.end(), [](int64_t x) { return x != 0; });
+}
+
+// thinned.thinned_starts: when every expert of `best` (ascending by g) is held by all W - 1 ranks
+// but its owner and it has two or more, the starts keeping its k hottest experts (column sum
+// descending, ties: the lower id) with their holders, k = size - 1 down to 1, each ascending by g
+std::vector<Replicas> thinned_starts(const Replicas& best, const std::vector<int64_t>& colsum,
+                                     int64_t W) {
+  std::vector<Replicas> out;
+  if (best.size() < 2) return out;
+  for (const auto& [g, hs] : best)
+    if (static_cast<int64_t>(hs.size()) != W - 1) return out;
+  std::vector<size_t> hottest(best.size());  // indices into best
+  for (size_t i = 0; i < best.size(); ++i) hottest[i] = i;
+  std::sort(hottest.begin(), hottest.end(), [&](size_t x, size_t y) {
+    const int64_t cx = colsum[static_cast<size_t>(best[x].first)];
+    const int64_t cy = colsum[static_cast<size_t>(best[y].first)];
+    return cx != cy ? cx > cy : best[x].first < best[y].first;
+  });
+  for (size_t k = best.size() - 1; k >= 1; --k) {
+    std::vector<size_t> keep(hottest.begin(), hottest.begin() + static_cast<std::ptrdiff_t>(k));
+    std::sort(keep.begin(), keep.end());  // best's order: ascending by g
+    Replicas start;
+    start.reserve(k);
+    for (size_t i : keep) start.push_back(best[i]);
+    out.push_back(std::move(start));
+  }
+  return out;
 }
 
 class Planner {
@@ -234,10 +262,14 @@ class Planner {
     };
     std::vector<Replicas> starts{best.replicas};
     if (!best.replicas.empty()) starts.emplace_back();
-    for (const Replicas& start : starts) {
+    double from_best = best.pred.step;  // the step of the fill from the best candidate
+    for (size_t i = 0; i < starts.size(); ++i) {
+      const Replicas& start = starts[i];
       from_none = from_none || start.empty();
       const Loads* loads = !start.empty() && relay_loads ? &*relay_loads : nullptr;
-      consider(water_fill(start, loads, false), true);
+      std::optional<Filled> f = water_fill(start, loads, false);
+      if (f && i == 0) from_best = f->step;
+      consider(std::move(f), true);
       if (won_step <= s_.balanced * mean()) break;
     }
     if (won_step > s_.spread_when * mean()) {  // experts too heavy for one helper at a time
@@ -247,6 +279,19 @@ class Planner {
     const double base_mean = fold_sum(totals_of(baseline)) / static_cast<double>(W);
     if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
       consider(water_fill({}, nullptr, true), false);  // the kept fill
+    // the best in shadow's form: fills from it thinned, its coldest experts dropped one by one
+    // while each lowers the step of the one before (the first: the fill from the best), last so
+    // that they change no other fill's test (planner.plan_mix)
+    double last = from_best;
+    for (const Replicas& start : thinned_starts(best.replicas, base_.colsum, W)) {
+      std::optional<Filled> f = water_fill(start, nullptr, false);
+      if (!f || !(f->step < last)) break;
+      last = f->step;
+      if (f->step < won_step) {
+        won_step = f->step;
+        won = std::move(f);
+      }
+    }
     if (!won) return best;
     Candidate plan;
     if (s_.per_node == 0) {

@@ -4,7 +4,9 @@ Host-only, deterministic, no ``torch.distributed``: every rank computes the same
 same all-gathered counts. One file per job: ``counts`` (validating C, its sums), ``cost_model``
 (pricing any ``Plan``), ``plan`` (the value), ``relay`` (the replica weights' route), the planners
 ``shadow``, ``replica_search`` (source replicas), ``balance`` (water-filling with helpers),
-``spread`` (the fill's start for experts too heavy for one helper) and ``planner`` (``plan_none``, ``plan_mix``: the mixed strategy's plan, start here).
+``spread`` (the fill's start for experts too heavy for one helper), ``thinned`` (the fill's starts
+from a candidate in shadow's form, its coldest experts dropped) and ``planner`` (``plan_none``,
+``plan_mix``: the mixed strategy's plan, start here).
 """
 
 from mixmoe.placement.cost_model import LayerShape, Prediction, predict, predict_plan

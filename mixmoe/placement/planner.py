@@ -56,6 +56,13 @@ BALANCED = (
 FILL_STOP = BALANCED  # a fill stops once its max rank total is within 2% of its mean
 SPREAD_WHEN = 1.05  # the spread start is filled when the best fill ends > 5% above its mean
 LEVEL_PASSES = 6  # batched passes per fill (``level_fill``; most fills stop after 2-5)
+# the fills from a candidate in shadow's form thinned (``thinned_starts``) run when the fill from
+# it ended below THIN_WHEN of its step (in ``bench balance`` the thinned fills lowered the step
+# only where it had: 33-97% below; where it had moved little, by < 1%, they lost 2-39%), and
+# go on while each ends THIN_GAIN below the one before (W = 1024 zipf:1.2 under nodes: the first
+# gained 0.04%, and the next fill, ~1.5 ms of planning, nothing)
+THIN_WHEN = 0.9
+THIN_GAIN = 0.005
 FILLS = ("level", "moves")  # plan_mix's fill: batched passes, or the move-by-move search
 _EXP_STARTS = None
 _EXP_SPREAD = True  # the spread start is filled when the best fill ends > 5% above its mean
@@ -139,10 +146,10 @@ def plan_mix(
     took past the level (or none started from nothing replicated), the *kept* fill starts from
     nothing replicated, its new holders keeping only the whole blocks of their own rows that
     fit (``Plan.kept``; ``level_fill(kept=True)``). Last, when the best candidate holds each
-    of its experts at every rank (shadow's form), fills start from it thinned, its coldest
-    experts dropped one at a time while each lowers the step of the one before
-    (``thinned_starts``: the slots it fills and its warm experts' copies are out of a fill's
-    reach otherwise). With a topology the fills search on one
+    of its experts at every rank (shadow's form) and the fill from it ended below
+    ``THIN_WHEN`` of its step, fills start from it thinned, its coldest experts dropped one at a
+    time while each ends ``THIN_GAIN`` below the one before (``thinned_starts``: the slots it
+    fills and its warm experts' copies are out of a fill's reach otherwise). With a topology the fills search on one
     link, the blend of both (``StepModel.fill_link``), and each fill's plan is priced in full
     by the 6-row pricing (``_fill_step``). The balanced
     plan is kept only if its prediction (``cost_model.plan_pricing``: shares, relay) is strictly below the
@@ -176,7 +183,7 @@ def plan_mix(
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
     if fill == "level":  # compiled whole where it can run (a topology included)
-        constants = (BALANCED, FILL_STOP, SPREAD_WHEN, LEVEL_PASSES)
+        constants = (BALANCED, FILL_STOP, SPREAD_WHEN, LEVEL_PASSES, THIN_WHEN, THIN_GAIN)
         plan = planned(counts_WN, shape, profile, slots, overlap, search_width, block_size,
                        balance, constants, sums)  # fmt: skip
         if plan is not None:
@@ -288,22 +295,28 @@ def plan_mix(
                 if step < won_step:
                     won, won_step = state, step
         # the best candidate in shadow's form (each of its experts at every rank): the fill
-        # from it could neither free the slots it fills nor drop a warm expert's copies. Fills
-        # from it thinned, its coldest experts dropped one by one (``thinned_starts``), while
-        # each lowers the step of the one before (the first: the fill from the candidate); last,
-        # so that they change no other fill's test
+        # from it could neither free the slots it fills nor drop a warm expert's copies. When
+        # that fill had much to do (its step below THIN_WHEN of the candidate's), fills from
+        # the candidate thinned, its coldest experts dropped one by one (``thinned_starts``),
+        # while each lowers the step of the one before by THIN_GAIN (the first: the fill from
+        # the candidate); last, so that they change no other fill's test
         last = from_best
-        for start in thinned_starts(best.replicas, colsum_N, W):
+        thinned = (
+            thinned_starts(best.replicas, colsum_N, W)
+            if from_best < THIN_WHEN * best.prediction.step_s
+            else []
+        )
+        for start in thinned:
             state = _water_fill(C_WN, colsum_N, shape, search, start, slots, block_size,
                                 profile, won_step, fill, None, base_4W)  # fmt: skip
             if state is None:
                 break
             step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)
-            if not step < last:
-                break
-            last = step
             if step < won_step:
                 won, won_step = state, step
+            if not step < (1.0 - THIN_GAIN) * last:
+                break
+            last = step
         if won is None:
             return best
         plan = _fill_plan(won)

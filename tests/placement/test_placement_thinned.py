@@ -122,19 +122,16 @@ def test_plan_mix_walks_the_thinned_starts(monkeypatch, profile: str, most: floa
 @pytest.mark.parametrize(
     ("name", "W", "workload", "profile", "deep"),
     [
-        ("deepseek", 8, "zipf:1.2", "h100-nvlink", 5),  # each of 5 starts lowers the step
-        ("deepseek", 8, "hotrank:0.5", "h100-nvlink", 4),  # the first: not below the best fill
         ("seeds", 64, "zipf:2.0", "h100-nvlink-ib", 2),
-        ("seeds", 64, "zipf:2.0", "h100-ib", 1),
+        ("deepseek", 256, "zipf:1.2", "h100-ib", 2),
+        ("deepseek", 64, "zipf:2.0", "h100-ib", 1),
     ],
 )
 def test_the_walk_goes_as_deep_as_each_start_lowers_the_step(
     monkeypatch, name: str, W: int, workload: str, profile: str, deep: int
 ) -> None:
-    """Keeping only the first j thinned starts: the step falls with each j up to ``deep``
-    (the deepseek W = 8 hot rank: not at j = 1, whose fill is above the best fill so far but
-    below the fill from the candidate, so the walk goes on) and not after it. The compiled plan
-    (every start) is the Python one."""
+    """Keeping only the first j thinned starts: the step falls with each j up to ``deep`` and
+    not after it. The compiled plan (every start) is the Python one."""
     prof = load_profile(profile)
     C, shape = _bench_case(name, W, workload)
     fast, slow = _both(monkeypatch, C, shape, prof, 4)
@@ -146,12 +143,68 @@ def test_the_walk_goes_as_deep_as_each_start_lowers_the_step(
             planner_module, "thinned_starts", lambda *a, j=j: thinned_starts(*a)[:j]
         )
         steps.append(plan_mix(C, shape, prof, 4).prediction.step_s)
-    assert steps[deep] < steps[0]
+    assert all(b < a for a, b in itertools.pairwise(steps[: deep + 1]))
     assert steps[deep + 1] == steps[deep] == fast.prediction.step_s
-    if workload == "hotrank:0.5":
-        assert steps[1] == steps[0] and steps[2] < steps[1]
-    else:
-        assert all(b < a for a, b in itertools.pairwise(steps[: deep + 1]))
+
+
+def _thinned_fills(monkeypatch) -> list:
+    """The starts of the fills ``plan_mix``'s Python steps run from a thinned start."""
+    monkeypatch.setattr(planner_module, "planned", lambda *a: None)
+    thinned, ran = [], []
+    fill = planner_module._water_fill
+
+    def listed(*args):
+        out = thinned_starts(*args)
+        thinned.extend(out)
+        return out
+
+    def spy(C, colsum, shape, model, start, *args, **kwargs):
+        if any(start is t for t in thinned):
+            ran.append(start)
+        return fill(C, colsum, shape, model, start, *args, **kwargs)
+
+    monkeypatch.setattr(planner_module, "thinned_starts", listed)
+    monkeypatch.setattr(planner_module, "_water_fill", spy)
+    return ran
+
+
+def test_the_walk_stops_below_thin_gain(monkeypatch) -> None:
+    """seeds W = 64 zipf:1.2 under nodes: the first thinned fill ends 0.18% below the fill from
+    the candidate (4.331 against 4.339 ms), less than THIN_GAIN: it wins, and the walk stops
+    there (the next fill would cost as much planning); with THIN_GAIN 0 it goes on (3 fills
+    here), and the compiled planner reads the constant as the Python does."""
+    prof = load_profile("h100-nvlink-ib")
+    C, shape = _bench_case("seeds", 64, "zipf:1.2")
+    with monkeypatch.context() as m:
+        ran = _thinned_fills(m)
+        plan = plan_mix(C, shape, prof, 4)
+    assert len(ran) == 1 and 4.33 < 1e3 * plan.prediction.step_s < 4.332
+    monkeypatch.setattr(planner_module, "THIN_GAIN", 0.0)
+    fast, slow = _both(monkeypatch, C, shape, prof, 4)
+    assert _canon(fast) == _canon(slow)
+    with monkeypatch.context() as m:
+        ran = _thinned_fills(m)
+        plan_mix(C, shape, prof, 4)
+    assert len(ran) >= 2
+
+
+def test_no_walk_where_the_fill_from_the_candidate_moved_little(monkeypatch) -> None:
+    """DeepSeek-like W = 8 hotrank:0.5 on one node: the best candidate shadows its experts at
+    every rank and the fill from it ends less than 10% below it (THIN_WHEN): no thinned fill
+    runs (in ``bench balance`` such walks lost 2-39% and cost a fill each). With THIN_WHEN
+    above 1 they run, here winning 5%: the planning time the gate saves elsewhere costs this
+    case that much; the compiled planner reads the constant as the Python does."""
+    prof = load_profile("h100-nvlink")
+    C, shape = _bench_case("deepseek", 8, "hotrank:0.5")
+    assert thinned_starts(plan_mix(C, shape, prof, 4, balance=False).replicas, C.sum(0), 8)
+    with monkeypatch.context() as m:
+        ran = _thinned_fills(m)
+        gated = plan_mix(C, shape, prof, 4)
+    assert ran == []
+    monkeypatch.setattr(planner_module, "THIN_WHEN", 2.0)
+    fast, slow = _both(monkeypatch, C, shape, prof, 4)
+    assert _canon(fast) == _canon(slow)
+    assert fast.prediction.step_s < 0.96 * gated.prediction.step_s
 
 
 def _shadowed_counts(rng: random.Random, W: int, E: int, tie: bool = False) -> torch.Tensor:
@@ -212,4 +265,4 @@ def test_equals_the_python_plan_on_shadowed_counts(monkeypatch) -> None:
             m.setattr(planner_module, "planned", lambda *a: None)
             m.setattr(planner_module, "thinned_starts", lambda *a: [])
             won += plan_mix(C, shape, profile, 4).prediction.step_s > fast.prediction.step_s
-    assert won >= 8, won
+    assert won >= 4, won

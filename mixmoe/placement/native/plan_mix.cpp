@@ -43,6 +43,7 @@ struct Settings {  // plan_mix's arguments and module constants
   double t_row_feat, t_model;               // shadow_hot's floats
   int64_t per_node;                         // the profile's ranks per node; 0: one link
   double bw_inter;                          // StepModel.bw_inter (per_node > 0)
+  double thin_when, thin_gain;              // THIN_WHEN, THIN_GAIN
 };
 
 struct Candidate {  // a priced plan (Plan's fields)
@@ -279,18 +280,24 @@ class Planner {
     const double base_mean = fold_sum(totals_of(baseline)) / static_cast<double>(W);
     if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
       consider(water_fill({}, nullptr, true), false);  // the kept fill
-    // the best in shadow's form: fills from it thinned, its coldest experts dropped one by one
-    // while each lowers the step of the one before (the first: the fill from the best), last so
-    // that they change no other fill's test (planner.plan_mix)
+    // the best in shadow's form, the fill from it below thin_when of its step: fills from it
+    // thinned, its coldest experts dropped one by one while each ends thin_gain below the one
+    // before (the first: the fill from the best), last so that they change no other fill's
+    // test (planner.plan_mix)
     double last = from_best;
-    for (const Replicas& start : thinned_starts(best.replicas, base_.colsum, W)) {
+    const std::vector<Replicas> thinned = from_best < s_.thin_when * best.pred.step
+                                              ? thinned_starts(best.replicas, base_.colsum, W)
+                                              : std::vector<Replicas>{};
+    for (const Replicas& start : thinned) {
       std::optional<Filled> f = water_fill(start, nullptr, false);
-      if (!f || !(f->step < last)) break;
-      last = f->step;
-      if (f->step < won_step) {
-        won_step = f->step;
+      if (!f) break;
+      const double step = f->step;
+      if (step < won_step) {
+        won_step = step;
         won = std::move(f);
       }
+      if (!(step < (1.0 - s_.thin_gain) * last)) break;
+      last = step;
     }
     if (!won) return best;
     Candidate plan;
@@ -373,7 +380,8 @@ void put_prediction(const Prediction& p, int64_t W, int64_t* oi, double* od) {
 
 Settings settings_of(const int64_t* ints, const double* reals) {  // the C entries' layout
   return Settings{ints[2],  ints[3],   ints[4],   ints[5],   ints[6] != 0, reals[7],
-                  reals[8], reals[9],  reals[10], reals[11], ints[12],     reals[12]};
+                  reals[8], reals[9],  reals[10], reals[11], ints[12],     reals[12],
+                  reals[13], reals[14]};
 }
 
 // C's baseline (from its sums when given) and StepModel.check_exact's limits, as plan_replicas
@@ -507,7 +515,7 @@ extern "C" {
 //   ints:  W, E, slots (replica_slots), width, blk, passes (LEVEL_PASSES), balance, then
 //          Model::from's 5 ints, then per_node (the profile's ranks_per_node; 0: one link);
 //   reals: Model::from's 7 reals, then BALANCED, FILL_STOP, SPREAD_WHEN, t_row_feat, t_model,
-//          bw_inter (StepModel.bw_inter; read when per_node > 0).
+//          bw_inter (StepModel.bw_inter; read when per_node > 0), THIN_WHEN, THIN_GAIN.
 // Outputs: out_i: the plan's replicas, ranges and kept sections (put_groups' columns: experts,
 // entry counts, then the holders, or the (y, n) pairs), then its prediction's and its
 // baseline's [token_bytes, weight_bytes, rows] (3W each), then the plan packed for the step's

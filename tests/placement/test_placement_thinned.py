@@ -125,6 +125,7 @@ def test_plan_mix_walks_the_thinned_starts(monkeypatch, profile: str, most: floa
         ("seeds", 64, "zipf:2.0", "h100-nvlink-ib", 2),
         ("deepseek", 256, "zipf:1.2", "h100-ib", 2),
         ("deepseek", 64, "zipf:2.0", "h100-ib", 1),
+        ("seeds", 256, "zipf:2.0", "h100-ib", 1),  # 2 shadowed: one start, the hottest alone
     ],
 )
 def test_the_walk_goes_as_deep_as_each_start_lowers_the_step(

@@ -68,8 +68,8 @@ def planned(
     """``plan_mix(counts_WN, shape, profile, max_replicas, overlap, search_width=...,
     block_size=..., balance=..., fill="level", sums=...)``, compiled; ``slots``: its
     ``replica_slots``; ``constants``: the planner's (BALANCED, FILL_STOP, SPREAD_WHEN,
-    LEVEL_PASSES, THIN_WHEN, THIN_GAIN); ``sums``: C's ``CountSums`` (no pass over C) or None. None where the
-    compiled planner does not run (module doc)."""
+    LEVEL_PASSES, THIN_WHEN, THIN_GAIN); ``sums``: C's ``CountSums`` (no pass over C) or None.
+    None where the compiled planner does not run (module doc)."""
     if not isinstance(counts_WN, torch.Tensor):
         return None
     fn = native_lib.function("mixmoe_plan_mix", ctypes.c_int64, _ARGTYPES)

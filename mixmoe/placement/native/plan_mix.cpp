@@ -9,9 +9,9 @@
 // The same steps as plan_mix, in the same order, with the same comparisons (common.h: every part
 // is its Python's twin bit for bit), so the plan it returns is plan_mix's: the best of the source
 // replicas (replica_search) and FasterMoE's shadowing (shadow_hot), then, unless that is balanced
-// already, level fills from the best candidate, from nothing replicated, from the best thinned
-// (thinned_starts), from the spread start and the kept fill, the winner's plan kept only when its price is strictly below the best
-// candidate's. With a topology every candidate and fill is priced by the 6-row pricing
+// already, level fills from the best candidate, from nothing replicated, from the spread start,
+// the kept fill and, last, from the best thinned (thinned_starts), the winner's plan kept only
+// when its price is strictly below the best candidate's. With a topology every candidate and fill is priced by the 6-row pricing
 // (plan_pricing_nodes, predict_nodes; the search and the fills see one link, as in the Python:
 // the search the intra-node one, the fills the blend of both, StepModel.fill_link): the
 // source-replica candidate repriced (cost_model.reprice), each fill's plan priced in full

@@ -59,8 +59,8 @@ LEVEL_PASSES = 6  # batched passes per fill (``level_fill``; most fills stop aft
 # the fills from a candidate in shadow's form thinned (``thinned_starts``) run when the fill from
 # it ended below THIN_WHEN of its step (in ``bench balance`` the thinned fills lowered the step
 # only where it had: 33-97% below; where it had moved little, by < 1%, they lost 2-39%), and
-# go on while each ends THIN_GAIN below the one before (W = 1024 zipf:1.2 under nodes: the first
-# gained 0.04%, and the next fill, ~1.5 ms of planning, nothing)
+# go on while each is the best fill so far and ends THIN_GAIN below the one before (W = 1024
+# zipf:1.2 under nodes: the first gained 0.04%, and the next fill, ~1.5 ms of planning, nothing)
 THIN_WHEN = 0.9
 THIN_GAIN = 0.005
 FILLS = ("level", "moves")  # plan_mix's fill: batched passes, or the move-by-move search
@@ -148,7 +148,7 @@ def plan_mix(
     fit (``Plan.kept``; ``level_fill(kept=True)``). Last, when the best candidate holds each
     of its experts at every rank (shadow's form) and the fill from it ended below
     ``THIN_WHEN`` of its step, fills start from it thinned, its coldest experts dropped one at a
-    time while each ends ``THIN_GAIN`` below the one before (``thinned_starts``: the slots it
+    time while each is the best fill so far and ends ``THIN_GAIN`` below the one before (``thinned_starts``: the slots it
     fills and its warm experts' copies are out of a fill's reach otherwise). With a topology the fills search on one
     link, the blend of both (``StepModel.fill_link``), and each fill's plan is priced in full
     by the 6-row pricing (``_fill_step``). The balanced
@@ -298,8 +298,8 @@ def plan_mix(
         # from it could neither free the slots it fills nor drop a warm expert's copies. When
         # that fill had much to do (its step below THIN_WHEN of the candidate's), fills from
         # the candidate thinned, its coldest experts dropped one by one (``thinned_starts``),
-        # while each lowers the step of the one before by THIN_GAIN (the first: the fill from
-        # the candidate); last, so that they change no other fill's test
+        # while each is the best fill so far and ends THIN_GAIN below the one before (the
+        # first: the fill from the candidate); last, so that they change no other fill's test
         last = from_best
         thinned = (
             thinned_starts(best.replicas, colsum_N, W)
@@ -312,8 +312,9 @@ def plan_mix(
             if state is None:
                 break
             step = _fill_step(state, model, C_WN, E, profile, base_4W, colsum_N)
-            if step < won_step:
-                won, won_step = state, step
+            if not step < won_step:  # not the best fill: the walk ends
+                break
+            won, won_step = state, step
             if not step < (1.0 - THIN_GAIN) * last:
                 break
             last = step

@@ -281,9 +281,9 @@ class Planner {
     if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
       consider(water_fill({}, nullptr, true), false);  // the kept fill
     // the best in shadow's form, the fill from it below thin_when of its step: fills from it
-    // thinned, its coldest experts dropped one by one while each ends thin_gain below the one
-    // before (the first: the fill from the best), last so that they change no other fill's
-    // test (planner.plan_mix)
+    // thinned, its coldest experts dropped one by one while each is the best fill so far and
+    // ends thin_gain below the one before (the first: the fill from the best), last so that
+    // they change no other fill's test (planner.plan_mix)
     double last = from_best;
     const std::vector<Replicas> thinned = from_best < s_.thin_when * best.pred.step
                                               ? thinned_starts(best.replicas, base_.colsum, W)
@@ -292,10 +292,9 @@ class Planner {
       std::optional<Filled> f = water_fill(start, nullptr, false);
       if (!f) break;
       const double step = f->step;
-      if (step < won_step) {
-        won_step = step;
-        won = std::move(f);
-      }
+      if (!(step < won_step)) break;  // not the best fill: the walk ends
+      won_step = step;
+      won = std::move(f);
       if (!(step < (1.0 - s_.thin_gain) * last)) break;
       last = step;
     }

@@ -62,13 +62,13 @@ def planned(
     search_width: int,
     block_size: int,
     balance: bool,
-    constants: tuple[float, float, float, int, float, float],
+    constants: tuple[float, float, float, int, float, float, int],
     sums: CountSums | None = None,
 ) -> Plan | None:
     """``plan_mix(counts_WN, shape, profile, max_replicas, overlap, search_width=...,
     block_size=..., balance=..., fill="level", sums=...)``, compiled; ``slots``: its
     ``replica_slots``; ``constants``: the planner's (BALANCED, FILL_STOP, SPREAD_WHEN,
-    LEVEL_PASSES, THIN_WHEN, THIN_GAIN); ``sums``: C's ``CountSums`` (no pass over C) or None.
+    LEVEL_PASSES, THIN_WHEN, THIN_GAIN, THIN_ALWAYS); ``sums``: C's ``CountSums`` (no pass over C) or None.
     None where the compiled planner does not run (module doc)."""
     if not isinstance(counts_WN, torch.Tensor):
         return None
@@ -124,7 +124,7 @@ def refitted(
     # the settings' ints and reals as plan_mix's (the refit reads W, E, the block, the model,
     # the nodes; the search's settings are not read)
     args = _settings(
-        (shape, profile, 0, overlap, 1, block_size, True, (1.0, 1.0, 1.0, 0, 1.0, 0.0))
+        (shape, profile, 0, overlap, 1, block_size, True, (1.0, 1.0, 1.0, 0, 1.0, 0.0, 0))
     )
     if args is None:
         return None
@@ -219,9 +219,10 @@ def _arguments(key: tuple) -> tuple[ctypes.Array, ctypes.Array] | None:
         if type(per_node) is not int or per_node < 1 or type(bw_inter) is not float:
             return None
     W, E = shape.world_size, shape.experts_per_rank
-    balanced, fill_stop, spread_when, passes, thin_when, thin_gain = constants
+    balanced, fill_stop, spread_when, passes, thin_when, thin_gain, thin_always = constants
     model_i, model_d = terms
-    ints = [W, E, slots, search_width, block_size, passes, int(balance), *model_i, per_node]
+    ints = [W, E, slots, search_width, block_size, passes, int(balance), *model_i, per_node,
+            thin_always]  # fmt: skip
     reals = [*model_d, balanced, fill_stop, spread_when, *shadow_terms(shape, profile), bw_inter,
              thin_when, thin_gain]  # fmt: skip
     return (ctypes.c_int64 * len(ints))(*ints), (ctypes.c_double * len(reals))(*reals)

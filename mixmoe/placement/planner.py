@@ -63,6 +63,9 @@ LEVEL_PASSES = 6  # batched passes per fill (``level_fill``; most fills stop aft
 # zipf:1.2 under nodes: the first gained 0.04%, and the next fill, ~1.5 ms of planning, nothing)
 THIN_WHEN = 0.9
 THIN_GAIN = 0.005
+# ... and always where C has at most THIN_ALWAYS counts (W = 8 with 256 experts): a fill there
+# is tens of microseconds, and the DeepSeek-like W = 8 walks gained up to 5.7% past the gate
+THIN_ALWAYS = 2048
 FILLS = ("level", "moves")  # plan_mix's fill: batched passes, or the move-by-move search
 _EXP_STARTS = None
 _EXP_SPREAD = True  # the spread start is filled when the best fill ends > 5% above its mean
@@ -147,7 +150,8 @@ def plan_mix(
     nothing replicated, its new holders keeping only the whole blocks of their own rows that
     fit (``Plan.kept``; ``level_fill(kept=True)``). Last, when the best candidate holds each
     of its experts at every rank (shadow's form) and the fill from it ended below
-    ``THIN_WHEN`` of its step, fills start from it thinned, its coldest experts dropped one at a
+    ``THIN_WHEN`` of its step (or C has at most ``THIN_ALWAYS`` counts), fills start from it
+    thinned, its coldest experts dropped one at a
     time while each is the best fill so far and ends ``THIN_GAIN`` below the one before (``thinned_starts``: the slots it
     fills and its warm experts' copies are out of a fill's reach otherwise). With a topology the fills search on one
     link, the blend of both (``StepModel.fill_link``), and each fill's plan is priced in full
@@ -183,7 +187,8 @@ def plan_mix(
     W, E = shape.world_size, shape.experts_per_rank
     slots = replica_slots(max_replicas, E)
     if fill == "level":  # compiled whole where it can run (a topology included)
-        constants = (BALANCED, FILL_STOP, SPREAD_WHEN, LEVEL_PASSES, THIN_WHEN, THIN_GAIN)
+        constants = (BALANCED, FILL_STOP, SPREAD_WHEN, LEVEL_PASSES, THIN_WHEN, THIN_GAIN,
+                     THIN_ALWAYS)  # fmt: skip
         plan = planned(counts_WN, shape, profile, slots, overlap, search_width, block_size,
                        balance, constants, sums)  # fmt: skip
         if plan is not None:
@@ -296,14 +301,16 @@ def plan_mix(
                     won, won_step = state, step
         # the best candidate in shadow's form (each of its experts at every rank): the fill
         # from it could neither free the slots it fills nor drop a warm expert's copies. When
-        # that fill had much to do (its step below THIN_WHEN of the candidate's), fills from
+        # that fill had much to do (its step below THIN_WHEN of the candidate's) or C is small
+        # (THIN_ALWAYS counts at most), fills from
         # the candidate thinned, its coldest experts dropped one by one (``thinned_starts``),
         # while each is the best fill so far and ends THIN_GAIN below the one before (the
         # first: the fill from the candidate); last, so that they change no other fill's test
         last = from_best
+        small = W * shape.num_experts <= THIN_ALWAYS
         thinned = (
             thinned_starts(best.replicas, colsum_N, W)
-            if from_best < THIN_WHEN * best.prediction.step_s
+            if small or from_best < THIN_WHEN * best.prediction.step_s
             else []
         )
         for start in thinned:

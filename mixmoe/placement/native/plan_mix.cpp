@@ -44,6 +44,7 @@ struct Settings {  // plan_mix's arguments and module constants
   int64_t per_node;                         // the profile's ranks per node; 0: one link
   double bw_inter;                          // StepModel.bw_inter (per_node > 0)
   double thin_when, thin_gain;              // THIN_WHEN, THIN_GAIN
+  int64_t thin_always;                      // THIN_ALWAYS
 };
 
 struct Candidate {  // a priced plan (Plan's fields)
@@ -280,12 +281,14 @@ class Planner {
     const double base_mean = fold_sum(totals_of(baseline)) / static_cast<double>(W);
     if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
       consider(water_fill({}, nullptr, true), false);  // the kept fill
-    // the best in shadow's form, the fill from it below thin_when of its step: fills from it
+    // the best in shadow's form, the fill from it below thin_when of its step or C small (at
+    // most thin_always counts): fills from it
     // thinned, its coldest experts dropped one by one while each is the best fill so far and
     // ends thin_gain below the one before (the first: the fill from the best), last so that
     // they change no other fill's test (planner.plan_mix)
     double last = from_best;
-    const std::vector<Replicas> thinned = from_best < s_.thin_when * best.pred.step
+    const bool small = W * k_.N <= s_.thin_always;
+    const std::vector<Replicas> thinned = small || from_best < s_.thin_when * best.pred.step
                                               ? thinned_starts(best.replicas, base_.colsum, W)
                                               : std::vector<Replicas>{};
     for (const Replicas& start : thinned) {
@@ -380,7 +383,7 @@ void put_prediction(const Prediction& p, int64_t W, int64_t* oi, double* od) {
 Settings settings_of(const int64_t* ints, const double* reals) {  // the C entries' layout
   return Settings{ints[2],  ints[3],   ints[4],   ints[5],   ints[6] != 0, reals[7],
                   reals[8], reals[9],  reals[10], reals[11], ints[12],     reals[12],
-                  reals[13], reals[14]};
+                  reals[13], reals[14], ints[13]};
 }
 
 // C's baseline (from its sums when given) and StepModel.check_exact's limits, as plan_replicas
@@ -512,7 +515,8 @@ extern "C" {
 // plan_mix(C, shape, profile, max_replicas, overlap, search_width=, block_size=, balance=,
 // fill="level") on one link. Inputs: C (int64 [W, N], the caller checked shape and type);
 //   ints:  W, E, slots (replica_slots), width, blk, passes (LEVEL_PASSES), balance, then
-//          Model::from's 5 ints, then per_node (the profile's ranks_per_node; 0: one link);
+//          Model::from's 5 ints, then per_node (the profile's ranks_per_node; 0: one link),
+//          THIN_ALWAYS;
 //   reals: Model::from's 7 reals, then BALANCED, FILL_STOP, SPREAD_WHEN, t_row_feat, t_model,
 //          bw_inter (StepModel.bw_inter; read when per_node > 0), THIN_WHEN, THIN_GAIN.
 // Outputs: out_i: the plan's replicas, ranges and kept sections (put_groups' columns: experts,

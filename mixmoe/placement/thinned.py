@@ -13,11 +13,12 @@ loses the hottest experts' replicas everywhere, which save the most traffic.
 
 ``thinned_starts`` gives the starts in between: the candidate less its coldest expert, less its two
 coldest, and so on down to its hottest alone. ``plan_mix`` fills them in that order, after its
-other fills and only where the fill from the candidate ended ``THIN_WHEN`` below it, while each
-is the best fill so far and ends ``THIN_GAIN`` below the one before (``planner.py``). Measured with ``bench balance``
-(2026-11-27, docs/results/2026-11-27-thinned-starts.md): DeepSeek-like shape, zipf:1.2 and
-zipf:2.0 at W = 64 and 256, 24-45% lower steps on one link and 28-55% under 8-GPU nodes, where 8
-shadowed experts filled every rank's 8 slots.
+other fills and only where the fill from the candidate ended ``THIN_WHEN`` below it (or C is
+small: ``THIN_ALWAYS``), while each is the best fill so far and ends ``THIN_GAIN`` below the
+one before (``planner.py``). Measured with ``bench balance`` (2026-11-27,
+docs/results/2026-11-27-thinned-starts.md): DeepSeek-like shape, zipf:1.2 and zipf:2.0 at W = 64
+and 256, 24-45% lower steps on one link and 28-55% under 8-GPU nodes, where 8 shadowed experts
+filled every rank's 8 slots.
 """
 
 from __future__ import annotations

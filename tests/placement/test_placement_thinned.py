@@ -169,6 +169,19 @@ def _thinned_fills(monkeypatch) -> list:
     return ran
 
 
+def _walked(monkeypatch, C, shape, prof, **constants) -> tuple:
+    """(the compiled plan, the thinned fills the Python steps ran) with the planner's
+    ``constants`` set (e.g. THIN_WHEN=2.0); asserts the compiled plan is the Python one."""
+    with monkeypatch.context() as m:
+        for name, value in constants.items():
+            m.setattr(planner_module, name, value)
+        fast, slow = _both(m, C, shape, prof, 4)
+        assert _canon(fast) == _canon(slow)
+        ran = _thinned_fills(m)
+        plan_mix(C, shape, prof, 4)
+    return fast, ran
+
+
 def test_the_walk_stops_below_thin_gain(monkeypatch) -> None:
     """seeds W = 64 zipf:1.2 under nodes: the first thinned fill ends 0.18% below the fill from
     the candidate (4.331 against 4.339 ms), less than THIN_GAIN: it wins, and the walk stops
@@ -176,16 +189,9 @@ def test_the_walk_stops_below_thin_gain(monkeypatch) -> None:
     here), and the compiled planner reads the constant as the Python does."""
     prof = load_profile("h100-nvlink-ib")
     C, shape = _bench_case("seeds", 64, "zipf:1.2")
-    with monkeypatch.context() as m:
-        ran = _thinned_fills(m)
-        plan = plan_mix(C, shape, prof, 4)
+    plan, ran = _walked(monkeypatch, C, shape, prof)
     assert len(ran) == 1 and 4.33 < 1e3 * plan.prediction.step_s < 4.332
-    monkeypatch.setattr(planner_module, "THIN_GAIN", 0.0)
-    fast, slow = _both(monkeypatch, C, shape, prof, 4)
-    assert _canon(fast) == _canon(slow)
-    with monkeypatch.context() as m:
-        ran = _thinned_fills(m)
-        plan_mix(C, shape, prof, 4)
+    _, ran = _walked(monkeypatch, C, shape, prof, THIN_GAIN=0.0)
     assert len(ran) >= 2
 
 
@@ -199,16 +205,9 @@ def test_no_walk_where_the_fill_from_the_candidate_moved_little(monkeypatch) -> 
     C, shape = _bench_case("deepseek", 64, "hotset:8:0.5")
     best = plan_mix(C, shape, prof, 4, balance=False)
     assert thinned_starts(best.replicas, C.sum(0), 64)
-    with monkeypatch.context() as m:
-        ran = _thinned_fills(m)
-        gated = plan_mix(C, shape, prof, 4)
+    gated, ran = _walked(monkeypatch, C, shape, prof)
     assert ran == []
-    with monkeypatch.context() as m:
-        m.setattr(planner_module, "THIN_WHEN", 2.0)
-        fast, slow = _both(m, C, shape, prof, 4)
-        assert _canon(fast) == _canon(slow)
-        ran = _thinned_fills(m)
-        plan_mix(C, shape, prof, 4)
+    fast, ran = _walked(monkeypatch, C, shape, prof, THIN_WHEN=2.0)
     assert len(ran) == 1
     assert fast.prediction.step_s == gated.prediction.step_s
 
@@ -221,18 +220,9 @@ def test_small_counts_walk_past_the_gate(monkeypatch) -> None:
     does."""
     prof = load_profile("h100-nvlink")
     C, shape = _bench_case("deepseek", 8, "zipf:1.2")
-    fast, slow = _both(monkeypatch, C, shape, prof, 4)
-    assert _canon(fast) == _canon(slow)
-    with monkeypatch.context() as m:
-        ran = _thinned_fills(m)
-        plan_mix(C, shape, prof, 4)
+    fast, ran = _walked(monkeypatch, C, shape, prof)
     assert len(ran) == 6
-    with monkeypatch.context() as m:
-        m.setattr(planner_module, "THIN_ALWAYS", 0)
-        gated, slow = _both(m, C, shape, prof, 4)
-        assert _canon(gated) == _canon(slow)
-        ran = _thinned_fills(m)
-        plan_mix(C, shape, prof, 4)
+    gated, ran = _walked(monkeypatch, C, shape, prof, THIN_ALWAYS=0)
     assert ran == []
     assert fast.prediction.step_s < 0.95 * gated.prediction.step_s
 

@@ -142,12 +142,18 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
 #endif
     if (excess > 0) {  // off the largest amounts first, ties by rank
       auto& am = amounts[g];
-      auto& order = order_;  // (-n, r)
+      auto& order = order_;  // (-n, r), distinct by r: a sorted prefix is the full sort's
       order.clear();
       for (const auto& [r, n] : am)
         if (n != 0) order.emplace_back(-n, r);
-      std::sort(order.begin(), order.end());
-      for (const auto& [neg, r] : order) {
+      size_t ready = 0;  // order[0, ready) sorted: grown (doubling) only as far as it is read
+      for (size_t i = 0; i < order.size(); ++i) {
+        if (i == ready) {  // a hot expert has up to W - 1 amounts; the excess takes a few
+          ready = std::min(order.size(), std::max<size_t>(2 * ready, 4));
+          std::partial_sort(order.begin() + static_cast<std::ptrdiff_t>(i),
+                            order.begin() + static_cast<std::ptrdiff_t>(ready), order.end());
+        }
+        const int64_t r = order[i].second;
         int64_t& n = am[r];
         const int64_t d = std::min(excess, n);
         n -= d;

@@ -39,6 +39,7 @@ using namespace mixmoe_native;
 
 constexpr int OFFERED = 4;       // level_fill.OFFERED
 constexpr int OFFERED_MAX = 16;  // level_fill.OFFERED_MAX
+constexpr size_t KEEP_SORT_ALL = 32;  // Fill::keep: a list this short sorted whole at once
 
 struct Offer {  // level_fill._offer's [g, own rows allowed, own rows given at the offer]
   int64_t g, mine, given;
@@ -146,9 +147,12 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
       order.clear();
       for (const auto& [r, n] : am)
         if (n != 0) order.emplace_back(-n, r);
-      size_t ready = 0;  // order[0, ready) sorted: grown (doubling) only as far as it is read
+      // order[0, ready) sorted: all of a short list at once, else grown (doubling) only as far
+      // as it is read (a hot expert has up to W - 1 amounts; the excess takes a few)
+      size_t ready = 0;
+      if (order.size() <= KEEP_SORT_ALL) std::sort(order.begin(), order.end()), ready = order.size();
       for (size_t i = 0; i < order.size(); ++i) {
-        if (i == ready) {  // a hot expert has up to W - 1 amounts; the excess takes a few
+        if (i == ready) {
           ready = std::min(order.size(), std::max<size_t>(2 * ready, 4));
           std::partial_sort(order.begin() + static_cast<std::ptrdiff_t>(i),
                             order.begin() + static_cast<std::ptrdiff_t>(ready), order.end());

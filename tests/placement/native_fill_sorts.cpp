@@ -1,4 +1,5 @@
-// level_fill.cpp's sorts (Ascending: the level's points; sort_ranks: the donors and receivers)
+// level_fill.cpp's sorts (Ascending: the level's points; sort_ranks: the donors and receivers;
+// sort_through: the keep's amounts, below)
 // against std::stable_sort by the double comparison (ties in x keep insertion order; -0.0 and
 // 0.0 tie), on xs no fill may meet yet: ties, -0.0 with 0.0, clumps a few ulps wide, a huge
 // range, subnormals, on both sides of BUCKETS_FROM and RADIX_SMALL. Built by
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <utility>
 
 namespace {
 
@@ -68,6 +70,38 @@ int main() {
             std::printf("sort_ranks differs: n %zu kind %d descending %d\n", n, kind, descending);
             return 1;
           }
+        }
+        ++checked;
+      }
+    }
+  }
+  // sort_through (Fill::keep's amounts, largest first): each prefix read, however long, is the
+  // full sort's, on lists short and long (KEEP_SORT_ALL), read a few entries (the chunks) or past
+  // a quarter (the rest whole), amounts with ties (ranks break them) or none
+  for (size_t n : {0, 1, 5, 31, 32, 33, 40, 64, 100, 257, 1023}) {
+    for (size_t k : {1, 2, 4, 5, 8, 9, 13, 17, 33, 80, 300, 1023}) {
+      if (k > n && k != 1) continue;
+      for (int64_t spread : {3, 1000000}) {  // amounts drawn from [1, spread]: ties, or few
+        std::vector<int64_t> ranks(n);
+        std::iota(ranks.begin(), ranks.end(), 0);
+        std::shuffle(ranks.begin(), ranks.end(), rng);
+        std::vector<std::pair<int64_t, int64_t>> v(n);  // (-amount, rank), distinct by rank
+        for (size_t i = 0; i < n; ++i)
+          v[i] = {-1 - static_cast<int64_t>(rng() % static_cast<uint64_t>(spread)), ranks[i]};
+        std::vector<std::pair<int64_t, int64_t>> want = v;
+        std::sort(want.begin(), want.end());
+        size_t ready = 0;
+        for (size_t i = 0; i < std::min(k, n); ++i) {
+          sort_through(v, i, ready);
+          if (v[i] != want[i] || ready <= i || ready > n) {
+            std::printf("sort_through differs: n %zu k %zu at %zu\n", n, k, i);
+            return 1;
+          }
+        }
+        std::sort(v.begin(), v.end());  // nothing lost or duplicated
+        if (v != want) {
+          std::printf("sort_through lost entries: n %zu k %zu\n", n, k);
+          return 1;
         }
         ++checked;
       }

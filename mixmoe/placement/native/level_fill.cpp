@@ -41,6 +41,26 @@ constexpr int OFFERED = 4;       // level_fill.OFFERED
 constexpr int OFFERED_MAX = 16;  // level_fill.OFFERED_MAX
 constexpr size_t KEEP_SORT_ALL = 32;  // Fill::keep: a list this short sorted whole at once
 
+// Makes v[i] final, v[0, ready) being final already (its ascending sort's entries; distinct
+// entries: a sorted prefix is the full sort's): a list of KEEP_SORT_ALL or fewer sorted whole at
+// once; else the next chunk (doubling from 4) by a partial sort, the rest whole once a chunk would
+// reach a quarter of it. Fill::keep reads a hot expert's ~W - 1 amounts, largest first, only until
+// its excess is placed: W = 1024 zipf, one or two of them (sorting all of them at each new holder
+// was ~1/3 of a plan's time at W = 1024 zipf:2).
+template <class T>
+void sort_through(std::vector<T>& v, size_t i, size_t& ready) {
+  if (i < ready) return;
+  const auto from = v.begin() + static_cast<std::ptrdiff_t>(i);
+  const size_t next = std::max<size_t>(2 * ready, 4);
+  if (v.size() <= KEEP_SORT_ALL || 4 * (next - i) >= v.size() - i) {
+    std::sort(from, v.end());
+    ready = v.size();
+  } else {
+    std::partial_sort(from, v.begin() + static_cast<std::ptrdiff_t>(next), v.end());
+    ready = next;
+  }
+}
+
 struct Offer {  // level_fill._offer's [g, own rows allowed, own rows given at the offer]
   int64_t g, mine, given;
 };
@@ -147,16 +167,9 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
       order.clear();
       for (const auto& [r, n] : am)
         if (n != 0) order.emplace_back(-n, r);
-      // order[0, ready) sorted: all of a short list at once, else grown (doubling) only as far
-      // as it is read (a hot expert has up to W - 1 amounts; the excess takes a few)
-      size_t ready = 0;
-      if (order.size() <= KEEP_SORT_ALL) std::sort(order.begin(), order.end()), ready = order.size();
+      size_t ready = 0;  // order[0, ready) final (sort_through)
       for (size_t i = 0; i < order.size(); ++i) {
-        if (i == ready) {
-          ready = std::min(order.size(), std::max<size_t>(2 * ready, 4));
-          std::partial_sort(order.begin() + static_cast<std::ptrdiff_t>(i),
-                            order.begin() + static_cast<std::ptrdiff_t>(ready), order.end());
-        }
+        sort_through(order, i, ready);
         const int64_t r = order[i].second;
         int64_t& n = am[r];
         const int64_t d = std::min(excess, n);

@@ -3,13 +3,27 @@
 // counts: one link and nodes, plain and kept fills (whose keeps take rows back off helpers:
 // Fill::keep's excess), blocks of 16 and 64 rows. Built by tests/placement/test_native_fill.py
 // (test_touched_totals_are_every_total) with -DMIXMOE_CHECK_TOUCHED and -I the native folder: it
-// includes the .cpp itself. Prints "ok <fills> <passes checked> <excess keeps>", or the first
-// fill whose totals differ.
+// includes the .cpp itself. Prints "ok <fills> <passes checked> <excess keeps> <live lists>
+// <digest>", or the first fill whose totals differ. The digest hashes every fill's output (its
+// loads, totals and replica bits, holders, amounts and kept rows): the test builds the driver
+// again with -DMIXMOE_LIVE_FROM=0 (every holder walk of matched from a LiveHolders list, which
+// the library takes from 64 holders on) and compares the two digests.
 #define MIXMOE_CHECK_TOUCHED
 #include "level_fill.cpp"
 
 #include <cstdio>
+#include <cstring>
 #include <random>
+
+uint64_t digest = 14695981039346656037ull;  // FNV-1a over every fill's output
+void mix(uint64_t x) {
+  for (int k = 0; k < 8; ++k) digest = (digest ^ ((x >> (8 * k)) & 0xff)) * 1099511628211ull;
+}
+uint64_t bits(double x) {
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
 
 int main() {
   using namespace mixmoe_native;
@@ -51,8 +65,18 @@ int main() {
     for (bool kept : {false, true}) {
       const int64_t per_node = rng() % 3 == 0 ? 1 + static_cast<int64_t>(rng() % 4) : 0;
       const FillSettings settings{8, rng() % 2 ? 16 : 64, 12, 1.02, kept, true, per_node};
-      level_fill(counts, colsum, own, model, {}, any_remote, loads, settings);
+      const FillOut out = level_fill(counts, colsum, own, model, {}, any_remote, loads, settings);
       ++fills;
+      mix(static_cast<uint64_t>(out.moves));
+      for (const auto* v : {&out.loads.rows, &out.loads.local, &out.loads.remote})
+        for (int64_t x : *v) mix(static_cast<uint64_t>(x));
+      for (const auto* v : {&out.totals, &out.loads.replica})
+        for (double x : *v) mix(bits(x));
+      for (const auto& [g, hs] : out.replicas)
+        for (int64_t h : hs) mix(static_cast<uint64_t>(g * W + h));
+      for (const auto* groups : {&out.amounts, &out.kept_local})
+        for (const auto& [g, entries] : *groups)
+          for (const auto& [r, n] : entries) mix(static_cast<uint64_t>((g * W + r) * 7 + n));
       if (touched_misses) {
         std::printf("totals differ: rep %d W %lld E %lld kept %d\n", rep,
                     static_cast<long long>(W), static_cast<long long>(E), kept);
@@ -60,7 +84,8 @@ int main() {
       }
     }
   }
-  std::printf("ok %d %lld %lld\n", fills, static_cast<long long>(touched_checks),
-              static_cast<long long>(excess_keeps));
+  std::printf("ok %d %lld %lld %lld %016llx\n", fills, static_cast<long long>(touched_checks),
+              static_cast<long long>(excess_keeps), static_cast<long long>(live_lists),
+              static_cast<unsigned long long>(digest));
   return 0;
 }

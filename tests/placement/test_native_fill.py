@@ -70,13 +70,13 @@ def test_compiled_fill_is_built_here():
     assert int(points) == TENSOR_POINTS and float(gain) == MIN_GAIN
 
 
-def _driver(tmp_path: Path, name: str) -> subprocess.CompletedProcess:
+def _driver(tmp_path: Path, name: str, *defines: str) -> subprocess.CompletedProcess:
     """The C++ driver ``name`` beside this file (it includes ``level_fill.cpp``), built with the
-    library's compiler and run (its output as text)."""
+    library's compiler (and ``defines``, ``-D`` flags) and run (its output as text)."""
     cxx = lib._compiler()
     assert cxx is not None
-    exe = tmp_path / Path(name).stem
-    flags = ["-O1", "-std=c++17", "-ffp-contract=off", f"-I{lib.FOLDER}"]
+    exe = tmp_path / (Path(name).stem + "".join(defines).replace("=", "_"))
+    flags = ["-O1", "-std=c++17", "-ffp-contract=off", f"-I{lib.FOLDER}", *defines]
     source = str(Path(__file__).with_name(name))
     subprocess.run([cxx, *flags, source, "-o", str(exe)], check=True, capture_output=True)
     return subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
@@ -111,11 +111,20 @@ def test_touched_totals_are_every_total(tmp_path):
     (``Fill::retotal_touched``); ``native_fill_totals.cpp`` checks them against every rank's
     total computed afresh, pass after pass, over 800 fills of random counts (one link and
     nodes, plain and kept fills: keeps that take rows back off helpers included). A driver
-    that includes ``level_fill.cpp`` with its check compiled in."""
-    ran = _driver(tmp_path, "native_fill_totals.cpp")
-    assert ran.returncode == 0, ran.stdout
-    word, fills, passes, excess = ran.stdout.split()
-    assert (word, int(fills)) == ("ok", 800) and int(passes) > 1000 and int(excess) > 10
+    that includes ``level_fill.cpp`` with its check compiled in.
+
+    Built again with every holder walk of the matching from a ``LiveHolders`` list (the ranks
+    out of room dropped, the holders a pass adds inserted in rank order; the library walks an
+    expert's holders so from 64 of them on, W = 65 and above): the same fills, output for
+    output (the digest)."""
+    plain = _driver(tmp_path, "native_fill_totals.cpp")
+    live = _driver(tmp_path, "native_fill_totals.cpp", "-DMIXMOE_LIVE_FROM=0")
+    for ran in (plain, live):
+        assert ran.returncode == 0, ran.stdout
+        word, fills, passes, excess, _, _ = ran.stdout.split()
+        assert (word, int(fills)) == ("ok", 800) and int(passes) > 1000 and int(excess) > 10
+    assert int(plain.stdout.split()[4]) == 0 and int(live.stdout.split()[4]) > 1000
+    assert live.stdout.split()[5] == plain.stdout.split()[5]  # the digests
 
 
 def _compare(args: tuple, passes: int, stop: float, kept: bool) -> RangeState:

@@ -40,13 +40,17 @@ using namespace mixmoe_native;
 constexpr int OFFERED = 4;       // level_fill.OFFERED
 constexpr int OFFERED_MAX = 16;  // level_fill.OFFERED_MAX
 constexpr size_t KEEP_SORT_ALL = 32;  // Fill::keep: a list this short sorted whole at once
+#ifndef MIXMOE_LIVE_FROM  // native_fill_totals.cpp builds it at 0 too: every walk from a list
+#define MIXMOE_LIVE_FROM 64
+#endif
+constexpr size_t LIVE_FROM = MIXMOE_LIVE_FROM;  // matched: holders walked from a LiveHolders list
 
 // Makes v[i] final, v[0, ready) being final already (its ascending sort's entries; distinct
 // entries: a sorted prefix is the full sort's): a list of KEEP_SORT_ALL or fewer sorted whole at
 // once; else the next chunk (doubling from 4) by a partial sort, the rest whole once a chunk would
 // reach a quarter of it. Fill::keep reads a hot expert's ~W - 1 amounts, largest first, only until
-// its excess is placed: W = 1024 zipf, one or two of them (sorting all of them at each new holder
-// was ~1/3 of a plan's time at W = 1024 zipf:2).
+// its excess is placed: one of them, in every keep of the bench planner's W = 1024 zipf plans
+// (sorting all of them at each new holder was ~1/3 of the plan's time at W = 1024 zipf:2).
 template <class T>
 void sort_through(std::vector<T>& v, size_t i, size_t& ready) {
   if (i < ready) return;
@@ -89,7 +93,7 @@ void reset_each(std::vector<T>& v, size_t n) {
 }
 
 #ifdef MIXMOE_CHECK_TOUCHED  // tests/placement/native_fill_totals.cpp's counters
-int64_t touched_checks = 0, touched_misses = 0, excess_keeps = 0;
+int64_t touched_checks = 0, touched_misses = 0, excess_keeps = 0, live_lists = 0;
 #endif
 
 struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of length N
@@ -610,11 +614,47 @@ struct Params {  // level_fill's rates and settings
   bool kept;
 };
 
+// matched's walks over an expert's holders, less the ranks out of room: a rank whose room fell
+// below half a block's cost takes no rows in the rest of the call (its room only falls), so a
+// walk drops it from the expert's list, and later walks of the expert skip it. The lists keep
+// the holders' order (ascending) and take the holders the call adds. W = 1024 zipf:2: a plan's
+// walks met ~7 * 10**5 holders, 99.5% of them out of room, one donor after another.
+struct LiveHolders {
+  std::vector<int32_t> slot;  // by expert: its list in `lists`, -1 none yet this call
+  std::vector<std::vector<int64_t>> lists;
+  std::vector<int64_t> built;  // the experts with a list this call
+
+  std::vector<int64_t>& list(int64_t g, const std::vector<int64_t>& holders) {
+    int32_t& k = slot[static_cast<size_t>(g)];
+    if (k < 0) {
+      k = static_cast<int32_t>(built.size());
+      if (built.size() == lists.size()) lists.emplace_back();
+      lists[built.size()].assign(holders.begin(), holders.end());
+      built.push_back(g);
+#ifdef MIXMOE_CHECK_TOUCHED
+      ++live_lists;
+#endif
+    }
+    return lists[static_cast<size_t>(k)];
+  }
+  void add(int64_t g, int64_t y) {  // a new holder of g, kept ascending (none listed: built later)
+    const int32_t k = slot[static_cast<size_t>(g)];
+    if (k < 0) return;
+    auto& l = lists[static_cast<size_t>(k)];
+    l.insert(std::lower_bound(l.begin(), l.end(), y), y);
+  }
+  void start(size_t N) {  // a call's: no lists (their buffers kept)
+    if (slot.size() != N) slot.assign(N, -1);
+    for (int64_t g : built) slot[static_cast<size_t>(g)] = -1;
+    built.clear();
+  }
+};
+
 // level_fill._matched: place each donor's shed rows; returns the pieces moved, new holders in `fresh`
 int64_t matched(Fill& f, const std::vector<Offers>& offers,
                 const std::vector<std::pair<int64_t, int64_t>>& shed, std::vector<double>& room_W,
                 const std::vector<int64_t>& order, double cost, const Params& p,
-                std::vector<int64_t>& fresh) {
+                std::vector<int64_t>& fresh, LiveHolders& live) {
   const int64_t blk = f.blk, E = f.E;
   const double a = p.a, copy = p.copy;
   int64_t moved = 0;
@@ -629,12 +669,9 @@ int64_t matched(Fill& f, const std::vector<Offers>& offers,
     int64_t left = left0;
     for (const Offer& of : offers[b]) {
       const int64_t g = of.g, o = g / E;
-      const std::vector<int64_t>& hs = f.holders[g];  // not changed in this loop
-      // the owner (i = -1), then the holders (hs[i]): no copy to pay
-      for (int64_t i = -1; i < static_cast<int64_t>(hs.size()); ++i) {
-        const int64_t y = i < 0 ? o : hs[static_cast<size_t>(i)];
-        if (left < blk) break;
-        if (y == b || room_W[y] < 0.5 * blk * cost) continue;
+      // one rank that has room and is not b, the owner or a holder: no copy to pay; false when
+      // the walk ends there
+      const auto serve = [&](int64_t y) __attribute__((always_inline)) {
         const int64_t rest = f.kept_rest(g, y);
         if (rest) {  // a kept holder takes back its own rows, no others
           if (b == o && room_W[y] >= 0.5 * blk * a) {
@@ -646,14 +683,41 @@ int64_t matched(Fill& f, const std::vector<Offers>& offers,
               room_W[y] -= static_cast<double>(k) * a;
             }
           }
-          continue;
+          return true;
         }
         const int64_t n = std::min({left, ask(room_W[y] / cost), f.cap(b, of)});
-        if (n <= 0) break;
+        if (n <= 0) return false;
         f.move(g, b, y, n);
         moved += 1;
         left -= n;
         room_W[y] -= static_cast<double>(n) * cost;
+        return true;
+      };
+      const double no_room = 0.5 * blk * cost;  // below it a rank takes no rows
+      // the owner, then the holders (ascending), while b has a block left to shed
+      bool walking = left >= blk;
+      if (walking && o != b && room_W[o] >= no_room) walking = serve(o);
+      if (walking && f.holders[g].size() < LIVE_FROM) {  // a short list: walked whole
+        for (const int64_t y : f.holders[g]) {
+          if (left < blk) break;
+          if (y != b && room_W[y] >= no_room && !serve(y)) break;
+        }
+      } else if (walking) {
+        std::vector<int64_t>& hs = live.list(g, f.holders[g]);  // g's holders with room so far
+        size_t kept = 0, i = 0;  // hs[0, kept): the holders walked that still have room
+        for (; i < hs.size(); ++i) {
+          const int64_t y = hs[i];
+          if (left < blk) break;
+          if (room_W[y] < no_room) continue;  // out of room for the rest of the call: dropped
+          hs[kept++] = y;
+          if (y != b && !serve(y)) {
+            ++i;
+            break;
+          }
+        }
+        const auto end = std::copy(hs.begin() + static_cast<std::ptrdiff_t>(i), hs.end(),
+                                   hs.begin() + static_cast<std::ptrdiff_t>(kept));
+        hs.erase(end, hs.end());  // the holders not walked stay listed, in order
       }
       // the owner's node first (its replica crosses no slow link), then every rank: the queue
       // (its ranks, where it is) as pointers into `nodes` or `all`
@@ -689,6 +753,7 @@ int64_t matched(Fill& f, const std::vector<Offers>& offers,
           } else {
             f.add_holder(g, y, -1);
           }
+          live.add(g, y);  // walked by the next donor that offers g
           fresh.push_back(g);  // g has a new holder: relayed after the pass
           room -= static_cast<double>(own) * a;
           if (b == o) left -= own;
@@ -724,6 +789,7 @@ struct RunBuffers {  // run's per-pass arrays, one set per thread (no allocation
   LevelScratch ws;
   std::vector<char> seen_N;  // the experts a free-copy pass has marked (all 0 between passes)
   std::vector<int64_t> seen;
+  LiveHolders live;  // matched's
 };
 
 // The thread's buffers of run, reached through a call that is not inlined: the library is
@@ -828,7 +894,8 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
       if (start_W[r] < L) order.push_back(r);
     sort_ranks(order, T_W, false, ws);  // the receivers: by total ascending, then rank
     fresh.clear();
-    const int64_t moved = matched(f, offers, shed, room_W, order, cost, p, fresh);
+    buf.live.start(static_cast<size_t>(f.N));
+    const int64_t moved = matched(f, offers, shed, room_W, order, cost, p, fresh, buf.live);
     std::sort(fresh.begin(), fresh.end());  // the experts with new holders, ascending, once each
     fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
     for (int64_t g : fresh) f.relay(g);

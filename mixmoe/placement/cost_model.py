@@ -283,6 +283,8 @@ class StepModel:
         "_factor_41",
         "_divisor_41",
         "bw_inter",
+        "bw_near",
+        "bw_far",
     )
 
     def __init__(self, shape: LayerShape, profile: HardwareProfile, overlap: bool) -> None:
@@ -299,6 +301,9 @@ class StepModel:
         # collective. None: the one link of every pair, as before topology existed.
         per_node = getattr(profile, "ranks_per_node", None)
         self.bw_inter = profile.inter_node_bandwidth if per_node else None
+        # a fill's copy of this model (``fill_link``) across nodes: the relay copies' two links
+        self.bw_near: float | None = None
+        self.bw_far: float | None = None
         if per_node and shape.world_size > per_node:
             self.lat = max(self.lat, profile.inter_node_latency)
         self.overlap = overlap
@@ -322,14 +327,21 @@ class StepModel:
         1)`` the share of peers on other nodes (P ranks per node). The fills' own totals then
         price rows at about what the plan's 6-row pricing charges them (with the intra-node link
         alone, a fill at W = 256 under ``h100-nvlink-ib`` saw a mean of 2.1 ms against a priced
-        step of 5.3 ms, and spread rows across nodes as if they were free). Twin of
-        ``native/plan_mix.cpp``'s fill model (the same expression, bit for bit)."""
+        step of 5.3 ms, and spread rows across nodes as if they were free). The relay's copies
+        are not blended: most cross no node (a far node's holders share one inter-node chunk
+        each), so the copy keeps both links (``bw_near``, ``bw_far``) and the fills price each
+        rank's copies split by the link they take (``split_total_fn``): with the blend alone,
+        seeds' shape under ``h100-nvlink-ib`` at W = 64, the fills saw 89% of the copies as
+        inter-node where 14-36% were, and left plans 8-10% slower (``docs/results/``
+        ``2026-11-27-split-copies.md``). Twin of ``native/plan_mix.cpp``'s fill model (the same
+        expressions, bit for bit)."""
         if not ranks_per_node or world_size <= ranks_per_node or self.bw_inter is None:
             return self
         far = (world_size - ranks_per_node) / (world_size - 1)  # peers on other nodes
         blended = copy.copy(self)
         blended.bw = 1.0 / (far / self.bw_inter + (1.0 - far) / self.bw)
-        blended.bw_inter = None  # one link
+        blended.bw_inter = None  # one link for the rows
+        blended.bw_near, blended.bw_far = self.bw, self.bw_inter  # two for the copies
         blended._divisor_41 = torch.tensor(
             [self.gemm_flops, self.gemm_flops, blended.bw, blended.bw], dtype=torch.float64
         ).view(4, 1)
@@ -375,6 +387,31 @@ class StepModel:
         def total(rows: int, local: int, remote: int, replica: int) -> float:
             compute, comm = seconds(rows, local, remote, replica)
             return compute + comm
+
+        return total
+
+    def split_total_fn(
+        self, any_remote: bool, any_hot: bool | int
+    ) -> Callable[[int, int, int, float, float], float]:
+        """``total_fn`` of a fill's copy across nodes (``fill_link``): ``total(rows, local,
+        remote, replica, replica_inter)``, the rows on the blended link, the copies split as the
+        6-row pricing splits them: ``replica_inter`` of them (``relay.relay_inter_copies``) at
+        ``bw_far``, the rest at ``bw_near`` (``seconds_W``'s replica term, in its order); twin
+        of ``common.h``'s ``Model::total_split``."""
+        if self.bw_far is None or self.bw_near is None:
+            raise ValueError("split_total_fn needs a fill's copy across nodes (fill_link)")
+        head = self.seconds_fn(any_remote, False)  # compute and token: no weight term
+        P, near, far, rep_s = self.params_bytes, self.bw_near, self.bw_far, self.replica_s
+        weight0 = WEIGHT_COLLECTIVES * any_hot * self.lat if any_hot else 0.0
+
+        def total(rows: int, local: int, remote: int, replica: float, inter: float) -> float:
+            compute, token = head(rows, local, remote, 0)
+            weight = 0.0
+            if any_hot:
+                weight = weight0 + ((replica - inter) * P / near + inter * P / far)
+                if rep_s:
+                    weight = weight + replica * rep_s
+            return compute + (token + weight)
 
         return total
 

@@ -32,7 +32,7 @@ from mixmoe.placement import native_lib
 from mixmoe.placement.cost_model import StepModel
 from mixmoe.placement.native_lib import F64, I64
 from mixmoe.placement.native_lib import P as _P
-from mixmoe.placement.range_state import RangeState
+from mixmoe.placement.range_state import RangeState, start_inter
 
 __all__ = ["FilledState", "filled"]
 
@@ -94,6 +94,7 @@ def filled(
     state.model, state.C_WN, state.E, state.W = model, C_WN, E, W
     state.slots, state.block, state.distance = slots, block_size, distance
     state.any_remote, state._total_fns, state.moves = any_remote, {}, pieces
+    state.split = distance is not None and model.bw_far is not None  # RangeState's
     mi, md = memoryview(out_i).cast("B").cast("q"), memoryview(out_d).cast("B").cast("d")
     head = mi[:HEADER].tolist()
     # out_i: the header, held, rows, local, remote [W each], the overshot ranks, 4 x [N], the
@@ -140,7 +141,9 @@ def _inputs(
     model_i, model_d = terms
     ints = (I64 * 14)(C_WN.shape[0], E, slots, block_size, per_node, any_remote, passes, kept,
                       *model_i, len(start_holders))  # fmt: skip
-    reals = (F64 * 8)(*model_d, stop)
+    # the copies' two links of a fill across nodes (RangeState.split), else 0.0: one link
+    split = per_node > 0 and model.bw_far is not None and model.bw_near is not None
+    reals = (F64 * 10)(*model_d, stop, *((model.bw_near, model.bw_far) if split else (0.0, 0.0)))
     return C, colsum, loads, start, ints, reals
 
 
@@ -208,6 +211,8 @@ class FilledState(RangeState):
             g: dict(zip(ranks, islice(copies_it, len(ranks)), strict=True))
             for g, ranks in _grouped(degrees, 1, list)
         }
+        if self.split:  # RangeState.__init__'s, from the holders (the C++ keeps its own)
+            self.inter, self.replica_inter = start_inter(self.holders, self.E, W, self.distance)
         self._plan = (head, mi, at, out_i, C)  # for plan_fields, until the state changes
         del self._raw
         return self.__dict__[name]
@@ -266,4 +271,5 @@ class FilledState(RangeState):
 
 
 _LAZY = frozenset(("held", "owner_rows", "own", "others", "taken", "helped", "degrees",
-                   "holders", "amounts", "kept", "rows", "local", "replica", "rounds"))  # fmt: skip
+                   "holders", "amounts", "kept", "rows", "local", "replica", "rounds", "inter",
+                   "replica_inter"))  # fmt: skip

@@ -38,7 +38,7 @@ from mixmoe.placement.native_pricing import counted_baseline
 from mixmoe.placement.native_pricing import prediction as compiled_prediction
 from mixmoe.placement.plan import Plan
 from mixmoe.placement.profile import HardwareProfile
-from mixmoe.placement.range_state import RangeState, start_relay
+from mixmoe.placement.range_state import RangeState, start_inter, start_relay, start_totals
 from mixmoe.placement.relay import node_distance
 from mixmoe.placement.replica_search import LIST_LIMIT, SEARCH_WIDTH, plan_replicas
 from mixmoe.placement.shadow import plan_shadow, shadow_hot
@@ -463,9 +463,12 @@ def _water_fill(
     any_remote = bool(loads_4W[2].any())
     # the search: one link (module doc); copies: float under the relay's scatter
     if fill == "level":  # compiled where it can run (``native_fill``), else Python: same state
-        _, rounds = start_relay({g: sorted(h) for g, h in start.items() if h}, E, distance)
-        compute_W, comm_W = model.seconds_W(loads_4W[:4], any_remote, rounds)
-        if is_level((compute_W + comm_W).tolist(), FILL_STOP):
+        holders = {g: sorted(h) for g, h in start.items() if h}
+        _, rounds = start_relay(holders, E, distance)
+        inter_W = None  # across nodes: the copies that cross them (RangeState.split)
+        if distance is not None and model.bw_far is not None:
+            inter_W = start_inter(holders, E, W, distance)[1]
+        if is_level(start_totals(model, loads_4W[:4], any_remote, rounds, inter_W), FILL_STOP):
             return None  # the fill's first test (RangeState's start totals): nothing would move
         args = (model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote,
                 loads_4W[:4])  # fmt: skip

@@ -22,6 +22,11 @@ so a move changes the parts of the ranks it touches, and their loads by the diff
 integers; the replica column: each expert's relay copies, ``relay_degrees``). The loads equal
 ``cost_model.plan_pricing`` of the plan with these amounts as ranges (before ``cut_ranges``
 rounds them to whole blocks): ``tests/placement/test_placement_ranges.py``.
+
+Across nodes (a model from ``StepModel.fill_link`` with ``bw_far``, and a ``distance``) the
+state also keeps the copies that cross nodes (``replica_inter``: each expert's
+``relay_inter_copies``, as ``plan_pricing``'s sixth row) and prices them at the inter-node link
+(``StepModel.split_total_fn``).
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ import torch
 
 from mixmoe.placement.cost_model import StepModel
 from mixmoe.placement.ranges import cut_ranges_many
-from mixmoe.placement.relay import relay_degrees
+from mixmoe.placement.relay import relay_degrees, relay_inter_copies
 
-__all__ = ["RangeState", "start_relay", "stream_rows"]
+__all__ = ["RangeState", "start_inter", "start_relay", "start_totals", "stream_rows"]
 
 
 def stream_rows(
@@ -63,6 +68,37 @@ def start_relay(
     return degrees, rounds
 
 
+def start_totals(
+    model: StepModel,
+    loads_4W: torch.Tensor,
+    any_remote: bool,
+    rounds: int,
+    replica_inter: list[float] | None = None,
+) -> list[float]:
+    """Each rank's total at the start of a fill (``RangeState.totals``): ``model.seconds_W`` of
+    the start loads, or across nodes (``replica_inter`` given: ``start_inter``'s)
+    ``split_total_fn``'s of each rank."""
+    if replica_inter is None:
+        compute_W, comm_W = model.seconds_W(loads_4W, any_remote, rounds)
+        return (compute_W + comm_W).tolist()
+    rows, local, remote = loads_4W[:3].to(torch.int64).tolist()
+    fn = model.split_total_fn(any_remote, rounds)
+    return list(map(fn, rows, local, remote, loads_4W[3].tolist(), replica_inter))
+
+
+def start_inter(
+    holders: dict[int, list[int]], E: int, W: int, distance: Callable[[int, int], int]
+) -> tuple[dict[int, dict[int, float]], list[float]]:
+    """Each replicated expert's relay copies that cross nodes per rank (``relay_inter_copies``),
+    and their sum per rank (grid values: exact in any order)."""
+    inter = {g: relay_inter_copies(g // E, h, distance) for g, h in holders.items()}
+    replica_inter = [0.0] * W
+    for copies in inter.values():
+        for r, x in copies.items():
+            replica_inter[r] += x
+    return inter, replica_inter
+
+
 class RangeState:
     """rows/local/remote/replica: per-rank loads (lists); totals their seconds; holders {g:
     ranks ascending}; held[r]: replicas r holds; amounts {g: {helper: rows}}; taken[g]: their
@@ -70,7 +106,8 @@ class RangeState:
     owner_rows[g]: rows of g its owner computes; helped {r: {g: rows}}: r's amounts; kept
     {g: {y: local rows}}: the holders computing only part of their own rows of g (local <
     C[y][g]; ``plan_fields`` rounds it down to whole blocks); overshot: the ranks a fill made
-    holders whose own rows took them past its level (all kept local: ``level_fill``)."""
+    holders whose own rows took them past its level (all kept local: ``level_fill``);
+    across nodes (module doc) replica_inter, and inter {g: {rank: copies}} per expert."""
 
     def __init__(
         self,
@@ -108,9 +145,13 @@ class RangeState:
         self.rows, self.local, self.remote = loads_4W[:3].to(torch.int64).tolist()
         self.replica = loads_4W[3].tolist()
         self.degrees, self.rounds = start_relay(self.holders, E, distance)
-        compute_W, comm_W = model.seconds_W(loads_4W, any_remote, self.rounds)
-        self.totals = (compute_W + comm_W).tolist()
         self._total_fns: dict[int, Callable] = {}
+        self.split = distance is not None and model.bw_far is not None  # module doc
+        inter_W = None
+        if self.split:
+            self.inter, self.replica_inter = start_inter(self.holders, E, self.W, distance)
+            inter_W = self.replica_inter
+        self.totals = start_totals(model, loads_4W, any_remote, self.rounds, inter_W)
         self.moves = 0
         self.overshot: set[int] = set()  # new holders whose own rows took them past the level
 
@@ -216,13 +257,21 @@ class RangeState:
             self.replica[r] += degrees.get(r, 0) - old.get(r, 0)
         self.degrees[g] = degrees
         self.rounds = max(self.rounds, depth)
+        if self.split:  # the copies that cross nodes (module doc), as the copies above
+            old = self.inter.get(g, {})
+            inter = relay_inter_copies(g // self.E, self.holders[g], self.distance)
+            for r in sorted(set(inter) | set(old)):
+                self.replica_inter[r] += inter.get(r, 0) - old.get(r, 0)
+            self.inter[g] = inter
 
     def retotal(self) -> None:
         """Every rank's total from its loads."""
         fn = self._total_fns.get(self.rounds)
         if fn is None:
-            fn = self._total_fns[self.rounds] = self.model.total_fn(self.any_remote, self.rounds)
-        self.totals = list(map(fn, self.rows, self.local, self.remote, self.replica))
+            make = self.model.split_total_fn if self.split else self.model.total_fn
+            fn = self._total_fns[self.rounds] = make(self.any_remote, self.rounds)
+        loads = [self.rows, self.local, self.remote, self.replica]
+        self.totals = list(map(fn, *loads, *([self.replica_inter] if self.split else [])))
 
     def plan_fields(self) -> tuple[tuple, tuple, tuple, tuple]:
         """(hot, replicas, ranges, kept) of the plan this state stands for: each kept holder's

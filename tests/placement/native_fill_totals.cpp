@@ -64,7 +64,9 @@ int main() {
     for (int64_t x : loads.remote) any_remote = any_remote || x != 0;
     for (bool kept : {false, true}) {
       const int64_t per_node = rng() % 3 == 0 ? 1 + static_cast<int64_t>(rng() % 4) : 0;
-      const FillSettings settings{8, rng() % 2 ? 16 : 64, 12, 1.02, kept, true, per_node};
+      FillSettings settings{8, rng() % 2 ? 16 : 64, 12, 1.02, kept, true, per_node};
+      if (per_node > 0 && rng() % 2)  // across nodes, the copies split by link (total_split)
+        settings.bw_near = 3.15e11, settings.bw_far = 4e10;
       const FillOut out = level_fill(counts, colsum, own, model, {}, any_remote, loads, settings);
       ++fills;
       mix(static_cast<uint64_t>(out.moves));

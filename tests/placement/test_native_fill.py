@@ -144,6 +144,10 @@ def _compare(args: tuple, passes: int, stop: float, kept: bool) -> RangeState:
     assert fast.plan_fields() == fields  # from the C++'s output, no other field read yet
     for name in FIELDS:
         assert getattr(fast, name) == getattr(slow, name), name
+    assert fast.split == slow.split
+    if slow.split:  # across nodes: the copies that cross them, by expert and by rank
+        assert fast.inter == slow.inter
+        assert [x.hex() for x in fast.replica_inter] == [x.hex() for x in slow.replica_inter]
     # floats bit for bit (== would let -0.0 pass for 0.0)
     for name in ("totals", "replica"):
         assert [x.hex() for x in getattr(fast, name)] == [x.hex() for x in getattr(slow, name)]
@@ -318,6 +322,8 @@ def _random_args(rng: random.Random, W: int, E: int, profile: HardwareProfile) -
                 held[r] += 1
     shape = LayerShape(rng.choice([256, 1024]), rng.choice([1024, 4096]), E, W, 2)
     model = step_model(shape, profile, rng.random() < 0.7)
+    if profile.ranks_per_node and rng.random() < 0.6:  # a fill's model: copies split by link
+        model = model.fill_link(W, profile.ranks_per_node)
     C_WN, *sums = counts_with_sums(C, shape)
     _, colsum_N, _ = baseline_loads(C_WN, E, sums)
     hot_t = tuple(sorted(start))
@@ -348,6 +354,33 @@ def test_random_starts_equal(seed):
     for fill in _random_fills(seed):
         moved += bool(_compare(*fill).moves)
     assert moved >= 5
+
+
+def test_split_copies_are_the_pricings():
+    """Across nodes (a fill's model from ``fill_link``) the fill keeps the relay copies that
+    cross nodes as the 6-row pricing counts them: after random fills (new holders relayed pass
+    after pass), each rank's copies and crossing copies equal ``plan_pricing``'s rows 3 and 5
+    for the fill's holders, and its totals are ``split_total_fn``'s of its loads; the C++
+    fill's totals equal them bit for bit (``_compare``)."""
+    rng, checked = random.Random(5), 0
+    while checked < 12:
+        W = rng.choice([5, 8, 12])
+        args = _random_args(rng, W, rng.choice([1, 2, 4]), NODES)
+        model, C_WN, E = args[:3]
+        if model.bw_far is None:
+            continue
+        state = _compare(args, rng.randrange(1, 9), 1.02, rng.random() < 0.5)
+        assert state.split
+        hot = tuple(sorted(g for g, h in state.holders.items() if h))
+        plan = Plan(hot, tuple((g, tuple(state.holders[g])) for g in hot), _NO_PREDICTION,
+                    _NO_PREDICTION, relay=True)  # fmt: skip
+        loads_6W, rounds = plan_pricing(C_WN, plan, E, NODES)
+        assert state.replica == loads_6W[3].tolist() and state.rounds == rounds
+        assert state.replica_inter == loads_6W[5].tolist()
+        total = model.split_total_fn(state.any_remote, state.rounds)
+        loads = (state.rows, state.local, state.remote, state.replica, state.replica_inter)
+        assert state.totals == list(map(total, *loads))
+        checked += 1
 
 
 def _cut_cases(state: RangeState) -> set[str]:

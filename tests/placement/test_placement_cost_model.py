@@ -428,3 +428,38 @@ def test_fill_link_blends_the_two_links_by_the_share_of_far_peers() -> None:
         assert (compute[r].item(), comm[r].item()) == (c, m)
         assert c == model.rank_seconds(rows, local, remote, replica, True, 1)[0]
         assert m > model.rank_seconds(rows, local, remote, replica, True, 1)[1]  # slower link
+
+
+def test_split_totals_price_each_copy_at_its_link() -> None:
+    """A fill's copy across nodes keeps both links for the relay's copies (``bw_near``,
+    ``bw_far``): ``split_total_fn`` charges the rows at the blend and each copy at the link it
+    crosses (a hand reference); with no copy crossing it is the one link's total with the copies
+    at the intra-node link; a model not from ``fill_link`` has no split."""
+    nodes = HardwareProfile("nodes", 1e12, 4e9, 1e-5, ranks_per_node=4, inter_node_bandwidth=1e9,
+                            inter_node_latency=3e-5, replica_fixed_s=2e-6)  # fmt: skip
+    shape = LayerShape(model_dim=8, hidden_dim=16, experts_per_rank=2, world_size=13,
+                       bytes_per_element=4)  # fmt: skip
+    model = StepModel(shape, nodes, True)
+    fill = model.fill_link(13, 4)
+    assert (fill.bw_near, fill.bw_far) == (4e9, 1e9) and model.bw_far is None
+    with pytest.raises(ValueError, match="fill_link"):
+        model.split_total_fn(True, 1)
+    P, fpr, tbr = shape.params_bytes_per_expert, shape.flops_per_row, 2 * shape.row_bytes
+    for rows, local, remote, replica, inter, rounds in [
+        (64, 8, 48, 1.75, 0.5, 2), (0, 0, 0, 0.0, 0.0, 0), (10, 10, 0, 3.0, 1.0, 3), (5, 0, 90, 1.0, 1.0, 1)
+    ]:  # fmt: skip
+        got = fill.split_total_fn(True, rounds)(rows, local, remote, replica, inter)
+        token = max(0.0, 4 * 3e-5 + remote * tbr / fill.bw - local * fpr / 1e12)  # 4 collectives
+        weight = 0.0
+        if rounds:
+            weight = 2 * rounds * 3e-5 + (replica - inter) * P / 4e9 + inter * P / 1e9
+            weight += replica * 2e-6
+        assert got == pytest.approx(rows * fpr / 1e12 + token + weight, rel=1e-14)
+        one = StepModel(shape, HardwareProfile("one", 1e12, 4e9, 1e-5, replica_fixed_s=2e-6), True)
+        one.bw, one.lat = fill.bw, fill.lat  # rows at the blend, no copy crossing a node
+        near = one.rank_total(rows, local, remote, 0, True, 0) + (
+            2 * rounds * 3e-5 + replica * P / 4e9 + replica * 2e-6 if rounds else 0.0
+        )
+        assert fill.split_total_fn(True, rounds)(rows, local, remote, replica, 0.0) == (
+            pytest.approx(near, rel=1e-14)
+        )

@@ -87,6 +87,23 @@ struct Model {
     return {compute, token + weight};
   }
 
+  // StepModel.split_total_fn(any_remote, rounds)(rows, local, remote, replica, replica_inter):
+  // a fill's total across nodes, the rows on this (blended) link, `replica_inter` of the copies
+  // at bw_far and the rest at bw_near, as seconds_W's replica term (and in its order).
+  double total_split(int64_t rows, int64_t local, int64_t remote, double replica,
+                     double replica_inter, double bw_near, double bw_far, bool any_remote,
+                     int64_t rounds) const {
+    const auto [compute, token] = seconds(rows, local, remote, 0.0, any_remote, 0);
+    double weight = 0.0;
+    if (rounds != 0) {
+      const double weight0 = static_cast<double>(weight_collectives * rounds) * lat;
+      const double Pd = static_cast<double>(P);
+      weight = weight0 + ((replica - replica_inter) * Pd / bw_near + replica_inter * Pd / bw_far);
+      if (rep_s != 0.0) weight = weight + replica * rep_s;
+    }
+    return compute + (token + weight);
+  }
+
   // StepModel.seconds_W of one rank's 6-row loads (a profile with a topology): `remote_inter`
   // rows and `replica_inter` copies of remote / replica cross nodes, at `bw_inter`
   // (StepModel.bw_inter); the rest at bw. seconds_W's tensor expressions, in its order: the

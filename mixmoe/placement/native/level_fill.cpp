@@ -108,12 +108,17 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   std::vector<double> replica, totals;
   std::vector<FlatMap<int64_t>> amounts, helped, kept;  // {g: {y: n}}, {r: {g: n}}, ...
   std::vector<FlatMap<double>> degrees;
+  // across nodes (FillSettings.bw_far > 0, RangeState.split): each expert's relay copies that
+  // cross nodes (relay.relay_inter_copies) and their sum per rank, priced at bw_far
+  double bw_near = 0.0, bw_far = 0.0;
+  std::vector<FlatMap<double>> inter;
+  std::vector<double> replica_inter;
   int64_t rounds = 0;
   std::vector<char> overshot;
   // scratch reused call after call (no allocation per call): offer's candidates, relay's degrees
   mutable std::vector<std::pair<int64_t, int64_t>> heavy_;
   std::vector<std::pair<int64_t, int64_t>> order_;  // keep's amounts by size
-  FlatMap<double> fresh_;
+  FlatMap<double> fresh_, fresh_inter_;
   mutable std::vector<int64_t> near_;                    // relay_degrees' near holders
   mutable std::vector<std::pair<size_t, size_t>> runs_;  // and far nodes' runs
 
@@ -287,26 +292,67 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
     return 1 + (k >= 2 || R >= 2) + (L >= 2 && pair_far);
   }
 
-  void relay(int64_t g) {  // RangeState.relay
-    const int64_t depth = relay_degrees(g / E, holders[g], fresh_);
-    auto& old = degrees[g];
-    // every rank of either (ascending, each once): replica[r] += new - old, absent 0.0
-    auto i = fresh_.begin(), j = old.begin();
-    while (i != fresh_.end() || j != old.end()) {
-      const int64_t r = j == old.end() || (i != fresh_.end() && i->first < j->first) ? i->first
-                                                                                      : j->first;
-      const double now = i != fresh_.end() && i->first == r ? (i++)->second : 0.0;
+  bool split() const { return bw_far > 0.0; }
+
+  // relay.relay_inter_copies of the holders relay_degrees grouped last (near_, runs_: the
+  // same owner and holders, across nodes): the owner 1, a lone far holder 1, else each far
+  // holder its chunks received and the exchange's sent (the closed form of relay.py)
+  void relay_inter(int64_t owner, const std::vector<int64_t>& hs, FlatMap<double>& out) const {
+    out.clear();
+    int64_t R = 0;
+    for (const auto& [b, e] : runs_) R += static_cast<int64_t>(e - b);
+    if (R == 0) return;
+    const int64_t L = static_cast<int64_t>(runs_.size());
+    out[owner] = 1.0;
+    if (R == 1) {
+      out[hs[runs_[0].first]] = 1.0;
+      return;
+    }
+    const double sent = grid(L - 1, R);
+    for (const auto& [b, e] : runs_) {
+      const int64_t c = static_cast<int64_t>(e - b);
+      const int64_t extra = (R - c) % c;  // relay_degrees' two values per node
+      const double low = grid(1 + (R - c) / c, R) + sent;
+      const double high = extra ? grid(2 + (R - c) / c, R) + sent : low;
+      for (int64_t i = 0; i < c; ++i) out[hs[b + static_cast<size_t>(i)]] = i < extra ? high : low;
+    }
+  }
+
+  // a rank's total from its loads (StepModel.total_fn, or split_total_fn across nodes)
+  double total_of(int64_t r) const {
+    if (split())
+      return m.total_split(rows[r], local[r], remote[r], replica[r], replica_inter[r], bw_near,
+                           bw_far, any_remote, rounds);
+    return m.total(rows[r], local[r], remote[r], replica[r], any_remote, rounds);
+  }
+
+  // replica[r] (or replica_inter[r]) += now - was over the ranks of `fresh` and `old` (each
+  // once, ascending; absent: 0.0), each touched; then `old` takes `fresh`'s entries
+  void add_copies(FlatMap<double>& fresh, FlatMap<double>& old, std::vector<double>& to) {
+    auto i = fresh.begin(), j = old.begin();
+    while (i != fresh.end() || j != old.end()) {
+      const int64_t r = j == old.end() || (i != fresh.end() && i->first < j->first) ? i->first
+                                                                                    : j->first;
+      const double now = i != fresh.end() && i->first == r ? (i++)->second : 0.0;
       const double was = j != old.end() && j->first == r ? (j++)->second : 0.0;
       touch(r);
-      replica[r] += now - was;
+      to[r] += now - was;
     }
-    std::swap(degrees[g], fresh_);  // fresh_ keeps the old one's buffer for the next call
+    std::swap(old, fresh);  // fresh keeps the old one's buffer for the next call
+  }
+
+  void relay(int64_t g) {  // RangeState.relay
+    const int64_t depth = relay_degrees(g / E, holders[g], fresh_);
+    if (split()) {  // from relay_degrees' groups, before add_copies reorders nothing of them
+      relay_inter(g / E, holders[g], fresh_inter_);
+      add_copies(fresh_inter_, inter[g], replica_inter);
+    }
+    add_copies(fresh_, degrees[g], replica);
     rounds = std::max(rounds, depth);
   }
 
   void retotal() {  // every rank's total (sizes the marks of retotal_touched)
-    for (int64_t r = 0; r < W; ++r)
-      totals[r] = m.total(rows[r], local[r], remote[r], replica[r], any_remote, rounds);
+    for (int64_t r = 0; r < W; ++r) totals[r] = total_of(r);
     dirty_.assign(static_cast<size_t>(W), 0);
     touched_.clear();
     totals_rounds_ = rounds;
@@ -317,15 +363,13 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   void retotal_touched() {
     if (rounds != totals_rounds_) return retotal();
     for (int64_t r : touched_) {
-      totals[r] = m.total(rows[r], local[r], remote[r], replica[r], any_remote, rounds);
+      totals[r] = total_of(r);
       dirty_[r] = 0;
     }
     touched_.clear();
 #ifdef MIXMOE_CHECK_TOUCHED  // the driver native_fill_totals.cpp: as if every total were new
     ++touched_checks;
-    for (int64_t r = 0; r < W; ++r)
-      touched_misses += totals[r] != m.total(rows[r], local[r], remote[r], replica[r], any_remote,
-                                             rounds);
+    for (int64_t r = 0; r < W; ++r) touched_misses += totals[r] != total_of(r);
 #endif
   }
 
@@ -939,10 +983,18 @@ int64_t fill_from_start(Fill& f, const int64_t* colsum, const int64_t* own, cons
   }
   reset_each(f.degrees, N);
   f.rounds = 0;
-  for (size_t g = 0; g < N; ++g)  // range_state.start_relay
-    if (!f.holders[g].empty())
-      f.rounds = std::max(f.rounds, f.relay_degrees(static_cast<int64_t>(g) / f.E, f.holders[g],
-                                                    f.degrees[g]));
+  if (f.split()) {
+    reset_each(f.inter, N);
+    f.replica_inter.assign(Wz, 0.0);
+  }
+  for (size_t g = 0; g < N; ++g) {  // range_state.start_relay (and start_inter across nodes)
+    if (f.holders[g].empty()) continue;
+    const int64_t o = static_cast<int64_t>(g) / f.E;
+    f.rounds = std::max(f.rounds, f.relay_degrees(o, f.holders[g], f.degrees[g]));
+    if (!f.split()) continue;
+    f.relay_inter(o, f.holders[g], f.inter[g]);  // relay_degrees' groups of these holders
+    for (const auto& [r, x] : f.inter[g]) f.replica_inter[r] += x;  // grid values: exact sums
+  }
   f.totals.resize(Wz);
   f.retotal();  // StepModel.seconds_W's totals, bit for bit (test_placement_planner_speed.py)
   reset_each(f.amounts, N);
@@ -1172,6 +1224,7 @@ void set_start(Fill& f, const Counts& k, const Model& m, bool any_remote, int64_
   f.slots = slots;
   f.blk = blk;
   f.per_node = per_node;
+  f.bw_near = f.bw_far = 0.0;  // one link for the copies unless the caller sets both
   reset_each(f.holders, static_cast<size_t>(k.N));
 }
 
@@ -1219,6 +1272,7 @@ FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum,
   // theirs); every field is set again below (set_start, fill_from_start)
   Fill& f = thread_fill();
   set_start(f, counts, model, any_remote, settings.slots, settings.blk, settings.per_node);
+  if (settings.per_node > 0) f.bw_near = settings.bw_near, f.bw_far = settings.bw_far;
   for (const auto& [g, hs] : start) f.holders[g] = hs;
   f.rows = start_loads.rows;
   f.local = start_loads.local;
@@ -1303,7 +1357,8 @@ extern "C" {
 // holder counts [k_1..k_m], then the holders, k_1 of g_1 first; any order within each),
 //   ints:  W, E, slots, blk, per_node, any_remote, passes, kept, fpr, tbr, P,
 //          weight_collectives, overlap, m;
-//   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (common.h's Model), stop.
+//   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (common.h's Model), stop, bw_near, bw_far
+//          (FillSettings': 0.0, one link for the copies; read with per_node > 0 only).
 // Outputs, out_i (int64, cap_i of them), in this order:
 //   a header of 10: rounds, the number of overshot ranks, then (m, length) of each section;
 //   per rank [W] each: held, rows, local, remote; the overshot ranks ascending;
@@ -1322,6 +1377,7 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
   const FillSettings s{ints[2], ints[3], ints[6], reals[7], ints[7] != 0};
   Fill f;
   set_start(f, k, m, ints[5] != 0, s.slots, s.blk, ints[4]);
+  if (ints[4] > 0) f.bw_near = reals[8], f.bw_far = reals[9];  // 0.0: one link for the copies
   const int64_t groups = ints[13];
   const int64_t* ys = start + 2 * groups;  // the holders, group after group
   for (int64_t i = 0; i < groups; ++i) {

@@ -14,6 +14,9 @@ struct FillSettings {  // plan_mix's _water_fill arguments
   // them of the one fill it keeps; W = 1024 zipf: ~1.5 ms a fill, memory-bound reads of C)
   bool plan = true;
   int64_t per_node = 0;  // the profile's ranks per node (relay.nodes_of); 0: one link
+  // a fill across nodes (StepModel.fill_link's bw_near, bw_far): the copies priced by the link
+  // they cross (RangeState.split); 0.0: every copy on the fill's one link
+  double bw_near = 0.0, bw_far = 0.0;
 };
 
 // What plan_mix reads of a RangeState after its fill.

@@ -13,7 +13,8 @@
 // the kept fill and, last, from the best thinned (thinned_starts), the winner's plan kept only
 // when its price is strictly below the best candidate's. With a topology every candidate and fill is priced by the 6-row pricing
 // (plan_pricing_nodes, predict_nodes; the search and the fills see one link, as in the Python:
-// the search the intra-node one, the fills the blend of both, StepModel.fill_link): the
+// the search the intra-node one, the fills the blend of both for rows, their relay copies
+// split by the link they cross, StepModel.fill_link): the
 // source-replica candidate repriced (cost_model.reprice), each fill's plan priced in full
 // (planner._fill_step). tests/placement/test_native_planner.py and
 // test_native_planner_nodes.py compare the plans with plan_mix's Python path (MIXMOE_NATIVE=0)
@@ -114,6 +115,7 @@ class Planner {
     if (s_.per_node > 0 && k_.W > s_.per_node) {  // StepModel.fill_link: the blend of both links
       const double far = static_cast<double>(k_.W - s_.per_node) / static_cast<double>(k_.W - 1);
       fill_m_.bw = 1.0 / (far / s_.bw_inter + (1.0 - far) / m_.bw);
+      blended_ = true;
     }
   }
 
@@ -156,8 +158,9 @@ class Planner {
     const bool any_remote = any_nonzero(loads->remote);
     // one link: the plan fields (ranges, kept) only of the fill that wins (fill_plan, below);
     // with a topology every fill's plan is priced in full (fill_step)
-    const FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept, s_.per_node > 0,
-                          s_.per_node};
+    FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept, s_.per_node > 0,
+                    s_.per_node};
+    if (blended_) fs.bw_near = m_.bw, fs.bw_far = s_.bw_inter;  // fill_link's two for copies
     FillOut out = level_fill(k_, base_.colsum, base_.own, fill_m_, start, any_remote, *loads, fs);
     if (out.moves <= 0) return std::nullopt;  // -2: a level start; 0: nothing moved
     std::optional<Prediction> price_of;
@@ -320,7 +323,8 @@ class Planner {
   const Model& m_;
   const Baseline& base_;
   const Settings& s_;
-  Model fill_m_;                // the fills' one link (StepModel.fill_link)
+  Model fill_m_;                // the fills' one link for rows (StepModel.fill_link)
+  bool blended_ = false;        // fill_m_ blends both links: the copies keep both (bw_far)
   std::vector<int64_t> inter_;  // inter_baseline's (with a topology)
 };
 

@@ -36,7 +36,11 @@ a ``RangeState`` (rows per (expert, helper), no segments: ``mixmoe.placement.ran
 
 The passes stop once the max total is within ``stop`` of the mean, after a pass lowering the
 max by less than ``MIN_GAIN`` once the level counts no copies for the holders (the first such
-pass switches to that level), or after ``passes``. The rates are estimates (each total's kink,
+pass switches to that level), or after ``passes``; and once the mean reaches ``beat``, the step
+the caller's fill must beat (its max, the fill's step, is never below its mean, and moves add
+copies and exchanged rows: the mean only rises in practice). Such a fill is *beaten*
+(``RangeState.beaten``): the planner drops it unpriced (in ``bench balance``'s 240 plans, a
+third of the fills under nodes and a tenth on one link stopped so, every plan the same). The rates are estimates (each total's kink,
 where its exchange turns hidden or exposed, is ignored inside a pass); the loads are exact for
 the amounts moved, and the plan (amounts cut at whole blocks) is priced again by the caller
 (``cost_model.plan_pricing``), who keeps it only when cheaper than its candidates.
@@ -63,11 +67,14 @@ MIN_GAIN = 0.005  # the passes stop after one lowering the max by less than this
 TENSOR_POINTS = 384  # ``_level``: more breakpoints than this are walked as tensor ops
 
 
-def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -> int:
+def level_fill(
+    fill: RangeState, passes: int, stop: float, kept: bool = False, beat: float = float("inf")
+) -> int:
     """Run up to ``passes`` batched passes (module doc) on ``fill``'s state; returns the
     pieces moved (0: the state is unchanged). ``stop``: no pass once max(T) <= stop * mean(T).
     ``kept``: a new holder whose own rows of the expert would take it past the level keeps
-    only the whole blocks that fit (``Plan.kept``); False: all of them (past the level)."""
+    only the whole blocks that fit (``Plan.kept``); False: all of them (past the level).
+    ``beat``: no pass once mean(T) >= beat, the fill then ``beaten`` (module doc)."""
     model = fill.model
     a = model.flops_per_row / model.gemm_flops + model.row_s  # seconds per row computed
     t = model.token_bytes_per_row / model.bw if fill.any_remote else 0.0  # per row exchanged
@@ -127,6 +134,9 @@ def level_fill(fill: RangeState, passes: int, stop: float, kept: bool = False) -
         if moved:
             fill.retotal()
         pieces += moved
+        if fold_sum(fill.totals) / W >= beat:  # its max cannot come below beat (module doc)
+            fill.beaten = True
+            break
         if max(fill.totals) > (1.0 - MIN_GAIN) * top:  # this pass gained little
             if free or not (moved or any(fill.holders.values())):
                 break  # (no holder anywhere: the level without their copies is the same)

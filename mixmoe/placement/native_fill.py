@@ -34,11 +34,12 @@ from mixmoe.placement.native_lib import F64, I64
 from mixmoe.placement.native_lib import P as _P
 from mixmoe.placement.range_state import RangeState, start_inter
 
-__all__ = ["FilledState", "filled"]
+__all__ = ["BEATEN", "FilledState", "filled"]
 
 SOURCE = native_lib.FOLDER / "level_fill.cpp"
 OFFERED, OFFERED_MAX = 4, 16  # native/level_fill.cpp's (level_fill's: a test checks they agree;
 # its TENSOR_POINTS and MIN_GAIN too, which only the C++ reads)
+BEATEN = "beaten"  # filled's answer for a fill stopped at its beat (level_fill)
 HEADER = 10  # out_i's header: rounds, overshot ranks, each section's (experts, length)
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, I64, _P, I64]
 _PLAN_ARGTYPES = [_P, _P, _P, _P, I64]
@@ -59,14 +60,16 @@ def filled(
     passes: int,
     stop: float,
     kept: bool = False,
-) -> FilledState | None:
+    beat: float = float("inf"),
+) -> FilledState | str | None:
     """``RangeState(model, ..., loads_4W)`` after ``level_fill.level_fill(state, passes, stop,
     kept)`` (its ``moves``: the pieces), compiled: the same state bit for bit, and the same
     ``plan_fields()``; None when the compiled fill cannot run here or for these arguments
     (module doc), or when the start is level already (``level_fill``'s first test stops it: no
     pass, no move; the caller's Python state costs less than the compiled set-up, ~1 ms at
     W = 1024). The C++ builds the start state itself (``RangeState.__init__``'s arithmetic) from
-    the tensors."""
+    the tensors. ``beat``: level_fill's; ``BEATEN`` instead of a state when the fill stopped
+    at it (the planner drops such a fill, so none of it is read back)."""
     fn = native_lib.function("mixmoe_level_fill", I64, _ARGTYPES)
     if fn is None:
         return None
@@ -76,7 +79,7 @@ def filled(
         if type(per_node) is not int or per_node < 1:
             return None  # a distance callable of its own: only the Python fill groups it
     inputs = _inputs(model, C_WN, E, start_holders, slots, block_size, per_node, colsum_N,
-                     any_remote, loads_4W, passes, stop, kept)  # fmt: skip
+                     any_remote, loads_4W, passes, stop, kept, beat)  # fmt: skip
     if inputs is None:
         return None
     W = C_WN.shape[0]
@@ -90,11 +93,14 @@ def filled(
         cap_i, cap_d = out_i[0], out_i[1]  # the sizes it needs (the bound above holds: never)
     if pieces == -2:  # the start is level: no pass runs, the Python state is the cheaper one
         return None
+    if pieces == -4:
+        return BEATEN
     state = object.__new__(FilledState)  # RangeState.__init__'s fields, the fill's values
     state.model, state.C_WN, state.E, state.W = model, C_WN, E, W
     state.slots, state.block, state.distance = slots, block_size, distance
     state.any_remote, state._total_fns, state.moves = any_remote, {}, pieces
     state.split = distance is not None and model.bw_far is not None  # RangeState's
+    state.beaten = False  # (a beaten fill returned BEATEN above)
     mi, md = memoryview(out_i).cast("B").cast("q"), memoryview(out_d).cast("B").cast("d")
     head = mi[:HEADER].tolist()
     # out_i: the header, held, rows, local, remote [W each], the overshot ranks, 4 x [N], the
@@ -119,7 +125,7 @@ def _capacity(W: int, N: int, holders: int) -> tuple[int, int]:
 def _inputs(
     model: StepModel, C_WN: torch.Tensor, E: int, start_holders: dict[int, tuple[int, ...]],
     slots: int, block_size: int, per_node: int, colsum_N: torch.Tensor, any_remote: bool,
-    loads_4W: torch.Tensor, passes: int, stop: float, kept: bool,
+    loads_4W: torch.Tensor, passes: int, stop: float, kept: bool, beat: float = float("inf"),
 ) -> tuple | None:  # fmt: skip
     """The C entry's inputs (C, colsum, loads, start, ints, reals: the C++ doc), the tensors as
     their own buffers when they are int64 / float64 and contiguous already (plan_mix's); None
@@ -143,7 +149,8 @@ def _inputs(
                       *model_i, len(start_holders))  # fmt: skip
     # the copies' two links of a fill across nodes (RangeState.split), else 0.0: one link
     split = per_node > 0 and model.bw_far is not None and model.bw_near is not None
-    reals = (F64 * 10)(*model_d, stop, *((model.bw_near, model.bw_far) if split else (0.0, 0.0)))
+    near_far = (model.bw_near, model.bw_far) if split else (0.0, 0.0)
+    reals = (F64 * 11)(*model_d, stop, *near_far, beat)
     return C, colsum, loads, start, ints, reals
 
 

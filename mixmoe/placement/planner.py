@@ -32,7 +32,7 @@ from mixmoe.placement.cost_model import (
 )
 from mixmoe.placement.counts import CountSums, baseline_loads, counts_with_sums
 from mixmoe.placement.level_fill import fold_sum, is_level, level_fill
-from mixmoe.placement.native_fill import filled
+from mixmoe.placement.native_fill import BEATEN, filled
 from mixmoe.placement.native_planner import planned
 from mixmoe.placement.native_pricing import counted_baseline
 from mixmoe.placement.native_pricing import prediction as compiled_prediction
@@ -444,10 +444,11 @@ def _water_fill(
     """``RangeState`` (level) or ``WaterFill`` (moves) from the replicas ``start`` after its fill; None if nothing moved.
     ``fill``: "level" (``level_fill``'s passes, up to ``LEVEL_PASSES``) or "moves" (the
     move-by-move search). Both stop once the max is within ``FILL_STOP`` of the level (the mean
-    rank total); the moves also once the level reaches ``beat``, the step (s) the fill must
-    beat (its max is never below it, and moves mostly add traffic, so the level mostly rises;
-    the last moves of a nearly level fill gain < 1% each; planning time:
-    ``docs/results/balance-after.md``). ``loads_4W``: the start plan's
+    rank total); both also once the level reaches ``beat``, the step (s) the fill must beat
+    (its max is never below it, and moves mostly add traffic, so the level mostly rises; the
+    last moves of a nearly level fill gain < 1% each; planning time:
+    ``docs/results/balance-after.md``); a level fill stopped so is dropped (None: it cannot
+    win, ``level_fill``). ``loads_4W``: the start plan's
     ``plan_pricing`` under relay, when the caller has it; ``base_4W``: the aggregates with
     nothing replicated (``baseline_loads``), when the caller has them. ``kept``: the level
     fill's new holders keep only the own rows that fit under its level (``level_fill``)."""
@@ -472,11 +473,14 @@ def _water_fill(
             return None  # the fill's first test (RangeState's start totals): nothing would move
         args = (model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote,
                 loads_4W[:4])  # fmt: skip
-        state = filled(*args, LEVEL_PASSES, FILL_STOP, kept)
+        state = filled(*args, LEVEL_PASSES, FILL_STOP, kept, beat)
+        if state is BEATEN:
+            return None
         if state is None:
             state = RangeState(*args)
-            state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP, kept)
-        return state if state.moves else None
+            state.moves += level_fill(state, LEVEL_PASSES, FILL_STOP, kept, beat)
+        # beaten: its mean reached the step it had to beat (level_fill): it cannot win
+        return state if state.moves and not state.beaten else None
     state = WaterFill(model, C_WN, E, start, slots, block_size, distance, colsum_N, any_remote)
     state.set_loads([*loads_4W[:3].to(torch.int64).tolist(), loads_4W[3].tolist()], loads_4W[:4])
     state.run(min(MOVES_PER_RANK * W + 16, MAX_MOVES), beat, FILL_STOP)

@@ -106,8 +106,9 @@ class RangeState:
     owner_rows[g]: rows of g its owner computes; helped {r: {g: rows}}: r's amounts; kept
     {g: {y: local rows}}: the holders computing only part of their own rows of g (local <
     C[y][g]; ``plan_fields`` rounds it down to whole blocks); overshot: the ranks a fill made
-    holders whose own rows took them past its level (all kept local: ``level_fill``);
-    across nodes (module doc) replica_inter, and inter {g: {rank: copies}} per expert."""
+    holders whose own rows took them past its level (all kept local: ``level_fill``); beaten:
+    whether its fill stopped once its mean reached the step to beat (``level_fill``); across
+    nodes (module doc) replica_inter, and inter {g: {rank: copies}} per expert."""
 
     def __init__(
         self,
@@ -154,6 +155,7 @@ class RangeState:
         self.totals = start_totals(model, loads_4W, any_remote, self.rounds, inter_W)
         self.moves = 0
         self.overshot: set[int] = set()  # new holders whose own rows took them past the level
+        self.beaten = False  # a fill stopped at its mean reaching the step to beat (level_fill)
 
     def rows_of(self, y: int, g: int) -> int:
         """C[y][g]: one element (a column's ``tolist`` costs ~W elements; a fill reads a few

@@ -127,15 +127,24 @@ def test_touched_totals_are_every_total(tmp_path):
     assert live.stdout.split()[5] == plain.stdout.split()[5]  # the digests
 
 
-def _compare(args: tuple, passes: int, stop: float, kept: bool) -> RangeState:
+def _compare(
+    args: tuple, passes: int, stop: float, kept: bool, beat: float = float("inf")
+) -> RangeState:
     """Both fills from the same arguments; every field equal, and the plan fields (read first,
     as plan_mix reads them, and again after the other fields); with one link, the C++
-    ``level_fill``'s ``FillOut`` too. Returns the Python state."""
-    fast = native.filled(*args, passes, stop, kept)
+    ``level_fill``'s ``FillOut`` too; a fill beaten (its mean reached ``beat``) both ways.
+    Returns the Python state."""
+    fast = native.filled(*args, passes, stop, kept, beat)
     slow = RangeState(*args)
-    slow.moves += level_fill(slow, passes, stop, kept)
+    slow.moves += level_fill(slow, passes, stop, kept, beat)
     if args[6] is None:
-        _compare_out(_fill_out(args, passes, stop, kept), slow, level=fast is None and passes > 0)
+        out = _fill_out(args, passes, stop, kept, beat)
+        _compare_out(out, slow, level=fast is None and passes > 0)
+    if slow.beaten:  # the planner drops it: the C entry returns no state
+        T = slow.totals
+        assert fast is native.BEATEN and sum(T) / len(T) >= beat
+        return slow
+    assert fast is not native.BEATEN
     if fast is None:  # a level start (the caller builds it in Python): no pass moves a row
         T = slow.totals
         assert passes and max(T) <= stop * (sum(T) / len(T)) * (1 + 1e-12) and slow.moves == 0
@@ -155,18 +164,19 @@ def _compare(args: tuple, passes: int, stop: float, kept: bool) -> RangeState:
     return slow
 
 
-def _fill_out(args: tuple, passes: int, stop: float, kept: bool) -> dict:
+def _fill_out(args: tuple, passes: int, stop: float, kept: bool, beat: float) -> dict:
     """``mixmoe_native::level_fill`` (through ``mixmoe_level_fill_out``) on RangeState's
     arguments (one link): its FillOut's fields, decoded here on their own."""
     fn = lib.function("mixmoe_level_fill_out", lib.I64, native._ARGTYPES)
     model, C_WN, E, start, slots, block, _, colsum, any_remote, loads = args
     inputs = native._inputs(model, C_WN, E, start, slots, block, 0, colsum, any_remote, loads,
-                            passes, stop, kept)  # fmt: skip
+                            passes, stop, kept, beat)  # fmt: skip
     W = C_WN.shape[0]
     cap = 8 + 4 * W + 64 * (W * slots + sum(map(len, start.values())) + 1)
     out_i, out_d = (lib.I64 * cap)(), (lib.F64 * (2 * W))()
     moves = fn(*native._addresses(inputs), out_i, cap, out_d, 2 * W)
     assert moves not in (-1, -3)  # -3: the plan fields filled later (fill_plan) differ
+    beaten, moves = moves == -4, out_i[0]  # -4: beaten, every field written
     at = 8 + 4 * W
     per_w = [out_i[8 + k * W : 8 + (k + 1) * W] for k in range(4)]
     sections = []
@@ -183,7 +193,7 @@ def _fill_out(args: tuple, passes: int, stop: float, kept: bool) -> dict:
         sections.append(tuple(groups))
         at += length
     replicas, ranges, kept_e = sections
-    return {"moves": moves, "rounds": out_i[1], "rows": per_w[0], "local": per_w[1],
+    return {"moves": moves, "beaten": beaten, "rounds": out_i[1], "rows": per_w[0], "local": per_w[1],
             "remote": per_w[2], "overshot": {r for r, x in enumerate(per_w[3]) if x},
             "replica": out_d[:W], "totals": out_d[W : 2 * W],
             "plan_fields": (tuple(g for g, _ in replicas), replicas, ranges, kept_e)}  # fmt: skip
@@ -192,6 +202,7 @@ def _fill_out(args: tuple, passes: int, stop: float, kept: bool) -> dict:
 def _compare_out(out: dict, slow: RangeState, level: bool) -> None:
     """A FillOut equals the Python state: moves (-2: a level start, the start's fields)."""
     assert out["moves"] == (-2 if level else slow.moves)
+    assert out["beaten"] == slow.beaten
     for name in ("rounds", "rows", "local", "remote", "overshot"):
         assert out[name] == getattr(slow, name), name
     for name in ("totals", "replica"):
@@ -336,24 +347,32 @@ def _random_args(rng: random.Random, W: int, E: int, profile: HardwareProfile) -
             loads_4W[:4])  # fmt: skip
 
 
-def _random_fills(seed: int) -> Iterator[tuple]:
-    """25 random fills: (args, passes 1-8, stop, kept) each."""
-    rng = random.Random(seed)
+def _random_fills(seed: int, beats: bool = True) -> Iterator[tuple]:
+    """25 random fills: (args, passes 1-8, stop, kept, beat) each; beat: none, or (``beats``,
+    half of them, drawn apart from the rest) a step around the start's mean (some fills reach
+    it, ``level_fill``)."""
+    rng, beat_rng = random.Random(seed), random.Random(-1 - seed)
     for _ in range(25):
         W = rng.choice([2, 3, 5, 8, 12])
         profile = rng.choice([IB, NODES, FIXED, CPU_PROFILE, CHEAP_LINK])
         args = _random_args(rng, W, rng.choice([1, 2, 4]), profile)
-        yield args, rng.randrange(1, 9), rng.choice([1.0, 1.02, 1.2]), rng.random() < 0.5
+        beat = float("inf")
+        if beats and beat_rng.random() < 0.5:
+            T = RangeState(*args).totals
+            beat = sum(T) / len(T) * beat_rng.uniform(0.98, 1.3)
+        yield args, rng.randrange(1, 9), rng.choice([1.0, 1.02, 1.2]), rng.random() < 0.5, beat
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_starts_equal(seed):
-    """Random counts, start holders, slots, blocks, overlap and passes (1-8), kept or not: the
-    same state both ways, whatever the fill does."""
-    moved = 0
+    """Random counts, start holders, slots, blocks, overlap and passes (1-8), kept or not, a
+    step to beat or none: the same state both ways, whatever the fill does."""
+    moved = beaten = 0
     for fill in _random_fills(seed):
-        moved += bool(_compare(*fill).moves)
-    assert moved >= 5
+        state = _compare(*fill)
+        moved += bool(state.moves)
+        beaten += state.beaten
+    assert moved >= 5 and beaten >= 1  # (1-3 of them beaten, seeds 0-5)
 
 
 def test_split_copies_are_the_pricings():
@@ -417,11 +436,12 @@ def _cut_cases(state: RangeState) -> set[str]:
 
 
 def test_plan_fields_meet_the_cuts_edge_cases():
-    """The random fills of seeds 6, 8 and 232 (found by scans of 400 seeds) meet every edge
-    case of the ranges' cuts (``_cut_cases``) and their plan fields are equal both ways."""
+    """The random fills of seeds 190 and 378 (no beat; found by a scan of 400 seeds: 190 alone
+    meets all 7) meet every edge case of the ranges' cuts (``_cut_cases``) and their plan
+    fields are equal both ways."""
     seen: set[str] = set()
-    for seed in (6, 8, 232):
-        for fill in _random_fills(seed):
+    for seed in (190, 378):
+        for fill in _random_fills(seed, beats=False):
             seen |= _cut_cases(_compare(*fill))
     assert len(seen) == 7, seen
 

@@ -286,3 +286,32 @@ def test_equals_the_python_plan_on_shadowed_counts(monkeypatch) -> None:
             m.setattr(planner_module, "thinned_starts", lambda *a: [])
             won += plan_mix(C, shape, profile, 4).prediction.step_s > fast.prediction.step_s
     assert won >= 4, won
+
+
+@pytest.mark.parametrize("profile", ["h100-ib", "h100-nvlink-ib"])
+def test_beaten_fills_are_dropped_and_change_no_plan(monkeypatch, profile: str) -> None:
+    """Seeds' shape, W = 64, zipf:2.0: fills whose mean total reaches the step they must beat
+    stop there (``level_fill``'s beat; their max could not come below it) and are dropped. The
+    plan is the one the fills make run to their end (the Python steps with the beat off), and
+    the compiled planner's (the same stops: ``tests/placement/test_native_fill.py``)."""
+    prof = load_profile(profile)
+    C, shape = _bench_case("seeds", 64, "zipf:2.0")
+    fast, slow = _both(monkeypatch, C, shape, prof, 4)
+    assert _canon(fast) == _canon(slow)
+    real = planner_module.level_fill
+    beaten = []
+
+    def spy(state, *args):
+        moves = real(state, *args)
+        beaten.append(state.beaten)
+        return moves
+
+    with monkeypatch.context() as m:  # the Python fills, then with no beat
+        m.setattr(planner_module, "planned", lambda *a, **k: None)
+        m.setattr(planner_module, "filled", lambda *a, **k: None)
+        m.setattr(planner_module, "level_fill", spy)
+        stopped = plan_mix(C, shape, prof, 4)
+        assert sum(beaten) >= 1 and len(beaten) >= 3
+        m.setattr(planner_module, "level_fill", lambda state, *args: real(state, *args[:3]))
+        unstopped = plan_mix(C, shape, prof, 4)
+    assert _canon(stopped) == _canon(unstopped) == _canon(fast)

@@ -115,6 +115,7 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
   std::vector<double> replica_inter;
   int64_t rounds = 0;
   std::vector<char> overshot;
+  bool beaten = false;  // RangeState.beaten: the passes stopped at the mean reaching p.beat
   // scratch reused call after call (no allocation per call): offer's candidates, relay's degrees
   mutable std::vector<std::pair<int64_t, int64_t>> heavy_;
   std::vector<std::pair<int64_t, int64_t>> order_;  // keep's amounts by size
@@ -656,6 +657,7 @@ struct Params {  // level_fill's rates and settings
   double a, t, hide, copy, lat, stop, min_gain;
   int64_t passes, tensor_points;
   bool kept;
+  double beat;  // level_fill's beat: no pass once the mean total reaches it (f.beaten)
 };
 
 // matched's walks over an expert's holders, less the ranks out of room: a rank whose room fell
@@ -945,6 +947,10 @@ int64_t run(Fill& f, const Params& p) {  // level_fill.level_fill
     for (int64_t g : fresh) f.relay(g);
     if (moved) f.retotal_touched();
     pieces += moved;
+    if (fold_sum(f.totals) / static_cast<double>(W) >= p.beat) {  // its max cannot win either
+      f.beaten = true;
+      break;
+    }
     if (*std::max_element(f.totals.begin(), f.totals.end()) > (1.0 - p.min_gain) * top) {
       const bool any_holder = std::any_of(f.holders.begin(), f.holders.end(),
                                           [](const std::vector<int64_t>& h) { return !h.empty(); });
@@ -967,7 +973,7 @@ Params params(const Model& m, bool any_remote, const FillSettings& s) {
   const double copy = 2.0 * (static_cast<double>(m.P) / m.bw + m.rep_s);
   // token0 is TOKEN_COLLECTIVES * lat, the fill's ``lat``
   return Params{a, t, m.overlap ? a : 0.0, copy, m.token0, s.stop, MIN_GAIN,
-                s.passes, TENSOR_POINTS, s.kept};
+                s.passes, TENSOR_POINTS, s.kept, s.beat};
 }
 
 // RangeState.__init__ (range_state.py) from the fields the caller set (sizes, C, model, the
@@ -1000,6 +1006,7 @@ int64_t fill_from_start(Fill& f, const int64_t* colsum, const int64_t* own, cons
   reset_each(f.amounts, N);
   reset_each(f.kept, N);
   f.overshot.assign(Wz, 0);
+  f.beaten = false;
   if (p.passes > 0) {  // level_fill's first test: a start within ``stop`` of its mean moves
     // nothing (the C entry's caller then builds that state in Python: cheaper than the rest)
     const double top = *std::max_element(f.totals.begin(), f.totals.end());
@@ -1286,6 +1293,7 @@ FillOut level_fill(const Counts& counts, const std::vector<int64_t>& colsum,
   out.totals = std::move(f.totals);
   out.rounds = f.rounds;
   out.overshot = std::move(f.overshot);
+  out.beaten = f.beaten;
   out.amounts = entries_of(f.amounts);
   out.kept_local = entries_of(f.kept);
   if (settings.plan) {
@@ -1358,7 +1366,7 @@ extern "C" {
 //   ints:  W, E, slots, blk, per_node, any_remote, passes, kept, fpr, tbr, P,
 //          weight_collectives, overlap, m;
 //   reals: gf, bw, row_s, fixed_s, rep_s, token0, lat (common.h's Model), stop, bw_near, bw_far
-//          (FillSettings': 0.0, one link for the copies; read with per_node > 0 only).
+//          (FillSettings': 0.0, one link for the copies; read with per_node > 0 only), beat.
 // Outputs, out_i (int64, cap_i of them), in this order:
 //   a header of 10: rounds, the number of overshot ranks, then (m, length) of each section;
 //   per rank [W] each: held, rows, local, remote; the overshot ranks ascending;
@@ -1367,14 +1375,16 @@ extern "C" {
 //   too), amounts and kept ((rank, n) pairs), degrees (ranks; their copies in out_d, in order);
 // out_d (float64, cap_d): replica [W], totals [W], the degrees' copies.
 // Returns the pieces moved; -2 when the start is level already (no pass runs: nothing is
-// written); -1 when out_i or out_d is too small: out_i[0], out_i[1] then say the sizes needed
+// written); -4 when the fill is beaten (its mean reached beat: nothing is written); -1 when
+// out_i or out_d is too small: out_i[0], out_i[1] then say the sizes needed
 // (cap_i >= 2, else nothing is written).
 int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double* loads,
                           const int64_t* start, const int64_t* ints, const double* reals,
                           int64_t* out_i, int64_t cap_i, double* out_d, int64_t cap_d) {
   const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
   const Model m = Model::from(ints + 8, reals);  // ints 8-12, reals 0-6: common.h's order
-  const FillSettings s{ints[2], ints[3], ints[6], reals[7], ints[7] != 0};
+  FillSettings s{ints[2], ints[3], ints[6], reals[7], ints[7] != 0};
+  s.beat = reals[10];
   Fill f;
   set_start(f, k, m, ints[5] != 0, s.slots, s.blk, ints[4]);
   if (ints[4] > 0) f.bw_near = reals[8], f.bw_far = reals[9];  // 0.0: one link for the copies
@@ -1397,6 +1407,7 @@ int64_t mixmoe_level_fill(const int64_t* C, const int64_t* colsum, const double*
   f.replica.assign(loads + 3 * W, loads + 4 * W);
   const int64_t pieces = fill_from_start(f, colsum, nullptr, params(m, f.any_remote, s));
   if (pieces == -2) return -2;
+  if (f.beaten) return -4;  // the planner drops it: nothing written
   Section degrees;
   std::vector<double> copies;
   for (size_t g = 0; g < N; ++g)
@@ -1474,14 +1485,16 @@ int64_t mixmoe_level_fill_plan(const int64_t* C, const int64_t* ints, const int6
 // the FillOut in out_i (int64, cap_i): moves, rounds, the (m, length) of the replicas, ranges and
 // kept sections, then per rank [W] rows, local, remote, overshot (0/1), then the three sections
 // (as the C entry's); out_d (float64, 2W): replica, totals. Every field is written, -2 (a level
-// start: the start's fields) included. Returns moves; -1 when a buffer is too small; -3 when
-// level_fill with settings.plan false then fill_plan gives other plan fields.
+// start: the start's fields) included. Returns moves (-4 when FillOut.beaten, the fields
+// written); -1 when a buffer is too small; -3 when level_fill with settings.plan false then
+// fill_plan gives other plan fields.
 int64_t mixmoe_level_fill_out(const int64_t* C, const int64_t* colsum, const double* loads,
                               const int64_t* start, const int64_t* ints, const double* reals,
                               int64_t* out_i, int64_t cap_i, double* out_d, int64_t cap_d) {
   const Counts k{ints[0], ints[1], ints[0] * ints[1], C};
   const Model m = Model::from(ints + 8, reals);
-  const FillSettings s{ints[2], ints[3], ints[6], reals[7], ints[7] != 0};
+  FillSettings s{ints[2], ints[3], ints[6], reals[7], ints[7] != 0};
+  s.beat = reals[10];
   const size_t W = static_cast<size_t>(k.W);
   Replicas holders;  // the start as the driver passes it: (g, ranks) by ascending g
   const int64_t groups = ints[13];
@@ -1527,7 +1540,7 @@ int64_t mixmoe_level_fill_out(const int64_t* C, const int64_t* colsum, const dou
   for (const Section& sec : sections) o = sec.put(o);
   std::copy(out.loads.replica.begin(), out.loads.replica.end(), out_d);
   std::copy(out.totals.begin(), out.totals.end(), out_d + W);
-  return out.moves;
+  return out.beaten ? -4 : out.moves;
 }
 
 }  // extern "C"

@@ -17,6 +17,7 @@ struct FillSettings {  // plan_mix's _water_fill arguments
   // a fill across nodes (StepModel.fill_link's bw_near, bw_far): the copies priced by the link
   // they cross (RangeState.split); 0.0: every copy on the fill's one link
   double bw_near = 0.0, bw_far = 0.0;
+  double beat = INF;  // level_fill's beat: the step the fill must beat (FillOut.beaten)
 };
 
 // What plan_mix reads of a RangeState after its fill.
@@ -26,6 +27,7 @@ struct FillOut {
   std::vector<double> totals;
   int64_t rounds = 0;
   std::vector<char> overshot;          // per rank: RangeState.overshot
+  bool beaten = false;                 // RangeState.beaten: it cannot beat settings.beat
   Replicas replicas;                   // RangeState.plan_fields(): hot with their holders,
   ExpertEntries ranges, kept;          // the ranges and the kept entries (FillSettings.plan)
   ExpertEntries amounts, kept_local;   // RangeState.amounts and .kept (all entries): fill_plan's

@@ -145,7 +145,10 @@ class Planner {
   // planner._water_fill (fill="level", one link): the fill from `start` (holders) whose loads
   // are `loads` (nullptr: priced here under relay; nothing replicated: the baseline's), or
   // nothing when the start is level or no piece moved.
-  std::optional<Filled> water_fill(const Replicas& start, const Loads* loads, bool kept) const {
+  // `beat`: the step the fill must beat (the winner's so far): a fill whose mean reaches it
+  // stops and is dropped (FillOut.beaten, level_fill's beat)
+  std::optional<Filled> water_fill(const Replicas& start, const Loads* loads, bool kept,
+                                   double beat) const {
     Loads priced;
     if (loads == nullptr) {
       if (start.empty()) {
@@ -161,8 +164,9 @@ class Planner {
     FillSettings fs{s_.slots, s_.blk, s_.passes, s_.fill_stop, kept, s_.per_node > 0,
                     s_.per_node};
     if (blended_) fs.bw_near = m_.bw, fs.bw_far = s_.bw_inter;  // fill_link's two for copies
+    fs.beat = beat;
     FillOut out = level_fill(k_, base_.colsum, base_.own, fill_m_, start, any_remote, *loads, fs);
-    if (out.moves <= 0) return std::nullopt;  // -2: a level start; 0: nothing moved
+    if (out.moves <= 0 || out.beaten) return std::nullopt;  // -2: a level start; 0: no move
     std::optional<Prediction> price_of;
     const double step = fill_step(out, any_remote, price_of);
     // planner._stalled: the max total (first max) at a rank the fill overshot
@@ -272,18 +276,18 @@ class Planner {
       const Replicas& start = starts[i];
       from_none = from_none || start.empty();
       const Loads* loads = !start.empty() && relay_loads ? &*relay_loads : nullptr;
-      std::optional<Filled> f = water_fill(start, loads, false);
+      std::optional<Filled> f = water_fill(start, loads, false, won_step);
       if (f && i == 0) from_best = f->step;
       consider(std::move(f), true);
       if (won_step <= s_.balanced * mean()) break;
     }
     if (won_step > s_.spread_when * mean()) {  // experts too heavy for one helper at a time
       const Replicas spread = spread_start(k_, base_.colsum, s_.slots);
-      if (!spread.empty()) consider(water_fill(spread, nullptr, false), true);
+      if (!spread.empty()) consider(water_fill(spread, nullptr, false, won_step), true);
     }
     const double base_mean = fold_sum(totals_of(baseline)) / static_cast<double>(W);
     if ((stalled || !from_none) && won_step > s_.fill_stop * base_mean)
-      consider(water_fill({}, nullptr, true), false);  // the kept fill
+      consider(water_fill({}, nullptr, true, won_step), false);  // the kept fill
     // the best in shadow's form, the fill from it below thin_when of its step or C small (at
     // most thin_always counts): fills from it
     // thinned, its coldest experts dropped one by one while each is the best fill so far and
@@ -295,7 +299,7 @@ class Planner {
                                               ? thinned_starts(best.replicas, base_.colsum, W)
                                               : std::vector<Replicas>{};
     for (const Replicas& start : thinned) {
-      std::optional<Filled> f = water_fill(start, nullptr, false);
+      std::optional<Filled> f = water_fill(start, nullptr, false, won_step);
       if (!f) break;
       const double step = f->step;
       if (!(step < won_step)) break;  // not the best fill: the walk ends

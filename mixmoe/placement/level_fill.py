@@ -40,7 +40,8 @@ pass switches to that level), or after ``passes``; and once the mean reaches ``b
 the caller's fill must beat (its max, the fill's step, is never below its mean, and moves add
 copies and exchanged rows: the mean only rises in practice). Such a fill is *beaten*
 (``RangeState.beaten``): the planner drops it unpriced (in ``bench balance``'s 240 plans, a
-third of the fills under nodes and a tenth on one link stopped so, every plan the same). The rates are estimates (each total's kink,
+third of the fills under nodes and a tenth on one link stopped so, every plan the same). The
+rates are estimates (each total's kink,
 where its exchange turns hidden or exposed, is ignored inside a pass); the loads are exact for
 the amounts moved, and the plan (amounts cut at whole blocks) is priced again by the caller
 (``cost_model.plan_pricing``), who keeps it only when cheaper than its candidates.

@@ -47,6 +47,23 @@ inline double grid(int64_t n, int64_t d) {
          static_cast<double>(int64_t(1) << COPY_GRID_BITS);
 }
 
+// relay.relay_degrees / relay_inter_copies of one far node's c holders, of the R far holders on
+// L far nodes (R >= 2): holders 0 .. extra - 1 of the node take `high` copies (`high_in` of them
+// crossing nodes), the rest `low` (`low_in`); the closed form of relay.py's module doc.
+struct FarCopies {
+  int64_t extra;
+  double low, high, low_in, high_in;
+};
+
+inline FarCopies far_copies(int64_t R, int64_t L, int64_t c) {
+  const int64_t extra = (R - c) % c, q = (R - c) / c;
+  const double sent = grid(L - 1, R);  // the exchange: L - 1 chunks sent across
+  const double low = 1.0 + grid(L - 1 + (1 + q) * (c - 1), R);
+  const double low_in = grid(1 + q, R) + sent;
+  return {extra, low, extra ? 1.0 + grid(L - 1 + (2 + q) * (c - 1), R) : low, low_in,
+          extra ? grid(2 + q, R) + sent : low_in};
+}
+
 // StepModel.seconds_fn / total_fn's terms (cost_model.py). The Python side packs them with
 // native_lib.model_args: ints [fpr, tbr, P, weight_collectives, overlap],
 // reals [gf, bw, row_s, fixed_s, rep_s, token0 (TOKEN_COLLECTIVES * lat), lat].

@@ -284,10 +284,9 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
     } else if (R >= 2) {
       for (const auto& [b, e] : runs) {
         const int64_t cg = static_cast<int64_t>(e - b);
-        const int64_t extra = (R - cg) % cg;
-        const double low = 1.0 + grid(L - 1 + (1 + (R - cg) / cg) * (cg - 1), R);
-        const double high = extra ? 1.0 + grid(L - 1 + (2 + (R - cg) / cg) * (cg - 1), R) : low;
-        for (int64_t i = 0; i < cg; ++i) out[hs[b + static_cast<size_t>(i)]] = i < extra ? high : low;
+        const FarCopies f = far_copies(R, L, cg);
+        for (int64_t i = 0; i < cg; ++i)
+          out[hs[b + static_cast<size_t>(i)]] = i < f.extra ? f.high : f.low;
       }
     }
     return 1 + (k >= 2 || R >= 2) + (L >= 2 && pair_far);
@@ -309,13 +308,11 @@ struct Fill {  // RangeState's fields (range_state.py), per expert as vectors of
       out[hs[runs_[0].first]] = 1.0;
       return;
     }
-    const double sent = grid(L - 1, R);
     for (const auto& [b, e] : runs_) {
       const int64_t c = static_cast<int64_t>(e - b);
-      const int64_t extra = (R - c) % c;  // relay_degrees' two values per node
-      const double low = grid(1 + (R - c) / c, R) + sent;
-      const double high = extra ? grid(2 + (R - c) / c, R) + sent : low;
-      for (int64_t i = 0; i < c; ++i) out[hs[b + static_cast<size_t>(i)]] = i < extra ? high : low;
+      const FarCopies f = far_copies(R, L, c);  // relay_degrees' two values per node
+      for (int64_t i = 0; i < c; ++i)
+        out[hs[b + static_cast<size_t>(i)]] = i < f.extra ? f.high_in : f.low_in;
     }
   }
 

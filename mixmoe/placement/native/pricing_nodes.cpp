@@ -78,18 +78,13 @@ int64_t relay_nodes(int64_t owner, const std::vector<int64_t>& holders, const in
     replica[h] += 1.0;
     inter[h] += 1.0;
   } else if (R >= 2) {
-    const double sent = grid(L - 1, R);  // the exchange: L - 1 chunks sent across
     for (const auto& [b, e] : runs) {
       const int64_t c = static_cast<int64_t>(e - b);
-      const int64_t extra = (R - c) % c;  // holders 0 .. extra - 1 receive one chunk more
-      const double low = 1.0 + grid(L - 1 + (1 + (R - c) / c) * (c - 1), R);
-      const double high = extra ? 1.0 + grid(L - 1 + (2 + (R - c) / c) * (c - 1), R) : low;
-      const double low_in = grid(1 + (R - c) / c, R) + sent;
-      const double high_in = extra ? grid(2 + (R - c) / c, R) + sent : low_in;
+      const FarCopies f = far_copies(R, L, c);  // holders 0 .. extra - 1: one chunk more
       for (int64_t i = 0; i < c; ++i) {
         const int64_t h = x.hs[b + static_cast<size_t>(i)];
-        replica[h] += i < extra ? high : low;
-        inter[h] += i < extra ? high_in : low_in;
+        replica[h] += i < f.extra ? f.high : f.low;
+        inter[h] += i < f.extra ? f.high_in : f.low_in;
       }
     }
   }

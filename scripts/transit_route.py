@@ -1,0 +1,206 @@
+"""What sending a replica's far copy through its owner's node peers would change for ``mix``, by
+the cost model: a relay route that is priced here, not built.
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python scripts/transit_route.py \
+        [--cases seeds-E32:64:hotrank:0.5,seeds:64:zipf:1.2] [--rule no-near|always] \
+        [--profile NAME]
+
+Legend: W ranks, per_node ranks a node, P = per_node - 1 node peers of the owner. A case is
+shape[-E<experts a rank>]:W:workload (``bench balance``'s shapes and workloads, its seed).
+
+Under a topology the relay (``placement/relay.py``) sends each replicated expert's far holders
+one copy across nodes, out of the owner's inter-node link. A hot rank whose experts all have
+far holders sends one copy per expert over that one link. With the seeds' shape at 32 experts
+a rank (hotrank:0.5, W = 64, ``h100-nvlink-ib``), that is 12.3 ms of the hot rank's 12.4 ms. The
+*transit* route priced here instead:
+- round 0: the owner scatters the far copy in P chunks to its P node peers (intra-node link);
+- round 1: each peer sends its chunk across. One copy still crosses in all, but spread over
+  P links;
+- then the far side's exchange and all-gather, one round later than the relay's.
+
+In copies (sent + received, on the relay's 2**-24 grid):
+- the owner's far copy moves to the intra-node link;
+- each peer gains 2 * grid(1, P), of which grid(1, P) crosses nodes;
+- the expert's rounds grow by one.
+
+Which experts take it (``--rule``):
+- ``no-near`` (default): the experts with far holders and no holder in the owner's node;
+- ``always``: every expert with far holders.
+
+Each case is planned twice and each plan is priced by its own route:
+- by the planner as built (the relay);
+- by the Python planner with the relay's pricing (``relay_degrees``, ``relay_inter_copies``)
+  swapped for the transit's. The compiled planner prices only the built route.
+
+Printed: a Markdown row per case (both steps, their % of force-balanced, the change), then the
+averages (each case capped at 100%, as ``bench balance``). An estimate of what building the
+route would give, to decide whether to build it: the layer does not execute this route.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
+from collections.abc import Iterator, Sequence
+
+from mixmoe.dispatch.strategies import planning_spec
+from mixmoe.gating.imbalance import check_workload
+from mixmoe.placement import balance, cost_model, range_state, relay
+from mixmoe.placement.native_lib import ENV_OFF
+from mixmoe.placement.profile_io import load_profile
+from mixmoe.simulate.layer import layer_config
+from mixmoe.simulate.routing import counts_source
+from mixmoe.simulate.workloads import (
+    BalanceConfig,
+    balanced_step_s,
+    layer_shape,
+    profile_name,
+    shape_spec,
+)
+
+CASES = (
+    "seeds-E32:64:hotrank:0.5,seeds-E32:64:hotset:8:0.5,seeds-E32:64:zipf:2.0,"
+    "seeds:64:zipf:1.2,seeds:64:hotset:8:0.5,deepseek:64:zipf:1.2"
+)
+RULES = ("no-near", "always")
+PRICING = ("relay_degrees", "relay_inter_copies")  # the names swapped in each module below
+_USERS = (relay, range_state, cost_model, balance)
+
+
+def _transit_holders(
+    owner: int, holders: Sequence[int], distance: relay.Distance | None, rule: str
+) -> list[int] | None:
+    """The owner's node peers that carry the expert's far copy, or None where the expert keeps
+    the relay's route (no topology, no far holder, or a near holder under ``no-near``)."""
+    per_node = getattr(distance, "ranks_per_node", None)
+    if per_node is None or per_node < 2 or not holders:
+        return None
+    near, groups = relay.holder_groups(owner, holders, distance)
+    if not groups or (rule == "no-near" and near):
+        return None
+    home = owner // per_node * per_node
+    return [r for r in range(home, home + per_node) if r != owner]
+
+
+def transit_degrees(rule: str):
+    """``relay_degrees`` under the transit route (module doc): ({rank: copies}, rounds)."""
+
+    def degrees(owner, holders, distance=None):
+        out, rounds = relay.relay_degrees(owner, holders, distance)
+        peers = _transit_holders(owner, holders, distance, rule)
+        if peers is None:
+            return out, rounds
+        share = relay._grid(1, len(peers))  # each peer's chunk of the far copy
+        for r in peers:  # received inside the node, sent across
+            out[r] = out.get(r, 0.0) + 2 * share
+        return out, rounds + 1  # the owner keeps its 1 copy per class: now both inside
+
+    return degrees
+
+
+def transit_inter(rule: str):
+    """``relay_inter_copies`` under the transit route: the owner's crossing copy moved to its
+    peers, grid(1, P) each."""
+
+    def inter(owner, holders, distance):
+        out = relay.relay_inter_copies(owner, holders, distance)
+        peers = _transit_holders(owner, holders, distance, rule)
+        if peers is None:
+            return out
+        out.pop(owner, None)
+        share = relay._grid(1, len(peers))
+        for r in peers:
+            out[r] = out.get(r, 0.0) + share
+        return out
+
+    return inter
+
+
+@contextlib.contextmanager
+def transit_pricing(rule: str) -> Iterator[None]:
+    """The Python planner and pricing with the transit route's copies (the compiled planner off:
+    it prices the relay's), restored on exit."""
+    swapped = {"relay_degrees": transit_degrees(rule), "relay_inter_copies": transit_inter(rule)}
+    saved = [(m, name, getattr(m, name)) for m in _USERS[1:] for name in PRICING
+             if hasattr(m, name)]  # fmt: skip
+    native = os.environ.get(ENV_OFF)
+    try:
+        for m, name, _ in saved:
+            setattr(m, name, swapped[name])
+        os.environ[ENV_OFF] = "0"
+        yield
+    finally:
+        for m, name, fn in saved:
+            setattr(m, name, fn)
+        if native is None:
+            os.environ.pop(ENV_OFF, None)
+        else:
+            os.environ[ENV_OFF] = native
+
+
+def parse_shape(name: str):
+    """``bench balance``'s shape, or shape-E<k>: its experts per rank set to k."""
+    base, sep, per_rank = name.partition("-E")
+    spec = shape_spec(base)
+    if not sep:
+        return spec
+    if not per_rank.isdigit() or int(per_rank) < 1:
+        raise ValueError(f"shape {name!r}: -E takes experts per rank >= 1, e.g. seeds-E32")
+    E = int(per_rank)
+    return dataclasses.replace(spec, name=name, experts_per_rank=E, experts=None)
+
+
+def case_steps(cfg: BalanceConfig, spec, world_size: int, workload: str, rule: str):
+    """(force-balanced, relay, transit) predicted steps (s) of the case's first step."""
+    layer = layer_shape(spec, world_size)
+    profile = load_profile(profile_name(cfg, world_size))
+    C_WN = counts_source(workload, world_size, layer.num_experts, cfg.tokens, spec.top_k,
+                         seed=cfg.seed)[0]  # fmt: skip
+    mix = planning_spec("mix", world_size).planner
+    config = layer_config(layer, top_k=spec.top_k, max_replicas=cfg.max_replicas)
+    built = mix(C_WN, layer, profile, config).prediction.step_s
+    with transit_pricing(rule):
+        transit = mix(C_WN, layer, profile, config).prediction.step_s
+    return balanced_step_s(cfg, spec, world_size), built, transit
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=CASES, help="shape[-E<k>]:W:workload, comma-separated")
+    ap.add_argument("--rule", default="no-near", choices=RULES)
+    ap.add_argument("--profile", default="h100-nvlink-ib", help="a profile with nodes")
+    args = ap.parse_args(argv)
+    try:
+        cfg = BalanceConfig(profile=args.profile)
+        if getattr(load_profile(args.profile), "ranks_per_node", None) is None:
+            raise ValueError(f"profile {args.profile!r} has no nodes; use e.g. h100-nvlink-ib")
+        cases = []
+        for case in args.cases.split(","):
+            parts = case.split(":", 2)
+            if len(parts) != 3 or not parts[1].isdigit():
+                raise ValueError(f"case {case!r} is not shape:W:workload (W an int)")
+            spec, world, workload = parse_shape(parts[0]), int(parts[1]), parts[2]
+            check_workload(workload, world, spec.top_k, layer_shape(spec, world).num_experts)
+            cases.append((spec, world, workload))
+    except ValueError as e:
+        ap.error(str(e))
+    print("| shape | W | workload | relay ms | % | transit ms | % | change |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    pct = {"relay": [], "transit": []}
+    for spec, world, workload in cases:
+        ideal, built, transit = case_steps(cfg, spec, world, workload, args.rule)
+        pct["relay"].append(min(1.0, ideal / built))
+        pct["transit"].append(min(1.0, ideal / transit))
+        print(f"| {spec.name} | {world} | {workload} | {1e3 * built:.3f} | "
+              f"{100 * ideal / built:.1f} | {1e3 * transit:.3f} | {100 * ideal / transit:.1f} | "
+              f"{100 * (transit / built - 1):+.1f}% |", flush=True)  # fmt: skip
+    for name, xs in pct.items():
+        print(f"{name}: {100 * statistics.mean(xs):.1f}% of force-balanced on average, worst "
+              f"{100 * min(xs):.1f}% (rule {args.rule})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

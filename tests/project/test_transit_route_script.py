@@ -1,0 +1,115 @@
+"""``scripts/transit_route.py`` (what sending a replica's far copy through its owner's node peers
+would change for ``mix``): its pricing of the route, that its relay plan is the one ``bench
+balance`` reports, that it restores the planner, and one-line errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixmoe.placement import cost_model, range_state, relay
+from mixmoe.simulate.workloads import BalanceConfig, case_records
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "transit_route", ROOT / "scripts/transit_route.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts/transit_route.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_transit_moves_the_owners_crossing_copy_to_its_node_peers() -> None:
+    tr = _script()
+    nodes = relay.nodes_of(4)  # ranks 0-3 the owner's node
+    far_only = [5, 6, 9]  # two far nodes, no near holder
+    base, rounds = relay.relay_degrees(0, far_only, nodes)
+    base_inter = relay.relay_inter_copies(0, far_only, nodes)
+    got, got_rounds = tr.transit_degrees("no-near")(0, far_only, nodes)
+    got_inter = tr.transit_inter("no-near")(0, far_only, nodes)
+    third = relay._grid(1, 3)
+    assert got_rounds == rounds + 1
+    # the peers 1-3 each receive a third inside the node and send it across
+    assert {r: got[r] for r in (1, 2, 3)} == {1: 2 * third, 2: 2 * third, 3: 2 * third}
+    assert {r: got[r] for r in base} == base  # the owner and far holders as before
+    assert 0 not in got_inter  # the owner's copy no longer crosses
+    assert {r: got_inter[r] for r in (1, 2, 3)} == {1: third, 2: third, 3: third}
+    assert {r: got_inter[r] for r in far_only} == {r: base_inter[r] for r in far_only}
+    # one copy still leaves the owner's node (the peers' thirds, on the 2**-24 grid)
+    assert sum(got_inter[r] for r in (1, 2, 3)) == pytest.approx(base_inter[0], abs=1e-6)
+    # a near holder (rank 2): no-near keeps the relay's route, always takes the transit
+    with_near = [2, 5, 6, 9]
+    assert tr.transit_degrees("no-near")(0, with_near, nodes) == relay.relay_degrees(
+        0, with_near, nodes
+    )
+    always, _ = tr.transit_degrees("always")(0, with_near, nodes)
+    assert always[1] == 2 * third and always[2] > relay.relay_degrees(0, with_near, nodes)[0][2]
+    # one link: nothing to route through
+    assert tr.transit_degrees("always")(0, far_only, None) == relay.relay_degrees(0, far_only)
+
+
+def test_transit_pricing_is_restored_after_the_plan() -> None:
+    tr = _script()
+    before = (range_state.relay_degrees, cost_model.relay_inter_copies)
+    native = os.environ.get("MIXMOE_NATIVE")
+    with tr.transit_pricing("no-near"):
+        assert range_state.relay_degrees is not before[0]
+        assert os.environ["MIXMOE_NATIVE"] == "0"
+    assert (range_state.relay_degrees, cost_model.relay_inter_copies) == before
+    assert os.environ.get("MIXMOE_NATIVE") == native
+
+
+def test_transit_route_starts_from_bench_balance_plan() -> None:
+    proc = _run("--cases", "seeds-E32:64:hotrank:0.5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:3] == ["seeds-E32", "64", "hotrank:0.5"]
+    built, built_pct, transit, transit_pct = map(float, cells[3:7])
+    # the relay column is the plan bench balance reports under the same profile
+    tr = _script()
+    spec = tr.parse_shape("seeds-E32")
+    cfg = BalanceConfig(shapes=(spec,), worlds=(64,), workloads=("hotrank:0.5",),
+                        strategies=("mix",), repeats=1, cold=False,
+                        profile="h100-nvlink-ib")  # fmt: skip
+    (record,) = case_records(cfg, spec, 64, "hotrank:0.5")
+    assert built == pytest.approx(record["step_ms"], abs=0.0006)
+    assert built_pct == pytest.approx(100 * record["pct_balanced"], abs=0.06)
+    # the hot rank's 32 far copies leave through its 7 peers' links: the step falls
+    assert transit < 0.7 * built and transit_pct > built_pct
+    assert lines[-1].startswith("transit:") and "rule no-near" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (("--profile", "h100-ib"), "has no nodes"),
+        (("--cases", "seeds:64"), "is not shape:W:workload"),
+        (("--cases", "seeds-Ex:64:zipf:1.2"), "-E takes experts per rank"),
+        (("--cases", "nope:64:zipf:1.2"), "unknown"),
+        (("--rule", "sometimes"), "invalid choice"),
+    ],
+)
+def test_transit_route_refuses_bad_input(argv: tuple[str, ...], needle: str) -> None:
+    proc = _run(*argv)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and "Traceback" not in proc.stderr

@@ -75,6 +75,15 @@ GROUPS: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/distributed/test_strategies.py",  # the plan accessors the dispatch uses
         ],
     ),
+    "fill": (  # the level fill's Python twin: a wrong step breaks the twin tests at once
+        ["mixmoe/placement/range_state.py", "mixmoe/placement/level_fill.py"],
+        [
+            "tests/placement/test_native_fill.py",  # the C++ fill against it, random fills
+            "tests/placement/test_placement_level_fill.py",
+            "tests/placement/test_placement_thinned.py",
+        ],
+        ["tests/placement"],
+    ),
     "ops": (
         ["mixmoe/ops"],
         [

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import math
 import pickle
 import random
 import re
@@ -373,6 +374,23 @@ def test_random_starts_equal(seed):
         moved += bool(state.moves)
         beaten += state.beaten
     assert moved >= 5 and beaten >= 1  # (1-3 of them beaten, seeds 0-5)
+
+
+def test_a_fill_whose_mean_lands_on_its_beat_is_beaten():
+    """The beat is a bound (the max is never below the mean): a pass whose mean total lands
+    exactly on ``beat`` ends the fill, beaten, both ways; a beat one float above it does not.
+    The beat is each fill's own mean after one pass (from a run without a beat)."""
+    checked = 0
+    for args, _, stop, kept, _ in _random_fills(1, beats=False):
+        free = RangeState(*args)
+        if not level_fill(free, 1, stop, kept):  # a level start: no pass to land on
+            continue
+        on = fold_sum(free.totals) / len(free.totals)  # level_fill's own test, its operands
+        assert _compare(args, 1, stop, kept, on).beaten
+        assert _compare(args, 4, stop, kept, on).beaten  # it stops after that first pass
+        assert not _compare(args, 1, stop, kept, math.nextafter(on, math.inf)).beaten
+        checked += 1
+    assert checked >= 10
 
 
 def test_split_copies_are_the_pricings():

@@ -2,7 +2,7 @@
 the cost model: a relay route that is priced here, not built.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python scripts/transit_route.py \
-        [--cases seeds-E32:64:hotrank:0.5,seeds:64:zipf:1.2] [--rule no-near|always] \
+        [--cases seeds-E32:64:hotrank:0.5,seeds:64:zipf:1.2] [--rule no-near|always|owner:F] \
         [--profile NAME]
 
 Legend: W ranks, per_node ranks a node, P = per_node - 1 node peers of the owner. A case is
@@ -25,7 +25,10 @@ In copies (sent + received, on the relay's 2**-24 grid):
 
 Which experts take it (``--rule``):
 - ``no-near`` (default): the experts with far holders and no holder in the owner's node;
-- ``always``: every expert with far holders.
+- ``always``: every expert with far holders;
+- ``owner:F``: ``no-near``'s experts of the owners whose experts receive at least a fraction F
+  of all the step's rows (``heavy_owners``: a set fixed by the counts before the plan, so that
+  every rank derives the same route).
 
 Each case is planned twice and each plan is priced by its own route:
 - by the planner as built (the relay);
@@ -46,6 +49,8 @@ import os
 import statistics
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from mixmoe.dispatch.strategies import planning_spec
 from mixmoe.gating.imbalance import check_workload
 from mixmoe.placement import balance, cost_model, range_state, relay
@@ -65,32 +70,60 @@ CASES = (
     "seeds-E32:64:hotrank:0.5,seeds-E32:64:hotset:8:0.5,seeds-E32:64:zipf:2.0,"
     "seeds:64:zipf:1.2,seeds:64:hotset:8:0.5,deepseek:64:zipf:1.2"
 )
-RULES = ("no-near", "always")
+RULES = ("no-near", "always", "owner:F")
 PRICING = ("relay_degrees", "relay_inter_copies")  # the names swapped in each module below
 _USERS = (relay, range_state, cost_model, balance)
 
 
+def parse_rule(text: str) -> tuple[bool, float | None]:
+    """``--rule`` as (whether an expert with a near holder takes the transit too, the owners'
+    share of the rows F or None: every owner)."""
+    if text in ("no-near", "always"):
+        return text == "always", None
+    kind, _, share = text.partition(":")
+    try:
+        F = float(share)
+    except ValueError:
+        F = -1.0
+    if kind != "owner" or not 0.0 < F <= 1.0:
+        raise ValueError(f"rule {text!r} is not one of no-near, always, owner:F (0 < F <= 1)")
+    return False, F
+
+
+def heavy_owners(C_WN: torch.Tensor, E: int, share: float) -> frozenset[int]:
+    """The ranks whose E experts receive at least ``share`` of C's rows."""
+    rows_W = C_WN.sum(0).view(-1, E).sum(1)  # rows routed to each rank's experts
+    return frozenset(torch.nonzero(rows_W >= share * float(rows_W.sum())).flatten().tolist())
+
+
 def _transit_holders(
-    owner: int, holders: Sequence[int], distance: relay.Distance | None, rule: str
+    owner: int,
+    holders: Sequence[int],
+    distance: relay.Distance | None,
+    near_ok: bool,
+    owners: frozenset[int] | None,
 ) -> list[int] | None:
     """The owner's node peers that carry the expert's far copy, or None where the expert keeps
-    the relay's route (no topology, no far holder, or a near holder under ``no-near``)."""
+    the relay's route (no topology, no far holder, a near holder unless ``near_ok``, an owner
+    outside ``owners``)."""
     per_node = getattr(distance, "ranks_per_node", None)
     if per_node is None or per_node < 2 or not holders:
         return None
+    if owners is not None and owner not in owners:
+        return None
     near, groups = relay.holder_groups(owner, holders, distance)
-    if not groups or (rule == "no-near" and near):
+    if not groups or (near and not near_ok):
         return None
     home = owner // per_node * per_node
     return [r for r in range(home, home + per_node) if r != owner]
 
 
-def transit_degrees(rule: str):
+def transit_degrees(near_ok: bool, owners: frozenset[int] | None = None):
     """``relay_degrees`` under the transit route (module doc): ({rank: copies}, rounds)."""
 
     def degrees(owner, holders, distance=None):
         out, rounds = relay.relay_degrees(owner, holders, distance)
-        peers = _transit_holders(owner, holders, distance, rule)
+        peers = _transit_holders(owner, holders, distance, near_ok, owners)
         if peers is None:
             return out, rounds
         share = relay._grid(1, len(peers))  # each peer's chunk of the far copy
@@ -101,13 +134,13 @@ def transit_degrees(rule: str):
     return degrees
 
 
-def transit_inter(rule: str):
+def transit_inter(near_ok: bool, owners: frozenset[int] | None = None):
     """``relay_inter_copies`` under the transit route: the owner's crossing copy moved to its
     peers, grid(1, P) each."""
 
     def inter(owner, holders, distance):
         out = relay.relay_inter_copies(owner, holders, distance)
-        peers = _transit_holders(owner, holders, distance, rule)
+        peers = _transit_holders(owner, holders, distance, near_ok, owners)
         if peers is None:
             return out
         out.pop(owner, None)
@@ -120,10 +153,13 @@ def transit_inter(rule: str):
 
 
 @contextlib.contextmanager
-def transit_pricing(rule: str) -> Iterator[None]:
+def transit_pricing(near_ok: bool, owners: frozenset[int] | None = None) -> Iterator[None]:
     """The Python planner and pricing with the transit route's copies (the compiled planner off:
     it prices the relay's), restored on exit."""
-    swapped = {"relay_degrees": transit_degrees(rule), "relay_inter_copies": transit_inter(rule)}
+    swapped = {
+        "relay_degrees": transit_degrees(near_ok, owners),
+        "relay_inter_copies": transit_inter(near_ok, owners),
+    }
     saved = [(m, name, getattr(m, name)) for m in _USERS[1:] for name in PRICING
              if hasattr(m, name)]  # fmt: skip
     native = os.environ.get(ENV_OFF)
@@ -154,7 +190,9 @@ def parse_shape(name: str):
 
 
 def case_steps(cfg: BalanceConfig, spec, world_size: int, workload: str, rule: str):
-    """(force-balanced, relay, transit) predicted steps (s) of the case's first step."""
+    """(force-balanced, relay, transit) predicted steps (s) of the case's first step, the
+    transit under ``rule`` (``parse_rule``)."""
+    near_ok, share = parse_rule(rule)
     layer = layer_shape(spec, world_size)
     profile = load_profile(profile_name(cfg, world_size))
     C_WN = counts_source(workload, world_size, layer.num_experts, cfg.tokens, spec.top_k,
@@ -162,7 +200,8 @@ def case_steps(cfg: BalanceConfig, spec, world_size: int, workload: str, rule: s
     mix = planning_spec("mix", world_size).planner
     config = layer_config(layer, top_k=spec.top_k, max_replicas=cfg.max_replicas)
     built = mix(C_WN, layer, profile, config).prediction.step_s
-    with transit_pricing(rule):
+    owners = None if share is None else heavy_owners(C_WN, layer.experts_per_rank, share)
+    with transit_pricing(near_ok, owners):
         transit = mix(C_WN, layer, profile, config).prediction.step_s
     return balanced_step_s(cfg, spec, world_size), built, transit
 
@@ -170,10 +209,11 @@ def case_steps(cfg: BalanceConfig, spec, world_size: int, workload: str, rule: s
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=CASES, help="shape[-E<k>]:W:workload, comma-separated")
-    ap.add_argument("--rule", default="no-near", choices=RULES)
+    ap.add_argument("--rule", default="no-near", help=" | ".join(RULES))
     ap.add_argument("--profile", default="h100-nvlink-ib", help="a profile with nodes")
     args = ap.parse_args(argv)
     try:
+        parse_rule(args.rule)
         cfg = BalanceConfig(profile=args.profile)
         if getattr(load_profile(args.profile), "ranks_per_node", None) is None:
             raise ValueError(f"profile {args.profile!r} has no nodes; use e.g. h100-nvlink-ib")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixmoe.placement import cost_model, range_state, relay
 from mixmoe.simulate.workloads import BalanceConfig, case_records
@@ -44,8 +45,8 @@ def test_transit_moves_the_owners_crossing_copy_to_its_node_peers() -> None:
     far_only = [5, 6, 9]  # two far nodes, no near holder
     base, rounds = relay.relay_degrees(0, far_only, nodes)
     base_inter = relay.relay_inter_copies(0, far_only, nodes)
-    got, got_rounds = tr.transit_degrees("no-near")(0, far_only, nodes)
-    got_inter = tr.transit_inter("no-near")(0, far_only, nodes)
+    got, got_rounds = tr.transit_degrees(False)(0, far_only, nodes)
+    got_inter = tr.transit_inter(False)(0, far_only, nodes)
     third = relay._grid(1, 3)
     assert got_rounds == rounds + 1
     # the peers 1-3 each receive a third inside the node and send it across
@@ -58,24 +59,53 @@ def test_transit_moves_the_owners_crossing_copy_to_its_node_peers() -> None:
     assert sum(got_inter[r] for r in (1, 2, 3)) == pytest.approx(base_inter[0], abs=1e-6)
     # a near holder (rank 2): no-near keeps the relay's route, always takes the transit
     with_near = [2, 5, 6, 9]
-    assert tr.transit_degrees("no-near")(0, with_near, nodes) == relay.relay_degrees(
+    assert tr.transit_degrees(False)(0, with_near, nodes) == relay.relay_degrees(
         0, with_near, nodes
     )
-    always, _ = tr.transit_degrees("always")(0, with_near, nodes)
+    always, _ = tr.transit_degrees(True)(0, with_near, nodes)
     assert always[1] == 2 * third and always[2] > relay.relay_degrees(0, with_near, nodes)[0][2]
     # one link: nothing to route through
-    assert tr.transit_degrees("always")(0, far_only, None) == relay.relay_degrees(0, far_only)
+    assert tr.transit_degrees(True)(0, far_only, None) == relay.relay_degrees(0, far_only)
+    # an owner outside the rule's set keeps the relay's route
+    assert tr.transit_degrees(False, frozenset({1}))(0, far_only, nodes) == (base, rounds)
+    assert tr.transit_degrees(False, frozenset({0}))(0, far_only, nodes) == (got, got_rounds)
+
+
+def test_heavy_owners_are_the_ranks_with_the_rows_share() -> None:
+    tr = _script()
+    # W = 4 ranks, N = 4 experts; rows to each expert: 10, 0, 2, 8 of 20
+    C = torch.tensor([[5, 0, 1, 0], [5, 0, 1, 1], [0, 0, 0, 7], [0, 0, 0, 0]])
+    assert tr.heavy_owners(C, 1, 0.4) == frozenset({0, 3})
+    assert tr.heavy_owners(C, 1, 0.5) == frozenset({0})
+    # with E = 2 (W = 2: rank 0 owns experts 0-1, rank 1 experts 2-3): 10 and 10 of 20
+    assert tr.heavy_owners(C, 2, 0.5) == frozenset({0, 1})
+    assert tr.parse_rule("owner:0.25") == (False, 0.25)
+    assert tr.parse_rule("always") == (True, None)
 
 
 def test_transit_pricing_is_restored_after_the_plan() -> None:
     tr = _script()
     before = (range_state.relay_degrees, cost_model.relay_inter_copies)
     native = os.environ.get("MIXMOE_NATIVE")
-    with tr.transit_pricing("no-near"):
+    with tr.transit_pricing(False):
         assert range_state.relay_degrees is not before[0]
         assert os.environ["MIXMOE_NATIVE"] == "0"
     assert (range_state.relay_degrees, cost_model.relay_inter_copies) == before
     assert os.environ.get("MIXMOE_NATIVE") == native
+
+
+def test_owner_rule_routes_only_the_heavy_owners_experts() -> None:
+    """Under owner:0.25 only the hot rank (half of all rows) takes the transit: its case gains
+    as much as under no-near, a hot expert set (no owner near a quarter) keeps its plan."""
+    proc = _run("--cases", "seeds-E32:64:hotrank:0.5,seeds-E32:64:hotset:8:0.5",
+                "--rule", "owner:0.25")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hot, spread = ([c.strip() for c in line.strip("|").split("|")]
+                   for line in proc.stdout.splitlines()[2:4])  # fmt: skip
+    no_near = _run("--cases", "seeds-E32:64:hotrank:0.5")
+    assert hot[5] == [c.strip() for c in no_near.stdout.splitlines()[2].strip("|").split("|")][5]
+    assert float(hot[5]) < 0.7 * float(hot[3])
+    assert spread[5] == spread[3] and spread[7] == "+0.0%"
 
 
 def test_transit_route_starts_from_bench_balance_plan() -> None:
@@ -106,7 +136,8 @@ def test_transit_route_starts_from_bench_balance_plan() -> None:
         (("--cases", "seeds:64"), "is not shape:W:workload"),
         (("--cases", "seeds-Ex:64:zipf:1.2"), "-E takes experts per rank"),
         (("--cases", "nope:64:zipf:1.2"), "unknown"),
-        (("--rule", "sometimes"), "invalid choice"),
+        (("--rule", "sometimes"), "is not one of no-near, always, owner:F"),
+        (("--rule", "owner:0"), "is not one of no-near, always, owner:F"),
     ],
 )
 def test_transit_route_refuses_bad_input(argv: tuple[str, ...], needle: str) -> None:

@@ -12,16 +12,19 @@ Under a topology the relay (``placement/relay.py``) sends each replicated expert
 one copy across nodes, out of the owner's inter-node link. A hot rank whose experts all have
 far holders sends one copy per expert over that one link. With the seeds' shape at 32 experts
 a rank (hotrank:0.5, W = 64, ``h100-nvlink-ib``), that is 12.3 ms of the hot rank's 12.4 ms. The
-*transit* route priced here instead:
-- round 0: the owner scatters the far copy in P chunks to its P node peers (intra-node link);
-- round 1: each peer sends its chunk across. One copy still crosses in all, but spread over
-  P links;
+*transit* route priced here instead (``transit_messages``), for R far holders:
+- round 0: the owner sends chunk p of the relay's far scatter (R chunks) to a node peer
+  (intra-node link) instead of to far holder p;
+- round 1: that peer sends it on to far holder p. One copy still crosses in all, but spread
+  over up to P links;
 - then the far side's exchange and all-gather, one round later than the relay's.
 
-In copies (sent + received, on the relay's 2**-24 grid):
+In copies (sent + received, on the relay's 2**-24 grid; the tests count them from the
+messages):
 - the owner's far copy moves to the intra-node link;
-- each peer gains 2 * grid(1, P), of which grid(1, P) crosses nodes;
-- the expert's rounds grow by one.
+- a peer that carries n of the R chunks gains 2 * grid(n, R), of which grid(n, R) crosses
+  nodes;
+- the far side takes one round more.
 
 Which experts take it (``--rule``):
 - ``no-near`` (default): the experts with far holders and no holder in the owner's node;
@@ -102,10 +105,13 @@ def _transit_holders(
     distance: relay.Distance | None,
     near_ok: bool,
     owners: frozenset[int] | None,
-) -> list[int] | None:
-    """The owner's node peers that carry the expert's far copy, or None where the expert keeps
-    the relay's route (no topology, no far holder, a near holder unless ``near_ok``, an owner
-    outside ``owners``)."""
+) -> tuple[list[tuple[int, int]], list[int], list[list[int]]] | None:
+    """(each node peer with the far chunks it carries, the near holders, the far nodes' holders),
+    or None where the expert keeps the relay's route (no topology, no far holder, a near holder
+    unless ``near_ok``, an owner outside ``owners``). The far copy is cut in R chunks as the
+    relay's far scatter cuts it; chunk p goes through peer (s + p) mod P, s the far holders'
+    rank sum (a rotation so that an owner's experts load its P peers alike: the route's builder
+    would take it from the expert id, which the pricing's arguments lack)."""
     per_node = getattr(distance, "ranks_per_node", None)
     if per_node is None or per_node < 2 or not holders:
         return None
@@ -115,7 +121,20 @@ def _transit_holders(
     if not groups or (near and not near_ok):
         return None
     home = owner // per_node * per_node
-    return [r for r in range(home, home + per_node) if r != owner]
+    peers = [r for r in range(home, home + per_node) if r != owner]
+    far = [h for grp in groups for h in grp]
+    P, R, s = len(peers), len(far), sum(far)
+    counts = [sum(1 for p in range(R) if (s + p) % P == q) for q in range(P)]
+    return [(r, n) for r, n in zip(peers, counts, strict=True) if n], near, groups
+
+
+def _rounds(near: list[int], groups: list[list[int]]) -> int:
+    """The transit route's rounds: the near scatter (+ all-gather), and the far side's one round
+    later than the relay's (scatter, exchange when 2+ far nodes, all-gather inside them)."""
+    k, R, L = len(near), sum(map(len, groups)), len(groups)
+    near_rounds = (1 + (k >= 2)) if k else 0
+    far_rounds = 1 + (R >= 2) + (L >= 2 and any(len(grp) >= 2 for grp in groups))
+    return max(near_rounds, far_rounds + 1)
 
 
 def transit_degrees(near_ok: bool, owners: frozenset[int] | None = None):
@@ -123,33 +142,67 @@ def transit_degrees(near_ok: bool, owners: frozenset[int] | None = None):
 
     def degrees(owner, holders, distance=None):
         out, rounds = relay.relay_degrees(owner, holders, distance)
-        peers = _transit_holders(owner, holders, distance, near_ok, owners)
-        if peers is None:
+        route = _transit_holders(owner, holders, distance, near_ok, owners)
+        if route is None:
             return out, rounds
-        share = relay._grid(1, len(peers))  # each peer's chunk of the far copy
-        for r in peers:  # received inside the node, sent across
-            out[r] = out.get(r, 0.0) + 2 * share
-        return out, rounds + 1  # the owner keeps its 1 copy per class: now both inside
+        carried, near, groups = route
+        R = sum(map(len, groups))
+        for r, n in carried:  # n chunks of R received inside the node, sent across
+            out[r] = out.get(r, 0.0) + 2 * relay._grid(n, R)
+        return out, _rounds(near, groups)  # the owner's far copy now goes inside: same count
 
     return degrees
 
 
 def transit_inter(near_ok: bool, owners: frozenset[int] | None = None):
-    """``relay_inter_copies`` under the transit route: the owner's crossing copy moved to its
-    peers, grid(1, P) each."""
+    """``relay_inter_copies`` under the transit route: the owner's crossing copy moved to the
+    peers that carry it, n chunks of R each."""
 
     def inter(owner, holders, distance):
         out = relay.relay_inter_copies(owner, holders, distance)
-        peers = _transit_holders(owner, holders, distance, near_ok, owners)
-        if peers is None:
+        route = _transit_holders(owner, holders, distance, near_ok, owners)
+        if route is None:
             return out
+        carried, _, groups = route
+        R = sum(map(len, groups))
         out.pop(owner, None)
-        share = relay._grid(1, len(peers))
-        for r in peers:
-            out[r] = out.get(r, 0.0) + share
+        for r, n in carried:
+            out[r] = out.get(r, 0.0) + relay._grid(n, R)
         return out
 
     return inter
+
+
+def transit_messages(
+    owner: int, holders: Sequence[int], distance: relay.Distance, near_ok: bool = False
+) -> tuple[tuple[relay.Message, ...], ...]:
+    """The route the pricing above counts, as ``relay.relay_messages`` gives the relay's: round
+    k's (sender, receiver, chunk j, chunks n), sorted. The relay's far scatter (owner -> far
+    holder p, chunk p of R) becomes owner -> peer, then peer -> far holder p one round later;
+    the far side's later rounds move one round later too; the near side's stay."""
+    rounds = relay.relay_messages(owner, holders, distance)
+    route = _transit_holders(owner, holders, distance, near_ok, None)
+    if route is None:
+        return rounds
+    _, near, groups = route
+    far = [h for grp in groups for h in grp]
+    per_node = distance.ranks_per_node  # type: ignore[attr-defined]
+    home = owner // per_node * per_node
+    peers = [r for r in range(home, home + per_node) if r != owner]
+    s = sum(far)
+    out: list[list[relay.Message]] = [[] for _ in range(len(rounds) + 1)]
+    for k, messages in enumerate(rounds):
+        for m in messages:
+            sender, receiver, j, n = m
+            if receiver not in far:  # the near side: as the relay
+                out[k].append(m)
+            elif k == 0:  # the far scatter, through a peer
+                peer = peers[(s + far.index(receiver)) % len(peers)]
+                out[0].append((owner, peer, j, n))
+                out[1].append((peer, receiver, j, n))
+            else:
+                out[k + 1].append(m)
+    return tuple(tuple(sorted(rnd)) for rnd in out if rnd)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,78 @@ def test_transit_moves_the_owners_crossing_copy_to_its_node_peers() -> None:
     # an owner outside the rule's set keeps the relay's route
     assert tr.transit_degrees(False, frozenset({1}))(0, far_only, nodes) == (base, rounds)
     assert tr.transit_degrees(False, frozenset({0}))(0, far_only, nodes) == (got, got_rounds)
+
+
+def _copies(rounds, distance) -> tuple[dict, dict, int]:
+    """Each rank's copies sent + received (each floored to the relay's grid), those crossing
+    nodes, from the messages; checks every sender holds what it sends (the piece, or the whole
+    row to cut it from) before its round; returns the messages' ranks' holdings too."""
+    sent, got, sent_x, got_x = {}, {}, {}, {}
+    for messages in rounds:
+        for a, b, _, n in messages:
+            for d, r in ((sent, a), (got, b)):
+                d.setdefault(r, {}).setdefault(n, 0)
+                d[r][n] += 1
+            if distance(a, b):
+                for d, r in ((sent_x, a), (got_x, b)):
+                    d.setdefault(r, {}).setdefault(n, 0)
+                    d[r][n] += 1
+
+    def total(*ds):
+        out = {}
+        for d in ds:
+            for r, by_n in d.items():
+                out[r] = out.get(r, 0.0) + sum(relay._grid(c, n) for n, c in by_n.items())
+        return out
+
+    return total(sent, got), total(sent_x, got_x), len(rounds)
+
+
+def _holds_all(rounds, owner: int, holders) -> bool:
+    """Every sender holds its piece (or the whole row) at its round; every holder ends with the
+    whole row or all n chunks of one cut."""
+    have = {owner: {(0, 1)}}
+    for messages in rounds:
+        for a, _, j, n in messages:
+            if not have.get(a, set()) & {(j, n), (0, 1)}:
+                return False
+        for _, b, j, n in messages:
+            have.setdefault(b, set()).add((j, n))
+    for h in holders:
+        pieces = have.get(h, set())
+        if (0, 1) not in pieces and not any(
+            all((j, n) in pieces for j in range(n)) for _, n in pieces
+        ):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("per_node", [4, 8])
+def test_the_pricing_counts_the_transit_route(per_node: int) -> None:
+    """Random owners and holders: the transit route's messages are a valid route (every holder
+    gets the whole row, every sender holds what it sends), and its copies per rank, crossing
+    copies and rounds are what ``transit_degrees`` and ``transit_inter`` price."""
+    tr = _script()
+    rng = random.Random(per_node)
+    nodes = relay.nodes_of(per_node)
+    routed = 0
+    for _ in range(200):
+        W = per_node * rng.choice([2, 3, 5])
+        owner = rng.randrange(W)
+        holders = rng.sample([r for r in range(W) if r != owner], rng.randint(1, min(12, W - 1)))
+        near_ok = rng.random() < 0.5
+        rounds = tr.transit_messages(owner, holders, nodes, near_ok)
+        assert _holds_all(rounds, owner, holders)
+        copies, crossing, depth = _copies(rounds, nodes)
+        degrees, priced_depth = tr.transit_degrees(near_ok)(owner, holders, nodes)
+        inter = tr.transit_inter(near_ok)(owner, holders, nodes)
+        assert depth == priced_depth
+        assert set(copies) == set(degrees)
+        for r, x in degrees.items():
+            assert copies[r] == pytest.approx(x, abs=1e-6), r
+        assert {r: x for r, x in crossing.items() if x} == pytest.approx(inter, abs=1e-6)
+        routed += rounds != relay.relay_messages(owner, holders, nodes)
+    assert routed >= 50
 
 
 def test_heavy_owners_are_the_ranks_with_the_rows_share() -> None:

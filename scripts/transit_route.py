@@ -27,11 +27,11 @@ messages):
 - the far side takes one round more.
 
 Which experts take it (``--rule``):
-- ``no-near`` (default): the experts with far holders and no holder in the owner's node;
+- ``no-near``: the experts with far holders and no holder in the owner's node;
 - ``always``: every expert with far holders;
-- ``owner:F``: ``no-near``'s experts of the owners whose experts receive at least a fraction F
-  of all the step's rows (``heavy_owners``: a set fixed by the counts before the plan, so that
-  every rank derives the same route).
+- ``owner:F`` (default ``owner:0.25``): ``no-near``'s experts of the owners whose experts
+  receive at least a fraction F of all the step's rows (``heavy_owners``: a set fixed by the
+  counts before the plan, so that every rank derives the same route).
 
 Each case is planned twice and each plan is priced by its own route:
 - by the planner as built (the relay);
@@ -75,7 +75,8 @@ CASES = (
 )
 RULES = ("no-near", "always", "owner:F")
 PRICING = ("relay_degrees", "relay_inter_copies")  # the names swapped in each module below
-_USERS = (relay, range_state, cost_model, balance)
+# the modules whose imported names are swapped (relay's own stay: the transit's pricing reads them)
+_USERS = (range_state, cost_model, balance)
 
 
 def parse_rule(text: str) -> tuple[bool, float | None]:
@@ -213,7 +214,7 @@ def transit_pricing(near_ok: bool, owners: frozenset[int] | None = None) -> Iter
         "relay_degrees": transit_degrees(near_ok, owners),
         "relay_inter_copies": transit_inter(near_ok, owners),
     }
-    saved = [(m, name, getattr(m, name)) for m in _USERS[1:] for name in PRICING
+    saved = [(m, name, getattr(m, name)) for m in _USERS for name in PRICING
              if hasattr(m, name)]  # fmt: skip
     native = os.environ.get(ENV_OFF)
     try:
@@ -262,7 +263,7 @@ def case_steps(cfg: BalanceConfig, spec, world_size: int, workload: str, rule: s
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=CASES, help="shape[-E<k>]:W:workload, comma-separated")
-    ap.add_argument("--rule", default="no-near", help=" | ".join(RULES))
+    ap.add_argument("--rule", default="owner:0.25", help=" | ".join(RULES))
     ap.add_argument("--profile", default="h100-nvlink-ib", help="a profile with nodes")
     args = ap.parse_args(argv)
     try:

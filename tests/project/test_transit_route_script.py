@@ -170,19 +170,18 @@ def test_transit_pricing_is_restored_after_the_plan() -> None:
 def test_owner_rule_routes_only_the_heavy_owners_experts() -> None:
     """Under owner:0.25 only the hot rank (half of all rows) takes the transit: its case gains
     as much as under no-near, a hot expert set (no owner near a quarter) keeps its plan."""
-    proc = _run("--cases", "seeds-E32:64:hotrank:0.5,seeds-E32:64:hotset:8:0.5",
-                "--rule", "owner:0.25")  # fmt: skip
+    proc = _run("--cases", "seeds-E32:64:hotrank:0.5,seeds-E32:64:hotset:8:0.5")  # the default
     assert proc.returncode == 0, proc.stdout + proc.stderr
     hot, spread = ([c.strip() for c in line.strip("|").split("|")]
                    for line in proc.stdout.splitlines()[2:4])  # fmt: skip
-    no_near = _run("--cases", "seeds-E32:64:hotrank:0.5")
+    no_near = _run("--cases", "seeds-E32:64:hotrank:0.5", "--rule", "no-near")
     assert hot[5] == [c.strip() for c in no_near.stdout.splitlines()[2].strip("|").split("|")][5]
     assert float(hot[5]) < 0.7 * float(hot[3])
     assert spread[5] == spread[3] and spread[7] == "+0.0%"
 
 
 def test_transit_route_starts_from_bench_balance_plan() -> None:
-    proc = _run("--cases", "seeds-E32:64:hotrank:0.5")
+    proc = _run("--cases", "seeds-E32:64:hotrank:0.5", "--rule", "no-near")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     cells = [c.strip() for c in lines[2].strip("|").split("|")]

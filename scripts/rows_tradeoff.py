@@ -26,13 +26,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from mixmoe.dispatch.strategies import planning_spec
 from mixmoe.gating.imbalance import check_workload
 from mixmoe.placement.cost_model import predict_plan
 from mixmoe.placement.profile_io import load_profile
-from mixmoe.simulate.layer import layer_config
-from mixmoe.simulate.routing import counts_source
-from mixmoe.simulate.workloads import BalanceConfig, layer_shape, profile_name, shape_spec
+from mixmoe.simulate.workloads import (
+    BalanceConfig,
+    first_step_mix,
+    layer_shape,
+    profile_name,
+    shape_spec,
+)
 
 CASES = (
     "seeds:64:zipf:1.2,seeds:64:zipf:2.0,seeds:64:hotset:8:0.5,seeds:256:zipf:1.2,"
@@ -64,16 +67,10 @@ def rows_imbalance(rows_W) -> float:
 def case_points(cfg: BalanceConfig, shape: str, world_size: int, workload: str, speedups):
     """(step ms, rows imbalance) of the mix plan made with the links ``k`` times faster, priced
     under the case's profile, for each k of ``speedups``."""
-    spec = shape_spec(shape)
-    layer = layer_shape(spec, world_size)
-    profile = load_profile(profile_name(cfg, world_size))
-    C_WN = counts_source(workload, world_size, layer.num_experts, cfg.tokens, spec.top_k,
-                         seed=cfg.seed)[0]  # fmt: skip
-    mix = planning_spec("mix", world_size).planner
-    config = layer_config(layer, top_k=spec.top_k, max_replicas=cfg.max_replicas)
+    layer, profile, C_WN, mix = first_step_mix(cfg, shape, world_size, workload)
     points = []
     for k in speedups:
-        plan = mix(C_WN, layer, faster(profile, k), config)
+        plan = mix(faster(profile, k))
         priced = predict_plan(C_WN, plan, layer, profile, True)
         points.append((1e3 * priced.step_s, rows_imbalance(priced.rows)))
     return points

@@ -54,18 +54,15 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from mixmoe.dispatch.strategies import planning_spec
 from mixmoe.gating.imbalance import check_workload
 from mixmoe.placement import balance, cost_model, range_state, relay
 from mixmoe.placement.native_lib import ENV_OFF
 from mixmoe.placement.profile_io import load_profile
-from mixmoe.simulate.layer import layer_config
-from mixmoe.simulate.routing import counts_source
 from mixmoe.simulate.workloads import (
     BalanceConfig,
     balanced_step_s,
+    first_step_mix,
     layer_shape,
-    profile_name,
     shape_spec,
 )
 
@@ -247,16 +244,11 @@ def case_steps(cfg: BalanceConfig, spec, world_size: int, workload: str, rule: s
     """(force-balanced, relay, transit) predicted steps (s) of the case's first step, the
     transit under ``rule`` (``parse_rule``)."""
     near_ok, share = parse_rule(rule)
-    layer = layer_shape(spec, world_size)
-    profile = load_profile(profile_name(cfg, world_size))
-    C_WN = counts_source(workload, world_size, layer.num_experts, cfg.tokens, spec.top_k,
-                         seed=cfg.seed)[0]  # fmt: skip
-    mix = planning_spec("mix", world_size).planner
-    config = layer_config(layer, top_k=spec.top_k, max_replicas=cfg.max_replicas)
-    built = mix(C_WN, layer, profile, config).prediction.step_s
+    layer, profile, C_WN, mix = first_step_mix(cfg, spec, world_size, workload)
+    built = mix(profile).prediction.step_s
     owners = None if share is None else heavy_owners(C_WN, layer.experts_per_rank, share)
     with transit_pricing(near_ok, owners):
-        transit = mix(C_WN, layer, profile, config).prediction.step_s
+        transit = mix(profile).prediction.step_s
     return balanced_step_s(cfg, spec, world_size), built, transit
 
 

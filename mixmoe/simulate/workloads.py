@@ -54,7 +54,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,7 @@ __all__ = [
     "ShapeSpec",
     "balanced_step_s",
     "case_records",
+    "first_step_mix",
     "layer_shape",
     "profile_name",
     "shape_spec",
@@ -316,6 +317,22 @@ def balanced_step_s(cfg: BalanceConfig, shape: str | ShapeSpec, world_size: int)
         "uniform", world_size, layer.num_experts, cfg.tokens, spec.top_k, seed=cfg.seed
     )
     return _planner("a2a", layer, profile, cfg, spec.top_k)(C_WN).prediction.step_s
+
+
+def first_step_mix(
+    cfg: BalanceConfig, shape: str | ShapeSpec, world_size: int, workload: str
+) -> tuple[LayerShape, HardwareProfile, torch.Tensor, Callable[[HardwareProfile], Any]]:
+    """A case's layer, profile (``profile_name``), first step's counts and ``mix``'s planner of
+    them under a profile given per call (``plan(profile) -> Plan``): what the what-if scripts
+    (``scripts/rows_tradeoff.py``, ``scripts/transit_route.py``) plan, as the layer would."""
+    spec = shape_spec(shape)
+    layer = layer_shape(spec, world_size)
+    C_WN = counts_source(workload, world_size, layer.num_experts, cfg.tokens, spec.top_k,
+                         seed=cfg.seed)[0]  # fmt: skip
+    mix = planning_spec("mix", world_size).planner
+    config = layer_config(layer, top_k=spec.top_k, max_replicas=cfg.max_replicas)
+    profile = load_profile(profile_name(cfg, world_size))
+    return layer, profile, C_WN, lambda prof: mix(C_WN, layer, prof, config)
 
 
 def case_records(

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_placement_level_fill import LEVEL_EDGES
 
+import mixmoe.placement.level_fill as level_module
 import mixmoe.placement.native_fill as native
 import mixmoe.placement.native_lib as lib
 import mixmoe.placement.planner as planner_module
@@ -296,6 +298,49 @@ def _tied_args(W: int, E: int, seed: int, profile: HardwareProfile) -> tuple:
     loads_4W, _ = plan_pricing(C_WN, none, E, profile)
     return (step_model(shape, profile, True), C_WN, E, {}, 4, 16, None, colsum_N, True,
             loads_4W[:4])  # fmt: skip
+
+
+def _compiled_level(T, avail, save, start, fresh, cost, copy_cost, tensor_points) -> float:
+    """``level`` in ``level_fill.cpp`` (``mixmoe_level``), one receiver cost for every rank."""
+    fn = lib.function("mixmoe_level", lib.F64, [lib.P] * 5 + [lib.I64, lib.F64, lib.F64, lib.I64])
+    W = len(T)
+    reals = [(lib.F64 * W)(*xs) for xs in (T, save, start)]
+    ints = [(lib.I64 * W)(*xs) for xs in (avail, [int(f) for f in fresh])]
+    return fn(reals[0], ints[0], reals[1], reals[2], ints[1], W, cost, copy_cost, tensor_points)
+
+
+def _random_level_case(seed: int) -> tuple:
+    """Random ranks as ``test_placement_level_fill``'s level test draws them (offers, caps,
+    drops, full ranks), with one receiver cost (the fill's: every rank's the same)."""
+    rng = random.Random(seed)
+    W = rng.randint(2, 300)  # up to ~750 points: both walks at TENSOR_POINTS
+    T = [rng.uniform(1e-3, 1e-2) for _ in range(W)]
+    avail = [rng.choice([0, rng.randint(64, 20000)]) for _ in range(W)]
+    save = [rng.uniform(1e-7, 3e-7) for _ in range(W)]
+    start = [t + 8e-4 if rng.random() < 0.8 else math.inf for t in T]
+    start[0] = T[0] + 8e-4
+    fresh = [rng.random() < 0.5 for _ in range(W)]
+    return T, avail, save, start, fresh, rng.uniform(1.5e-7, 3e-7), 8e-4
+
+
+@pytest.mark.parametrize("walk", ["list", "tensor", "TENSOR_POINTS"])
+def test_compiled_level_is_the_python_level(walk, monkeypatch):
+    """The C++ ``level`` (both walks) returns ``level_fill._level``'s level bit for bit: on the
+    walks' edge cases (``test_placement_level_fill.LEVEL_EDGES``, and no offers at all) and on
+    40 random rank sets; with ``TENSOR_POINTS`` as it is, the two languages switch walks at
+    the same count of points. The fills only meet the level through its rounding to blocks,
+    so a level off by under a row there changes no fill the other twin tests compare."""
+    points = {"list": 10**9, "tensor": 0, "TENSOR_POINTS": TENSOR_POINTS}[walk]
+    monkeypatch.setattr(level_module, "TENSOR_POINTS", points)
+    cases = [case[:7] for case in LEVEL_EDGES.values()]
+    cases.append(
+        ([5.0, 6.0, 4.0], [0, 0, 0], [1.0] * 3, [7.0, 6.5, math.inf], [True] * 3, 1.0, 2.0)
+    )
+    cases += [_random_level_case(seed) for seed in range(40)]
+    for T, avail, save, start, fresh, cost, copy_cost in cases:
+        want = level_module._level(T, avail, save, start, [cost] * len(T), fresh, copy_cost)
+        got = _compiled_level(T, avail, save, start, fresh, cost, copy_cost, points)
+        assert got == want, (len(T), got, want)
 
 
 @pytest.mark.parametrize("W", [8, 12, 100])

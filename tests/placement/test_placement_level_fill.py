@@ -103,6 +103,59 @@ def test_level_is_where_shed_meets_absorbed(seed: int, tensor: bool, monkeypatch
     assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
 
 
+INF = float("inf")
+# Crossings the random ranks above almost never meet (a mutation run's survivors: the walks'
+# thresholds moved by one row, and the first segment's branch, went unnoticed; mutation-log,
+# "Twentieth run"): (T, avail, save, start, fresh, cost, copy, the level). Unit-scale numbers,
+# every one exact in binary, so each level is exact too; d is in rows, so "within a row of 0"
+# is a real crossing a threshold of 1 instead of 0 would take for one.
+# fmt: off
+LEVEL_EDGES = {
+    # d is 0.5 at the start 9.5, where its slope goes from -1 to -2: 9.5 + 0.5 / 2
+    "within a row of 0 at a receiver's start": (
+        [10.0, 9.0], [5, 0], [1.0, 1.0], [INF, 9.5], [False, False], 1.0, 0.0, 9.75),
+    # the fresh donor's copy (jump 2 * 3 / 3 = 2) drops d from 2.5 to 0.5 at 10, and the last
+    # donor's row carries it on with slope -1: 10 + 0.5
+    "within a row of 0 after a fresh donor's drop": (
+        [10.0, 0.0, 30.0], [5, 0, 1], [1.0, 1.0, 1.0], [INF, 9.5, INF], [True, False, False],
+        1.0, 2.0, 10.5),
+    # d is 0.5 just left of 10 and -1.5 right of it: the crossing is the drop itself
+    "in a fresh donor's drop": (
+        [10.0, 0.0], [5, 0], [1.0, 1.0], [INF, 8.5], [True, False], 1.0, 2.0, 10.0),
+    # the receiver's start is the first breakpoint: d = 5 - 8 L reaches 0 before the next one
+    "in the first segment": (
+        [10.0, 0.0], [5, 0], [1.0, 1.0], [INF, 0.0], [False, False], 0.125, 0.0, 0.625),
+    # no receiver: the rows shed reach 0 at the hottest donor's total
+    "donors only": ([10.0, 12.0], [5, 3], [1.0, 1.0], [INF, INF], [False, False], 1.0, 0.0, 12.0),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("tensor", [False, True])
+@pytest.mark.parametrize("case", list(LEVEL_EDGES))
+def test_level_at_the_walks_edges(case: str, tensor: bool, monkeypatch) -> None:
+    """``_level`` (both walks) on crossings at the walks' thresholds: d within one row of 0 at
+    a breakpoint where its slope changes or after a drop, a crossing in a drop, in the first
+    segment, and with no receiver; each the level its definition gives (the bisection)."""
+    T, avail, save, start, fresh, cost, copy, want = LEVEL_EDGES[case]
+    monkeypatch.setattr(level_module, "TENSOR_POINTS", 0 if tensor else 10**9)
+    costs = [cost] * len(T)
+    assert level_module._level(T, avail, save, start, costs, fresh, copy) == want
+    assert _bisection_level(T, avail, save, start, costs, fresh, copy) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("tensor", [False, True])
+def test_level_without_offers_is_the_lowest_start(tensor: bool, monkeypatch) -> None:
+    """With nothing offered d is never positive, and any level at or below the lowest start
+    balances it; the walks answer that start (no rank sheds, so the fill uses the level only
+    for the receivers' room, which nothing fills). Pinned: the C++ walk answers the same
+    (``test_native_fill.test_compiled_level_is_the_python_level``)."""
+    monkeypatch.setattr(level_module, "TENSOR_POINTS", 0 if tensor else 10**9)
+    T, start = [5.0, 6.0, 4.0], [7.0, 6.5, INF]
+    got = level_module._level(T, [0, 0, 0], [1.0] * 3, start, [1.0] * 3, [True] * 3, 2.0)
+    assert got == 6.5
+
+
 # -- the fill's bookkeeping ------------------------------------------------------------------
 
 

@@ -1478,6 +1478,23 @@ int64_t mixmoe_level_fill_plan(const int64_t* C, const int64_t* ints, const int6
   return 0;
 }
 
+// level for the twin tests: W ranks' T, avail (int64), save, start (float64; INF: not a
+// receiver), fresh (int64, 0 or 1), the receivers' one cost (run's cost_W: every rank's the
+// same, its sum folded left to right), copy, and the points from which the tensor walk runs
+// (level_fill.TENSOR_POINTS) -> the level, as run computes it.
+double mixmoe_level(const double* T, const int64_t* avail, const double* save,
+                    const double* start, const int64_t* fresh, int64_t W, double cost,
+                    double copy, int64_t tensor_points) {
+  const size_t Wz = static_cast<size_t>(W);
+  const std::vector<double> cost_W(Wz, cost);
+  std::vector<char> fresh_W(Wz);
+  for (size_t r = 0; r < Wz; ++r) fresh_W[r] = fresh[r] != 0;
+  LevelScratch ws;
+  return level(std::vector<double>(T, T + W), std::vector<int64_t>(avail, avail + W),
+               std::vector<double>(save, save + W), std::vector<double>(start, start + W), cost,
+               fold_sum(cost_W), fresh_W, copy, static_cast<size_t>(tensor_points), ws);
+}
+
 // mixmoe_native::level_fill for the twin tests: the C entry's inputs (per_node 0: one link), and
 // the FillOut in out_i (int64, cap_i): moves, rounds, the (m, length) of the replicas, ranges and
 // kept sections, then per rank [W] rows, local, remote, overshot (0/1), then the three sections

@@ -421,6 +421,34 @@ def test_random_starts_equal(seed):
     assert moved >= 5 and beaten >= 1  # (1-3 of them beaten, seeds 0-5)
 
 
+# random kept fills (seeds of ``random.Random(10**6 + seed)`` drawn as below) whose owner hands a
+# kept holder back its last row: the one case where ``matched``'s "k > 0" differs from "k > 1"
+# (a mutant no other fill here reached): the first five seeds of 1,455 that meet it
+ONE_ROW_SHORT = (189, 481, 699, 1403, 1454)
+
+
+@pytest.mark.parametrize("seed", ONE_ROW_SHORT)
+def test_a_kept_holders_last_row_given_back_equal(seed, monkeypatch):
+    """A kept fill in which the owner gives a kept holder back its one last row of the stream
+    (``RangeState.keep_more`` with one row): the same state both ways. The Python fill is
+    watched to make sure it still meets that row (else the seed no longer tests it)."""
+    rng = random.Random(10**6 + seed)
+    W = rng.choice([2, 3, 5, 8])
+    profile = rng.choice([IB, FIXED, CPU_PROFILE, CHEAP_LINK])
+    args = _random_args(rng, W, rng.choice([1, 2, 4]), profile)
+    passes, stop = rng.randrange(1, 9), rng.choice([1.0, 1.02])
+    last_rows = []
+    keep_more = RangeState.keep_more
+
+    def watched(state, g, y, k):
+        last_rows.append(min(k, state.rows_of(y, g) - state.kept[g][y]) == 1)
+        keep_more(state, g, y, k)
+
+    monkeypatch.setattr(RangeState, "keep_more", watched)
+    _compare(args, passes, stop, True)
+    assert any(last_rows)
+
+
 def test_a_fill_whose_mean_lands_on_its_beat_is_beaten():
     """The beat is a bound (the max is never below the mean): a pass whose mean total lands
     exactly on ``beat`` ends the fill, beaten, both ways; a beat one float above it does not.

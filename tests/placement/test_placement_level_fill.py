@@ -323,6 +323,34 @@ def test_level_fill_prefers_receivers_in_the_owners_node() -> None:
     assert amounts["nodes"][1] > amounts["nodes"][3], amounts
 
 
+@pytest.mark.parametrize("rest", [1, 2, 64])
+def test_matched_gives_a_kept_holders_last_rows_back(rest: int) -> None:
+    """``_matched`` hands a kept holder back its own rows from the owner's shed, however few
+    are left in the stream: one row too (a mutation run's survivor, ``k > 1`` for ``k > 0``,
+    went unnoticed: the fills met no kept holder one row short). Expert 0 (owner rank 0) with
+    rank 1 a kept holder computing all but ``rest`` of its 129 own rows; the owner sheds two
+    blocks and rank 1 has room for ten: it takes its ``rest`` rows back and is a plain holder
+    after; nothing else moves (no receiver queue)."""
+    W, E, blk = 4, 1, BLOCK_SIZE
+    C = torch.tensor([[1000, 0, 0, 0], [129, 100, 0, 0], [300, 0, 100, 0], [0, 0, 0, 100]])
+    shape = LayerShape(64, 128, E, W, 2)
+    C_WN, colsum_N, _ = counts_with_sums(C, shape)
+    P = predict(C_WN, (), shape, IB)
+    loads, _ = plan_pricing(C_WN, Plan((), (), P, P, relay=True), E)
+    fill = RangeState(step_model(shape, IB, True), C_WN, E, {}, 8, blk, None, colsum_N,
+                      bool(loads[2].any()), loads)  # fmt: skip
+    fill.add_holder(0, 1, 129 - rest)
+    assert fill.kept_rest(0, 1) == rest
+    a, cost = 1e-6, 2e-6
+    room_W = [0.0, 10 * blk * cost, 0.0, 0.0]
+    offers = [[[0, 0, 0]], [], [], []]  # the owner's offer of expert 0: its stream's rows
+    new, moved = level_module._matched(fill, offers, [(0, 2 * blk)], room_W, [], [cost] * W,
+                                       0.0, a, True)  # fmt: skip
+    assert (new, moved) == ({}, 1)
+    assert fill.kept_rest(0, 1) == 0 and 0 not in fill.kept  # all its rows local now
+    assert fill.rows[1] == 100 + 129 and room_W[1] == 10 * blk * cost - rest * a
+
+
 def test_plan_mix_kept_holders_where_own_rows_do_not_fit(monkeypatch) -> None:
     """seeds W = 8 zipf:2.0 (``bench balance``'s counts): a new holder of the hottest expert
     would compute ~30% of its rows as its own; the kept fill (new holders keep only the whole

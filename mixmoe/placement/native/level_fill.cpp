@@ -13,9 +13,9 @@
 // -ffp-contract=off (no fused multiply-add: Python rounds every product). Two ways in, one code:
 // mixmoe_native::level_fill (level_fill.h; one link) for the compiled planner, and the C entry
 // mixmoe_level_fill (any topology, the whole state; mixmoe_level_fill_plan its plan fields) for
-// mixmoe/placement/native_fill.py through ctypes; mixmoe_level_fill_out runs the former for the
-// twin tests. The shared arithmetic and the
-// cost model's Model in common.h.
+// mixmoe/placement/native_fill.py through ctypes; mixmoe_level_fill_out runs the former, and
+// mixmoe_level the level alone, for the twin tests. The shared arithmetic and the cost model's
+// Model in common.h.
 //
 // Speed (3 fills a plan at zipf:1.2, W = 64 and 1024): the per-expert and per-rank maps are FlatMaps
 // (flat_map.h: sorted vectors, std::map's order), a rank's offers sit in place (Offers), the

@@ -114,8 +114,8 @@ LEVEL_EDGES = {
     # d is 0.5 at the start 9.5, where its slope goes from -1 to -2: 9.5 + 0.5 / 2
     "within a row of 0 at a receiver's start": (
         [10.0, 9.0], [5, 0], [1.0, 1.0], [INF, 9.5], [False, False], 1.0, 0.0, 9.75),
-    # the fresh donor's copy (jump 2 * 3 / 3 = 2) drops d from 2.5 to 0.5 at 10, and the last
-    # donor's row carries it on with slope -1: 10 + 0.5
+    # the fresh donor's copy (jump 2 * 3 / 3 = 2) drops d from 2.5 to 0.5 at 10 (the third
+    # donor's one row keeps it above 0), and the receiver's slope -1 takes it to 0: 10 + 0.5
     "within a row of 0 after a fresh donor's drop": (
         [10.0, 0.0, 30.0], [5, 0, 1], [1.0, 1.0, 1.0], [INF, 9.5, INF], [True, False, False],
         1.0, 2.0, 10.5),
